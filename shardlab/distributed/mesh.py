@@ -1,0 +1,78 @@
+"""Mesh: the named process groups of one rank, built from a Topology and passed explicitly.
+
+Nothing here is global: every function that communicates takes a ``Mesh`` (or a group from
+it) as an argument. ``torch.distributed``'s default group must exist (it is what
+``init_process_group`` creates); the Mesh never stores it in a module-level variable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .topology import GROUPS, Topology
+
+ALL_GROUPS = tuple(GROUPS) + ("ep", "edp")
+
+
+@dataclass
+class Mesh:
+    """One rank's view of the world: its coordinates and a process group per named axis."""
+
+    topology: Topology
+    rank: int
+    device: torch.device
+    groups: dict = field(default_factory=dict)
+    members: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, topology: Topology, device: torch.device | str = "cpu") -> "Mesh":
+        """Create every named group (collectively: all ranks must call this, in the same order)."""
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh.build needs torch.distributed initialised (use shardlab.launch)")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != topology.world_size:
+            raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, world has {world}")
+        mesh = cls(topology, rank, torch.device(device))
+        seen: dict[tuple, object] = {}
+        for name in ALL_GROUPS:
+            for ranks in topology.groups(name):
+                key = tuple(ranks)
+                if key not in seen:  # identical rank sets share one communicator
+                    seen[key] = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+                if rank in ranks:
+                    mesh.groups[name] = seen[key]
+                    mesh.members[name] = list(ranks)
+        return mesh
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "Mesh":
+        """A world of one with no process groups: every collective is the identity."""
+        topo = Topology()
+        return cls(topo, 0, torch.device(device), {}, {name: [0] for name in ALL_GROUPS})
+
+    def group(self, name: str):
+        """The process group of ``name`` (None in a single-process Mesh)."""
+        if name not in self.members:
+            raise KeyError(f"unknown group {name!r}; groups are {ALL_GROUPS}")
+        return self.groups.get(name)
+
+    def size(self, name: str) -> int:
+        return len(self.members[name])
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index inside its ``name`` group (e.g. its tp rank)."""
+        return self.members[name].index(self.rank)
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's ``name`` group, in group order."""
+        return list(self.members[name])
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.topology.coords(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size

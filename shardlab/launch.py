@@ -99,6 +99,15 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def torchrun_world_size() -> int | None:
+    """WORLD_SIZE under torchrun, else None."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+
+
+def torchrun_rank() -> int | None:
+    return int(os.environ["RANK"]) if under_torchrun() else None
+
+
 def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0):
     """Run ``fn(ctx, *args)`` on ``nproc`` ranks; return results in rank order (see module doc)."""
     if under_torchrun():
@@ -127,6 +136,8 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
+        results.close()
+        results.join_thread()
         if os.path.exists(store):
             os.unlink(store)
 

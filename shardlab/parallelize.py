@@ -40,6 +40,15 @@ class Engine:
         self.sync_grads()
         return total / n
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
+        """Local mean loss over the micro-batches, no gradients."""
+        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
+        for x, y in micro_batches:
+            with autocast() if autocast else _null():
+                total += self.model(x, y).double()
+        return total / len(micro_batches)
+
     def sync_grads(self):
         comm = self.mesh.comm("dp_cp")
         for p in self.parameters():

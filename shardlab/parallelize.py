@@ -136,10 +136,13 @@ class _null:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
-    unsupported = [name for name, on in (("tp", p.tp > 1), ("pp", p.pp > 1), ("cp", p.cp > 1),
+    unsupported = [name for name, on in (("pp", p.pp > 1), ("cp", p.cp > 1),
                                          ("ep", p.ep > 1), ("zero_stage", p.zero_stage > 0)) if on]
     if unsupported:
         raise NotImplementedError(f"parallel.{unsupported[0]} is not implemented yet in this build")
+    if p.tp > 1:
+        from .parallel import tensor
+        tensor.apply(model, mesh, cfg)
     if p.compile:
         for key, block in model.layers.items():
             model.layers[key] = torch.compile(block)

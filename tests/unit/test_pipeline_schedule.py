@@ -102,3 +102,44 @@ def test_schedule_command(tmp_path, capsys):
     assert out.stat().st_size > 1000
     assert schedule_cmd.main(ap.parse_args(["--pp", "4", "-m", "6", "--schedule", "interleaved"])) == 2
     assert "divisible by pp=4" in capsys.readouterr().err
+
+
+# -- stage partition (pure, single process) -------------------------------------------------------
+
+def test_partition_balances_parameter_count():
+    from shardlab.parallel.pipeline.stage import partition
+    assert partition([1] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    # embedding and head weigh on the end stages: they get fewer layers (uneven split)
+    parts = partition([10] * 8, 4, first_extra=10, last_extra=20)
+    sizes = [10 * len(r) + 10 * (i == 0) + 20 * (i == 3) for i, r in enumerate(parts)]
+    assert max(sizes) == 30 and len(parts[3]) == 1 and sum(map(len, parts)) == 8
+    assert [r.start for r in parts] == sorted(r.start for r in parts) and parts[0].start == 0
+    assert partition([1] * 5, 2) in ([range(0, 2), range(2, 5)], [range(0, 3), range(3, 5)])
+    with pytest.raises(ValueError, match="cannot fill 4 pipeline stages"):
+        partition([1] * 3, 4)
+
+
+def test_stage_views_chain_to_the_full_model():
+    import torch
+
+    from shardlab.config import ModelConfig
+    from shardlab.models.llama import build_model
+    from shardlab.parallel.pipeline.stage import split_model
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=6, n_heads=4, max_seq_len=16)
+    full = build_model(cfg, 3, dtype=torch.float64)
+    x = torch.randint(0, 64, (2, 16))
+    y = torch.randint(0, 64, (2, 16))
+    want = full(x, y)
+    p, v = 2, 2
+    parts = [split_model(build_model(cfg, 3, dtype=torch.float64), r, p, v) for r in range(p)]
+    h = x
+    for s in range(p * v):
+        chunk = parts[s % p][1][s]
+        h = chunk(h, y if s == p * v - 1 else None)
+    assert torch.allclose(h, want, atol=1e-12, rtol=0)
+    # each rank keeps only its own layers, under their global names
+    names0 = {n for n, _ in parts[0][0].named_parameters()}
+    assert "tok_embeddings.weight" in names0 and "output.weight" not in names0
+    ranges = parts[0][2]
+    assert all(f"layers.{i}.attention.wq.weight" in names0 for s in (0, 2) for i in ranges[s])
+    assert not any(f"layers.{i}." in n for n in names0 for s in (1, 3) for i in ranges[s])

@@ -136,7 +136,7 @@ class _null:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
-    unsupported = [name for name, on in (("pp", p.pp > 1), ("cp", p.cp > 1),
+    unsupported = [name for name, on in (("cp", p.cp > 1),
                                          ("ep", p.ep > 1), ("zero_stage", p.zero_stage > 0)) if on]
     if unsupported:
         raise NotImplementedError(f"parallel.{unsupported[0]} is not implemented yet in this build")
@@ -146,4 +146,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     if p.compile:
         for key, block in model.layers.items():
             model.layers[key] = torch.compile(block)
+    if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
+        from .parallel.pipeline import apply as pipeline
+        return pipeline(model, mesh, cfg)
     return Engine(model, mesh, cfg)

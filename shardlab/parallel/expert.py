@@ -75,9 +75,9 @@ def all_to_all(x, comm, in_splits, out_splits):
 class ExpertParallelMoE(MoE):
     """An MoE layer whose experts live on the ep ranks. Parameter names are unchanged."""
 
-    def __init__(self, moe: MoE, mesh, cfg, prefix: str):
+    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str):
         with torch.device("meta"):
-            super().__init__(cfg.model)
+            super().__init__(model_cfg)
         self.router = moe.router
         self.ep, self.batch = mesh.comm("ep"), mesh.comm("dp_cp")
         E, ep = self.n_experts, self.ep.size
@@ -137,7 +137,7 @@ def apply(model: nn.Module, mesh, cfg) -> nn.Module:
     if mesh.size("ep") == 1 and mesh.size("dp_cp") == 1:
         return model
     for key, moe in moe_layers(model):
-        model.layers[key].feed_forward = ExpertParallelMoE(moe, mesh, cfg, f"layers.{key}.feed_forward")
+        model.layers[key].feed_forward = ExpertParallelMoE(moe, mesh, cfg.model, f"layers.{key}.feed_forward")
     return model
 
 

@@ -111,12 +111,3 @@ def test_ring_attention_cp4_and_cp2_dp2():
     for r in res:
         assert len(r) == 4
         _check(r)
-
-
-def test_split_roundtrip_and_positions():
-    t = torch.arange(24).view(1, 24)
-    parts = [context.shard_sequence(t, i, 3) for i in range(3)]
-    assert parts[0].tolist() == [[0, 1, 2, 3, 20, 21, 22, 23]]
-    assert torch.equal(context.unshard_sequence(parts), t)
-    for i in range(3):
-        assert torch.equal(context.positions(8, i, 3), parts[i][0])

@@ -68,7 +68,7 @@ def _capacity_layer(mesh, cfg):
     ref = build_model(cfg.model, seed=4, dtype=torch.float64).layers["0"].feed_forward
     with torch.no_grad():  # a peaked router so that experts overflow
         ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
-    layer = expert.ExpertParallelMoE(ref, mesh, cfg, "layers.0.feed_forward")
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward")
     x = torch.randn(24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + mesh.rank))
     y_ref = ref(x)
     snap = mesh.ledger.snapshot()

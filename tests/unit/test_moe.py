@@ -84,7 +84,7 @@ def test_aux_losses_match_formulas():
     f = torch.bincount(idx.flatten(), minlength=4).double() / (30 * 2)
     balance = 4 * (f * probs.mean(0)).sum()
     z = torch.logsumexp(logits, -1).pow(2).mean()
-    assert float(moe.last_aux_loss) == pytest.approx(float(balance + z), rel=1e-12)
+    assert moe.last_aux_loss.item() == pytest.approx((balance + z).item(), rel=1e-12)
 
 
 def test_moe_llama_trains_and_is_layout_independent():

@@ -169,7 +169,8 @@ class Comm:
 
     # -- point to point (group-relative peers) -------------------------------------------------
     def isend(self, t: torch.Tensor, peer: int, tag: int = 0):
-        """Non-blocking send to group rank ``peer``; messages with different tags never mix."""
+        """Non-blocking send to group rank ``peer``; messages with the same tag between a pair
+        arrive in the order sent, messages with different tags never mix."""
         self.ledger.record("send", self.name, _nbytes(t), 0)
         return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group, tag=tag)
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from .config import Config
 from .distributed.mesh import Mesh
-from .distributed.placement import get_placement, replicas
+from .distributed.placement import Placement, get_placement, replicas
+from .distributed.reshard import gather_global, local_slice
 
 
 class Engine:
@@ -83,8 +84,8 @@ class Engine:
                 out.append(p)
         return out
 
-    def named_parameters(self):
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+    def named_parameters(self, all_params: bool = False):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad or all_params]
 
     def make_optimizer(self, build):
         """``build(param_groups)`` -> optimizer. ZeRO engines wrap or shard it."""
@@ -121,22 +122,42 @@ class Engine:
 
     # -- checkpoints (global coordinates) ----------------------------------------------------
     def full_state(self, optimizer) -> dict[str, torch.Tensor]:
-        """Global tensors ``model.<name>`` and ``optim.<name>.<state>`` (complete on rank 0)."""
-        out = {f"model.{n}": p.detach().cpu() for n, p in self.model.state_dict(keep_vars=False).items()}
-        names = {id(p): n for n, p in self.named_parameters()}
-        for p, st in optimizer.state.items():
-            for k, v in st.items():
+        """Global tensors ``model.<global name>`` and ``optim.<global name>.<state>``, assembled
+        on rank 0 from every rank's shards (empty on the other ranks). Collective."""
+        items = []
+        for name, p in self.named_parameters(all_params=True):
+            pl = get_placement(p, name)
+            items.append((f"model.{pl.name}", pl, p))
+            for k, v in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(v):
-                    out[f"optim.{names[id(p)]}.{k}"] = v.detach().cpu()
-        return out
+                    vpl = pl if v.shape == p.shape else Placement(f"{pl.name}.{k}", tuple(v.shape))
+                    items.append((f"optim.{pl.name}.{k}", vpl, v))
+        return gather_global(items, self.mesh)
 
     def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
-        model_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-        self.model.load_state_dict(model_sd, strict=True)
-        for name, p in self.named_parameters():
-            keys = [k for k in state if k.startswith(f"optim.{name}.")]
-            if keys:
-                optimizer.state[p] = {k.rsplit(".", 1)[1]: state[k].to(p.device) for k in keys}
+        """Cut this rank's shards out of global tensors (any saving layout)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters(all_params=True):
+                pl = get_placement(p, name)
+                key = f"model.{pl.name}"
+                if key not in state:
+                    raise RuntimeError(f"checkpoint has no tensor {key} (saved from another model?)")
+                p.copy_(local_slice(state[key], pl, p.shape))
+                prefix = f"optim.{pl.name}."
+                st = {}
+                for k, v in state.items():
+                    if k.startswith(prefix) and "." not in k[len(prefix):]:
+                        sub = k[len(prefix):]
+                        st[sub] = (local_slice(v, pl, p.shape) if v.shape == pl.global_shape and v.dim() > 0
+                                   else v.clone()).to(device=_state_device(v, p))
+                if st:
+                    optimizer.state[p] = st
+
+
+def _state_device(v: torch.Tensor, p: torch.Tensor):
+    """Optimizer state lives with its parameter; AdamW's scalar ``step`` stays on the CPU except
+    for the fused CUDA kernel, which wants it on the GPU."""
+    return p.device if v.dim() > 0 or p.device.type == "cuda" else torch.device("cpu")
 
 
 class _null:

@@ -108,21 +108,36 @@ class Engine:
     # -- checkpoints (global coordinates) ----------------------------------------------------
     def full_state(self, optimizer) -> dict[str, torch.Tensor]:
         """Global tensors ``model.<name>`` and ``optim.<name>.<state>`` (complete on rank 0)."""
-        out = {f"model.{n}": p.detach().cpu() for n, p in self.model.state_dict(keep_vars=False).items()}
+        from .parallel.tensor import full_from_shard, is_tp_sharded
+
+        def full(t, p, name):  # tensor-parallel shards are gathered over tp
+            pl = get_placement(p, name)
+            return full_from_shard(t, pl, self.mesh) if is_tp_sharded(pl) and t.shape == p.shape \
+                else t.detach().cpu()
+
+        out = {f"model.{n}": full(p, p, n) for n, p in self.model.state_dict(keep_vars=True).items()}
         names = {id(p): n for n, p in self.named_parameters()}
         for p, st in optimizer.state.items():
             for k, v in st.items():
                 if torch.is_tensor(v):
-                    out[f"optim.{names[id(p)]}.{k}"] = v.detach().cpu()
+                    out[f"optim.{names[id(p)]}.{k}"] = full(v, p, names[id(p)])
         return out
 
     def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
+        from .parallel.tensor import is_tp_sharded, shard_from_full
+        params = self.model.state_dict(keep_vars=True)
+
+        def local(t, p, name):  # tensor-parallel ranks keep their slice
+            pl = get_placement(p, name)
+            return shard_from_full(t, pl, p.shape) if is_tp_sharded(pl) and t.ndim == p.ndim else t
+
         model_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-        self.model.load_state_dict(model_sd, strict=True)
+        self.model.load_state_dict({k: local(v, params[k], k) if k in params else v
+                                   for k, v in model_sd.items()}, strict=True)
         for name, p in self.named_parameters():
             keys = [k for k in state if k.startswith(f"optim.{name}.")]
             if keys:
-                optimizer.state[p] = {k.rsplit(".", 1)[1]: state[k].to(p.device) for k in keys}
+                optimizer.state[p] = {k.rsplit(".", 1)[1]: local(state[k], p, name).to(p.device) for k in keys}
 
 
 class _null:

@@ -345,3 +345,29 @@ def apply(model: nn.Module, mesh, cfg, plan: dict[str, str] | None = None) -> nn
                 value = ctx.full(p, name)
                 _replace(model, name, nn.Parameter(value.clone(), requires_grad=p.requires_grad))
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints in global coordinates
+# ---------------------------------------------------------------------------------------------
+
+def is_tp_sharded(placement: Placement) -> bool:
+    return placement.dim is not None and "tp" in placement.sharded_over
+
+
+def full_from_shard(local: torch.Tensor, placement: Placement, mesh) -> torch.Tensor:
+    """The global tensor of a tp shard (collective over tp). Rank r's slice starts at
+    r * local_len (or, with ``copies`` ranks per slice, ranks 0, copies, 2*copies... hold the
+    distinct slices); vocab padding sits at the end and is cut off."""
+    parts = mesh.comm("tp").all_gather(local.detach().contiguous(), dim=placement.dim)
+    pieces = parts.chunk(mesh.size("tp"), dim=placement.dim)[::placement.copies]
+    full = torch.cat(pieces, dim=placement.dim)
+    return full.narrow(placement.dim, 0, placement.global_shape[placement.dim]).cpu()
+
+
+def shard_from_full(full: torch.Tensor, placement: Placement, local_shape) -> torch.Tensor:
+    """This rank's slice of a global tensor, zero-padded to ``local_shape`` (inverse of the above)."""
+    d = placement.dim
+    out = full.new_zeros(tuple(local_shape))
+    out.narrow(d, 0, placement.length).copy_(full.narrow(d, placement.start, placement.length))
+    return out

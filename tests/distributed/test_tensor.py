@@ -109,6 +109,36 @@ def ce_embedding_case(tp, vocab):
     return {"ce": err_ce, "emb": err_emb}
 
 
+def checkpoint_case(cfg):
+    """full_state after one AdamW step equals the reference model's and optimizer's tensors;
+    load_full_state puts the same slices back into a differently initialised TP model."""
+    cfg.train.weight_decay = 0.0
+    mesh = Mesh.build(Topology(tp=cfg.parallel.tp))
+    x, y = batch()
+    ref = build_model(cfg.model, SEED, dtype=torch.float64)
+    ref(x, y).backward()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_opt.step()
+    engine = parallelize(build_model(cfg.model, SEED, dtype=torch.float64), mesh, cfg)
+    engine.forward_backward([(x, y)])
+    opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=1e-2))
+    opt.step()
+    state = engine.full_state(opt)
+    err = 0.0
+    for name, p in ref.named_parameters():
+        err = max(err, float((state[f"model.{name}"] - p.detach()).abs().max()))
+        err = max(err, float((state[f"optim.{name}.exp_avg_sq"] - ref_opt.state[p]["exp_avg_sq"]).abs().max()))
+    other = parallelize(build_model(cfg.model, SEED + 5, dtype=torch.float64), mesh, cfg)
+    other.forward_backward([(x, y)])
+    opt2 = other.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=1e-2))
+    other.load_full_state(state, opt2)
+    mine = dict(engine.named_parameters())
+    for name, p in other.named_parameters():
+        err = max(err, float((p.detach() - mine[name].detach()).abs().max()))
+        err = max(err, float((opt2.state[p]["exp_avg"] - opt.state[mine[name]]["exp_avg"]).abs().max()))
+    return {"ckpt": err, "keys": len(state)}
+
+
 def ledger_case(cfg):
     mesh = Mesh.build(Topology(tp=cfg.parallel.tp))
     engine = parallelize(build_model(cfg.model, SEED, dtype=torch.float64), mesh, cfg)
@@ -136,6 +166,7 @@ def _world4(ctx):
         out[f"tp4 sp={sp}"] = parity_case(make_cfg(4, sp=sp), meta=not sp)   # kv=2 < tp: replicated
     out["dp2 x tp2 sp=False"] = parity_case(make_cfg(2, dp=2), meta=False)
     out["dp2 x tp2 sp=True"] = parity_case(make_cfg(2, dp=2, sp=True), meta=True)
+    out["ckpt tp4"] = checkpoint_case(make_cfg(4, sp=True))          # kv copies + vocab padding
     out["ce/emb tp4 V=67"] = ce_embedding_case(4, 67)
     out["ce/emb tp4 V=5"] = ce_embedding_case(4, 5)       # the last rank holds padding only
     return out
@@ -206,3 +237,8 @@ def test_ledger_bytes_equal_theory(results, sp):
         else:
             assert per_layer["all_gather/tp"] == 4 * ring_bytes("all_gather", m, 2)
             assert per_layer["reduce_scatter/tp"] == 4 * ring_bytes("reduce_scatter", m, 2)
+
+
+def test_checkpoint_state_is_global_and_reloads(results):
+    for res in results["4"]:
+        assert res["ckpt tp4"]["ckpt"] <= TOL, res["ckpt tp4"]

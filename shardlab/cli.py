@@ -14,6 +14,7 @@ COMMANDS = {
     "train": ("shardlab.train.run", "train a model: shardlab train CONFIG --nproc N [--section.key=value ...]"),
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
     "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
+    "schedule": ("shardlab.analysis.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
 }
 
 

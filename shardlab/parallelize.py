@@ -25,6 +25,12 @@ class Engine:
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
         self.model, self.mesh, self.cfg = model, mesh, cfg
+        # (tokens, targets) of a micro-batch -> what this rank feeds its model (context
+        # parallel keeps this rank's load-balanced sequence shard).
+        self.shard_batch = None
+
+    def _local(self, x, y):
+        return self.shard_batch(x, y) if self.shard_batch else (x, y)
 
     # -- the step --------------------------------------------------------------------------
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
@@ -33,6 +39,7 @@ class Engine:
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for x, y in micro_batches:
+            x, y = self._local(x, y)
             with autocast() if autocast else _null():
                 loss = self.model(x, y)
             (loss * (loss_scale / n)).backward()
@@ -45,14 +52,21 @@ class Engine:
         """Local mean loss over the micro-batches, no gradients."""
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for x, y in micro_batches:
+            x, y = self._local(x, y)
             with autocast() if autocast else _null():
                 total += self.model(x, y).double()
         return total / len(micro_batches)
 
     def sync_grads(self):
         comm = self.mesh.comm("dp_cp")
-        for p in self.parameters():
-            if p.grad is not None:
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            if "ep" in get_placement(p, name).sharded_over:
+                # Expert weights: the all-to-all backward already summed the ep ranks' gradients;
+                # add those of the ranks holding the same experts, divide by the data-parallel size.
+                self.mesh.comm("edp").all_reduce(p.grad).div_(self.mesh.size("dp_cp"))
+            else:
                 comm.all_reduce(p.grad, op="avg")
 
     def global_loss(self, local: torch.Tensor) -> float:
@@ -151,14 +165,26 @@ class _null:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
-    unsupported = [name for name, on in (("pp", p.pp > 1), ("cp", p.cp > 1),
-                                         ("ep", p.ep > 1), ("zero_stage", p.zero_stage > 0)) if on]
+    unsupported = [name for name, on in (("zero_stage", p.zero_stage > 0),) if on]
     if unsupported:
         raise NotImplementedError(f"parallel.{unsupported[0]} is not implemented yet in this build")
     if p.tp > 1:
         from .parallel import tensor
         tensor.apply(model, mesh, cfg)
+    if cfg.model.n_experts > 0:  # EP: experts over ep, batch-wide MoE aux losses over dp_cp
+        from .parallel import expert
+        model = expert.apply(model, mesh, cfg)
+    cp_shard = None
+    if p.cp > 1:  # CP: ring attention; each rank keeps its load-balanced shard of every sequence
+        from .parallel import context
+        model = context.apply(model, mesh, cfg)
+        cp_shard = lambda x, y: context.shard_batch(x, y, mesh)  # noqa: E731
     if p.compile:
         for key, block in model.layers.items():
             model.layers[key] = torch.compile(block)
-    return Engine(model, mesh, cfg)
+    if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
+        from .parallel.pipeline import apply as pipeline
+        return pipeline(model, mesh, cfg)
+    engine = Engine(model, mesh, cfg)
+    engine.shard_batch = cp_shard
+    return engine

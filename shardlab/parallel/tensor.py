@@ -345,8 +345,3 @@ def apply(model: nn.Module, mesh, cfg, plan: dict[str, str] | None = None) -> nn
                 value = ctx.full(p, name)
                 _replace(model, name, nn.Parameter(value.clone(), requires_grad=p.requires_grad))
     return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints in global coordinates
-# ---------------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def checkpoint_case(cfg):
     engine.forward_backward([(x, y)])
     opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=1e-2))
     opt.step()
-    state = engine.full_state(opt)
+    state = engine.full_state(opt, everywhere=True)
     err = 0.0
     for name, p in ref.named_parameters():
         err = max(err, float((state[f"model.{name}"] - p.detach()).abs().max()))

@@ -96,6 +96,8 @@ def test_checkpoint_command_inspect_export(tmp_path, capsys):
     assert torch.equal(load_file(str(dest))["w"], w) and list(load_file(str(dest))) == ["w"]
     assert cli_main(["checkpoint", "export", str(tmp_path), "--to", str(dest)]) == 2  # never overwrite silently
     f = tmp_path / "step_00000005" / "state.safetensors"
-    f.write_bytes(f.read_bytes()[:-1] + b"\x00")
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
     assert cli_main(["checkpoint", "inspect", str(tmp_path / "step_00000005")]) == 2
     assert "state.safetensors: checksum mismatch" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "train": ("shardlab.train.run", "train a model: shardlab train CONFIG --nproc N [--section.key=value ...]"),
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
+    "bench": ("shardlab.commands.bench_comm", "time collectives, own vs backend: shardlab bench comm --nproc N"),
     "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
 }
 

@@ -205,3 +205,17 @@ def test_bounds():
             assert b[0][0] == 0 and b[-1][1] == m and len(b) == n
             assert all(b[i][1] == b[i + 1][0] for i in range(n - 1))
             assert max(e - s for s, e in b) - min(e - s for s, e in b) <= 1
+
+
+def test_bench_comm_command(tmp_path, capsys):
+    from shardlab import cli
+    out = tmp_path / "comm.json"
+    assert cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce,all_to_all", "--sizes", "4,4K",
+                     "--iters", "1", "--warmup", "0", "--json", str(out), "--plot", str(tmp_path / "comm.png")]) == 0
+    text = capsys.readouterr().out
+    assert "# all_reduce  N=2" in text and "pairwise" in text
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    ring = [r for r in rows if r["op"] == "all_reduce" and r["algorithm"] == "ring" and r["size"] == 4096]
+    assert ring[0]["sent_per_rank"] == 4096   # ring all-reduce at N=2 sends 2M(N-1)/N = M
+    assert (tmp_path / "comm.png").stat().st_size > 0

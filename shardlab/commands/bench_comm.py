@@ -7,8 +7,12 @@ Conventions (nccl-tests): ``size`` is the message in bytes (all_reduce, broadcas
 output (all_gather), the full input (reduce_scatter) or one rank's input (all_to_all).
 algbw = size / time; busbw = algbw * 2(N-1)/N for all_reduce, * (N-1)/N for all_gather,
 reduce_scatter and all_to_all, * 1 for broadcast: the per-link rate of a bandwidth-optimal
-algorithm, comparable across N. ``time`` is the mean per call over the timed iterations of the
-slowest rank. ``x bk`` is busbw relative to the backend column.
+algorithm, comparable across N. ``x bk`` is busbw relative to the backend column.
+
+Timing (unlike nccl-tests, which averages back-to-back calls): the algorithms take turns call
+by call, each call starts after a barrier and is timed on every rank; ``time`` is the median
+over the iterations of the slowest rank's time. On a shared, loaded machine this keeps a burst
+of someone else's load from landing on one column only. The JSON also has mean and min.
 """
 from __future__ import annotations
 
@@ -141,6 +145,11 @@ def _input(op: str, size: int, n: int, dtype, device):
     return torch.ones(count, dtype=dtype, device=device), [count // n] * n
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _worker(ctx, s):
     import torch.distributed as dist
 
@@ -160,25 +169,32 @@ def _worker(ctx, s):
         for size in s["sizes"]:
             x, splits = _input(op, size, n, dtype, ctx.device)
             iters = max(3, min(s["iters"], (256 << 20) // max(1, size)))
-            for algo in columns(op, s["algorithms"], s["sizes"]):
+            algos = columns(op, s["algorithms"], s["sizes"])
+            sent = {}
+            for algo in algos:
                 for _ in range(s["warmup"]):
                     _call(comm, op, x, algo, splits)
                 before = ledger.snapshot()
-                dist.barrier()
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(iters):
+                _call(comm, op, x, algo, splits)
+                sent[algo] = sum(e.bytes_sent for e in ledger.since(before).values())
+            # Algorithms interleaved call by call, each call timed alone after a barrier, so that
+            # the load of a shared machine drifts over all columns alike.
+            times = torch.zeros(len(algos), iters, dtype=torch.float64)
+            for i in range(iters):
+                for a, algo in enumerate(algos):
+                    if x.is_floating_point():
+                        x.fill_(1)  # keep values bounded across repeated in-place reductions
+                    dist.barrier()
+                    _sync(ctx.device)
+                    t0 = time.perf_counter()
                     _call(comm, op, x, algo, splits)
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                sent = sum(e.bytes_sent for e in ledger.since(before).values()) // iters
-                rows.append(dict(op=op, size=size, count=x.numel(), algorithm=algo, seconds=dt.item(),
-                                 iters=iters, sent_per_rank=sent))
-                if x.is_floating_point():
-                    x.fill_(1)  # keep values bounded across repeated in-place reductions
+                    _sync(ctx.device)
+                    times[a, i] = time.perf_counter() - t0
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per call: the slowest rank
+            for a, algo in enumerate(algos):
+                rows.append(dict(op=op, size=size, count=x.numel(), algorithm=algo,
+                                 seconds=times[a].median().item(), mean_seconds=times[a].mean().item(),
+                                 min_seconds=times[a].min().item(), iters=iters, sent_per_rank=sent[algo]))
     if prof is not None:
         prof.__exit__(None, None, None)
         import os
@@ -198,7 +214,7 @@ def table(rows: list[dict], n: int) -> str:
         head2 = f"{'size':>8}{'count':>10} |" + "".join(
             f"{'time us':>9}{'algbw':>9}{'busbw':>9}" + (f"{'x bk':>6}" if a != "backend" and "backend" in algorithms else "") + "|"
             for a in algorithms)
-        out += [f"# {op}  N={n}  (time: mean per call, slowest rank; algbw, busbw: GB/s)", head1, head2]
+        out += [f"# {op}  N={n}  (time: median per call of the slowest rank; algbw, busbw: GB/s)", head1, head2]
         for size in sizes:
             line = f"{human(size):>8}{pts[(size, algorithms[0])]['count']:>10} |"
             bk = pts.get((size, "backend"))

@@ -47,9 +47,12 @@ class Link:
         self.group, self.ranks, self.rank, self.size = group, list(ranks), rank, len(ranks)
         self.sent = 0
         self.recv = 0
+        self.pending = []
 
-    def exchange(self, sends=(), recvs=()):
-        """Post ``[(tensor, peer), ...]`` sends and receives at once and wait for all of them."""
+    def exchange(self, sends=(), recvs=(), defer_sends: bool = False):
+        """Post ``[(tensor, peer), ...]`` sends and receives at once and wait for all of them.
+        ``defer_sends``: wait only for the receives; the sends complete by :meth:`flush` (the
+        caller promises not to modify those tensors before it)."""
         ops = []
         for t, peer in sends:
             if t.numel():
@@ -60,8 +63,18 @@ class Link:
                 ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group))
                 self.recv += t.numel() * t.element_size()
         if ops:
-            for work in dist.batch_isend_irecv(ops):
+            works = dist.batch_isend_irecv(ops)
+            n_sends = sum(op.op is dist.isend for op in ops)
+            if defer_sends and len(works) == len(ops):  # one work per op (gloo); NCCL coalesces
+                self.pending += works[:n_sends]
+                works = works[n_sends:]
+            for work in works:
                 work.wait()
+
+    def flush(self):
+        for work in self.pending:
+            work.wait()
+        self.pending = []
 
 
 def reduce_(dst: torch.Tensor, src: torch.Tensor, op: str):
@@ -101,8 +114,9 @@ def ring_reduce_scatter_(link: Link, x: torch.Tensor, chunks: list[tuple[int, in
     buf = torch.empty(max(b - a for a, b in chunks), dtype=x.dtype, device=x.device)
     for s in range(n - 1):
         (sa, sb), (ra, rb) = chunks[(r - 1 - s) % n], chunks[(r - 2 - s) % n]
-        link.exchange([(x[sa:sb], right)], [(buf[: rb - ra], left)])
+        link.exchange([(x[sa:sb], right)], [(buf[: rb - ra], left)], defer_sends=True)
         reduce_(x[ra:rb], buf[: rb - ra], op)
+    link.flush()  # chunks sent above are never written in this phase: only waited for here
 
 
 def ring_all_gather_(link: Link, x: torch.Tensor, chunks: list[tuple[int, int]]):
@@ -112,7 +126,8 @@ def ring_all_gather_(link: Link, x: torch.Tensor, chunks: list[tuple[int, int]])
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         (sa, sb), (ra, rb) = chunks[(r - s) % n], chunks[(r - s - 1) % n]
-        link.exchange([(x[sa:sb], right)], [(x[ra:rb], left)])
+        link.exchange([(x[sa:sb], right)], [(x[ra:rb], left)], defer_sends=True)
+    link.flush()
 
 
 def ring_all_reduce_(link: Link, x: torch.Tensor, op: str = "sum"):
@@ -140,13 +155,15 @@ def tree_all_reduce_(link: Link, x: torch.Tensor, op: str = "sum"):
             link.exchange(recvs=[(buf[: b - a], c) for buf, c in zip(bufs, children)])
             for buf in bufs:
                 reduce_(x[a:b], buf[: b - a], op)
-        if parent is not None:
-            link.exchange(sends=[(x[a:b], parent)])
+        if parent is not None:  # a piece that went up is not written again before the flush
+            link.exchange(sends=[(x[a:b], parent)], defer_sends=True)
+    link.flush()
     for a, b in pieces:
         if parent is not None:
             link.exchange(recvs=[(x[a:b], parent)])
         if children:
-            link.exchange(sends=[(x[a:b], c) for c in children])
+            link.exchange(sends=[(x[a:b], c) for c in children], defer_sends=True)
+    link.flush()
 
 
 # -- recursive halving-doubling (Rabenseifner) ---------------------------------------------------
@@ -221,7 +238,8 @@ def chain_broadcast_(link: Link, x: torch.Tensor, src: int = 0):
         if v > 0:
             link.exchange(recvs=[(x[a:b], (link.rank - 1) % n)])
         if v < n - 1:
-            link.exchange(sends=[(x[a:b], (link.rank + 1) % n)])
+            link.exchange(sends=[(x[a:b], (link.rank + 1) % n)], defer_sends=True)
+    link.flush()
 
 
 # -- all-to-all ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ COMMANDS = {
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
     "bench": ("shardlab.commands.bench_comm", "time collectives, own vs backend: shardlab bench comm --nproc N"),
     "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
+    "schedule": ("shardlab.analysis.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
 }
 
 

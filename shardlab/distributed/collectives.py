@@ -168,13 +168,15 @@ class Comm:
         return t
 
     # -- point to point (group-relative peers) -------------------------------------------------
-    def isend(self, t: torch.Tensor, peer: int):
+    def isend(self, t: torch.Tensor, peer: int, tag: int = 0):
+        """Non-blocking send to group rank ``peer``; messages with the same tag between a pair
+        arrive in the order sent, messages with different tags never mix."""
         self.ledger.record("send", self.name, _nbytes(t), 0)
-        return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group)
+        return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group, tag=tag)
 
-    def irecv(self, t: torch.Tensor, peer: int):
+    def irecv(self, t: torch.Tensor, peer: int, tag: int = 0):
         self.ledger.record("recv", self.name, 0, _nbytes(t))
-        return dist.irecv(t, src=self.ranks[peer], group=self.group)
+        return dist.irecv(t, src=self.ranks[peer], group=self.group, tag=tag)
 
     def barrier(self):
         if self.size > 1:

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 # Messages up to this many bytes use tree all-reduce under ``algorithm = "auto"``, larger ones
-# ring. Measured with `shardlab bench comm` on the 2-core CPU machine (docs/collectives.md).
-AUTO_CROSSOVER_BYTES = 256 * 1024
+# ring. Measured with `shardlab bench comm` on the 2-core CPU machine (docs/collectives.md):
+# tree beat ring up to 1 MiB at N = 4 and N = 8; ring won from 4 MiB (N = 4) / 16 MiB (N = 8).
+AUTO_CROSSOVER_BYTES = 1 << 20
 # Tree all-reduce and chain broadcast pipeline large messages in pieces of this size.
 PIPELINE_BYTES = 512 * 1024
 
@@ -49,27 +50,37 @@ class Link:
         self.recv = 0
         self.pending = []
 
-    def exchange(self, sends=(), recvs=(), defer_sends: bool = False):
-        """Post ``[(tensor, peer), ...]`` sends and receives at once and wait for all of them.
-        ``defer_sends``: wait only for the receives; the sends complete by :meth:`flush` (the
-        caller promises not to modify those tensors before it)."""
+    def post(self, sends=(), recvs=()):
+        """Post ``[(tensor, peer), ...]`` sends and receives together; -> (send works, recv works).
+        With a backend that coalesces the batch into one work (NCCL), that work is the recv's."""
         ops = []
         for t, peer in sends:
             if t.numel():
                 ops.append(dist.P2POp(dist.isend, t, self.ranks[peer], self.group))
                 self.sent += t.numel() * t.element_size()
+        n_sends = len(ops)
         for t, peer in recvs:
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group))
                 self.recv += t.numel() * t.element_size()
-        if ops:
-            works = dist.batch_isend_irecv(ops)
-            n_sends = sum(op.op is dist.isend for op in ops)
-            if defer_sends and len(works) == len(ops):  # one work per op (gloo); NCCL coalesces
-                self.pending += works[:n_sends]
-                works = works[n_sends:]
-            for work in works:
-                work.wait()
+        if not ops:
+            return [], []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):
+            return [], works
+        return works[:n_sends], works[n_sends:]
+
+    def exchange(self, sends=(), recvs=(), defer_sends: bool = False):
+        """Post sends and receives at once and wait for all of them. ``defer_sends``: wait only
+        for the receives; the sends complete by :meth:`flush` (the caller promises not to
+        modify those tensors before it)."""
+        send_works, recv_works = self.post(sends, recvs)
+        if defer_sends:
+            self.pending += send_works
+        else:
+            recv_works = send_works + recv_works
+        for work in recv_works:
+            work.wait()
 
     def flush(self):
         for work in self.pending:
@@ -265,7 +276,7 @@ def select(op: str, algorithm: str, nbytes: int) -> str:
 
     all_reduce: ring | tree | rhd as asked; auto -> tree up to AUTO_CROSSOVER_BYTES, else ring.
     all_gather / reduce_scatter: ring for every own choice. all_to_all: pairwise.
-    broadcast: ring -> chain; tree, rhd -> binomial; auto -> binomial when small, else chain."""
+    broadcast: ring -> chain; tree, rhd, auto -> binomial."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown collective algorithm {algorithm!r}; parallel.comm_algorithm "
                          f"must be one of {', '.join(ALGORITHMS)}")
@@ -274,9 +285,7 @@ def select(op: str, algorithm: str, nbytes: int) -> str:
     small = nbytes <= AUTO_CROSSOVER_BYTES
     if op == "all_reduce":
         return ("tree" if small else "ring") if algorithm == "auto" else algorithm
-    if op == "broadcast":
-        if algorithm == "auto":
-            return "binomial" if small else "chain"
+    if op == "broadcast":  # auto: binomial at every size (the chain lost at 4 MiB here too)
         return "chain" if algorithm == "ring" else "binomial"
     if op == "all_to_all":
         return "pairwise"

@@ -193,6 +193,7 @@ def test_select():
     assert algos.select("all_gather", "tree", 10) == "ring"
     assert algos.select("all_to_all", "ring", 10) == "pairwise"
     assert algos.select("broadcast", "ring", 10) == "chain"
+    assert algos.select("broadcast", "auto", 1 << 30) == "binomial"
     assert algos.select("anything", "backend", 10) == "backend"
     with pytest.raises(ValueError, match="comm_algorithm"):
         algos.select("all_reduce", "bogus", 10)

@@ -3,9 +3,9 @@
     python benchmarks/comm.py                    # the two runs recorded in docs/collectives.md
     python benchmarks/comm.py --nproc 4 ...      # any `shardlab bench comm` arguments
 
-The recorded runs: (1) all-reduce bus bandwidth at N = 4 for 1 MiB .. 64 MiB (own ring vs gloo);
-(2) small-message latency at N = 8 for 4 B .. 1 MiB (tree vs ring vs rhd vs gloo): the crossover
-that sets algorithms.AUTO_CROSSOVER_BYTES.
+The recorded runs: (1) all-reduce bus bandwidth at N = 4 for 1 MiB .. 64 MiB (own ring, rhd,
+tree vs gloo); (2) all-reduce at N = 8 for 4 B .. 16 MiB: the tree/ring crossover that sets
+algorithms.AUTO_CROSSOVER_BYTES; (3) the other collectives at N = 4, 64 KiB and 4 MiB.
 """
 import sys
 
@@ -15,9 +15,12 @@ RUNS = [
     ["bench", "comm", "--nproc", "4", "--ops", "all_reduce", "--sizes", "1M..64M", "--factor", "4",
      "--algorithms", "backend,ring,rhd,tree", "--iters", "10", "--json", "runs/bench_comm_n4.json",
      "--plot", "runs/bench_comm_n4.png"],
-    ["bench", "comm", "--nproc", "8", "--ops", "all_reduce", "--sizes", "4..1M", "--factor", "4",
-     "--algorithms", "backend,ring,tree,rhd", "--iters", "20", "--json", "runs/bench_comm_n8.json",
+    ["bench", "comm", "--nproc", "8", "--ops", "all_reduce", "--sizes", "4..16M", "--factor", "4",
+     "--algorithms", "backend,ring,tree,rhd", "--iters", "10", "--json", "runs/bench_comm_n8.json",
      "--plot", "runs/bench_comm_n8.png"],
+    ["bench", "comm", "--nproc", "4", "--ops", "all_gather,reduce_scatter,all_to_all,broadcast",
+     "--sizes", "64K,4M", "--algorithms", "backend,ring,tree", "--iters", "10",
+     "--json", "runs/bench_comm_n4_ops.json"],
 ]
 
 if __name__ == "__main__":

@@ -52,23 +52,24 @@ class Link:
 
     def post(self, sends=(), recvs=()):
         """Post ``[(tensor, peer), ...]`` sends and receives together; -> (send works, recv works).
-        With a backend that coalesces the batch into one work (NCCL), that work is the recv's."""
+        Receives go first, so that a peer's send finds its receive already posted. With a
+        backend that coalesces the batch into one work (NCCL), that work counts as a receive."""
         ops = []
-        for t, peer in sends:
-            if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, self.ranks[peer], self.group))
-                self.sent += t.numel() * t.element_size()
-        n_sends = len(ops)
         for t, peer in recvs:
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group))
                 self.recv += t.numel() * t.element_size()
+        n_recvs = len(ops)
+        for t, peer in sends:
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t, self.ranks[peer], self.group))
+                self.sent += t.numel() * t.element_size()
         if not ops:
             return [], []
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):
             return [], works
-        return works[:n_sends], works[n_sends:]
+        return works[n_recvs:], works[:n_recvs]
 
     def exchange(self, sends=(), recvs=(), defer_sends: bool = False):
         """Post sends and receives at once and wait for all of them. ``defer_sends``: wait only

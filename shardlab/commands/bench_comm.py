@@ -182,8 +182,7 @@ def _worker(ctx, s):
             times = torch.zeros(len(algos), iters, dtype=torch.float64)
             for i in range(iters):
                 for a, algo in enumerate(algos):
-                    if x.is_floating_point():
-                        x.fill_(1)  # keep values bounded across repeated in-place reductions
+                    x.fill_(1)  # keep values bounded across repeated in-place reductions
                     dist.barrier()
                     _sync(ctx.device)
                     t0 = time.perf_counter()

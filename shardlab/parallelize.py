@@ -121,9 +121,10 @@ class Engine:
         return float(norm)
 
     # -- checkpoints (global coordinates) ----------------------------------------------------
-    def full_state(self, optimizer) -> dict[str, torch.Tensor]:
+    def full_state(self, optimizer, everywhere: bool = False) -> dict[str, torch.Tensor]:
         """Global tensors ``model.<global name>`` and ``optim.<global name>.<state>``, assembled
-        on rank 0 from every rank's shards (empty on the other ranks). Collective."""
+        on rank 0 from every rank's shards (empty on the other ranks unless ``everywhere``).
+        Collective."""
         items = []
         for name, p in self.named_parameters(all_params=True):
             pl = get_placement(p, name)
@@ -132,7 +133,7 @@ class Engine:
                 if torch.is_tensor(v):
                     vpl = pl if v.shape == p.shape else Placement(f"{pl.name}.{k}", tuple(v.shape))
                     items.append((f"optim.{pl.name}.{k}", vpl, v))
-        return gather_global(items, self.mesh)
+        return gather_global(items, self.mesh, everywhere)
 
     def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
         """Cut this rank's shards out of global tensors (any saving layout)."""

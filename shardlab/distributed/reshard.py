@@ -19,13 +19,18 @@ import torch.distributed as dist
 from .placement import Placement
 
 
-def gather_global(items: list[tuple[str, Placement, torch.Tensor]], mesh) -> dict[str, torch.Tensor]:
+def gather_global(items: list[tuple[str, Placement, torch.Tensor]], mesh,
+                  everywhere: bool = False) -> dict[str, torch.Tensor]:
     """``items``: (key, placement, local tensor) of this rank. Returns the global tensors on
-    rank 0 (every key complete) and an empty dict on the other ranks."""
+    rank 0 (every key complete) and an empty dict on the other ranks (on every rank when
+    ``everywhere``)."""
     pieces = [(key, tuple(pl.global_shape), pl.dim, pl.start, pl.valid(t.detach()).cpu().clone())
               for key, pl, t in items]
     if mesh.world_size == 1:
         gathered = [pieces]
+    elif everywhere:
+        gathered = [None] * mesh.world_size
+        dist.all_gather_object(gathered, pieces, group=mesh.group("world"))
     else:
         gathered = [None] * mesh.world_size if mesh.rank == 0 else None
         dist.gather_object(pieces, gathered, dst=0, group=mesh.group("world"))

@@ -231,25 +231,32 @@ def table(rows: list[dict], n: int) -> str:
 
 
 def plot(rows: list[dict], n: int, path: str):
+    """Per op: busbw against size (top) and time per call against size (bottom, log-log: where
+    the latency-bound algorithms cross the bandwidth-bound ones)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
-    for ax, op in zip(axes[0], ops):
-        for algo in dict.fromkeys(r["algorithm"] for r in rows):
-            pts = sorted((r["size"], r["size"] / r["seconds"] / 1e9 * BUS[op](n)) for r in rows
-                         if r["op"] == op and r["algorithm"] == algo)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label(op, algo))
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("size (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.set_title(f"{op}, N={n}")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
+    fig, axes = plt.subplots(2, len(ops), figsize=(5 * len(ops), 7.5), squeeze=False)
+    for col, op in enumerate(ops):
+        for algo in dict.fromkeys(r["algorithm"] for r in rows if r["op"] == op):
+            pts = sorted((r["size"], r["seconds"]) for r in rows if r["op"] == op and r["algorithm"] == algo)
+            sizes = [p[0] for p in pts]
+            axes[0][col].plot(sizes, [sz / t / 1e9 * BUS[op](n) for sz, t in pts], marker="o", label=label(op, algo))
+            axes[1][col].plot(sizes, [t * 1e3 for _, t in pts], marker="o", label=label(op, algo))
+        for row, ylabel in ((0, "busbw (GB/s)"), (1, "time per call (ms)")):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            if row == 1:
+                ax.set_yscale("log")
+            ax.set_xlabel("size (bytes)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{op}, N={n}")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -18,6 +18,10 @@ from .ledger import Ledger, ring_bytes
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+# torch >= 2.12 renamed all_gather_into_tensor (the old name warns); keep both working.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -102,7 +106,7 @@ class Comm:
         self._count("all_gather", _nbytes(t) * self.size)
         if dim == 0:
             out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+            _all_gather_single(out, t.contiguous(), group=self.group)
             return out
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)

@@ -3,7 +3,9 @@ all ranks' tensors on one GPU, gloo transport).
 
 1. Activation memory per rank of a tiny Llama at a long sequence for cp = 1, 2, 4: the bytes
    autograd saves for backward (unique storages, parameters excluded; exact) and, on CUDA, the
-   peak allocated memory of the forward+backward above the model's.
+   peak allocated memory of the forward+backward above the model's; on CPU, the peak resident
+   set during the forward+backward above the resident set before it, with allocations of
+   64 KiB and more mmapped individually so that freed memory leaves the resident set.
 2. Ring attention: time of forward+backward, seconds blocked waiting on the ring (exposed
    communication), the same transfers alone (no compute), hidden fraction = 1 - exposed/alone.
 3. MoE layer under ep = 1, 2, 4: forward all-to-all dispatch + combine time vs expert compute.
@@ -16,6 +18,7 @@ one run are the meaningful part.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -47,6 +50,35 @@ def activation_bytes(model, fn) -> int:
     return sum(saved.values()), out
 
 
+def _exact_rss():
+    """Make the CPU resident set track live tensors: every allocation >= 64 KiB gets its own
+    mmap, returned to the OS when freed (glibc mallopt M_MMAP_THRESHOLD; torch's CPU allocator
+    does not cache). Then the peak RSS of a phase measures its peak live memory."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
+        return True
+    except OSError:
+        return False
+
+
+def _rss_mib(field: str) -> float | None:
+    """VmRSS (current) or VmHWM (peak since the last reset) from /proc, in MiB."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+
+
+def _reset_peak_rss():
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -63,11 +95,15 @@ def memory(mesh, seq, dev):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    _reset_peak_rss()
+    rss0 = _rss_mib("VmRSS")
     nbytes, loss = activation_bytes(model, lambda: model(x, y))
     loss.backward()
     _sync(dev)
+    hwm = _rss_mib("VmHWM")
+    rss = None if rss0 is None or hwm is None else hwm - rss0
     peak = torch.cuda.max_memory_allocated() - base if dev.type == "cuda" else None
-    return {"saved_MiB": nbytes / 2**20, "peak_MiB": None if peak is None else peak / 2**20}
+    return {"saved_MiB": nbytes / 2**20, "peak_MiB": None if peak is None else peak / 2**20, "rss_MiB": rss}
 
 
 def ring(mesh, seq, dev, iters=3):
@@ -78,7 +114,7 @@ def ring(mesh, seq, dev, iters=3):
     q, k, v, do = (context.shard_sequence(torch.randn(B, H, seq, D, generator=g), r, cp, dim=2).to(dev)
                    for _ in range(4))
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    totals, waits, alone = [], [], []
+    totals, waits, alone, hidden = [], [], [], []
     for it in range(iters + 1):
         stats: dict = {}
         comm.barrier()
@@ -100,10 +136,11 @@ def ring(mesh, seq, dev, iters=3):
         if it:  # first iteration is warm-up
             totals.append(t1 - t0)
             waits.append(stats["wait_s"])
+            hidden.append(stats["hidden"] / stats["transfers"])
             alone.append(t3 - t2)
     tot, wait, comm_s = (statistics.median(v) for v in (totals, waits, alone))
     return {"fwd_bwd_s": tot, "exposed_comm_s": wait, "comm_alone_s": comm_s,
-            "hidden_fraction": max(0.0, 1 - wait / comm_s)}
+            "hidden_transfers": statistics.mean(hidden)}
 
 
 def moe(mesh, dev, tokens=2048, iters=3):
@@ -114,20 +151,13 @@ def moe(mesh, dev, tokens=2048, iters=3):
             p.normal_(0, 0.05)
     layer = expert.ExpertParallelMoE(ref, mesh, cfg, "layers.0.feed_forward")
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(mesh.rank)).to(dev)
-    if mesh.size("ep") == 1:  # no all-to-all: time the expert compute alone
-        times = []
-        for _ in range(iters + 1):
-            t0 = time.perf_counter()
-            layer(x)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        return {"a2a_ms": 0.0, "experts_ms": 1e3 * statistics.median(times[1:]), "a2a_MiB": 0.0}
     for it in range(iters + 1):
         if it == 1:
             layer.timing = {k: 0.0 for k in layer.timing}
             snap = mesh.ledger.snapshot()
         mesh.comm("ep").barrier()
         layer(x)
+        _sync(dev)
     tm, n = layer.timing, layer.timing["calls"]
     sent = sum(e.bytes_sent for (op, grp), e in mesh.ledger.since(snap).items() if op == "all_to_all")
     return {"a2a_ms": 1e3 * (tm["dispatch_s"] + tm["combine_s"]) / n, "experts_ms": 1e3 * tm["experts_s"] / n,
@@ -136,6 +166,7 @@ def moe(mesh, dev, tokens=2048, iters=3):
 
 def worker(ctx, n, seq, device):
     dev = torch.device(device)
+    _exact_rss()
     out = {}
     mesh = Mesh.build(Topology(cp=n)) if n > 1 else Mesh.single(dev)
     out["memory"] = memory(mesh, seq, dev)
@@ -158,23 +189,28 @@ def main():
         per_rank = run(worker, n, n, args.seq, args.device, timeout_s=600)
         res[n] = per_rank
     base = max(r["memory"]["saved_MiB"] for r in res[args.sizes[0]])
+    base_rss = max(r["memory"]["rss_MiB"] or 1e-9 for r in res[args.sizes[0]])
     print(f"\nActivation memory per rank, tiny Llama (d 64, 2 layers, 4 heads), seq {args.seq}, batch 1, "
           f"fp32, device {args.device}")
-    print("| cp | saved for backward, max over ranks (MiB) | vs cp=1 | peak alloc fwd+bwd (MiB) |")
-    print("|---|---|---|---|")
+    print("| cp | saved for backward, max over ranks (MiB) | vs cp=1 | peak RSS growth in fwd+bwd (MiB, vs cp=1) "
+          "| CUDA peak alloc fwd+bwd (MiB) |")
+    print("|---|---|---|---|---|")
     for n, rr in res.items():
         m = max(r["memory"]["saved_MiB"] for r in rr)
         pk = [r["memory"]["peak_MiB"] for r in rr]
         pk_s = f"{max(pk):.1f}" if pk[0] is not None else "n/a (CPU)"
-        print(f"| {n} | {m:.1f} | {m / base:.3f} | {pk_s} |")
+        rss = [r["memory"]["rss_MiB"] for r in rr]
+        rss_s = f"{max(rss):.1f} ({max(rss) / base_rss:.2f})" if None not in rss else "n/a"
+        print(f"| {n} | {m:.1f} | {m / base:.3f} | {rss_s} | {pk_s} |")
     print(f"\nRing attention fwd+bwd, B 1, 4 heads, head_dim 32, seq {args.seq}, causal (median of 3, max over ranks)")
-    print("| cp | fwd+bwd (ms) | comm alone (ms) | exposed comm (ms) | hidden fraction |")
+    print("| cp | fwd+bwd (ms) | ring transfers alone (ms) | blocked in wait (ms) "
+          "| transfers finished before their wait |")
     print("|---|---|---|---|---|")
     for n, rr in res.items():
         if "ring" not in rr[0]:
             continue
         g = {k: max(r["ring"][k] for r in rr) for k in rr[0]["ring"]}
-        hidden = min(r["ring"]["hidden_fraction"] for r in rr)
+        hidden = statistics.mean(r["ring"]["hidden_transfers"] for r in rr)
         print(f"| {n} | {1e3 * g['fwd_bwd_s']:.1f} | {1e3 * g['comm_alone_s']:.1f} | "
               f"{1e3 * g['exposed_comm_s']:.1f} | {hidden:.2f} |")
     print("\nMoE layer forward, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, dropless (mean over ranks)")

@@ -95,12 +95,44 @@ def _repeat(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
-def _scores(q, k, scale, diag):
+TILE = 512
+"""Query rows per score tile: a pair of chunks is computed in (TILE x c) pieces, so the
+transient score memory is bounded by TILE * c per head instead of c * c."""
+
+
+def _scores(q, k, scale, diag, r0):
+    """Scores of query rows r0.. of a chunk against a whole key chunk; ``diag`` masks keys after
+    the query (same chunk)."""
     s = (q @ k.transpose(-1, -2)) * scale
     if diag:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        rows, n = s.shape[-2:]
+        s = s.masked_fill(torch.ones(rows, n, dtype=torch.bool, device=s.device).triu(1 + r0), float("-inf"))
     return s
+
+
+def _pair_forward(q, k, v, scale, diag):
+    """Attention of query chunk q over key chunk (k, v): (out, lse), in row tiles."""
+    outs, lses = [], []
+    for r0 in range(0, q.shape[2], TILE):
+        s = _scores(q[:, :, r0:r0 + TILE], k, scale, diag, r0)
+        lse = torch.logsumexp(s, -1)
+        outs.append(torch.exp(s - lse[..., None]) @ v)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _pair_backward(q, k, v, do, lse, delta, scale, diag, dq):
+    """Adds this pair's dQ into ``dq``; returns (dK, dV) of the key chunk. Row tiles as forward."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r0 in range(0, q.shape[2], TILE):
+        rows = slice(r0, r0 + TILE)
+        qt, dot = q[:, :, rows], do[:, :, rows]
+        p = torch.exp(_scores(qt, k, scale, diag, r0) - lse[:, :, rows, None])
+        dv += p.transpose(-1, -2) @ dot
+        ds = p * (dot @ v.transpose(-1, -2) - delta[:, :, rows, None])
+        dq[:, :, rows] += (ds @ k) * scale
+        dk += (ds.transpose(-1, -2) @ qt) * scale
+    return dk, dv
 
 
 def _merge(acc, out, lse):
@@ -129,9 +161,7 @@ class _RingAttention(torch.autograd.Function):
             k_ids = chunk_ids((r - step) % cp, cp)
             kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for qi, ki, diag in _pairs(q_ids, k_ids, causal):
-                s = _scores(qc[qi], _repeat(kc[ki], rep), scale, diag)
-                lse = torch.logsumexp(s, -1)
-                out = torch.exp(s - lse[..., None]) @ _repeat(vc[ki], rep)
+                out, lse = _pair_forward(qc[qi], _repeat(kc[ki], rep), _repeat(vc[ki], rep), scale, diag)
                 acc[qi] = _merge(acc[qi], out, lse)
             _wait(reqs, stats)
             if reqs:
@@ -169,12 +199,8 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros_like(kv)
             dkc, dvc = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             for qi, ki, diag in _pairs(q_ids, k_ids, causal):
-                kr, vr = _repeat(kc[ki], rep), _repeat(vc[ki], rep)
-                p = torch.exp(_scores(qc[qi], kr, scale, diag) - lsec[qi][..., None])
-                dv_blk = p.transpose(-1, -2) @ doc[qi]
-                ds = p * (doc[qi] @ vr.transpose(-1, -2) - dc[qi][..., None])
-                dq[qi] += (ds @ kr) * scale
-                dk_blk = (ds.transpose(-1, -2) @ qc[qi]) * scale
+                dk_blk, dv_blk = _pair_backward(qc[qi], _repeat(kc[ki], rep), _repeat(vc[ki], rep), doc[qi],
+                                                lsec[qi], dc[qi], scale, diag, dq[qi])
                 if rep > 1:  # sum the gradients of the repeated key/value heads
                     dk_blk = dk_blk.unflatten(1, (-1, rep)).sum(2)
                     dv_blk = dv_blk.unflatten(1, (-1, rep)).sum(2)
@@ -195,6 +221,10 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _wait(reqs, stats):
+    """Wait for the ring transfers; count how many had already finished behind the compute
+    (``stats["hidden"]`` of ``stats["transfers"]``) and the seconds spent blocked (``wait_s``)."""
+    stats["transfers"] = stats.get("transfers", 0) + len(reqs)
+    stats["hidden"] = stats.get("hidden", 0) + sum(1 for req in reqs if req.is_completed())
     t0 = time.perf_counter()
     for req in reqs:
         req.wait()

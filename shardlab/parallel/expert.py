@@ -97,9 +97,12 @@ class ExpertParallelMoE(MoE):
 
     def run_experts(self, x, counts):
         ep, n_local, tm = self.ep.size, self.n_local, self.timing
-        if ep == 1:
-            return self.experts(x, counts.tolist())
         t0 = time.perf_counter()
+        if ep == 1:
+            out = self.experts(x, counts.tolist())
+            tm["experts_s"] += time.perf_counter() - t0
+            tm["calls"] += 1
+            return out
         send = counts.view(ep, n_local)
         recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()

@@ -13,7 +13,9 @@ import sys
 COMMANDS = {
     "train": ("shardlab.train.run", "train a model: shardlab train CONFIG --nproc N [--section.key=value ...]"),
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
+    "verify": ("shardlab.analysis.verify", "parity matrix: every layout that fits N ranks vs one process (float64)"),
     "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
+    "schedule": ("shardlab.analysis.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
 }
 
 

@@ -35,23 +35,9 @@ import time
 import torch
 from torch import nn
 
+from ..distributed.autograd import all_to_all
 from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE, Experts
-
-
-class _AllToAll(torch.autograd.Function):
-    """Forward: rows ``in_splits[q]`` go to rank q, ``out_splits[s]`` arrive from s.
-    Backward: the same exchange with the splits swapped (all-to-all is its own adjoint)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, in_splits, out_splits):
-        ctx.comm, ctx.splits = comm, (in_splits, out_splits)
-        return comm.all_to_all(x, in_splits, out_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        in_splits, out_splits = ctx.splits
-        return ctx.comm.all_to_all(grad.contiguous(), out_splits, in_splits), None, None, None
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -66,10 +52,6 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.comm.all_reduce(grad.clone()), None
-
-
-def all_to_all(x, comm, in_splits, out_splits):
-    return _AllToAll.apply(x, comm, in_splits, out_splits)
 
 
 class ExpertParallelMoE(MoE):

@@ -9,7 +9,7 @@ from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models.llama import build_model
 from shardlab.parallel import context
-from shardlab.parallelize import Engine
+from shardlab.parallelize import parallelize
 
 ATOL = 1e-10
 
@@ -66,11 +66,13 @@ def _train_step_check(mesh, name, results):
     ref_loss.backward()
     ref_opt.step()
 
-    model = context.apply(build_model(cfg.model, seed=2, dtype=torch.float64), mesh, cfg)
-    engine = Engine(model, mesh, cfg)
+    for key, value in mesh.topology.__dict__.items():
+        setattr(cfg.parallel, key, value)
+    engine = parallelize(build_model(cfg.model, seed=2, dtype=torch.float64), mesh, cfg)
+    model = engine.model
     dp, dpi = mesh.size("dp"), mesh.local_rank("dp")
     b = tokens.shape[0] // dp
-    x, y = context.shard_batch(tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b], mesh)
+    x, y = tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b]  # the engine cuts the cp shard
     loss = engine.global_loss(engine.forward_backward([(x, y)]))
     grad_err = max((p.grad - rp.grad).abs().max().item()
                    for p, rp in zip(model.parameters(), ref.parameters()))

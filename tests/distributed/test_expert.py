@@ -7,7 +7,7 @@ from shardlab.distributed.placement import get_placement
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models.llama import build_model
-from shardlab.parallel import context, expert
+from shardlab.parallel import expert
 from shardlab.parallelize import Engine, parallelize
 
 ATOL = 1e-10
@@ -49,7 +49,7 @@ def _train_step(mesh, cfg):
         engine = parallelize(model, mesh, cfg)
     dp, dpi = mesh.size("dp"), mesh.local_rank("dp")
     b = tokens.shape[0] // dp
-    x, y = context.shard_batch(tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b], mesh)
+    x, y = tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b]  # the engine cuts the cp shard
     snap = mesh.ledger.snapshot()
     loss = engine.global_loss(engine.forward_backward([(x, y)]))
     metrics = expert.moe_metrics(engine.model, mesh.ledger.since(snap))

@@ -24,9 +24,10 @@ batch: :meth:`batch_sum` all-reduces their statistics over dp_cp (backward: all-
 gradient, the adjoint of a sum), so the loss equals the single-process MoE on the whole batch.
 This is installed for every MoE model in a multi-rank data-parallel run, also when ep = 1.
 
-Tensor parallel: the MoE input is replicated over tp (no sequence parallel), so each tp rank
-runs its own ep group on identical tokens: the experts are replicated over tp and computed
-redundantly (correct, not yet faster). Splitting experts over tp is future work.
+Tensor parallel: tensor.py leaves MoE layers whole; their input is replicated over tp (sequence
+parallel with MoE is refused), so each tp rank runs its own ep group on identical tokens: the
+experts are replicated over tp and computed redundantly (correct, not faster). Splitting
+experts over tp is future work.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models.llama import build_model
 from shardlab.parallel import expert
-from shardlab.parallelize import Engine, parallelize
+from shardlab.parallelize import parallelize
 
 ATOL = 1e-10
 
@@ -42,11 +42,7 @@ def _train_step(mesh, cfg):
     ref_grads = {n: p.grad.clone() for n, p in ref_params.items()}
     torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
 
-    model = build_model(cfg.model, seed=4, dtype=torch.float64)
-    if mesh.size("tp") > 1:  # the tp axis alone (tensor.py lives on another branch): experts per tp rank
-        engine = Engine(expert.apply(model, mesh, cfg), mesh, cfg)
-    else:
-        engine = parallelize(model, mesh, cfg)
+    engine = parallelize(build_model(cfg.model, seed=4, dtype=torch.float64), mesh, cfg)
     dp, dpi = mesh.size("dp"), mesh.local_rank("dp")
     b = tokens.shape[0] // dp
     x, y = tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b]  # the engine cuts the cp shard

@@ -40,7 +40,8 @@ def _train_step(mesh, cfg):
     ref_loss.backward()
     ref_params = dict(ref.named_parameters())
     ref_grads = {n: p.grad.clone() for n, p in ref_params.items()}
-    torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.step()
 
     engine = parallelize(build_model(cfg.model, seed=4, dtype=torch.float64), mesh, cfg)
     dp, dpi = mesh.size("dp"), mesh.local_rank("dp")
@@ -55,9 +56,15 @@ def _train_step(mesh, cfg):
         grad_err = max(grad_err, (p.grad - local_slice(ref_grads[pl.name], pl)).abs().max().item())
     norm_err = abs(engine.grad_norm().item() - torch.cat([g.flatten() for g in ref_grads.values()]).norm().item())
     grad_err = max(grad_err, norm_err)
-    torch.optim.AdamW(engine.parameters(), lr=1e-2).step()
+    opt = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    opt.step()
     param_err = max((p - local_slice(ref_params[get_placement(p, n).name], get_placement(p, n))).abs().max().item()
                     for n, p in engine.named_parameters())
+    # checkpoint tensors in global coordinates: experts gathered over ep equal the reference's
+    state = engine.full_state(opt, everywhere=True)
+    for n, rp in ref_params.items():
+        param_err = max(param_err, (state[f"model.{n}"] - rp).abs().max().item(),
+                        (state[f"optim.{n}.exp_avg_sq"] - ref_opt.state[rp]["exp_avg_sq"]).abs().max().item())
     tpe = metrics["moe/0/tokens_per_expert"]
     ref_tpe = ref.layers["0"].feed_forward.last_stats["tokens_per_expert"].tolist()
     return (abs(loss - ref_loss.item()), grad_err, param_err, tpe == ref_tpe,

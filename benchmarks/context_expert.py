@@ -108,7 +108,48 @@ def memory(mesh, seq, dev):
     return {"saved_MiB": nbytes / 2**20, "peak_MiB": None if peak is None else peak / 2**20, "rss_MiB": rss}
 
 
+def _exchange(comm, kv, n, tag):
+    """``n`` ring steps of the K/V block with nothing else running."""
+    cp, r = comm.size, comm.rank
+    for _ in range(n):
+        buf = torch.empty_like(kv)
+        for req in (comm.isend(kv, (r + 1) % cp, tag), comm.irecv(buf, (r - 1) % cp, tag)):
+            req.wait()
+
+
+def _backward_timeline(comm, stats):
+    """(blocked seconds, of which skew) of this rank's backward waits. At step s a rank waits for
+    K/V from r-1 and for r+1 to take ours (both posted at their step s start) and for the partial
+    dK/dV from r-1 (posted at the end of its step s-1); the final wait for the complete dK/dV
+    from r-1 (end of its last step) and for r+1 to take our partial sums (its step s+1 start,
+    or its final receive)."""
+    cp, r = comm.size, comm.rank
+    row = torch.tensor(stats["bwd_posts"] + stats["bwd_dkv_posts"] + stats["bwd_final_post"], dtype=torch.float64)
+    every = comm.all_gather(row.unsqueeze(0))                               # (cp, 2cp+1)
+    posts, dkv_posts, final_post = every[:, :cp], every[:, cp:2 * cp], every[:, 2 * cp]
+    prev, nxt = (r - 1) % cp, (r + 1) % cp
+    blocked = skew = 0.0
+    for s, (w0, w1) in enumerate(stats["bwd_waits"]):
+        ready = []
+        if s < cp - 1:
+            ready += [posts[prev, s], posts[nxt, s]]
+        if s > 0:
+            ready.append(dkv_posts[prev, s - 1])
+        b = w1 - w0
+        blocked += b
+        skew += min(max(0.0, float(max(ready)) - w0), b)
+    w0, w1 = stats["bwd_final_wait"][0]
+    ready = [dkv_posts[prev, cp - 1], final_post[nxt]] + [posts[nxt, s + 1] for s in range(cp - 1)]
+    blocked += w1 - w0
+    skew += min(max(0.0, float(max(ready)) - w0), w1 - w0)
+    return blocked, skew
+
+
 def ring(mesh, seq, dev, iters=3):
+    """Ring attention fwd+bwd; forward timeline analysed for overlap. A forward wait at step s
+    waits for the block from rank r-1 (isend posted at that rank's step s) and for rank r+1 to
+    take ours (irecv posted at its step s). The part of the wait before the later of those two
+    posts is skew (a peer still computing), the rest is transfer time not hidden by compute."""
     comm = mesh.comm("cp")
     cp, r = comm.size, comm.rank
     B, H, D = 1, 4, 32
@@ -116,7 +157,9 @@ def ring(mesh, seq, dev, iters=3):
     q, k, v, do = (context.shard_sequence(torch.randn(B, H, seq, D, generator=g), r, cp, dim=2).to(dev)
                    for _ in range(4))
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    totals, waits, alone = [], [], []
+    keys = ("fwd_bwd_s", "exposed_comm_s", "comm_alone_s", "fwd_alone_s", "fwd_blocked_s", "fwd_skew_s",
+            "fwd_unhidden_s", "bwd_alone_s", "bwd_blocked_s", "bwd_skew_s", "bwd_unhidden_s")
+    rec = {k_: [] for k_ in keys}
     for it in range(iters + 1):
         stats: dict = {}
         comm.barrier()
@@ -128,19 +171,25 @@ def ring(mesh, seq, dev, iters=3):
         # the same transfers with no compute: fwd (cp-1) K/V blocks, bwd (cp-1) K/V + cp dK/dV
         kv = torch.stack([k.detach(), v.detach()]).contiguous()
         t2 = time.perf_counter()
-        for tag, n in ((0, 2 * (cp - 1)), (1, cp)):
-            for _ in range(n):
-                buf = torch.empty_like(kv)
-                for req in (comm.isend(kv, (r + 1) % cp, tag), comm.irecv(buf, (r - 1) % cp, tag)):
-                    req.wait()
-        _sync(dev)
+        _exchange(comm, kv, cp - 1, 0)
         t3 = time.perf_counter()
+        _exchange(comm, kv, cp - 1, 0)
+        _exchange(comm, kv, cp, 1)
+        _sync(dev)
+        t4 = time.perf_counter()
+        tl = torch.tensor([[p, w0, w1] for p, (w0, w1) in zip(stats["fwd_posts"], stats["fwd_waits"])],
+                          dtype=torch.float64)
+        every = comm.all_gather(tl.unsqueeze(0))                         # (cp, cp-1, 3)
+        blocked = tl[:, 2] - tl[:, 1]
+        peers_ready = torch.maximum(every[(r - 1) % cp, :, 0], every[(r + 1) % cp, :, 0])
+        skew = torch.minimum((peers_ready - tl[:, 1]).clamp(min=0), blocked)
+        bwd_blocked, bwd_skew = _backward_timeline(comm, stats)
         if it:  # first iteration is warm-up
-            totals.append(t1 - t0)
-            waits.append(stats["wait_s"])
-            alone.append(t3 - t2)
-    tot, wait, comm_s = (statistics.median(v) for v in (totals, waits, alone))
-    return {"fwd_bwd_s": tot, "exposed_comm_s": wait, "comm_alone_s": comm_s}
+            for key, val in zip(keys, (t1 - t0, stats["wait_s"], t4 - t2, t3 - t2, float(blocked.sum()),
+                                       float(skew.sum()), float((blocked - skew).sum()), t4 - t3,
+                                       bwd_blocked, bwd_skew, bwd_blocked - bwd_skew)):
+                rec[key].append(val)
+    return {key: statistics.median(vals) for key, vals in rec.items()}
 
 
 def moe(mesh, dev, tokens=2048, iters=3):
@@ -164,16 +213,18 @@ def moe(mesh, dev, tokens=2048, iters=3):
             "a2a_MiB": sent / n / 2**20}
 
 
-def worker(ctx, n, seq, device):
+def worker(ctx, n, seq, device, parts):
     dev = torch.device(device)
     _exact_rss()
     out = {}
     mesh = Mesh.build(Topology(cp=n)) if n > 1 else Mesh.single(dev)
-    out["memory"] = memory(mesh, seq, dev)
-    if n > 1:
+    if "memory" in parts:
+        out["memory"] = memory(mesh, seq, dev)
+    if "ring" in parts and n > 1:
         out["ring"] = ring(mesh, seq, dev)
-    ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
-    out["moe"] = moe(ep_mesh, dev)
+    if "moe" in parts:
+        ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
+        out["moe"] = moe(ep_mesh, dev)
     return out
 
 
@@ -183,44 +234,53 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default="")
+    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe")
     args = ap.parse_args()
     res = {}
     for n in args.sizes:
-        per_rank = run(worker, n, n, args.seq, args.device, timeout_s=600)
+        per_rank = run(worker, n, n, args.seq, args.device, args.parts, timeout_s=600)
         res[n] = per_rank
-    base = max(r["memory"]["saved_MiB"] for r in res[args.sizes[0]])
-    base_rss = max(r["memory"]["rss_MiB"] or 1e-9 for r in res[args.sizes[0]])
-    print(f"\nActivation memory per rank, tiny Llama (d 64, 2 layers, 4 heads), seq {args.seq}, batch 1, "
-          f"fp32, device {args.device}")
-    print("| cp | saved for backward, max over ranks (MiB) | vs cp=1 | peak RSS growth in fwd+bwd (MiB, vs cp=1) "
-          "| CUDA peak alloc fwd+bwd (MiB) |")
-    print("|---|---|---|---|---|")
-    for n, rr in res.items():
-        m = max(r["memory"]["saved_MiB"] for r in rr)
-        pk = [r["memory"]["peak_MiB"] for r in rr]
-        pk_s = f"{max(pk):.1f}" if pk[0] is not None else "n/a (CPU)"
-        rss = [r["memory"]["rss_MiB"] for r in rr]
-        rss_s = f"{max(rss):.1f} ({max(rss) / base_rss:.2f})" if None not in rss else "n/a"
-        print(f"| {n} | {m:.1f} | {m / base:.3f} | {rss_s} | {pk_s} |")
-    print(f"\nRing attention fwd+bwd, B 1, 4 heads, head_dim 32, seq {args.seq}, causal (median of 3, max over ranks)")
-    print("| cp | fwd+bwd (ms) | ring transfers alone (ms) | blocked in wait (ms) "
-          "| hidden = 1 - blocked / alone |")
-    print("|---|---|---|---|---|")
-    for n, rr in res.items():
-        if "ring" not in rr[0]:
-            continue
-        g = {k: max(r["ring"][k] for r in rr) for k in rr[0]["ring"]}
-        hidden = max(0.0, 1 - g["exposed_comm_s"] / g["comm_alone_s"])
-        print(f"| {n} | {1e3 * g['fwd_bwd_s']:.1f} | {1e3 * g['comm_alone_s']:.1f} | "
-              f"{1e3 * g['exposed_comm_s']:.1f} | {hidden:.2f} |")
-    print("\nMoE layer forward, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, dropless (mean over ranks)")
-    print("| ep | dispatch+combine all-to-all (ms) | expert compute (ms) | a2a / experts | a2a sent per rank (MiB) |")
-    print("|---|---|---|---|---|")
-    for n, rr in res.items():
-        a = statistics.mean(r["moe"]["a2a_ms"] for r in rr)
-        e = statistics.mean(r["moe"]["experts_ms"] for r in rr)
-        mib = statistics.mean(r["moe"]["a2a_MiB"] for r in rr)
-        print(f"| {n} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
+    if "memory" in args.parts:
+        base = max(r["memory"]["saved_MiB"] for r in res[args.sizes[0]])
+        base_rss = max(r["memory"]["rss_MiB"] or 1e-9 for r in res[args.sizes[0]])
+        print(f"\nActivation memory per rank, tiny Llama (d 64, 2 layers, 4 heads), seq {args.seq}, batch 1, "
+              f"fp32, device {args.device}")
+        print("| cp | saved for backward, max over ranks (MiB) | vs cp=1 | peak RSS growth in fwd+bwd (MiB, vs cp=1) "
+              "| CUDA peak alloc fwd+bwd (MiB) |")
+        print("|---|---|---|---|---|")
+        for n, rr in res.items():
+            m = max(r["memory"]["saved_MiB"] for r in rr)
+            pk = [r["memory"]["peak_MiB"] for r in rr]
+            pk_s = f"{max(pk):.1f}" if pk[0] is not None else "n/a (CPU)"
+            rss = [r["memory"]["rss_MiB"] for r in rr]
+            rss_s = f"{max(rss):.1f} ({max(rss) / base_rss:.2f})" if None not in rss else "n/a"
+            print(f"| {n} | {m:.1f} | {m / base:.3f} | {rss_s} | {pk_s} |")
+    if "ring" in args.parts:
+        print(f"\nRing attention, B 1, 4 heads, head_dim 32, seq {args.seq}, causal (median of 3 runs; times max "
+              "over ranks, hidden fraction mean over ranks). blocked = time in wait, skew = part of it before "
+              "the peers had posted the matching isend/irecv, unhidden = blocked - skew.")
+        print("| cp | pass | fwd+bwd (ms) | transfers alone (ms) | blocked in wait (ms) "
+              "| of which skew (ms) | unhidden (ms) | hidden = 1 - unhidden / alone |")
+        print("|---|---|---|---|---|---|---|---|")
+        for n, rr in res.items():
+            if "ring" not in rr[0]:
+                continue
+            g = {k: max(r["ring"][k] for r in rr) for k in rr[0]["ring"]}
+            for ps in ("fwd", "bwd"):
+                hidden = statistics.mean(max(0.0, 1 - r["ring"][f"{ps}_unhidden_s"] / r["ring"][f"{ps}_alone_s"])
+                                         for r in rr)
+                print(f"| {n} | {ps} | {1e3 * g['fwd_bwd_s']:.1f} | {1e3 * g[f'{ps}_alone_s']:.1f} | "
+                      f"{1e3 * g[f'{ps}_blocked_s']:.1f} | {1e3 * g[f'{ps}_skew_s']:.1f} | "
+                      f"{1e3 * g[f'{ps}_unhidden_s']:.1f} | {hidden:.2f} |")
+    if "moe" in args.parts:
+        print("\nMoE layer forward, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, dropless (mean over ranks)")
+        print("| ep | dispatch+combine all-to-all (ms) | expert compute (ms) | a2a / experts | a2a sent per rank (MiB) |")
+        print("|---|---|---|---|---|")
+        for n, rr in res.items():
+            a = statistics.mean(r["moe"]["a2a_ms"] for r in rr)
+            e = statistics.mean(r["moe"]["experts_ms"] for r in rr)
+            mib = statistics.mean(r["moe"]["a2a_MiB"] for r in rr)
+            print(f"| {n} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({str(k): v for k, v in res.items()}, fh, indent=1)

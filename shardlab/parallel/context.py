@@ -158,13 +158,15 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:  # next block's transfer overlaps this block's compute
                 nxt = torch.empty_like(kv)
                 reqs = [comm.isend(kv, (r + 1) % cp), comm.irecv(nxt, (r - 1) % cp)]
+                _mark(stats, "fwd_posts", time.perf_counter())
             k_ids = chunk_ids((r - step) % cp, cp)
             kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for qi, ki, diag in _pairs(q_ids, k_ids, causal):
                 out, lse = _pair_forward(qc[qi], _repeat(kc[ki], rep), _repeat(vc[ki], rep), scale, diag)
                 acc[qi] = _merge(acc[qi], out, lse)
-            _wait(reqs, stats)
+            waited = _wait(reqs, stats)
             if reqs:
+                _mark(stats, "fwd_waits", waited)
                 kv = nxt
         out = torch.cat([acc[0][0], acc[1][0]], dim=2)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
@@ -194,6 +196,7 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:  # the partial dK/dV of this block from the ranks that held it before
                 incoming = torch.empty_like(kv)
                 reqs.append(comm.irecv(incoming, prev_rank, tag=1))
+            _mark(stats, "bwd_posts", time.perf_counter())
             k_ids = chunk_ids((r - step) % cp, cp)
             kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dkv = torch.zeros_like(kv)
@@ -206,26 +209,37 @@ class _RingAttention(torch.autograd.Function):
                     dv_blk = dv_blk.unflatten(1, (-1, rep)).sum(2)
                 dkc[ki].add_(dk_blk)
                 dvc[ki].add_(dv_blk)
-            _wait(reqs, stats)
+            _mark(stats, "bwd_waits", _wait(reqs, stats))
             if step > 0:
                 dkv += incoming
             if cp > 1:  # pass the block's gradient on, one hop behind the block itself
                 sends.append(comm.isend(dkv, nxt_rank, tag=1))
+                _mark(stats, "bwd_dkv_posts", time.perf_counter())
                 in_flight.append(dkv)  # keep the buffer alive until its send completes
             if step < cp - 1:
                 kv = nxt
         if cp > 1:  # after cp hops the complete dK/dV of our own block comes back to us
             dkv = torch.empty_like(kv)
-            _wait([comm.irecv(dkv, prev_rank, tag=1)] + sends, stats)
+            final = comm.irecv(dkv, prev_rank, tag=1)
+            _mark(stats, "bwd_final_post", time.perf_counter())
+            _mark(stats, "bwd_final_wait", _wait([final] + sends, stats))
         return torch.cat(dq, dim=2), dkv[0], dkv[1], None, None, None
 
 
+def _mark(stats, key, value):
+    """Timeline for the benchmark's overlap analysis (post and wait times per ring step)."""
+    stats.setdefault(key, []).append(value)
+
+
 def _wait(reqs, stats):
-    """Wait for the ring transfers; ``stats["wait_s"]`` adds the seconds spent blocked."""
+    """Wait for the ring transfers; ``stats["wait_s"]`` adds the seconds spent blocked.
+    Returns (start, end) of the wait (perf_counter: one clock for all processes of a host)."""
     t0 = time.perf_counter()
     for req in reqs:
         req.wait()
-    stats["wait_s"] = stats.get("wait_s", 0.0) + time.perf_counter() - t0
+    t1 = time.perf_counter()
+    stats["wait_s"] = stats.get("wait_s", 0.0) + t1 - t0
+    return t0, t1
 
 
 def ring_attention(q, k, v, comm, causal: bool = True, stats: dict | None = None) -> torch.Tensor:

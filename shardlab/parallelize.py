@@ -149,8 +149,9 @@ class Engine:
                 for k, v in state.items():
                     if k.startswith(prefix) and "." not in k[len(prefix):]:
                         sub = k[len(prefix):]
-                        st[sub] = (local_slice(v, pl, p.shape) if v.shape == pl.global_shape and v.dim() > 0
-                                   else v.clone()).to(device=_state_device(v, p))
+                        part = local_slice(v, pl, p.shape) if v.shape == pl.global_shape and v.dim() > 0 else v
+                        # a private copy: the optimizer updates it in place
+                        st[sub] = part.to(device=_state_device(v, p), copy=True).contiguous()
                 if st:
                     optimizer.state[p] = st
 

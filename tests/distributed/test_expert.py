@@ -94,8 +94,11 @@ def _capacity_layer(mesh, cfg):
 def worker(ctx, topologies):
     out = {}
     for topo in topologies:
+        topo = dict(topo)
+        algorithm = topo.pop("algorithm", "backend")
         mesh = Mesh.build(Topology(**topo))
-        tag = "x".join(f"{k}{v}" for k, v in topo.items())
+        mesh.algorithm = algorithm  # "ring": shardlab's own pairwise all-to-all
+        tag = "x".join(f"{k}{v}" for k, v in topo.items()) + ("" if algorithm == "backend" else f" {algorithm}")
         for k in (1, 2):
             out[f"{tag} top{k} step"] = _train_step(mesh, make_cfg(topo, top_k=k))
         out[f"{tag} capacity"] = _capacity_layer(mesh, make_cfg(topo, capacity=1.0))
@@ -119,7 +122,7 @@ def _check(res, rank, all_res):
 
 
 def test_expert_parallel_ep2():
-    res = run(worker, 2, [dict(dp_shard=2, ep=2)])
+    res = run(worker, 2, [dict(dp_shard=2, ep=2), dict(dp_shard=2, ep=2, algorithm="ring")])
     assert sum(v[2] for r in res for k, v in r.items() if k.endswith("capacity")) > 0  # drops happened
     for rank, r in enumerate(res):
         _check(r, rank, res)

@@ -248,8 +248,9 @@ def ring_attention(q, k, v, comm, causal: bool = True, stats: dict | None = None
 
 
 class RingAttention(nn.Module):
-    """Drop-in for ``layers.<i>.attention.core``. ``stats["wait_s"]``: seconds blocked on the ring
-    (communication not hidden behind compute)."""
+    """Drop-in for ``layers.<i>.attention.core``. ``self.stats`` belongs to the latest call (its
+    forward and, once run, its backward): ``wait_s`` = seconds blocked on the ring, plus the
+    post/wait timeline the benchmark analyses."""
 
     def __init__(self, comm):
         super().__init__()
@@ -257,6 +258,7 @@ class RingAttention(nn.Module):
         self.stats: dict = {}
 
     def forward(self, q, k, v, causal: bool = True):
+        self.stats = {}  # a fresh record per call: nothing accumulates over a long run
         if q.dtype in (torch.float16, torch.bfloat16):
             return ring_attention(q.float(), k.float(), v.float(), self.comm, causal, self.stats).to(q.dtype)
         return ring_attention(q, k, v, self.comm, causal, self.stats)

@@ -56,6 +56,8 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "ep2": ({"ep": 2, "dp_shard": 2}, MOE, "dp_replicate"),
     "ep4": ({"ep": 4, "dp_shard": 4}, MOE, "dp_replicate"),
     "moe-dp": ({}, MOE, "dp_replicate"),
+    "ep2-tp2": ({"ep": 2, "dp_shard": 2, "tp": 2}, MOE, "dp_replicate"),
+    "ep2-cp2": ({"ep": 2, "cp": 2}, MOE, "dp_replicate"),
 }
 
 

@@ -110,11 +110,14 @@ class PipelineEngine(Engine):
                     if x is not None:
                         in_grads[key], grads = grads[0], grads[1:]
                     saved_z[key] = [(mod, z, g) for (mod, z), g in zip(saved_z[key], grads)]
+                    del zs, wrt, grads
+                del out, grad, x  # nothing may keep this micro-batch's graph alive past W
             elif a.kind == "W":
                 for mod, z, g in saved_z.pop(key):
                     if g is not None:
                         params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
                         torch.autograd.backward(z, g, inputs=params)
+                    del z, g
             if a.kind in ("F", "B", "W"):
                 timeline.append((a, t0, time.perf_counter()))
         self.link.wait_sends()

@@ -40,10 +40,25 @@ class Engine:
         self.sync_grads()
         return total / n
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
+        """Local mean loss over the micro-batches, no gradients."""
+        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
+        for x, y in micro_batches:
+            with autocast() if autocast else _null():
+                total += self.model(x, y).double()
+        return total / len(micro_batches)
+
     def sync_grads(self):
         comm = self.mesh.comm("dp_cp")
-        for p in self.parameters():
-            if p.grad is not None:
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            if "ep" in get_placement(p, name).sharded_over:
+                # Expert weights: the all-to-all backward already summed the ep ranks' gradients;
+                # add those of the ranks holding the same experts, divide by the data-parallel size.
+                self.mesh.comm("edp").all_reduce(p.grad).div_(self.mesh.size("dp_cp"))
+            else:
                 comm.all_reduce(p.grad, op="avg")
 
     def global_loss(self, local: torch.Tensor) -> float:
@@ -127,10 +142,18 @@ class _null:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
-    unsupported = [name for name, on in (("tp", p.tp > 1), ("cp", p.cp > 1),
-                                         ("ep", p.ep > 1), ("zero_stage", p.zero_stage > 0)) if on]
+    unsupported = [name for name, on in (("zero_stage", p.zero_stage > 0),) if on]
     if unsupported:
         raise NotImplementedError(f"parallel.{unsupported[0]} is not implemented yet in this build")
+    if p.tp > 1:
+        from .parallel import tensor
+        tensor.apply(model, mesh, cfg)
+    if cfg.model.n_experts > 0:  # EP: experts over ep, batch-wide MoE aux losses over dp_cp
+        from .parallel import expert
+        model = expert.apply(model, mesh, cfg)
+    if p.cp > 1:  # CP: ring attention; the loop must feed context.shard_batch(tokens, targets, mesh)
+        from .parallel import context
+        model = context.apply(model, mesh, cfg)
     if p.compile:
         for key, block in model.layers.items():
             model.layers[key] = torch.compile(block)

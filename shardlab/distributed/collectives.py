@@ -2,13 +2,17 @@
 
 Every parallel module communicates through a :class:`Comm` so that every byte is counted.
 ``algorithm`` picks the backend's implementation or shardlab's own (ring / tree / rhd, built
-on point-to-point ops; see the collectives issue) per call.
+on point-to-point ops in algorithms.py) per call: every method takes ``algorithm=`` (default
+``self.algorithm``, from ``parallel.comm_algorithm``). Backend ops are counted with the bytes
+a ring algorithm would move (ledger.ring_bytes); own algorithms record the bytes they really
+sent and received.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from . import algorithms as algos
 from .ledger import Ledger, ring_bytes
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -36,10 +40,32 @@ class Comm:
         sent = ring_bytes(op, nbytes, self.size)
         self.ledger.record(op, self.name, sent, sent)
 
+    def _choose(self, op: str, t: torch.Tensor, algorithm: str | None, nbytes: int) -> str:
+        return algos.select(op, algorithm or self.algorithm, nbytes)
+
+    def _link(self) -> algos.Link:
+        return algos.Link(self.group, self.ranks, self.rank)
+
+    def _record(self, op: str, link: algos.Link):
+        self.ledger.record(op, self.name, link.sent, link.recv)
+
     # -- collectives (in place where torch is) -----------------------------------------------
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"all_reduce(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
         if self.size == 1:
+            return t
+        algo = self._choose("all_reduce", t, algorithm, _nbytes(t))
+        if algo != "backend":
+            x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+            link = self._link()
+            algos.ALL_REDUCE[algo](link, x, op)
+            if op == "avg":
+                x.div_(self.size)
+            if not t.is_contiguous():
+                t.copy_(x.view(t.shape))
+            self._record("all_reduce", link)
             return t
         self._count("all_reduce", _nbytes(t))
         dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group)
@@ -47,10 +73,19 @@ class Comm:
             t.div_(self.size)
         return t
 
-    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
         if self.size == 1:
             return t
+        if self._choose("all_gather", t, algorithm, _nbytes(t) * self.size) != "backend":
+            m, n = t.numel(), self.size
+            flat = torch.empty(n * m, dtype=t.dtype, device=t.device)
+            flat[self.rank * m:(self.rank + 1) * m].copy_(t.reshape(-1))
+            link = self._link()
+            algos.ring_all_gather_(link, flat, [(i * m, (i + 1) * m) for i in range(n)])
+            self._record("all_gather", link)
+            parts = flat.view((n,) + tuple(t.shape))
+            return torch.cat(list(parts.unbind(0)), dim=dim)
         self._count("all_gather", _nbytes(t) * self.size)
         if dim == 0:
             out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -60,12 +95,27 @@ class Comm:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tensor:
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
+                       algorithm: str | None = None) -> torch.Tensor:
         """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"reduce_scatter(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
         if self.size == 1:
             return t
         if t.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
+        if self._choose("reduce_scatter", t, algorithm, _nbytes(t)) != "backend":
+            x = t.movedim(dim, 0).contiguous().view(-1)
+            x = x.clone() if x.data_ptr() == t.data_ptr() else x
+            m = x.numel() // self.size
+            link = self._link()
+            algos.ring_reduce_scatter_(link, x, [(i * m, (i + 1) * m) for i in range(self.size)], op)
+            self._record("reduce_scatter", link)
+            shape = (t.shape[dim] // self.size,) + tuple(t.movedim(dim, 0).shape[1:])
+            out = x[self.rank * m:(self.rank + 1) * m].view(shape)
+            if op == "avg":
+                out.div_(self.size)
+            return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
         self._count("reduce_scatter", _nbytes(t))
         x = t if dim == 0 else t.movedim(dim, 0)
         x = x.contiguous()
@@ -76,7 +126,7 @@ class Comm:
         return out if dim == 0 else out.movedim(0, dim).contiguous()
 
     def all_to_all(self, t: torch.Tensor, in_splits: list[int] | None = None,
-                   out_splits: list[int] | None = None) -> torch.Tensor:
+                   out_splits: list[int] | None = None, algorithm: str | None = None) -> torch.Tensor:
         """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
         if self.size == 1:
             return t
@@ -84,7 +134,15 @@ class Comm:
             in_splits = [t.shape[0] // self.size] * self.size
         if out_splits is None:
             out_splits = in_splits
+        if len(in_splits) != self.size or len(out_splits) != self.size or sum(in_splits) != t.shape[0]:
+            raise ValueError(f"all_to_all: need {self.size} in/out splits with sum(in_splits) = "
+                             f"{t.shape[0]} rows, got {list(in_splits)} / {list(out_splits)}")
         out = torch.empty((sum(out_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        if self._choose("all_to_all", t, algorithm, _nbytes(t)) != "backend":
+            link = self._link()
+            algos.pairwise_all_to_all(link, t.contiguous(), out, list(in_splits), list(out_splits))
+            self._record("all_to_all", link)
+            return out
         row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
         sent = row * (sum(in_splits) - in_splits[self.rank])
         recv = row * (sum(out_splits) - out_splits[self.rank])
@@ -92,9 +150,18 @@ class Comm:
         dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(self, t: torch.Tensor, src: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """In place from group rank ``src``."""
         if self.size == 1:
+            return t
+        algo = self._choose("broadcast", t, algorithm, _nbytes(t))
+        if algo != "backend":
+            x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+            link = self._link()
+            algos.BROADCAST[algo](link, x, src)
+            if not t.is_contiguous():
+                t.copy_(x.view(t.shape))
+            self._record("broadcast", link)
             return t
         self._count("broadcast", _nbytes(t))
         dist.broadcast(t, src=self.ranks[src], group=self.group)
@@ -102,7 +169,8 @@ class Comm:
 
     # -- point to point (group-relative peers) -------------------------------------------------
     def isend(self, t: torch.Tensor, peer: int, tag: int = 0):
-        """Non-blocking send to group rank ``peer``; messages with different tags never mix."""
+        """Non-blocking send to group rank ``peer``; messages with the same tag between a pair
+        arrive in the order sent, messages with different tags never mix."""
         self.ledger.record("send", self.name, _nbytes(t), 0)
         return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group, tag=tag)
 

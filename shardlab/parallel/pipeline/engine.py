@@ -90,7 +90,8 @@ class PipelineEngine(Engine):
                 x = tokens if a.stage == 0 else inputs[key]
                 self._capture = [] if split else None
                 with autocast() if autocast else _null():
-                    out = self.chunks[a.stage](x, targets if a.stage == last else None)
+                    out = self.chunks[a.stage](x, targets if a.stage == last else None,
+                                               positions=self._positions(tokens))
                 if split:
                     saved_z[key], self._capture = self._capture, None
                 if a.stage == last:
@@ -134,12 +135,22 @@ class PipelineEngine(Engine):
         self.mesh.comm("pp").all_reduce(t)
         return float(self.mesh.comm("dp_cp").all_reduce(t, op="avg"))
 
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Positions of this rank's tokens, passed to every stage: a middle stage only sees hidden
+        states, whose length differs from the tokens' under sequence parallel."""
+        cp = self.mesh.size("cp")
+        if cp > 1:  # load-balanced causal shard: two non-contiguous blocks (context.py)
+            from ..context import positions
+            return positions(tokens.shape[1], self.mesh.local_rank("cp"), cp, tokens.device)
+        return torch.arange(tokens.shape[1], device=tokens.device)
+
     def _check_batch(self, micro_batches):
-        want = self.link.shape[:2]
+        t, par = self.cfg.train, self.cfg.parallel
+        want = (t.global_batch // (par.dp * par.microbatches), t.seq_len // par.cp)  # tokens, before SP
         got = tuple(micro_batches[0][0].shape[:2])
         if got != want:
             raise ValueError(f"pipeline: micro-batch of shape {got} but the stages agreed on {want} "
-                             f"(train.global_batch / (dp * parallel.microbatches), train.seq_len); "
+                             f"(train.global_batch / (dp * parallel.microbatches), train.seq_len / cp); "
                              f"pass micro-batches of that shape")
 
 

@@ -101,7 +101,10 @@ def _check(results, n_layers):
 
 def test_pipeline_parity_pp2():
     combos = [(s, m, v) for s, v in SCHEDS for m in (2, 4)]
-    results = run(_worker, 2, [dict(pp=2)], combos, 4, timeout_s=120)
+    results = run(_worker_pp2, 2, combos, timeout_s=180)
+    for ckpt in results[0][-1], results[1][-1]:
+        assert ckpt["keys_missing"] == [] and ckpt["param_err"] <= ATOL and ckpt["reload_err"] == 0.0, ckpt
+    results = [r[:-1] for r in results]
     by_combo = _check(results, 4)
     assert len(by_combo) == 8
     # bytes: each micro-batch crosses each of the 2v - 1 stage boundaries once forward (activation)
@@ -109,6 +112,40 @@ def test_pipeline_parity_pp2():
     act = 1 * 16 * 32 * 8  # micro-batch x seq x d_model x float64
     for r0, r1 in zip(*results):
         assert r0["sent"] + r1["sent"] == act * r0["m"] * (2 * r0["v"] - 1) * 2, r0
+
+
+def _worker_pp2(ctx, combos):
+    return _worker(ctx, [dict(pp=2)], combos, 4) + [_checkpoint_case()]
+
+
+def _checkpoint_case():
+    """AdamW step on pp=2 equals the reference step; full_state has every global tensor; it
+    reloads into a fresh pp=2 engine and into a single-process model."""
+    from shardlab.parallelize import Engine
+    mesh = Mesh.build(Topology(pp=2))
+    cfg = tiny_cfg(4)
+    cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.global_batch = 2, 2, 2
+    make_opt = lambda groups: torch.optim.AdamW(groups, lr=1e-2)  # noqa: E731
+    ref = Engine(build_model(cfg.model, SEED, dtype=torch.float64), Mesh.single(), cfg)
+    ref_opt = ref.make_optimizer(make_opt)
+    x, y = batch(cfg, 2)
+    ref.model(x, y).backward()
+    ref_opt.step()
+    engine, _, _, _ = pipeline_step(mesh, cfg, 1, 0)
+    opt = engine.make_optimizer(make_opt)
+    opt.step()
+    state = engine.full_state(opt)
+    want = ref.full_state(ref_opt)
+    err = max((state[k] - want[k]).abs().max().item() for k in want if k in state)
+    again = apply(build_model(cfg.model, SEED + 1, dtype=torch.float64), mesh, cfg)
+    opt2 = again.make_optimizer(make_opt)
+    again.load_full_state(state, opt2)
+    reload_err = max((p - state[f"model.{n}"]).abs().max().item() for n, p in again.named_parameters())
+    single = Engine(build_model(cfg.model, SEED + 1, dtype=torch.float64), Mesh.single(), cfg)
+    single.load_full_state(state, single.make_optimizer(make_opt))
+    reload_err = max(reload_err, max((p - state[f"model.{n}"]).abs().max().item()
+                                     for n, p in single.named_parameters()))
+    return dict(keys_missing=sorted(set(want) ^ set(state)), param_err=err, reload_err=reload_err)
 
 
 def test_pipeline_parity_pp4_and_pp2_dp2():

@@ -128,12 +128,54 @@ class PipelineEngine(Engine):
             return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         return torch.stack(losses).mean()
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
+        """Forward only: micro-batch by micro-batch, this rank's stages in ascending order (each
+        waits only for a lower stage, so it cannot deadlock). Mean loss on the last stage, else 0."""
+        last, losses = self.n_stages - 1, []
+        for j, (tokens, targets) in enumerate(micro_batches):
+            for s in sorted(self.chunks):
+                x = tokens if s == 0 else self.link.recv((s - 1) % self.pp, self.link.tag("F", j, s - 1))
+                with autocast() if autocast else _null():
+                    out = self.chunks[s](x, targets if s == last else None, positions=self._positions(tokens))
+                if s == last:
+                    losses.append(out.double())
+                else:
+                    self.link.send(out, (s + 1) % self.pp, self.link.tag("F", j, s))
+        self.link.wait_sends()
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        return torch.stack(losses).mean()
+
     def global_loss(self, local: torch.Tensor) -> float:
         """Only the last stage has the loss: sum over pp (others add 0), then average over dp_cp."""
         t = local.detach().clone().to(torch.float64) if self.is_last else torch.zeros(
             (), dtype=torch.float64, device=self.mesh.device)
         self.mesh.comm("pp").all_reduce(t)
         return float(self.mesh.comm("dp_cp").all_reduce(t, op="avg"))
+
+    # -- checkpoints: each pipeline rank holds different global names -----------------------
+    def full_state(self, optimizer) -> dict[str, torch.Tensor]:
+        """Global tensors of all stages on every pp rank: each pp rank in turn broadcasts its
+        names/shapes (pickled into a byte tensor) and then its tensors over the ``pp`` group."""
+        import pickle
+        local, comm, out = super().full_state(optimizer), self.mesh.comm("pp"), {}
+        for src in range(self.pp):
+            meta = pickle.dumps([(k, tuple(v.shape), v.dtype) for k, v in local.items()]) if src == self.pp_rank else b""
+            size = comm.broadcast(torch.tensor([len(meta)], dtype=torch.int64), src=src)
+            buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8) if meta else torch.empty(int(size), dtype=torch.uint8)
+            entries = pickle.loads(comm.broadcast(buf, src=src).numpy().tobytes())
+            for name, shape, dtype in entries:
+                t = local[name].to(self.mesh.device) if src == self.pp_rank else torch.empty(shape, dtype=dtype, device=self.mesh.device)
+                out[name] = comm.broadcast(t.contiguous(), src=src).cpu()
+        return out
+
+    def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
+        """Keep the tensors of this rank's stages (names are global: any pp layout can load)."""
+        mine = {f"model.{k}" for k in self.model.state_dict()}
+        names = {n for n, _ in self.named_parameters()}
+        keep = {k: v for k, v in state.items() if k in mine or (k.startswith("optim.") and _param_of(k) in names)}
+        super().load_full_state(keep, optimizer)
 
     def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """Positions of this rank's tokens, passed to every stage: a middle stage only sees hidden
@@ -152,6 +194,11 @@ class PipelineEngine(Engine):
             raise ValueError(f"pipeline: micro-batch of shape {got} but the stages agreed on {want} "
                              f"(train.global_batch / (dp * parallel.microbatches), train.seq_len / cp); "
                              f"pass micro-batches of that shape")
+
+
+def _param_of(key: str) -> str:
+    """``optim.<param name>.<state>`` -> ``<param name>``."""
+    return key[len("optim."):].rsplit(".", 1)[0]
 
 
 def activation_shape(cfg) -> tuple[int, int, int]:

@@ -328,6 +328,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if p.pp_schedule == "interleaved":
             _check(p.microbatches % p.pp == 0, "parallel.microbatches",
                    f"interleaved needs micro-batches divisible by pp={p.pp}")
+        _check(not m.tie_embeddings, "model.tie_embeddings",
+               "the embedding (first stage) and the head (last stage) cannot share a weight across "
+               "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")
+        _check(m.n_experts == 0, "parallel.pp",
+               "pipeline parallel with an MoE model is not supported yet (the auxiliary losses of blocks "
+               "outside the last stage would be lost); use parallel.pp = 1 or model.n_experts = 0")
     _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
            "virtual stages > 1 need pp_schedule = 'interleaved'")
     _check((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",

@@ -143,3 +143,22 @@ def test_stage_views_chain_to_the_full_model():
     ranges = parts[0][2]
     assert all(f"layers.{i}.attention.wq.weight" in names0 for s in (0, 2) for i in ranges[s])
     assert not any(f"layers.{i}." in n for n in names0 for s in (1, 3) for i in ranges[s])
+
+
+def test_config_errors_before_any_process():
+    from shardlab.config import Config, ConfigError
+    for changes, field in (({"microbatches": 2}, "parallel.microbatches"),
+                           ({"pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 6}, "parallel.microbatches"),
+                           ({"pp_virtual": 2}, "parallel.pp_virtual")):
+        cfg = Config()
+        cfg.model.n_layers, cfg.parallel.pp, cfg.parallel.microbatches = 8, 4, 4
+        cfg.train.global_batch = 48
+        for k, v in changes.items():
+            setattr(cfg.parallel, k, v)
+        with pytest.raises(ConfigError) as e:
+            cfg.validate()
+        assert e.value.field == field
+    cfg = Config()
+    cfg.parallel.pp, cfg.parallel.microbatches, cfg.model.tie_embeddings = 2, 2, True
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        cfg.validate()

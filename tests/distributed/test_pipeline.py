@@ -77,7 +77,7 @@ def _worker(ctx, topo_list, combos, n_layers):
             out.append(dict(topo=topo.describe(), sched=sched, m=m, v=v, names=sorted(grads),
                             loss_err=abs(loss - ref_loss), grad_err=err, norm_err=abs(norm - ref_norm),
                             sent=mesh.ledger.total_sent("pp", "send"),
-                            timeline=len(engine.last_timeline)))
+                            timeline=[len(tl) for tl in engine.gather_timeline()]))
             mesh.ledger.reset()
     return out
 
@@ -94,6 +94,9 @@ def _check(results, n_layers):
             assert r["grad_err"] <= ATOL, r
             assert r["norm_err"] <= ATOL, r
             by_combo.setdefault((r["topo"], r["sched"], r["m"]), set()).update(r["names"])
+            if "timeline" in r:  # F and B (and W) of every micro-batch at every stage, timed
+                per_mb = 3 if r["sched"] == "zb-h1" else 2
+                assert sum(r["timeline"]) == per_mb * r["m"] * len(r["timeline"]) * r["v"], r
     for combo, names in by_combo.items():
         assert names == all_names, combo  # the stages together hold every parameter
     return by_combo

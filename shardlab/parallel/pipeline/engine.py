@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ...parallelize import Engine
-from .schedule import build
+from .schedule import Action, build
 from .simulate import check
 from .stage import StageLink, mark_pipeline_placements, split_model
 
@@ -127,6 +127,18 @@ class PipelineEngine(Engine):
         if not losses:
             return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         return torch.stack(losses).mean()
+
+    def gather_timeline(self) -> list:
+        """The last step's measured timeline of every pp rank, on every rank (two all-gathers over
+        pp): ``[[(Action, start, end), ...] per rank]``, ready for ``analysis.timeline.plot``."""
+        comm = self.mesh.comm("pp")
+        counts = comm.all_gather(torch.tensor([len(self.last_timeline)], dtype=torch.int64))
+        rows = torch.zeros(int(counts.max()), 5, dtype=torch.float64)
+        for i, (a, start, end) in enumerate(self.last_timeline):
+            rows[i] = torch.tensor(["FBW".index(a.kind), a.mb, a.stage, start, end], dtype=torch.float64)
+        every = comm.all_gather(rows.unsqueeze(0))
+        return [[(Action("FBW"[int(k)], int(mb), int(st)), s, e) for k, mb, st, s, e in every[r, :int(n)].tolist()]
+                for r, n in enumerate(counts.tolist())]
 
     @torch.no_grad()
     def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:

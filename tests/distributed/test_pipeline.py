@@ -155,12 +155,17 @@ def test_pipeline_parity_pp4_and_pp2_dp2():
     combos = [(s, m, v) for s, v in SCHEDS for m in (4, 8)]
     pp2dp2 = [("1f1b", 2, 1), ("zb-h1", 4, 1), ("interleaved", 4, 2)]
     results = run(_worker_two, 4, combos, pp2dp2, timeout_s=240)
-    by_combo = _check(results, 8)
-    assert len(by_combo) == 8 + 3
+    cp = [[r for r in rank if r["topo"] == "pp2cp2"] for rank in results]
+    for r in sum(cp, []):  # pp x cp (ring attention) = 2 x 2
+        assert r["loss_err"] <= ATOL and r["grad_err"] <= ATOL and r["norm_err"] <= ATOL, r
+    by_combo = _check([[r for r in rank if r["topo"] != "pp2cp2"] for rank in results], 8)
+    assert len(by_combo) == 8 + 3 and len(cp[0]) == 2
 
 
 def _worker_two(ctx, combos, pp2dp2):
-    return _worker(ctx, [dict(pp=4)], combos, 8) + _worker(ctx, [dict(pp=2, dp_shard=2)], pp2dp2, 8)
+    cp = _worker_3d(ctx, [("1f1b", 2, 1, False), ("zb-h1", 2, 1, False)], dict(pp=2, cp=2))
+    return (_worker(ctx, [dict(pp=4)], combos, 8) + _worker(ctx, [dict(pp=2, dp_shard=2)], pp2dp2, 8)
+            + [dict(r, topo="pp2cp2") for r in cp])
 
 
 def test_schedule_refused_before_running():
@@ -173,25 +178,31 @@ def test_schedule_refused_before_running():
 
 # -- 3D: pp x tp x dp = 2 x 2 x 2 through parallelize() (TP first, then PP, dp on top) ---------------
 
-def _worker_3d(ctx, combos):
+def _worker_3d(ctx, combos, topo_kw=None):
+    """pp composed with tp / cp / dp through parallelize(); sharded grads compared by placement."""
     from shardlab.distributed.placement import get_placement
+    from shardlab.parallel import context
     from shardlab.parallelize import parallelize
-    mesh = Mesh.build(Topology(pp=2, tp=2, dp_replicate=2))
+    topo = Topology(**(topo_kw or dict(pp=2, tp=2, dp_replicate=2)))
+    mesh = Mesh.build(topo)
+    dp = topo.dp_replicate
     out = []
     for sched, m, v, sp in combos:
         cfg = tiny_cfg(4)
         cfg.model.vocab_size = 67  # not divisible by tp: padded vocab shards
         p = cfg.parallel
-        p.pp, p.tp, p.dp_replicate, p.pp_schedule, p.microbatches, p.pp_virtual = 2, 2, 2, sched, m, v
+        p.pp, p.tp, p.cp, p.dp_replicate, p.pp_schedule, p.microbatches, p.pp_virtual = \
+            topo.pp, topo.tp, topo.cp, dp, sched, m, v
         p.sequence_parallel = sp
-        cfg.train.global_batch = 2 * m
+        cfg.train.global_batch = dp * m
         cfg.validate(ctx.world_size)
         ref_loss, ref_grads, ref_norm = reference(cfg, cfg.train.global_batch)
         engine = parallelize(build_model(cfg.model, SEED, dtype=torch.float64), mesh, cfg)
         d = mesh.coords["dp_replicate"]
         x, y = batch(cfg, cfg.train.global_batch)
         x, y = x[d * m:(d + 1) * m], y[d * m:(d + 1) * m]
-        loss = engine.global_loss(engine.forward_backward(list(zip(x.chunk(m), y.chunk(m)))))
+        mbs = [context.shard_batch(a, b, mesh) for a, b in zip(x.chunk(m), y.chunk(m))]
+        loss = engine.global_loss(engine.forward_backward(mbs))
         err, names = 0.0, set()
         for name, prm in engine.named_parameters():
             pl = get_placement(prm, name)

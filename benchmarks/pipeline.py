@@ -158,6 +158,22 @@ def worker(ctx, pp, steps, warmup):
     return dict(times=times, timelines=timelines, memory=memory)
 
 
+def hop_latency(timeline, n_stages: int) -> float:
+    """Median time from a message's producer finishing to its consumer starting, over the
+    actions whose rank sat idle waiting for that message: the latency of one hop (send, wake-up)."""
+    ends = {(a.kind, a.mb, a.stage): e for rank in timeline for a, _, e in rank}
+    gaps = []
+    for rank in timeline:
+        prev_end = None
+        for a, s, e in rank:
+            dep = (("F", a.mb, a.stage - 1) if a.kind == "F" and a.stage > 0 else
+                   ("B", a.mb, a.stage + 1) if a.kind == "B" and a.stage < n_stages - 1 else None)
+            if dep in ends and prev_end is not None and ends[dep] >= prev_end:
+                gaps.append(s - ends[dep])
+            prev_end = e
+    return statistics.median(gaps) if gaps else 0.0
+
+
 def summarise(pp, results, out_dir):
     """Per engine: median and fastest step time (slowest rank); for shardlab schedules the
     measured bubble of the fastest step and of the median, and the simulated bubble with the
@@ -174,8 +190,10 @@ def summarise(pp, results, out_dir):
             mean = {k: statistics.mean(e - s for rank_tl in fastest for a, s, e in rank_tl if a.kind == k)
                     for k in ("F", "B", "W") if any(a.kind == k for rank_tl in fastest for a, _, _ in rank_tl)}
             f, b, w = mean["F"] * v, mean["B"] * v, mean.get("W", 0.0) * v
+            lat = hop_latency(fastest, pp * v)
             row.update(bubble=measured_bubble(fastest), bubble_med=statistics.median(map(measured_bubble, tls)),
-                       sim=simulate(build(kind, pp, M, v), f=f, b=b, w=w).bubble,
+                       sim=simulate(build(kind, pp, M, v), f=f, b=b, w=w).bubble, lat=lat,
+                       sim_lat=simulate(build(kind, pp, M, v), f=f, b=b, w=w, comm=lat).bubble,
                        theory=theoretical_bubble(kind, pp, M, v))
             if out_dir:
                 plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}.png"),
@@ -204,12 +222,13 @@ def main(argv=None):
         all_rows += summarise(pp, results, args.out)
     print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
-          "(fastest step / median) | simulated, measured costs | theory F=B=W | peak saved activations MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "(fastest step / median) | simulated, measured costs | + measured hop latency | theory F=B=W "
+          "| peak saved activations MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in all_rows:
         ratio = f"{r['ratio']:.2f}x / {r['ratio_best']:.2f}x" if "ratio" in r else ""
-        bub = (f"{r['bubble']:.3f} / {r['bubble_med']:.3f} | {r['sim']:.3f} | {r['theory']:.3f}"
-               if "bubble" in r else "- | - | -")
+        bub = (f"{r['bubble']:.3f} / {r['bubble_med']:.3f} | {r['sim']:.3f} | {r['sim_lat']:.3f} "
+               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f}" if "bubble" in r else "- | - | - | -")
         print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} |")
 
 

@@ -46,9 +46,11 @@ class PipelineEngine(Engine):
         self._schedules: dict = {}
         self.last_timeline: list = []
         self._capture: list | None = None
+        owns = lambda mod: any(p.requires_grad for p in mod.parameters(recurse=False))  # noqa: E731
         for mod in model.modules():  # W needs each parameter-owning module's output (split backward)
-            if any(True for _ in mod.parameters(recurse=False)):
+            if owns(mod):
                 mod.register_forward_hook(self._record_output)
+        self._owners = {s: {id(mod) for mod in chunk.modules() if owns(mod)} for s, chunk in chunks.items()}
 
     def _record_output(self, module, args, output):
         if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
@@ -94,6 +96,9 @@ class PipelineEngine(Engine):
                                                positions=self._positions(tokens))
                 if split:
                     saved_z[key], self._capture = self._capture, None
+                    if {id(mod) for mod, _ in saved_z[key]} != self._owners[a.stage]:
+                        raise RuntimeError(f"zb-h1: a parameter-owning module of stage {a.stage} did not return "
+                                           "one tensor that requires grad; its weights would get no W; use 1f1b")
                 if a.stage == last:
                     losses.append(out.detach().double())
                     out = out * (loss_scale / m)

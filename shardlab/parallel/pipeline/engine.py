@@ -44,6 +44,7 @@ class PipelineEngine(Engine):
         self.link = StageLink(mesh.comm("pp"), activation_shape(cfg), _param_dtype(model), mesh.device,
                               self.n_stages)
         self._schedules: dict = {}
+        self.lookahead = 2  # receives posted ahead of the one being waited for (buffers: 3 activations)
         self.last_timeline: list = []
         self._capture: list | None = None
         owns = lambda mod: any(p.requires_grad for p in mod.parameters(recurse=False))  # noqa: E731
@@ -55,6 +56,9 @@ class PipelineEngine(Engine):
     def _record_output(self, module, args, output):
         if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
             self._capture.append((module, output))
+
+    def _recv_tag(self, a) -> int:
+        return self.link.tag(a.kind[-1], a.mb, a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
 
     def schedule(self, m: int):
         """The checked action lists for m micro-batches (built and simulated once per m)."""
@@ -76,13 +80,19 @@ class PipelineEngine(Engine):
         inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
         losses = []
         timeline = []
-        for a in sched.ranks[self.pp_rank]:
+        actions = sched.ranks[self.pp_rank]
+        recvs, n_recv = [a for a in actions if a.kind.startswith("RECV")], 0
+        for a in actions:
             key = (a.mb, a.stage)
+            if a.kind.startswith("RECV"):  # also post the next `lookahead` receives ahead of need
+                for r in recvs[n_recv:n_recv + 1 + self.lookahead]:
+                    self.link.post(r.peer, self._recv_tag(r))
+                n_recv += 1
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
-                inputs[key] = self.link.recv(a.peer, self.link.tag("F", a.mb, a.stage - 1)).requires_grad_()
+                inputs[key] = self.link.recv(a.peer, self._recv_tag(a)).requires_grad_()
             elif a.kind == "RECV_B":
-                out_grads[key] = self.link.recv(a.peer, self.link.tag("B", a.mb, a.stage + 1))
+                out_grads[key] = self.link.recv(a.peer, self._recv_tag(a))
             elif a.kind == "SEND_F":
                 self.link.send(outputs[key], a.peer, self.link.tag("F", a.mb, a.stage))
             elif a.kind == "SEND_B":

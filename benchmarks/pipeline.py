@@ -7,7 +7,8 @@ stage modules), m = 8 micro-batches, fp32, one thread per rank. Every engine is 
 and the measured steps go round-robin over the engines, so load from other processes hits all
 of them alike. Step time = forward + backward of one step (no optimizer), the slowest rank;
 median and fastest of the steps (on a shared machine the fastest step is the least disturbed). Measured bubble: 1 - busy / (ranks x span) from the executor's per-action
-timestamps; simulated bubble: the simulator with the measured mean F, B, W costs. Activation
+timestamps; simulated bubble: the simulator with the measured median F, B, W durations of
+each stage (and again adding the measured hop latency of a message). Activation
 memory: peak bytes of tensors saved for backward (autograd saved-tensor hooks, storage
 de-duplicated, parameters excluded), one extra step per engine.
 """
@@ -177,7 +178,7 @@ def hop_latency(timeline, n_stages: int) -> float:
 def summarise(pp, results, out_dir):
     """Per engine: median and fastest step time (slowest rank); for shardlab schedules the
     measured bubble of the fastest step and of the median, and the simulated bubble with the
-    fastest step's mean F, B, W costs."""
+    step's median F, B, W durations per stage (with and without the measured hop latency)."""
     rows = []
     n = len(results[0]["times"][ENGINES[0][0]])
     steps = {name: [max(r["times"][name][i] for r in results) for i in range(n)] for name, _, _ in ENGINES}
@@ -187,13 +188,17 @@ def summarise(pp, results, out_dir):
         if kind != "torch":
             tls = [[r["timelines"][name][i] for r in results] for i in range(n)]
             fastest = tls[min(range(n), key=lambda i: steps[name][i])]
-            mean = {k: statistics.mean(e - s for rank_tl in fastest for a, s, e in rank_tl if a.kind == k)
-                    for k in ("F", "B", "W") if any(a.kind == k for rank_tl in fastest for a, _, _ in rank_tl)}
-            f, b, w = mean["F"] * v, mean["B"] * v, mean.get("W", 0.0) * v
+            # median duration of each action kind at each stage, measured in the fastest step
+            per_stage = {}
+            for rank_tl in fastest:
+                for a, s, e in rank_tl:
+                    per_stage.setdefault(a.stage, {}).setdefault(a.kind, []).append(e - s)
+            per_stage = {st: {k: statistics.median(d) for k, d in kinds.items()} for st, kinds in per_stage.items()}
             lat = hop_latency(fastest, pp * v)
+            sched = build(kind, pp, M, v)
             row.update(bubble=measured_bubble(fastest), bubble_med=statistics.median(map(measured_bubble, tls)),
-                       sim=simulate(build(kind, pp, M, v), f=f, b=b, w=w).bubble, lat=lat,
-                       sim_lat=simulate(build(kind, pp, M, v), f=f, b=b, w=w, comm=lat).bubble,
+                       sim=simulate(sched, stage_costs=per_stage).bubble, lat=lat,
+                       sim_lat=simulate(sched, comm=lat, stage_costs=per_stage).bubble,
                        theory=theoretical_bubble(kind, pp, M, v))
             if out_dir:
                 plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}.png"),
@@ -222,7 +227,7 @@ def main(argv=None):
         all_rows += summarise(pp, results, args.out)
     print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
-          "(fastest step / median) | simulated, measured costs | + measured hop latency | theory F=B=W "
+          "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
           "| peak saved activations MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in all_rows:

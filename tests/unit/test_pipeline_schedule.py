@@ -162,3 +162,11 @@ def test_config_errors_before_any_process():
     cfg.parallel.pp, cfg.parallel.microbatches, cfg.model.tie_embeddings = 2, 2, True
     with pytest.raises(ConfigError, match="tie_embeddings"):
         cfg.validate()
+
+
+def test_per_stage_costs():
+    # GPipe, p = 2, m = 2; stage 1 twice as slow: rank 1 runs F0 [1,3] F1 [3,5] B0 [5,9] B1 [9,13],
+    # rank 0 waits for each gradient: B0 [9,11], B1 [13,15]
+    res = check(build("gpipe", 2, 2), stage_costs={0: {"F": 1, "B": 2}, 1: {"F": 2, "B": 4}})
+    assert res.makespan == 15 and res.bubble == pytest.approx(1 - 18 / 30)
+    assert [(str(a), s, e) for a, s, e in res.timeline[0]][-1] == ("B1s0", 13, 15)

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 # Messages up to this many bytes use tree all-reduce under ``algorithm = "auto"``, larger ones
-# ring. Measured with `shardlab bench comm` on the 2-core CPU machine (docs/collectives.md).
-AUTO_CROSSOVER_BYTES = 256 * 1024
+# ring. Measured with `shardlab bench comm` on the 2-core CPU machine (docs/collectives.md):
+# tree beat ring up to 1 MiB at N = 4 and N = 8; ring won from 4 MiB (N = 4) / 16 MiB (N = 8).
+AUTO_CROSSOVER_BYTES = 1 << 20
 # Tree all-reduce and chain broadcast pipeline large messages in pieces of this size.
 PIPELINE_BYTES = 512 * 1024
 
@@ -47,21 +48,45 @@ class Link:
         self.group, self.ranks, self.rank, self.size = group, list(ranks), rank, len(ranks)
         self.sent = 0
         self.recv = 0
+        self.pending = []
 
-    def exchange(self, sends=(), recvs=()):
-        """Post ``[(tensor, peer), ...]`` sends and receives at once and wait for all of them."""
+    def post(self, sends=(), recvs=()):
+        """Post ``[(tensor, peer), ...]`` sends and receives together; -> (send works, recv works).
+        Receives go first, so that a peer's send finds its receive already posted. With a
+        backend that coalesces the batch into one work (NCCL), that work counts as a receive."""
         ops = []
-        for t, peer in sends:
-            if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, self.ranks[peer], self.group))
-                self.sent += t.numel() * t.element_size()
         for t, peer in recvs:
             if t.numel():
                 ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group))
                 self.recv += t.numel() * t.element_size()
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        n_recvs = len(ops)
+        for t, peer in sends:
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t, self.ranks[peer], self.group))
+                self.sent += t.numel() * t.element_size()
+        if not ops:
+            return [], []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):
+            return [], works
+        return works[n_recvs:], works[:n_recvs]
+
+    def exchange(self, sends=(), recvs=(), defer_sends: bool = False):
+        """Post sends and receives at once and wait for all of them. ``defer_sends``: wait only
+        for the receives; the sends complete by :meth:`flush` (the caller promises not to
+        modify those tensors before it)."""
+        send_works, recv_works = self.post(sends, recvs)
+        if defer_sends:
+            self.pending += send_works
+        else:
+            recv_works = send_works + recv_works
+        for work in recv_works:
+            work.wait()
+
+    def flush(self):
+        for work in self.pending:
+            work.wait()
+        self.pending = []
 
 
 def reduce_(dst: torch.Tensor, src: torch.Tensor, op: str):
@@ -101,8 +126,9 @@ def ring_reduce_scatter_(link: Link, x: torch.Tensor, chunks: list[tuple[int, in
     buf = torch.empty(max(b - a for a, b in chunks), dtype=x.dtype, device=x.device)
     for s in range(n - 1):
         (sa, sb), (ra, rb) = chunks[(r - 1 - s) % n], chunks[(r - 2 - s) % n]
-        link.exchange([(x[sa:sb], right)], [(buf[: rb - ra], left)])
+        link.exchange([(x[sa:sb], right)], [(buf[: rb - ra], left)], defer_sends=True)
         reduce_(x[ra:rb], buf[: rb - ra], op)
+    link.flush()  # chunks sent above are never written in this phase: only waited for here
 
 
 def ring_all_gather_(link: Link, x: torch.Tensor, chunks: list[tuple[int, int]]):
@@ -112,7 +138,8 @@ def ring_all_gather_(link: Link, x: torch.Tensor, chunks: list[tuple[int, int]])
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         (sa, sb), (ra, rb) = chunks[(r - s) % n], chunks[(r - s - 1) % n]
-        link.exchange([(x[sa:sb], right)], [(x[ra:rb], left)])
+        link.exchange([(x[sa:sb], right)], [(x[ra:rb], left)], defer_sends=True)
+    link.flush()
 
 
 def ring_all_reduce_(link: Link, x: torch.Tensor, op: str = "sum"):
@@ -140,13 +167,15 @@ def tree_all_reduce_(link: Link, x: torch.Tensor, op: str = "sum"):
             link.exchange(recvs=[(buf[: b - a], c) for buf, c in zip(bufs, children)])
             for buf in bufs:
                 reduce_(x[a:b], buf[: b - a], op)
-        if parent is not None:
-            link.exchange(sends=[(x[a:b], parent)])
+        if parent is not None:  # a piece that went up is not written again before the flush
+            link.exchange(sends=[(x[a:b], parent)], defer_sends=True)
+    link.flush()
     for a, b in pieces:
         if parent is not None:
             link.exchange(recvs=[(x[a:b], parent)])
         if children:
-            link.exchange(sends=[(x[a:b], c) for c in children])
+            link.exchange(sends=[(x[a:b], c) for c in children], defer_sends=True)
+    link.flush()
 
 
 # -- recursive halving-doubling (Rabenseifner) ---------------------------------------------------
@@ -221,7 +250,8 @@ def chain_broadcast_(link: Link, x: torch.Tensor, src: int = 0):
         if v > 0:
             link.exchange(recvs=[(x[a:b], (link.rank - 1) % n)])
         if v < n - 1:
-            link.exchange(sends=[(x[a:b], (link.rank + 1) % n)])
+            link.exchange(sends=[(x[a:b], (link.rank + 1) % n)], defer_sends=True)
+    link.flush()
 
 
 # -- all-to-all ----------------------------------------------------------------------------------
@@ -247,7 +277,7 @@ def select(op: str, algorithm: str, nbytes: int) -> str:
 
     all_reduce: ring | tree | rhd as asked; auto -> tree up to AUTO_CROSSOVER_BYTES, else ring.
     all_gather / reduce_scatter: ring for every own choice. all_to_all: pairwise.
-    broadcast: ring -> chain; tree, rhd -> binomial; auto -> binomial when small, else chain."""
+    broadcast: ring -> chain; tree, rhd, auto -> binomial."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown collective algorithm {algorithm!r}; parallel.comm_algorithm "
                          f"must be one of {', '.join(ALGORITHMS)}")
@@ -256,9 +286,7 @@ def select(op: str, algorithm: str, nbytes: int) -> str:
     small = nbytes <= AUTO_CROSSOVER_BYTES
     if op == "all_reduce":
         return ("tree" if small else "ring") if algorithm == "auto" else algorithm
-    if op == "broadcast":
-        if algorithm == "auto":
-            return "binomial" if small else "chain"
+    if op == "broadcast":  # auto: binomial at every size (the chain lost at 4 MiB here too)
         return "chain" if algorithm == "ring" else "binomial"
     if op == "all_to_all":
         return "pairwise"

@@ -18,6 +18,10 @@ from .ledger import Ledger, ring_bytes
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+# torch >= 2.12 renamed all_gather_into_tensor (the old name warns); keep both working.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -43,6 +47,15 @@ class Comm:
     def _choose(self, op: str, t: torch.Tensor, algorithm: str | None, nbytes: int) -> str:
         return algos.select(op, algorithm or self.algorithm, nbytes)
 
+    def _host_staged(self, t: torch.Tensor) -> bool:
+        """gloo's send/recv read host memory: own algorithms on CUDA tensors over gloo (N ranks
+        sharing one GPU) run on a host copy. NCCL sends device memory directly."""
+        if t.device.type != "cuda":
+            return False
+        if not hasattr(self, "_backend"):
+            self._backend = str(dist.get_backend(self.group))
+        return self._backend == "gloo"
+
     def _link(self) -> algos.Link:
         return algos.Link(self.group, self.ranks, self.rank)
 
@@ -57,6 +70,8 @@ class Comm:
         if self.size == 1:
             return t
         algo = self._choose("all_reduce", t, algorithm, _nbytes(t))
+        if algo != "backend" and self._host_staged(t):
+            return t.copy_(self.all_reduce(t.cpu(), op, algorithm))
         if algo != "backend":
             x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
             link = self._link()
@@ -78,6 +93,8 @@ class Comm:
         if self.size == 1:
             return t
         if self._choose("all_gather", t, algorithm, _nbytes(t) * self.size) != "backend":
+            if self._host_staged(t):
+                return self.all_gather(t.cpu(), dim, algorithm).to(t.device)
             m, n = t.numel(), self.size
             flat = torch.empty(n * m, dtype=t.dtype, device=t.device)
             flat[self.rank * m:(self.rank + 1) * m].copy_(t.reshape(-1))
@@ -89,7 +106,7 @@ class Comm:
         self._count("all_gather", _nbytes(t) * self.size)
         if dim == 0:
             out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+            _all_gather_single(out, t.contiguous(), group=self.group)
             return out
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
@@ -105,6 +122,8 @@ class Comm:
         if t.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
         if self._choose("reduce_scatter", t, algorithm, _nbytes(t)) != "backend":
+            if self._host_staged(t):
+                return self.reduce_scatter(t.cpu(), dim, op, algorithm).to(t.device)
             x = t.movedim(dim, 0).contiguous().view(-1)
             x = x.clone() if x.data_ptr() == t.data_ptr() else x
             m = x.numel() // self.size
@@ -139,6 +158,8 @@ class Comm:
                              f"{t.shape[0]} rows, got {list(in_splits)} / {list(out_splits)}")
         out = torch.empty((sum(out_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         if self._choose("all_to_all", t, algorithm, _nbytes(t)) != "backend":
+            if self._host_staged(t):
+                return self.all_to_all(t.cpu(), in_splits, out_splits, algorithm).to(t.device)
             link = self._link()
             algos.pairwise_all_to_all(link, t.contiguous(), out, list(in_splits), list(out_splits))
             self._record("all_to_all", link)
@@ -155,6 +176,8 @@ class Comm:
         if self.size == 1:
             return t
         algo = self._choose("broadcast", t, algorithm, _nbytes(t))
+        if algo != "backend" and self._host_staged(t):
+            return t.copy_(self.broadcast(t.cpu(), src, algorithm))
         if algo != "backend":
             x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
             link = self._link()

@@ -29,7 +29,14 @@ def _check(name, got, want, errors):
         errors.append(f"{name}: max err {(got - want).abs().max() if got.shape == want.shape else got.shape}")
 
 
-def _worker(ctx, algorithm):
+def _worker(ctx):
+    errors = []
+    for algorithm in ("backend", "ring"):   # the backend's collectives and shardlab's own
+        errors += [f"{algorithm}: {e}" for e in _checks(ctx, algorithm)]
+    return errors
+
+
+def _checks(ctx, algorithm):
     n, r = ctx.world_size, ctx.rank
     comm = Comm("world", dist.group.WORLD, list(range(n)), r, Ledger(), algorithm)
     errors = []
@@ -98,5 +105,14 @@ def _worker(ctx, algorithm):
 
 
 def test_autograd_collectives_match_single_process():
-    for errors in launch.run(_worker, 3, "backend"):
+    for errors in launch.run(_worker, 3):
         assert errors == []
+
+
+def test_group_of_one_is_identity():
+    comm = Comm("tp", None, [0], 0, Ledger())
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    for f in (dc.copy_to_region, dc.reduce_from_region, dc.all_to_all):
+        assert f(x, comm) is x
+    for f in (dc.scatter_to_region, dc.gather_from_region, dc.all_gather, dc.reduce_scatter):
+        assert f(x, comm, 1) is x

@@ -193,6 +193,7 @@ def test_select():
     assert algos.select("all_gather", "tree", 10) == "ring"
     assert algos.select("all_to_all", "ring", 10) == "pairwise"
     assert algos.select("broadcast", "ring", 10) == "chain"
+    assert algos.select("broadcast", "auto", 1 << 30) == "binomial"
     assert algos.select("anything", "backend", 10) == "backend"
     with pytest.raises(ValueError, match="comm_algorithm"):
         algos.select("all_reduce", "bogus", 10)
@@ -205,3 +206,44 @@ def test_bounds():
             assert b[0][0] == 0 and b[-1][1] == m and len(b) == n
             assert all(b[i][1] == b[i + 1][0] for i in range(n - 1))
             assert max(e - s for s, e in b) - min(e - s for s, e in b) <= 1
+
+
+def test_bench_comm_command(tmp_path, capsys):
+    from shardlab import cli
+    out = tmp_path / "comm.json"
+    assert cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce,all_to_all", "--sizes", "4,4K",
+                     "--iters", "1", "--warmup", "0", "--json", str(out), "--plot", str(tmp_path / "comm.png")]) == 0
+    text = capsys.readouterr().out
+    assert "# all_reduce  N=2" in text and "pairwise" in text
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    ring = [r for r in rows if r["op"] == "all_reduce" and r["algorithm"] == "ring" and r["size"] == 4096]
+    assert ring[0]["sent_per_rank"] == 4096   # ring all-reduce at N=2 sends 2M(N-1)/N = M
+    assert (tmp_path / "comm.png").stat().st_size > 0
+
+
+def _dp_own_worker(ctx, cfg, data_dir, steps):
+    from shardlab.distributed.topology import Topology
+    from shardlab.distributed.mesh import Mesh
+    from shardlab.train.data import TokenData
+    from shardlab.train.loop import Trainer
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, algorithm=cfg.parallel.comm_algorithm)
+    tr = Trainer(cfg, mesh, TokenData(data_dir))
+    losses = [tr.engine.global_loss(tr.train_step()["local_loss"]) for _ in range(steps)]
+    return losses, {n: p.detach().clone() for n, p in tr.engine.model.named_parameters()}
+
+
+def test_data_parallel_training_on_own_collectives(tmp_path):
+    """parallel.comm_algorithm reaches every Comm: a dp=4 run whose gradient averaging and loss
+    reduction use the own ring all-reduce equals an independent single-process run (1e-10)."""
+    from test_train import _cfg, _reference   # the train loop's own parity setup
+
+    from shardlab.train.data import prepare
+    cfg = _cfg(tmp_path, ["--train.precision=fp64", "--parallel.dp_replicate=4", "--parallel.comm_algorithm=ring"])
+    cfg.validate(4)
+    data_dir = str(prepare(cfg.data))
+    ref_losses, ref_params = _reference(cfg, data_dir, 2)
+    for losses, params in launch.run(_dp_own_worker, 4, cfg, data_dir, 2, timeout_s=120):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10
+        for n, p in params.items():
+            assert (p - ref_params[n]).abs().max().item() < 1e-10, n

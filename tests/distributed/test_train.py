@@ -112,3 +112,24 @@ def test_mixed_precision_trains(tmp_path, precision):
     if precision == "fp16":
         # 1e30 overflows fp16 gradients: steps are skipped and the scale halves until it fits
         assert scaler["skipped"] >= 1 and scaler["scale"] < 1e30
+
+
+def test_cli_train_writes_metrics_plot_profile(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--nproc", "1", *TINY, f"--data.cache_dir={tmp_path}/cache", f"--logging.run_dir={run}",
+            "--train.steps=4", "--logging.log_every=2", "--profile", "1", "--checkpoint.save=false",
+            "--logging.tensorboard=true"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "validation loss" in out and str(run / "loss.png") in out
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "comm_bytes_per_step"):
+        assert key in train[-1]
+    assert (run / "loss.png").stat().st_size > 1000
+    assert json.loads((run / "profile" / "rank0.json").read_text())["traceEvents"]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert cli_main(["plot", str(run), "--out", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").exists()
+    assert cli_main(["plot", str(tmp_path / "nothing")]) == 2

@@ -79,3 +79,25 @@ def test_crash_during_save_keeps_previous(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]
     assert ckpt.latest_valid(tmp_path).name == "step_00000001"
     assert torch.equal(ckpt.load(ckpt.latest_valid(tmp_path))[0]["model.w"], torch.ones(3))
+
+
+def test_checkpoint_command_inspect_export(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from shardlab.cli import main as cli_main
+    w = torch.arange(6, dtype=torch.float32).view(2, 3)
+    meta = {"data": {"cursor": 8}, "scaler": {"scale": 1.0}, "layout": "tp=2", "world_size": 2}
+    ckpt.save(tmp_path, 5, {"model.w": w, "optim.w.exp_avg": w * 0}, meta)
+    assert cli_main(["checkpoint", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step 5" in out and "tp=2" in out and "(2, 3)" in out
+    dest = tmp_path / "w.safetensors"
+    assert cli_main(["checkpoint", "export", str(tmp_path), "--to", str(dest)]) == 0
+    assert torch.equal(load_file(str(dest))["w"], w) and list(load_file(str(dest))) == ["w"]
+    assert cli_main(["checkpoint", "export", str(tmp_path), "--to", str(dest)]) == 2  # never overwrite silently
+    f = tmp_path / "step_00000005" / "state.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    assert cli_main(["checkpoint", "inspect", str(tmp_path / "step_00000005")]) == 2
+    assert "state.safetensors: checksum mismatch" in capsys.readouterr().err

@@ -170,3 +170,17 @@ def test_per_stage_costs():
     res = check(build("gpipe", 2, 2), stage_costs={0: {"F": 1, "B": 2}, 1: {"F": 2, "B": 4}})
     assert res.makespan == 15 and res.bubble == pytest.approx(1 - 18 / 30)
     assert [(str(a), s, e) for a, s, e in res.timeline[0]][-1] == ("B1s0", 13, 15)
+
+
+def test_stage_views_follow_replaced_blocks():
+    import torch
+
+    from shardlab.config import ModelConfig
+    from shardlab.models.llama import build_model
+    from shardlab.parallel.pipeline.stage import split_model, stage_views
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=16)
+    model, chunks, ranges = split_model(build_model(cfg, 3), 0, 2)
+    key = str(ranges[0][0])
+    model.layers[key] = torch.nn.Sequential()  # e.g. a wrapper applied after the split
+    assert chunks[0].layers[key] is not model.layers[key]
+    assert stage_views(model, ranges, [0])[0].layers[key] is model.layers[key]

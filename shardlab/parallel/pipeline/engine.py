@@ -24,7 +24,7 @@ from torch import nn
 from ...parallelize import Engine
 from .schedule import Action, build
 from .simulate import check
-from .stage import StageLink, mark_pipeline_placements, split_model
+from .stage import StageLink, mark_pipeline_placements, split_model, stage_views
 
 
 class PipelineEngine(Engine):
@@ -52,6 +52,11 @@ class PipelineEngine(Engine):
             if owns(mod):
                 mod.register_forward_hook(self._record_output)
         self._owners = {s: {id(mod) for mod in chunk.modules() if owns(mod)} for s, chunk in chunks.items()}
+
+    def rebuild_stages(self) -> None:
+        """Re-point the stage views at ``self.model``'s current blocks: call after replacing
+        entries of ``model.layers`` (activation-checkpoint or compile wrappers applied later)."""
+        self.chunks = stage_views(self.model, self.ranges, sorted(self.chunks))
 
     def _record_output(self, module, args, output):
         if self._capture is not None and torch.is_tensor(output) and output.requires_grad:

@@ -78,6 +78,11 @@ def _view(model: Llama, layers: range, first: bool, last: bool) -> Llama:
     return chunk
 
 
+def stage_views(model: Llama, ranges: list[range], stages: list[int]) -> dict[int, Llama]:
+    """{stage: view} over ``model``'s current modules (call again after wrapping blocks)."""
+    return {s: _view(model, ranges[s], s == 0, s == len(ranges) - 1) for s in stages}
+
+
 def split_model(model: Llama, pp_rank: int, pp: int, v: int = 1) -> tuple[Llama, dict[int, Llama], list[range]]:
     """Keep only this rank's parts of ``model`` (in place). Returns (the rank's module with
     global names, {stage: chunk view}, the layer ranges of all stages)."""
@@ -92,7 +97,7 @@ def split_model(model: Llama, pp_rank: int, pp: int, v: int = 1) -> tuple[Llama,
         if key not in keep:
             del model.layers[key]
     owns_first, owns_last = 0 in mine, n_stages - 1 in mine
-    chunks = {s: _view(model, ranges[s], s == 0, s == n_stages - 1) for s in mine}
+    chunks = stage_views(model, ranges, mine)
     if not owns_first:
         model.tok_embeddings = None
     if not owns_last:

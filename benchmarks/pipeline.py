@@ -6,7 +6,8 @@ Same model, same stage split (shardlab's parameter-balanced partition; torch get
 stage modules), m = 8 micro-batches, fp32, one thread per rank. Every engine is built up front
 and the measured steps go round-robin over the engines, so load from other processes hits all
 of them alike. Step time = forward + backward of one step (no optimizer), the slowest rank;
-median and fastest of the steps (on a shared machine the fastest step is the least disturbed). Measured bubble: 1 - busy / (ranks x span) from the executor's per-action
+median and fastest of the steps (on a shared machine the fastest step is the least
+disturbed). Measured bubble: 1 - busy / (ranks x span) from the executor's per-action
 timestamps; simulated bubble: the simulator with the measured median F, B, W durations of
 each stage (and again adding the measured hop latency of a message). Activation
 memory: peak bytes of tensors saved for backward (autograd saved-tensor hooks, storage

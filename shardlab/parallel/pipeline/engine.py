@@ -192,13 +192,14 @@ class PipelineEngine(Engine):
         names/shapes (pickled into a byte tensor) and then its tensors over the ``pp`` group."""
         import pickle
         local, comm, out = super().full_state(optimizer), self.mesh.comm("pp"), {}
+        dev = self.mesh.device
         for src in range(self.pp):
-            meta = pickle.dumps([(k, tuple(v.shape), v.dtype) for k, v in local.items()]) if src == self.pp_rank else b""
-            size = comm.broadcast(torch.tensor([len(meta)], dtype=torch.int64), src=src)
-            buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8) if meta else torch.empty(int(size), dtype=torch.uint8)
-            entries = pickle.loads(comm.broadcast(buf, src=src).numpy().tobytes())
-            for name, shape, dtype in entries:
-                t = local[name].to(self.mesh.device) if src == self.pp_rank else torch.empty(shape, dtype=dtype, device=self.mesh.device)
+            mine = src == self.pp_rank
+            meta = pickle.dumps([(k, tuple(v.shape), v.dtype) for k, v in local.items()]) if mine else b""
+            size = int(comm.broadcast(torch.tensor([len(meta)], dtype=torch.int64), src=src))
+            buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8) if mine else torch.empty(size, dtype=torch.uint8)
+            for name, shape, dtype in pickle.loads(comm.broadcast(buf, src=src).numpy().tobytes()):
+                t = local[name].to(dev) if mine else torch.empty(shape, dtype=dtype, device=dev)
                 out[name] = comm.broadcast(t.contiguous(), src=src).cpu()
         return out
 

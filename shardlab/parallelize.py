@@ -192,7 +192,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
             model.layers[key] = torch.compile(block)
     if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
         from .parallel.pipeline import apply as pipeline
-        return pipeline(model, mesh, cfg)
-    engine = Engine(model, mesh, cfg)
+        engine = pipeline(model, mesh, cfg)
+    else:
+        engine = Engine(model, mesh, cfg)
     engine.shard_batch = cp_shard
     return engine

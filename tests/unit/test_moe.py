@@ -103,7 +103,6 @@ def test_moe_llama_trains_and_is_layout_independent():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"parallel": {"cp": 2, "pp": 2, "microbatches": 2}}, "parallel.cp"),
     ({"parallel": {"pp": 2, "microbatches": 2}, "model": {"n_experts": 4}}, "model.moe_aux_loss_coef"),
 ])
 def test_unsupported_combinations_fail_before_start(overrides, field):

@@ -339,9 +339,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
            f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
     _check(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
-    _check(not (p.pp > 1 and m.n_experts and (m.moe_aux_loss_coef or m.moe_z_loss_coef)), "model.moe_aux_loss_coef",
-           "with pp > 1 the MoE auxiliary losses of earlier stages do not reach the loss yet; "
-           "use pp=1 or set model.moe_aux_loss_coef = model.moe_z_loss_coef = 0")
     if m.n_experts:
         _check(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
         _check(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")

@@ -137,7 +137,7 @@ def _checkpoint_case():
     engine, _, _, _ = pipeline_step(mesh, cfg, 1, 0)
     opt = engine.make_optimizer(make_opt)
     opt.step()
-    state = engine.full_state(opt)
+    state = engine.full_state(opt, everywhere=True)
     want = ref.full_state(ref_opt)
     err = max((state[k] - want[k]).abs().max().item() for k in want if k in state)
     again = apply(build_model(cfg.model, SEED + 1, dtype=torch.float64), mesh, cfg)

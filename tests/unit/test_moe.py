@@ -103,7 +103,7 @@ def test_moe_llama_trains_and_is_layout_independent():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"parallel": {"pp": 2, "microbatches": 2}, "model": {"n_experts": 4}}, "model.moe_aux_loss_coef"),
+    ({"parallel": {"pp": 2, "microbatches": 2}, "model": {"n_experts": 4}}, "parallel.pp"),
 ])
 def test_unsupported_combinations_fail_before_start(overrides, field):
     from shardlab.config import ConfigError, from_dict

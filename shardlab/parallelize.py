@@ -128,10 +128,18 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
     unsupported = [name for name, on in (("tp", p.tp > 1), ("pp", p.pp > 1), ("cp", p.cp > 1),
-                                         ("ep", p.ep > 1), ("zero_stage", p.zero_stage > 0)) if on]
+                                         ("ep", p.ep > 1)) if on]
     if unsupported:
         raise NotImplementedError(f"parallel.{unsupported[0]} is not implemented yet in this build")
     if p.compile:
         for key, block in model.layers.items():
             model.layers[key] = torch.compile(block)
+    # Last: how data-parallel ranks share model state (parallel/data.py, zero.py, fsdp.py).
+    from .parallel import data, fsdp, zero
+    if p.zero_stage == 3:
+        return fsdp.apply(model, mesh, cfg)
+    if p.zero_stage in (1, 2):
+        return zero.apply(model, mesh, cfg)
+    if mesh.size("dp_cp") > 1:
+        return data.apply(model, mesh, cfg)
     return Engine(model, mesh, cfg)

@@ -18,6 +18,33 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Pending:
+    """The handle of an ``async_op=True`` collective: ``wait()`` blocks until it is done, applies
+    any finishing step (the division of ``op="avg"``) and returns the result tensor."""
+
+    def __init__(self, work, result: torch.Tensor, finish=None):
+        self.work, self.result, self.finish = work, result, finish
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.finish is not None:
+                self.finish(self.result)
+        return self.result
+
+
+def _done(t: torch.Tensor, async_op: bool):
+    return Pending(None, t) if async_op else t
+
+
+def _avg(size: int):
+    return lambda t: t.div_(size)
+
+
 class Comm:
     """A process group with a name, its member ranks, the rank's ledger and an algorithm choice."""
 
@@ -37,33 +64,52 @@ class Comm:
         self.ledger.record(op, self.name, sent, sent)
 
     # -- collectives (in place where torch is) -----------------------------------------------
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In place: t <- op over the group. ``op``: sum, avg, max, min."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """In place: t <- op over the group. ``op``: sum, avg, max, min.
+        ``async_op=True`` returns a :class:`Pending` whose ``wait()`` gives ``t``."""
         if self.size == 1:
-            return t
+            return _done(t, async_op)
         self._count("all_reduce", _nbytes(t))
-        dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group)
+        work = dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group, async_op=async_op)
+        if async_op:
+            return Pending(work, t, _avg(self.size) if op == "avg" else None)
         if op == "avg":
             t.div_(self.size)
         return t
 
-    def all_gather(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
+    def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
+        """Concatenate every rank's ``t`` along ``dim`` (equal shapes). For ``dim=0``, ``out``
+        (optional) receives the result and ``async_op=True`` returns a :class:`Pending`."""
         if self.size == 1:
-            return t
+            if out is not None:
+                out.copy_(t)
+                t = out
+            return _done(t, async_op)
         self._count("all_gather", _nbytes(t) * self.size)
         if dim == 0:
-            out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
-            return out
+            if out is None:
+                out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            work = dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=async_op)
+            return Pending(work, out) if async_op else out
+        if async_op or out is not None:
+            raise ValueError("all_gather: async_op and out are supported for dim=0 only")
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum") -> torch.Tensor:
-        """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum", async_op: bool = False):
+        """Reduce over the group and keep this rank's 1/size slice of ``dim``.
+        ``async_op=True`` (dim 0 only) returns a :class:`Pending` whose ``wait()`` gives the slice."""
         if self.size == 1:
-            return t
+            return _done(t, async_op)
+        if async_op:
+            if dim != 0 or t.shape[0] % self.size:
+                raise ValueError(f"reduce_scatter(async_op=True) needs dim 0 divisible by {self.size}")
+            self._count("reduce_scatter", _nbytes(t))
+            out = torch.empty((t.shape[0] // self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            work = dist.reduce_scatter_tensor(out, t.contiguous(), op=_OPS["sum" if op == "avg" else op],
+                                              group=self.group, async_op=True)
+            return Pending(work, out, _avg(self.size) if op == "avg" else None)
         if t.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
         self._count("reduce_scatter", _nbytes(t))
@@ -92,13 +138,13 @@ class Comm:
         dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """In place from group rank ``src``."""
         if self.size == 1:
-            return t
+            return _done(t, async_op)
         self._count("broadcast", _nbytes(t))
-        dist.broadcast(t, src=self.ranks[src], group=self.group)
-        return t
+        work = dist.broadcast(t, src=self.ranks[src], group=self.group, async_op=async_op)
+        return Pending(work, t) if async_op else t
 
     # -- point to point (group-relative peers) -------------------------------------------------
     def isend(self, t: torch.Tensor, peer: int):

@@ -14,6 +14,7 @@ COMMANDS = {
     "train": ("shardlab.train.run", "train a model: shardlab train CONFIG --nproc N [--section.key=value ...]"),
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
     "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
+    "memory": ("shardlab.analysis.memory", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
 }
 
 

@@ -152,7 +152,8 @@ class ShardedEngine(Engine):
         for f in self.flats:
             for name, v in zip(f.names, f.views(self._all_gather_shard(f.shard))):
                 out[f"model.{name}"] = v.clone()
-            for key, s in (optimizer.state.get(f.shard, {}) if optimizer is not None else {}).items():
+            st = optimizer.state.get(f.shard, {}) if optimizer is not None else {}
+            for key, s in sorted(st.items()):  # sorted: every rank gathers in the same order
                 if torch.is_tensor(s) and s.numel() == f.shard_size and s.dim() == 1:
                     for name, v in zip(f.names, f.views(self._all_gather_shard(s))):
                         out[f"optim.{name}.{key}"] = v.clone()
@@ -170,7 +171,7 @@ class ShardedEngine(Engine):
             if missing:
                 raise KeyError(f"checkpoint has no model.{missing[0]}")
             self.load_flat(f, f.flatten([state[f"model.{n}"] for n in f.names], f.shard.dtype))
-            keys = {k[len(f"optim.{f.names[0]}."):] for k in state if k.startswith(f"optim.{f.names[0]}.")}
+            keys = sorted({k[len(f"optim.{f.names[0]}."):] for k in state if k.startswith(f"optim.{f.names[0]}.")})
             if optimizer is None or not keys:
                 continue
             st = {}

@@ -120,7 +120,35 @@ VARIANTS = [
 ]
 
 
+def _torch_style(ctx, n, ref):
+    """A torch DDP training script with only the import changed: plain loop, no Engine."""
+    from shardlab.parallel import DistributedDataParallel
+
+    cfg = make_cfg(n)
+    model = DistributedDataParallel(build_model(cfg.model, cfg.train.seed, dtype=torch.float64),
+                                    device_ids=None, bucket_cap_mb=0.01)
+    named = list(model.module.named_parameters())
+    opt = adamw(cfg)([{"params": [p for k, p in named if p.ndim >= 2 and "norm" not in k],
+                       "weight_decay": cfg.train.weight_decay},
+                      {"params": [p for k, p in named if p.ndim < 2 or "norm" in k], "weight_decay": 0.0}])
+    losses, per = [], cfg.train.global_batch // n
+    for x, y in batches(cfg):
+        x, y = x[ctx.rank * per:(ctx.rank + 1) * per], y[ctx.rank * per:(ctx.rank + 1) * per]
+        with model.no_sync():  # first half accumulates locally, second half synchronises
+            (model(x[:per // 2], y[:per // 2]) / 2).backward()
+        (model(x[per // 2:], y[per // 2:]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    err = 0.0
+    for k, p in named:
+        err = max(err, float((p.detach() - ref[2][f"model.{k}"]).abs().max()))
+    return err
+
+
 def _worker(ctx, n, variants, refs):
+    if n == 2:
+        assert _torch_style(ctx, n, refs[0]) <= ATOL
     # each variant's checkpoint is also loaded into the next variant's engine (other stage)
     return [_compare(ctx, make_cfg(n, **v), refs[i], make_cfg(n, **variants[(i + 1) % len(variants)]))
             for i, v in enumerate(variants)]

@@ -74,6 +74,7 @@ class FSDPEngine(ShardedEngine):
         self.compute_dtype = _DTYPES.get(cfg.train.precision)  # None: the parameters' dtype
         names = unit_names if unit_names is not None else block_policy(model)
         modules = dict(model.named_modules())
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # parameters in flight (benchmarks)
         self.units = [self._make_unit(n, modules[n], names) for n in names]
         self.units.insert(0, self._make_unit("", model, names))  # root: everything else
         self.flats = [f for u in self.units for f in u.flats]
@@ -121,6 +122,8 @@ class FSDPEngine(ShardedEngine):
             return
         for f in u.flats:
             f.full.untyped_storage().resize_(f.padded * f.full.element_size())
+            self.gathered_bytes += f.padded * f.full.element_size()
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
             src = f.shard.detach().to(self.mesh.device, f.full.dtype)
             # ``.data``: writing the gathered values must not bump the version counter that
             # autograd checks on the views it saved in forward.
@@ -147,6 +150,7 @@ class FSDPEngine(ShardedEngine):
                 w.wait()
             u.pending = []
         for f in u.flats:
+            self.gathered_bytes -= f.full.untyped_storage().nbytes()
             f.full.untyped_storage().resize_(0)
         u.gathered = False
 

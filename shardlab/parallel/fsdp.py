@@ -205,6 +205,7 @@ class FSDPEngine(ShardedEngine):
 
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+        self.ensure_grads()
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for x, y in micro_batches:

@@ -64,36 +64,6 @@ def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float):
     return [(g, wd) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
 
 
-class ShardedOptimizer:
-    """Wraps the optimizer built on the shards; ``step`` lets the engine finish (all-gather)."""
-
-    def __init__(self, inner, engine: "ShardedEngine"):
-        self.inner, self.engine = inner, engine
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def step(self, closure=None):
-        self.engine.before_step()
-        out = self.inner.step(closure)
-        self.engine.after_step()
-        return out
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.engine.zero_grad()
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, sd):
-        self.inner.load_state_dict(sd)
-
-
 class ShardedEngine(Engine):
     """What ZeRO-1/2/3 share: flat parameters sharded over ``shard_group`` (and replicated over
     ``replicate_group``), the optimizer on the shards, the norm and checkpoints from the shards."""
@@ -109,20 +79,29 @@ class ShardedEngine(Engine):
         return n * (self.mesh.size(self.replicate_group) if self.replicate_group else 1)
 
     def make_optimizer(self, build):
+        """``build(groups)`` on this rank's shards. The result is the plain torch optimizer (LR
+        schedulers and grad scalers accept it); a post-step hook lets the engine finish the
+        step (all-gather the new slices for ZeRO-1/2) and zero the gradient shards."""
         groups = [{"params": [f.shard for f in self.flats if f.weight_decay == wd], "weight_decay": wd}
                   for wd in sorted({f.weight_decay for f in self.flats}, reverse=True)]
-        return ShardedOptimizer(build(groups), self)
-
-    def before_step(self):
-        pass
+        opt = build(groups)
+        opt.register_step_post_hook(lambda *_: self.after_step())
+        return opt
 
     def after_step(self):
-        pass
+        self.zero_grad()
 
     def zero_grad(self):
         for f in self.flats:
             if f.shard.grad is not None:
                 f.shard.grad.zero_()
+
+    def ensure_grads(self):
+        """Gradient shards exist and are zero-initialised (``optimizer.zero_grad()`` may have set
+        them to None)."""
+        for f in self.flats:
+            if f.shard.grad is None:
+                f.shard.grad = torch.zeros_like(f.shard)
 
     def grad_norm(self) -> torch.Tensor:
         """Squares of this rank's gradient shard (padding is zero), divided by the number of
@@ -261,6 +240,7 @@ class ZeroEngine(ShardedEngine):
         self._next = 0
 
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+        self.ensure_grads()
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for k, (x, y) in enumerate(micro_batches):
@@ -281,16 +261,26 @@ class ZeroEngine(ShardedEngine):
 
     # -- optimizer step ---------------------------------------------------------------------
     def after_step(self):
-        """All-gather the updated slices into every rank's flat buffers."""
+        """All-gather the updated slices into every rank's flat buffers; zero the gradients."""
         with torch.no_grad():
             pending = [self.comm.all_gather(f.shard.detach().clone(), async_op=True, out=f.full)
                        for f in self.flats]
             for w in pending:
                 w.wait()
+        self.zero_grad()
 
     def zero_grad(self):
         for f in self.flats:
             (f.grad_full if self.stage == 1 else f.shard.grad).zero_()
+
+    def ensure_grads(self):
+        for f in self.flats:
+            if f.shard.grad is None:  # optimizer.zero_grad(set_to_none=True) dropped it
+                if self.stage == 1:
+                    f.grad_full.zero_()
+                    f.shard.grad = f.own(f.grad_full)
+                else:
+                    f.shard.grad = torch.zeros_like(f.shard)
 
     def load_flat(self, f: FlatParam, full: torch.Tensor):
         f.full.copy_(full)

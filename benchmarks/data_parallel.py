@@ -46,22 +46,18 @@ def _batch(cfg, rank, step):
     return tok[:, :-1], tok[:, 1:]
 
 
-def _time(step_fn, cfg, rank, warmup, steps):
-    times = []
-    for s in range(warmup + steps):
-        x, y = _batch(cfg, rank, s)
-        dist.barrier()
-        t0 = time.perf_counter()
-        step_fn(x, y)
-        t = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if s >= warmup:
-            times.append(float(t))
-    return statistics.median(times)
+def _timed(step_fn, cfg, rank, s) -> float:
+    x, y = _batch(cfg, rank, s)
+    dist.barrier()
+    t0 = time.perf_counter()
+    step_fn(x, y)
+    t = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    return float(t)
 
 
-# -- the contenders -----------------------------------------------------------------------------
-def own(cfg, rank, warmup, steps):
+# -- the contenders: each returns (step function, extra measurements or None) ---------------------
+def own(cfg):
     mesh = Mesh.build(Topology.from_config(cfg.parallel))
     engine = parallelize(build_model(cfg.model, 0), mesh, cfg)
     opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=LR))
@@ -72,32 +68,30 @@ def own(cfg, rank, warmup, steps):
         opt.step()
         opt.zero_grad()
 
-    t = _time(step, cfg, rank, warmup, 0)  # warm-up, then one step measured in the ledger
-    snap = mesh.ledger.snapshot()
-    step(*_batch(cfg, rank, 99))
-    sent = sum(e.bytes_sent for (op, group), e in mesh.ledger.since(snap).items() if group != "world")
-    t = _time(step, cfg, rank, 0, steps)
-    return t, sent, getattr(engine, "peak_gathered_bytes", 0)
+    def extra(rank):  # one more step, counted by the ledger (the grad-norm all-reduce excluded)
+        snap = mesh.ledger.snapshot()
+        step(*_batch(cfg, rank, 99))
+        sent = sum(e.bytes_sent for (op, group), e in mesh.ledger.since(snap).items() if group != "world")
+        return sent, getattr(engine, "peak_gathered_bytes", 0)
+    return step, extra
 
 
-def _torch_opt(params):
-    return torch.optim.AdamW(params, lr=LR)
-
-
-def torch_ddp(cfg, rank, warmup, steps):
-    from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(build_model(cfg.model, 0))
-    opt = _torch_opt(model.parameters())
-
+def _plain_step(model, opt, cfg):
     def step(x, y):
         model(x, y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad()
-    return _time(step, cfg, rank, warmup, steps), None, None
+    return step
 
 
-def torch_fsdp2(cfg, rank, warmup, steps):
+def torch_ddp(cfg):
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(build_model(cfg.model, 0))
+    return _plain_step(model, torch.optim.AdamW(model.parameters(), lr=LR), cfg), None
+
+
+def torch_fsdp2(cfg):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -105,29 +99,29 @@ def torch_fsdp2(cfg, rank, warmup, steps):
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = _torch_opt(model.parameters())
-
-    def step(x, y):
-        model(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad()
-    return _time(step, cfg, rank, warmup, steps), None, None
+    return _plain_step(model, torch.optim.AdamW(model.parameters(), lr=LR), cfg), None
 
 
-def deepspeed_stage(cfg, rank, warmup, steps):
+def deepspeed_stage(cfg):
     import deepspeed
     ds_cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
               "zero_optimization": {"stage": cfg.parallel.zero_stage}, "gradient_clipping": cfg.train.grad_clip,
               "steps_per_print": 10**9}
+    plain = torch.nn.functional.linear
     engine, *_ = deepspeed.initialize(model=build_model(cfg.model, 0), config=ds_cfg)
+    # ZeRO-3 swaps in its memory-efficient F.linear process-wide: give it to DeepSpeed's own
+    # steps only, so the other contenders run with the plain one.
+    ds_linear, torch.nn.functional.linear = torch.nn.functional.linear, plain
 
     def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-    return _time(step, cfg, rank, warmup, steps), None, None
+        torch.nn.functional.linear = ds_linear
+        try:
+            engine.backward(engine(x, y))
+            engine.step()
+        finally:
+            torch.nn.functional.linear = plain
+    return step, None
 
 
 def theory_bytes(cfg, psi: int, psi_root: int) -> float:
@@ -142,24 +136,45 @@ def theory_bytes(cfg, psi: int, psi_root: int) -> float:
     return (2 * psi + regather) * unit              # AG fwd + AG bwd (blocks) + RS
 
 
-def _bench(ctx, n, warmup, steps, with_ds):
-    if with_ds:
+def _plan(with_ds: bool):
+    """Comparison groups; the contenders of a group are built together and timed in turns
+    (A, B, A, B, ...) so that the load of the shared machine hits them alike."""
+    ds = [("DeepSpeed", deepspeed_stage)] if with_ds else []
+    groups = [("DDP", dict(zero_stage=0), [("own", own), ("torch DDP", torch_ddp)])]
+    for z in (1, 2):  # DeepSpeed last in every group
+        groups.append((f"ZeRO-{z}", dict(zero_stage=z), [("own", own)] + ds))
+    groups.append(("ZeRO-3", dict(zero_stage=3), [("own", own), ("torch FSDP2", torch_fsdp2)] + ds))
+    variants = [(f"prefetch={'on' if pf else 'off'}, reshard={'on' if rs else 'off'}",
+                 dict(zero_stage=3, prefetch=pf, reshard_after_forward=rs))
+                for pf in (True, False) for rs in (True, False)]
+    groups.append(("ZeRO-3 options", None, [(name, own, par) for name, par in variants]))
+    return groups
+
+
+def _bench(ctx, n, warmup, steps, with_ds, only=None):
+    if with_ds:  # DeepSpeed reads its launch contract from the environment
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    rows = []
-    plan = [("DDP", "own", own, dict(zero_stage=0)), ("DDP", "torch DDP", torch_ddp, dict(zero_stage=0)),
-            ("ZeRO-3", "own", own, dict(zero_stage=3)), ("ZeRO-3", "torch FSDP2", torch_fsdp2, dict(zero_stage=3))]
-    for z in (1, 2, 3):
-        plan.append((f"ZeRO-{z}", "own", own, dict(zero_stage=z)))
-        if with_ds:
-            plan.append((f"ZeRO-{z}", "DeepSpeed", deepspeed_stage, dict(zero_stage=z)))
-    for pf in (True, False):
-        for rs in (True, False):
-            plan.append(("ZeRO-3 variants", f"prefetch={pf} reshard={rs}", own,
-                         dict(zero_stage=3, prefetch=pf, reshard_after_forward=rs)))
-    for group, who, fn, par in plan:
-        cfg = make_cfg(n, **par)
-        t, sent, peak = fn(cfg, ctx.rank, warmup, steps)
-        rows.append((group, who, par, t, sent, peak))
+        os.environ["LOCAL_RANK"] = str(ctx.rank)
+    rows, linear = [], torch.nn.functional.linear
+    for group, par, contenders in _plan(with_ds):
+        if only and group not in only:
+            continue
+        built = []
+        for c in contenders:
+            name, fn = c[0], c[1]
+            cfg = make_cfg(n, **(c[2] if par is None else par))
+            built.append((name, cfg, *fn(cfg)))
+        times = {name: [] for name, *_ in built}
+        for s in range(warmup + steps):
+            for name, cfg, step, _ in built[s % len(built):] + built[:s % len(built)]:  # rotate who goes first
+                t = _timed(step, cfg, ctx.rank, s)
+                if s >= warmup:
+                    times[name].append(t)
+        for name, cfg, step, extra in built:
+            sent, peak = extra(ctx.rank) if extra else (None, None)
+            rows.append((group, name, vars(cfg.parallel).copy(), statistics.median(times[name]), sent, peak))
+    if torch.nn.functional.linear is not linear:  # would make the comparison unfair: say so
+        print("warning: F.linear was patched during the run (DeepSpeed ZeRO-3 memory-efficient linear)")
     return rows
 
 
@@ -169,6 +184,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="comparison groups to run, e.g. DDP ZeRO-3")
     args = ap.parse_args()
     with_ds = not args.no_deepspeed
     if with_ds:
@@ -183,22 +199,22 @@ def main():
     psi_root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
     print(f"model: {psi:,} parameters (root unit {psi_root:,}); micro-batch {MICRO} x {SEQ} per rank; fp32")
     for n in args.nproc:
-        rows = run(_bench, n, n, args.warmup, args.steps, with_ds, threads=1, timeout_s=600)[0]
+        rows = run(_bench, n, n, args.warmup, args.steps, with_ds, args.only, threads=1, timeout_s=900)[0]
         print(f"\n### N = {n}\n")
-        print("| comparison | implementation | step ms | vs reference | ledger MB/step | theory MB/step | peak gathered MB |")
+        print("| comparison | implementation | step ms (median) | own / other | ledger MB/step | theory MB/step | peak gathered MB |")
         print("|---|---|---:|---:|---:|---:|---:|")
-        ref = {}
+        first = {}
         for group, who, par, t, sent, peak in rows:
-            if who != "own" and group != "ZeRO-3 variants":
-                ref[(group, who)] = t
+            first.setdefault(group, (who, t))
         for group, who, par, t, sent, peak in rows:
-            cfg = make_cfg(n, **par)
-            ratio = ""
-            if who == "own":
-                others = [(w, v) for (g, w), v in ref.items() if g == group]
-                ratio = ", ".join(f"{t / v:.2f}x {w}" for w, v in others)
-            elif group == "ZeRO-3 variants":
-                ratio = f"{t / rows[-4][3]:.2f}x default"
+            cfg = make_cfg(n, **{k: par[k] for k in ("zero_stage", "prefetch", "reshard_after_forward")})
+            base_who, base_t = first[group]
+            if group == "ZeRO-3 options":
+                ratio = f"{t / base_t:.2f}x first row"
+            elif who == "own":
+                ratio = ", ".join(f"{t / v:.2f}x {w}" for g, w, _, v, *_ in rows if g == group and w != "own")
+            else:
+                ratio = ""
             th = f"{theory_bytes(cfg, psi, psi_root) / 1e6:.2f}" if sent is not None else ""
             led = f"{sent / 1e6:.2f}" if sent is not None else ""
             pk = f"{peak / 1e6:.2f}" if peak else ""

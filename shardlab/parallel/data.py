@@ -28,6 +28,7 @@ from torch import nn
 
 from ..distributed.collectives import Comm
 from ..distributed.ledger import Ledger
+from ..distributed.placement import ATTR
 from ..parallelize import Engine
 
 
@@ -192,6 +193,24 @@ class DDPEngine(Engine):
 
     def sync_grads(self):
         """Nothing left to do: the all-reduces ran inside backward (see ``finish``)."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """After the all-reduce every rank holds the same averaged gradients: the norm is local,
+        one fused reduction per bucket (tensors placed by TP/PP fall back to the general rule)."""
+        if any(getattr(p, ATTR, None) is not None for p in self.parameters()):
+            return super().grad_norm()
+        sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for b in self.ddp.buckets:
+            sq += torch.linalg.vector_norm(b.flat, dtype=torch.float64).square()
+        return sq.sqrt()
+
+    def clip_grads(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for b in self.ddp.buckets:  # the gradients are views into the buckets
+                b.flat.mul_(coef.to(b.flat.dtype))
+        return float(norm)
 
 
 def apply(model: nn.Module, mesh, cfg) -> DDPEngine:

@@ -201,7 +201,7 @@ class DDPEngine(Engine):
             return super().grad_norm()
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for b in self.ddp.buckets:
-            sq += torch.linalg.vector_norm(b.flat, dtype=torch.float64).square()
+            sq += torch.linalg.vector_norm(b.flat).double().square()  # fused, in the grads' dtype
         return sq.sqrt()
 
     def clip_grads(self, max_norm: float) -> float:

@@ -75,6 +75,7 @@ class FSDPEngine(ShardedEngine):
         names = unit_names if unit_names is not None else block_policy(model)
         modules = dict(model.named_modules())
         self.gathered_bytes = self.peak_gathered_bytes = 0  # parameters in flight (benchmarks)
+        self._in_backward = False
         self.units = [self._make_unit(n, modules[n], names) for n in names]
         self.units.insert(0, self._make_unit("", model, names))  # root: everything else
         self.flats = [f for u in self.units for f in u.flats]
@@ -160,10 +161,14 @@ class FSDPEngine(ShardedEngine):
 
     # -- hooks ----------------------------------------------------------------------------------
     def _pre_forward(self, i: int):
-        self._gather(self._order[i], wait=True, prefetch_next=i + 1)
+        # A forward run inside backward is activation recomputation: the unit is gathered for
+        # its backward already; prefetching the next unit (already done with) would waste it.
+        self._gather(self._order[i], wait=True, prefetch_next=None if self._in_backward else i + 1)
 
     def _post_forward(self, i: int, out):
         u = self._order[i]
+        if self._in_backward:  # recomputation: keep the unit for the backward that follows
+            return
         if not torch.is_grad_enabled():
             self._free(u)
             return
@@ -175,6 +180,7 @@ class FSDPEngine(ShardedEngine):
                 break
 
     def _pre_backward(self, i: int):
+        self._in_backward = True
         u = self._order[i]
         self._launch(u)
         if self.prefetch and i > 0:
@@ -202,6 +208,7 @@ class FSDPEngine(ShardedEngine):
                 f.shard.grad.add_(f.reduce.wait().to(self.home))
                 f.reduce = f.in_flight = None
         self._free_all()
+        self._in_backward = False
 
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:

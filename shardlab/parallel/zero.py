@@ -109,7 +109,7 @@ class ShardedEngine(Engine):
         copies = self.mesh.world_size // self.mesh.size(self.shard_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for g in self.grads():
-            sq += g.detach().double().pow(2).sum().to(sq.device) / copies
+            sq += torch.linalg.vector_norm(g.detach()).double().square().to(sq.device) / copies
         if self.mesh.world_size > 1:
             self.mesh.comm("world").all_reduce(sq)
         return sq.sqrt()

@@ -275,12 +275,13 @@ class ZeroEngine(ShardedEngine):
 
     def ensure_grads(self):
         for f in self.flats:
-            if f.shard.grad is None:  # optimizer.zero_grad(set_to_none=True) dropped it
-                if self.stage == 1:
-                    f.grad_full.zero_()
-                    f.shard.grad = f.own(f.grad_full)
-                else:
-                    f.shard.grad = torch.zeros_like(f.shard)
+            if self.stage == 1:
+                # The full buffer starts every step at zero, whatever zero_grad did (it only
+                # sees this rank's slice, the optimizer's gradient).
+                f.grad_full.zero_()
+                f.shard.grad = f.own(f.grad_full)
+            elif f.shard.grad is None:  # optimizer.zero_grad(set_to_none=True) dropped it
+                f.shard.grad = torch.zeros_like(f.shard)
 
     def load_flat(self, f: FlatParam, full: torch.Tensor):
         f.full.copy_(full)

@@ -96,6 +96,7 @@ class DistributedDataParallel(nn.Module):
                 p.grad = None
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._next = 0            # first bucket not launched yet in this backward
+        self.overlapped = 0       # buckets launched from a hook (statistics, tests)
         self._callback_queued = False
 
     # -- torch DDP API ---------------------------------------------------------------------
@@ -144,6 +145,7 @@ class DistributedDataParallel(nn.Module):
                 break
             b.pending = self.comm.all_reduce(b.flat, op="sum", async_op=True)
             self._next += 1
+            self.overlapped += not force  # launched while backward was still running
 
     @torch.no_grad()
     def finish(self):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from shardlab.config import Config
+from shardlab.distributed.ledger import ring_bytes
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
@@ -82,12 +83,36 @@ def train(ctx, cfg: Config):
         xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
         m = cfg.parallel.microbatches
         micro = list(zip(xs.chunk(m), ys.chunk(m)))
+        snap = mesh.ledger.snapshot()
         local = engine.forward_backward(micro)
         norms.append(engine.clip_grads(cfg.train.grad_clip))
         opt.step()
         opt.zero_grad()
+        step_bytes = sum(e.bytes_sent for (op, g), e in mesh.ledger.since(snap).items() if g != "world")
         losses.append(engine.global_loss(local))
+    assert step_bytes == expected_bytes(engine, cfg, mesh), (step_bytes, expected_bytes(engine, cfg, mesh))
     return engine, opt, losses, norms
+
+
+def expected_bytes(engine, cfg, mesh) -> int:
+    """What one step must send per rank (ring model, float64), from the engine's buffer sizes:
+    DDP all-reduces every bucket once; ZeRO-1 reduce-scatters once, ZeRO-2 once per micro-batch,
+    both all-gather once; ZeRO-3 all-gathers every unit in forward, the non-root units again in
+    backward when resharding, reduce-scatters every unit, per micro-batch (+ hybrid all-reduce)."""
+    p, m = cfg.parallel, cfg.parallel.microbatches
+    if p.zero_stage == 0:
+        n = mesh.size("dp_cp")
+        return sum(ring_bytes("all_reduce", b.flat.numel() * 8, n) for b in engine.ddp.buckets) if n > 1 else 0
+    n = engine.comm.size
+    rs = lambda f: ring_bytes("reduce_scatter", f.padded * 8, n)
+    ag = lambda f: ring_bytes("all_gather", f.padded * 8, n)
+    if p.zero_stage in (1, 2):
+        return sum(rs(f) * (m if p.zero_stage == 2 else 1) + ag(f) for f in engine.flats)
+    root = set(map(id, engine.units[0].flats))
+    per_micro = sum(ag(f) + rs(f) + (ag(f) if p.reshard_after_forward and id(f) not in root else 0)
+                    for f in engine.flats)
+    rep = mesh.size("dp_replicate")
+    return m * per_micro + sum(ring_bytes("all_reduce", f.shard_size * 8, rep) for f in engine.flats)
 
 
 def _compare(ctx, cfg, ref, reload_cfg=None):
@@ -140,6 +165,9 @@ def _torch_style(ctx, n, ref):
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad()
+    # every bucket's all-reduce was launched from a gradient hook as soon as the bucket was
+    # complete, while backward went on (none waited for the end-of-backward callback)
+    assert len(model.buckets) > 2 and model.overlapped == STEPS * len(model.buckets), model.overlapped
     err = 0.0
     for k, p in named:
         err = max(err, float((p.detach() - ref[2][f"model.{k}"]).abs().max()))

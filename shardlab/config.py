@@ -314,6 +314,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"tp={p.tp} and model.n_kv_heads={m.kv_heads}: one must divide the other "
            "(kv heads are split, or replicated when tp > kv heads)")
     _check(m.ffn_dim % p.tp == 0, "model.ffn_hidden", f"ffn size {m.ffn_dim} is not divisible by tp={p.tp}")
+    _check(not p.sequence_parallel or t.seq_len % p.tp == 0, "train.seq_len",
+           f"{t.seq_len} is not divisible by tp={p.tp}: sequence parallel splits the sequence over tp; "
+           f"use a multiple of {p.tp} or parallel.sequence_parallel=false")
     _check(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",
            f"{m.n_layers} layers cannot fill pp*pp_virtual={p.pp * p.pp_virtual} stages; lower pp or add layers")
     _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "must be 0, 1, 2 or 3")

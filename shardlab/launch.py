@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import signal
 import tempfile
@@ -83,7 +84,9 @@ def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, resu
     try:
         ctx = _init(rank, world, rank, world, init_method, device, timeout_s, threads)
         out = fn(ctx, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle: tensors travel by value (torch's queue reducers would pass shared-memory
+        # handles that die with this process).
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # report everything, including KeyboardInterrupt
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1)
@@ -97,6 +100,15 @@ def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, resu
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_world_size() -> int | None:
+    """WORLD_SIZE under torchrun, else None."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+
+
+def torchrun_rank() -> int | None:
+    return int(os.environ["RANK"]) if under_torchrun() else None
 
 
 def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0):
@@ -127,33 +139,54 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()
+        results.close()
+        results.join_thread()
         if os.path.exists(store):
             os.unlink(store)
 
 
-def _collect(procs, results, nproc):
+_SECONDARY = ("Connection closed by peer", "remote worker", "Connection reset", "Timed out", "timed out")
+
+
+def _collect(procs, results, nproc, grace_s: float = 1.0):
+    """Results in rank order, or WorkerError for the root failure. When one rank fails, the
+    others usually fail next with a broken-connection error: wait ``grace_s`` for every report,
+    then blame a rank that died silently (killed) or raised a non-communication error first."""
     out: dict[int, object] = {}
-    while len(out) < nproc:
+    failures: dict[int, str] = {}
+    deadline = None
+    while len(out) + len(failures) < nproc:
+        if deadline is not None and time.time() > deadline:
+            break
         try:
-            rank, status, payload = results.get(timeout=0.2)
+            rank, status, payload = results.get(timeout=0.1)
+            if status == "error":
+                failures[rank] = payload
+            else:
+                out[rank] = pickle.loads(payload)
         except queue_mod.Empty:
             for r, p in enumerate(procs):
-                if r not in out and p.exitcode is not None:
-                    # Died without reporting (killed, segfault): give its message a moment to arrive.
-                    time.sleep(0.5)
-                    try:
-                        rank, status, payload = results.get(timeout=0.5)
-                        break
-                    except queue_mod.Empty:
+                if r not in out and r not in failures and p.exitcode not in (None, 0):
+                    if deadline is None:  # give its own report a moment to arrive
+                        deadline = time.time() + grace_s
+                    elif time.time() > deadline - grace_s / 2:
                         code = p.exitcode
                         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                        raise WorkerError(r, f"process died ({how}) without reporting an error") from None
-            else:
-                continue
-        if status == "error":
-            raise WorkerError(rank, payload)
-        out[rank] = payload
-    return [out[r] for r in range(nproc)]
+                        failures[r] = f"process died ({how}) without reporting an error"
+        if failures and deadline is None:
+            deadline = time.time() + grace_s
+    if not failures:
+        return [out[r] for r in range(nproc)]
+
+    def blame(item):
+        rank, msg = item
+        silent = msg.startswith("process died")
+        secondary = any(s in msg for s in _SECONDARY)
+        return (not silent, secondary, rank)
+    rank, msg = min(failures.items(), key=blame)
+    others = sorted(set(failures) - {rank})
+    note = f"\n(then ranks {others} stopped as a consequence)" if others else ""
+    raise WorkerError(rank, msg + note)
 
 
 def _run_torchrun(fn, args, device, timeout_s, threads):

@@ -14,7 +14,8 @@ from torch import nn
 
 from .config import Config
 from .distributed.mesh import Mesh
-from .distributed.placement import get_placement, replicas
+from .distributed.placement import Placement, get_placement, replicas
+from .distributed.reshard import gather_global, local_slice
 
 
 class Engine:
@@ -25,6 +26,12 @@ class Engine:
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
         self.model, self.mesh, self.cfg = model, mesh, cfg
+        # (tokens, targets) of a micro-batch -> what this rank feeds its model (context
+        # parallel keeps this rank's load-balanced sequence shard).
+        self.shard_batch = None
+
+    def _local(self, x, y):
+        return self.shard_batch(x, y) if self.shard_batch else (x, y)
 
     # -- the step --------------------------------------------------------------------------
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
@@ -33,6 +40,7 @@ class Engine:
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for x, y in micro_batches:
+            x, y = self._local(x, y)
             with autocast() if autocast else _null():
                 loss = self.model(x, y)
             (loss * (loss_scale / n)).backward()
@@ -40,10 +48,26 @@ class Engine:
         self.sync_grads()
         return total / n
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
+        """Local mean loss over the micro-batches, no gradients."""
+        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
+        for x, y in micro_batches:
+            x, y = self._local(x, y)
+            with autocast() if autocast else _null():
+                total += self.model(x, y).double()
+        return total / len(micro_batches)
+
     def sync_grads(self):
         comm = self.mesh.comm("dp_cp")
-        for p in self.parameters():
-            if p.grad is not None:
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            if "ep" in get_placement(p, name).sharded_over:
+                # Expert weights: the all-to-all backward already summed the ep ranks' gradients;
+                # add those of the ranks holding the same experts, divide by the data-parallel size.
+                self.mesh.comm("edp").all_reduce(p.grad).div_(self.mesh.size("dp_cp"))
+            else:
                 comm.all_reduce(p.grad, op="avg")
 
     def global_loss(self, local: torch.Tensor) -> float:
@@ -60,8 +84,8 @@ class Engine:
                 out.append(p)
         return out
 
-    def named_parameters(self):
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+    def named_parameters(self, all_params: bool = False):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad or all_params]
 
     def make_optimizer(self, build):
         """``build(param_groups)`` -> optimizer. ZeRO engines wrap or shard it."""
@@ -97,23 +121,45 @@ class Engine:
         return float(norm)
 
     # -- checkpoints (global coordinates) ----------------------------------------------------
-    def full_state(self, optimizer) -> dict[str, torch.Tensor]:
-        """Global tensors ``model.<name>`` and ``optim.<name>.<state>`` (complete on rank 0)."""
-        out = {f"model.{n}": p.detach().cpu() for n, p in self.model.state_dict(keep_vars=False).items()}
-        names = {id(p): n for n, p in self.named_parameters()}
-        for p, st in optimizer.state.items():
-            for k, v in st.items():
+    def full_state(self, optimizer, everywhere: bool = False) -> dict[str, torch.Tensor]:
+        """Global tensors ``model.<global name>`` and ``optim.<global name>.<state>``, assembled
+        on rank 0 from every rank's shards (empty on the other ranks unless ``everywhere``).
+        Collective."""
+        items = []
+        for name, p in self.named_parameters(all_params=True):
+            pl = get_placement(p, name)
+            items.append((f"model.{pl.name}", pl, p))
+            for k, v in optimizer.state.get(p, {}).items():
                 if torch.is_tensor(v):
-                    out[f"optim.{names[id(p)]}.{k}"] = v.detach().cpu()
-        return out
+                    vpl = pl if v.shape == p.shape else Placement(f"{pl.name}.{k}", tuple(v.shape))
+                    items.append((f"optim.{pl.name}.{k}", vpl, v))
+        return gather_global(items, self.mesh, everywhere)
 
     def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
-        model_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-        self.model.load_state_dict(model_sd, strict=True)
-        for name, p in self.named_parameters():
-            keys = [k for k in state if k.startswith(f"optim.{name}.")]
-            if keys:
-                optimizer.state[p] = {k.rsplit(".", 1)[1]: state[k].to(p.device) for k in keys}
+        """Cut this rank's shards out of global tensors (any saving layout)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters(all_params=True):
+                pl = get_placement(p, name)
+                key = f"model.{pl.name}"
+                if key not in state:
+                    raise RuntimeError(f"checkpoint has no tensor {key} (saved from another model?)")
+                p.copy_(local_slice(state[key], pl, p.shape))
+                prefix = f"optim.{pl.name}."
+                st = {}
+                for k, v in state.items():
+                    if k.startswith(prefix) and "." not in k[len(prefix):]:
+                        sub = k[len(prefix):]
+                        part = local_slice(v, pl, p.shape) if v.shape == pl.global_shape and v.dim() > 0 else v
+                        # a private copy: the optimizer updates it in place
+                        st[sub] = part.to(device=_state_device(v, p), copy=True).contiguous()
+                if st:
+                    optimizer.state[p] = st
+
+
+def _state_device(v: torch.Tensor, p: torch.Tensor):
+    """Optimizer state lives with its parameter; AdamW's scalar ``step`` stays on the CPU except
+    for the fused CUDA kernel, which wants it on the GPU."""
+    return p.device if v.dim() > 0 or p.device.type == "cuda" else torch.device("cpu")
 
 
 class _null:
@@ -127,19 +173,38 @@ class _null:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
-    unsupported = [name for name, on in (("tp", p.tp > 1), ("pp", p.pp > 1), ("cp", p.cp > 1),
-                                         ("ep", p.ep > 1)) if on]
+    unsupported = [name for name, on in (
+        ("zero_stage", p.zero_stage > 0 and p.pp > 1),                          # ZeRO inside pipeline stages
+        ("zero_stage", p.zero_stage > 0 and cfg.model.n_experts > 0 and p.ep > 1)) if on]  # expert shards
     if unsupported:
-        raise NotImplementedError(f"parallel.{unsupported[0]} is not implemented yet in this build")
+        raise NotImplementedError(f"parallel.{unsupported[0]} > 0 with pp > 1 or ep > 1 is not implemented "
+                                  "yet; use zero_stage = 0 (DDP) for those layouts")
+    if p.tp > 1:
+        from .parallel import tensor
+        tensor.apply(model, mesh, cfg)
+    if cfg.model.n_experts > 0:  # EP: experts over ep, batch-wide MoE aux losses over dp_cp
+        from .parallel import expert
+        model = expert.apply(model, mesh, cfg)
+    cp_shard = None
+    if p.cp > 1:  # CP: ring attention; each rank keeps its load-balanced shard of every sequence
+        from .parallel import context
+        model = context.apply(model, mesh, cfg)
+        cp_shard = lambda x, y: context.shard_batch(x, y, mesh)  # noqa: E731
     if p.compile:
         for key, block in model.layers.items():
             model.layers[key] = torch.compile(block)
+    if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
+        from .parallel.pipeline import apply as pipeline
+        return pipeline(model, mesh, cfg)
     # Last: how data-parallel ranks share model state (parallel/data.py, zero.py, fsdp.py).
     from .parallel import data, fsdp, zero
     if p.zero_stage == 3:
-        return fsdp.apply(model, mesh, cfg)
-    if p.zero_stage in (1, 2):
-        return zero.apply(model, mesh, cfg)
-    if mesh.size("dp_cp") > 1:
-        return data.apply(model, mesh, cfg)
-    return Engine(model, mesh, cfg)
+        engine = fsdp.apply(model, mesh, cfg)
+    elif p.zero_stage in (1, 2):
+        engine = zero.apply(model, mesh, cfg)
+    elif mesh.size("dp_cp") > 1:
+        engine = data.apply(model, mesh, cfg)
+    else:
+        engine = Engine(model, mesh, cfg)
+    engine.shard_batch = cp_shard
+    return engine

@@ -2,16 +2,24 @@
 
 Every parallel module communicates through a :class:`Comm` so that every byte is counted.
 ``algorithm`` picks the backend's implementation or shardlab's own (ring / tree / rhd, built
-on point-to-point ops; see the collectives issue) per call.
+on point-to-point ops in algorithms.py) per call: every method takes ``algorithm=`` (default
+``self.algorithm``, from ``parallel.comm_algorithm``). Backend ops are counted with the bytes
+a ring algorithm would move (ledger.ring_bytes); own algorithms record the bytes they really
+sent and received.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from . import algorithms as algos
 from .ledger import Ledger, ring_bytes
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+# torch >= 2.12 renamed all_gather_into_tensor (the old name warns); keep both working.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -19,14 +27,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Pending:
-    """The handle of an ``async_op=True`` collective: ``wait()`` blocks until it is done, applies
-    any finishing step (the division of ``op="avg"``) and returns the result tensor."""
+    """The handle of an asynchronous collective (``Comm.*_async``): ``wait()`` blocks until it is
+    done, applies any finishing step (the division of ``op="avg"``) and returns the result."""
 
     def __init__(self, work, result: torch.Tensor, finish=None):
         self.work, self.result, self.finish = work, result, finish
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -35,14 +40,6 @@ class Pending:
             if self.finish is not None:
                 self.finish(self.result)
         return self.result
-
-
-def _done(t: torch.Tensor, async_op: bool):
-    return Pending(None, t) if async_op else t
-
-
-def _avg(size: int):
-    return lambda t: t.div_(size)
 
 
 class Comm:
@@ -63,55 +60,97 @@ class Comm:
         sent = ring_bytes(op, nbytes, self.size)
         self.ledger.record(op, self.name, sent, sent)
 
+    def _choose(self, op: str, t: torch.Tensor, algorithm: str | None, nbytes: int) -> str:
+        return algos.select(op, algorithm or self.algorithm, nbytes)
+
+    def _host_staged(self, t: torch.Tensor) -> bool:
+        """gloo's send/recv read host memory: own algorithms on CUDA tensors over gloo (N ranks
+        sharing one GPU) run on a host copy. NCCL sends device memory directly."""
+        if t.device.type != "cuda":
+            return False
+        if not hasattr(self, "_backend"):
+            self._backend = str(dist.get_backend(self.group))
+        return self._backend == "gloo"
+
+    def _link(self) -> algos.Link:
+        return algos.Link(self.group, self.ranks, self.rank)
+
+    def _record(self, op: str, link: algos.Link):
+        self.ledger.record(op, self.name, link.sent, link.recv)
+
     # -- collectives (in place where torch is) -----------------------------------------------
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
-        """In place: t <- op over the group. ``op``: sum, avg, max, min.
-        ``async_op=True`` returns a :class:`Pending` whose ``wait()`` gives ``t``."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
+        """In place: t <- op over the group. ``op``: sum, avg, max, min."""
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"all_reduce(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
         if self.size == 1:
-            return _done(t, async_op)
+            return t
+        algo = self._choose("all_reduce", t, algorithm, _nbytes(t))
+        if algo != "backend" and self._host_staged(t):
+            return t.copy_(self.all_reduce(t.cpu(), op, algorithm))
+        if algo != "backend":
+            x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+            link = self._link()
+            algos.ALL_REDUCE[algo](link, x, op)
+            if op == "avg":
+                x.div_(self.size)
+            if not t.is_contiguous():
+                t.copy_(x.view(t.shape))
+            self._record("all_reduce", link)
+            return t
         self._count("all_reduce", _nbytes(t))
-        work = dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group, async_op=async_op)
-        if async_op:
-            return Pending(work, t, _avg(self.size) if op == "avg" else None)
+        dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group)
         if op == "avg":
             t.div_(self.size)
         return t
 
-    def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
-        """Concatenate every rank's ``t`` along ``dim`` (equal shapes). For ``dim=0``, ``out``
-        (optional) receives the result and ``async_op=True`` returns a :class:`Pending`."""
+    def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
         if self.size == 1:
-            if out is not None:
-                out.copy_(t)
-                t = out
-            return _done(t, async_op)
+            return t
+        if self._choose("all_gather", t, algorithm, _nbytes(t) * self.size) != "backend":
+            if self._host_staged(t):
+                return self.all_gather(t.cpu(), dim, algorithm).to(t.device)
+            m, n = t.numel(), self.size
+            flat = torch.empty(n * m, dtype=t.dtype, device=t.device)
+            flat[self.rank * m:(self.rank + 1) * m].copy_(t.reshape(-1))
+            link = self._link()
+            algos.ring_all_gather_(link, flat, [(i * m, (i + 1) * m) for i in range(n)])
+            self._record("all_gather", link)
+            parts = flat.view((n,) + tuple(t.shape))
+            return torch.cat(list(parts.unbind(0)), dim=dim)
         self._count("all_gather", _nbytes(t) * self.size)
         if dim == 0:
-            if out is None:
-                out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            work = dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=async_op)
-            return Pending(work, out) if async_op else out
-        if async_op or out is not None:
-            raise ValueError("all_gather: async_op and out are supported for dim=0 only")
+            out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            _all_gather_single(out, t.contiguous(), group=self.group)
+            return out
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum", async_op: bool = False):
-        """Reduce over the group and keep this rank's 1/size slice of ``dim``.
-        ``async_op=True`` (dim 0 only) returns a :class:`Pending` whose ``wait()`` gives the slice."""
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
+                       algorithm: str | None = None) -> torch.Tensor:
+        """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"reduce_scatter(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
         if self.size == 1:
-            return _done(t, async_op)
-        if async_op:
-            if dim != 0 or t.shape[0] % self.size:
-                raise ValueError(f"reduce_scatter(async_op=True) needs dim 0 divisible by {self.size}")
-            self._count("reduce_scatter", _nbytes(t))
-            out = torch.empty((t.shape[0] // self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            work = dist.reduce_scatter_tensor(out, t.contiguous(), op=_OPS["sum" if op == "avg" else op],
-                                              group=self.group, async_op=True)
-            return Pending(work, out, _avg(self.size) if op == "avg" else None)
+            return t
         if t.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
+        if self._choose("reduce_scatter", t, algorithm, _nbytes(t)) != "backend":
+            if self._host_staged(t):
+                return self.reduce_scatter(t.cpu(), dim, op, algorithm).to(t.device)
+            x = t.movedim(dim, 0).contiguous().view(-1)
+            x = x.clone() if x.data_ptr() == t.data_ptr() else x
+            m = x.numel() // self.size
+            link = self._link()
+            algos.ring_reduce_scatter_(link, x, [(i * m, (i + 1) * m) for i in range(self.size)], op)
+            self._record("reduce_scatter", link)
+            shape = (t.shape[dim] // self.size,) + tuple(t.movedim(dim, 0).shape[1:])
+            out = x[self.rank * m:(self.rank + 1) * m].view(shape)
+            if op == "avg":
+                out.div_(self.size)
+            return out.movedim(0, dim).clone(memory_format=torch.contiguous_format)
         self._count("reduce_scatter", _nbytes(t))
         x = t if dim == 0 else t.movedim(dim, 0)
         x = x.contiguous()
@@ -122,7 +161,7 @@ class Comm:
         return out if dim == 0 else out.movedim(0, dim).contiguous()
 
     def all_to_all(self, t: torch.Tensor, in_splits: list[int] | None = None,
-                   out_splits: list[int] | None = None) -> torch.Tensor:
+                   out_splits: list[int] | None = None, algorithm: str | None = None) -> torch.Tensor:
         """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
         if self.size == 1:
             return t
@@ -130,7 +169,17 @@ class Comm:
             in_splits = [t.shape[0] // self.size] * self.size
         if out_splits is None:
             out_splits = in_splits
+        if len(in_splits) != self.size or len(out_splits) != self.size or sum(in_splits) != t.shape[0]:
+            raise ValueError(f"all_to_all: need {self.size} in/out splits with sum(in_splits) = "
+                             f"{t.shape[0]} rows, got {list(in_splits)} / {list(out_splits)}")
         out = torch.empty((sum(out_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        if self._choose("all_to_all", t, algorithm, _nbytes(t)) != "backend":
+            if self._host_staged(t):
+                return self.all_to_all(t.cpu(), in_splits, out_splits, algorithm).to(t.device)
+            link = self._link()
+            algos.pairwise_all_to_all(link, t.contiguous(), out, list(in_splits), list(out_splits))
+            self._record("all_to_all", link)
+            return out
         row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
         sent = row * (sum(in_splits) - in_splits[self.rank])
         recv = row * (sum(out_splits) - out_splits[self.rank])
@@ -138,22 +187,73 @@ class Comm:
         dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
-    def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
+    def broadcast(self, t: torch.Tensor, src: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """In place from group rank ``src``."""
         if self.size == 1:
-            return _done(t, async_op)
+            return t
+        algo = self._choose("broadcast", t, algorithm, _nbytes(t))
+        if algo != "backend" and self._host_staged(t):
+            return t.copy_(self.broadcast(t.cpu(), src, algorithm))
+        if algo != "backend":
+            x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+            link = self._link()
+            algos.BROADCAST[algo](link, x, src)
+            if not t.is_contiguous():
+                t.copy_(x.view(t.shape))
+            self._record("broadcast", link)
+            return t
         self._count("broadcast", _nbytes(t))
-        work = dist.broadcast(t, src=self.ranks[src], group=self.group, async_op=async_op)
-        return Pending(work, t) if async_op else t
+        dist.broadcast(t, src=self.ranks[src], group=self.group)
+        return t
+
+    # -- asynchronous variants (backend only; own algorithms run synchronously) ---------------
+    # Used where communication overlaps computation (DDP buckets launched from gradient hooks,
+    # FSDP prefetch). Counted in the ledger exactly like the synchronous calls.
+    def _sync_instead(self, algorithm) -> bool:
+        return self.size == 1 or (algorithm or self.algorithm) != "backend"
+
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
+        """Start ``all_reduce(t, op)`` in place; ``.wait()`` returns ``t``."""
+        if self._sync_instead(algorithm):
+            return Pending(None, self.all_reduce(t, op, algorithm))
+        self._count("all_reduce", _nbytes(t))
+        work = dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group, async_op=True)
+        return Pending(work, t, (lambda r: r.div_(self.size)) if op == "avg" else None)
+
+    def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
+                         algorithm: str | None = None) -> Pending:
+        """Start a dim-0 all-gather of ``t`` into ``out`` (allocated if None); ``.wait()`` returns it."""
+        if self._sync_instead(algorithm):
+            res = self.all_gather(t, 0, algorithm)
+            return Pending(None, out.copy_(res) if out is not None else res)
+        if out is None:
+            out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        self._count("all_gather", _nbytes(out))
+        work = _all_gather_single(out, t.contiguous(), group=self.group, async_op=True)
+        return Pending(work, out)
+
+    def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
+        """Start a dim-0 reduce-scatter; ``.wait()`` returns this rank's slice."""
+        if self._sync_instead(algorithm):
+            return Pending(None, self.reduce_scatter(t, 0, op, algorithm))
+        if t.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter: dim 0 of size {t.shape[0]} not divisible by {self.size}")
+        self._count("reduce_scatter", _nbytes(t))
+        out = torch.empty((t.shape[0] // self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        work = dist.reduce_scatter_tensor(out, t.contiguous(), op=_OPS["sum" if op == "avg" else op],
+                                          group=self.group, async_op=True)
+        return Pending(work, out, (lambda r: r.div_(self.size)) if op == "avg" else None)
 
     # -- point to point (group-relative peers) -------------------------------------------------
-    def isend(self, t: torch.Tensor, peer: int):
+    def isend(self, t: torch.Tensor, peer: int, tag: int = 0):
+        """Non-blocking send to group rank ``peer``; messages with the same tag between a pair
+        arrive in the order sent, messages with different tags never mix."""
         self.ledger.record("send", self.name, _nbytes(t), 0)
-        return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group)
+        return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group, tag=tag)
 
-    def irecv(self, t: torch.Tensor, peer: int):
+    def irecv(self, t: torch.Tensor, peer: int, tag: int = 0):
         self.ledger.record("recv", self.name, 0, _nbytes(t))
-        return dist.irecv(t, src=self.ranks[peer], group=self.group)
+        return dist.irecv(t, src=self.ranks[peer], group=self.group, tag=tag)
 
     def barrier(self):
         if self.size > 1:

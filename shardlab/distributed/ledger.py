@@ -1,8 +1,9 @@
 """Ledger: calls and bytes of every collective issued through shardlab, per op and per group.
 
 One Ledger lives on each rank's :class:`~shardlab.distributed.mesh.Mesh` (no global). Own
-algorithms (collectives.py) record the bytes they really send and receive; backend ops record
-the bytes a ring algorithm would move per rank (REFERENCE.md), labelled ``model="ring-theory"``.
+algorithms (algorithms.py, through Comm) record the bytes they really sent and received;
+backend ops record the bytes a ring algorithm would move per rank (:func:`ring_bytes`,
+REFERENCE.md), since the backend does not say what it moved.
 """
 from __future__ import annotations
 

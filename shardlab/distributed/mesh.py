@@ -32,14 +32,15 @@ class Mesh:
     _comms: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, topology: Topology, device: torch.device | str = "cpu") -> "Mesh":
-        """Create every named group (collectively: all ranks must call this, in the same order)."""
+    def build(cls, topology: Topology, device: torch.device | str = "cpu", algorithm: str = "backend") -> "Mesh":
+        """Create every named group (collectively: all ranks must call this, in the same order).
+        ``algorithm``: the collectives' default (``parallel.comm_algorithm``; see algorithms.py)."""
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build needs torch.distributed initialised (use shardlab.launch)")
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != topology.world_size:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, world has {world}")
-        mesh = cls(topology, rank, torch.device(device))
+        mesh = cls(topology, rank, torch.device(device), algorithm=algorithm)
         seen: dict[tuple, object] = {}
         for name in ALL_GROUPS:
             for ranks in topology.groups(name):

@@ -29,6 +29,9 @@ class Placement:
     sharded_over: tuple = field(default_factory=tuple)
     """Mesh groups whose ranks hold different parts (or different tensors): e.g. ("tp",), ("pp",).
     The ranks outside these groups hold identical copies."""
+    copies: int = 1
+    """Ranks inside the ``sharded_over`` groups that hold this same slice (e.g. key/value heads
+    replicated when tp > n_kv_heads: tp // n_kv_heads copies of each head)."""
 
     def valid(self, local: torch.Tensor) -> torch.Tensor:
         """The part of ``local`` that is real data (padding removed)."""
@@ -52,4 +55,4 @@ def replicas(placement: Placement, mesh) -> int:
     n = mesh.world_size
     for g in placement.sharded_over:
         n //= mesh.size(g)
-    return n
+    return n * placement.copies

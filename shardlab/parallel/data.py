@@ -28,7 +28,7 @@ from torch import nn
 
 from ..distributed.collectives import Comm
 from ..distributed.ledger import Ledger
-from ..distributed.placement import ATTR
+from ..distributed.placement import ATTR, get_placement
 from ..parallelize import Engine
 
 
@@ -74,18 +74,20 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group=None, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, *, comm: Comm | None = None, overlap: bool = True):
+                 find_unused_parameters: bool = False, *, comm: Comm | None = None, overlap: bool = True,
+                 params: list[nn.Parameter] | None = None):
         super().__init__()
         self.module = module
         self.comm = comm or _comm_for(process_group)
         self.broadcast_buffers, self.overlap = broadcast_buffers, overlap
         self._sync = True
-        seen, params = set(), []
-        for p in module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        self._broadcast_from_rank0()
+        if params is None:  # (shardlab) ``params``: only these are bucketed and averaged
+            seen, params = set(), []
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self._broadcast_from_rank0(params)
         self.buckets = [_Bucket(b, b[0].device, b[0].dtype)
                         for b in make_buckets(params, bucket_cap_mb * 2**20)]
         self._where = {}  # id(param) -> (bucket index, index in bucket)
@@ -117,8 +119,8 @@ class DistributedDataParallel(nn.Module):
 
     # -- hooks -----------------------------------------------------------------------------
     @torch.no_grad()
-    def _broadcast_from_rank0(self):
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
+    def _broadcast_from_rank0(self, params):
+        for t in list(params) + list(self.module.buffers()):
             self.comm.broadcast(t.data, 0)
 
     @torch.no_grad()
@@ -143,7 +145,7 @@ class DistributedDataParallel(nn.Module):
             b = self.buckets[self._next]
             if not force and b.ready < len(b.params):
                 break
-            b.pending = self.comm.all_reduce(b.flat, op="sum", async_op=True)
+            b.pending = self.comm.all_reduce_async(b.flat, op="sum")
             self._next += 1
             self.overlapped += not force  # launched while backward was still running
 
@@ -179,34 +181,48 @@ class DDPEngine(Engine):
 
     def __init__(self, model: nn.Module, mesh, cfg, group: str = "dp_cp"):
         super().__init__(model, mesh, cfg)
+        # Expert weights (expert parallel) are averaged over another group: the base rule does it.
+        self.experts = [p for n, p in self.named_parameters() if "ep" in get_placement(p, n).sharded_over]
+        dense = [p for p in self.parameters() if all(p is not q for q in self.experts)]
         self.ddp = DistributedDataParallel(model, comm=mesh.comm(group), bucket_cap_mb=cfg.parallel.bucket_cap_mb,
-                                           broadcast_buffers=False, overlap=cfg.parallel.overlap_comm)
+                                           broadcast_buffers=False, overlap=cfg.parallel.overlap_comm, params=dense)
 
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for k, (x, y) in enumerate(micro_batches):
+            x, y = self._local(x, y)
             with contextlib.nullcontext() if k == n - 1 else self.ddp.no_sync():
                 with autocast() if autocast else contextlib.nullcontext():
                     loss = self.ddp(x, y)
                 (loss * (loss_scale / n)).backward()
             total += loss.detach().double()
+        self.sync_grads()
         return total / n
 
     def sync_grads(self):
-        """Nothing left to do: the all-reduces ran inside backward (see ``finish``)."""
+        """The dense gradients were all-reduced inside backward (see ``finish``); expert
+        gradients are summed over the ranks holding the same experts, as in the base Engine."""
+        for p in self.experts:
+            if p.grad is not None:
+                self.mesh.comm("edp").all_reduce(p.grad).div_(self.mesh.size("dp_cp"))
 
     def grad_norm(self) -> torch.Tensor:
         """After the all-reduce every rank holds the same averaged gradients: the norm is local,
         one fused reduction per bucket (tensors placed by TP/PP fall back to the general rule)."""
-        if any(getattr(p, ATTR, None) is not None for p in self.parameters()):
+        if self._placed():
             return super().grad_norm()
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for b in self.ddp.buckets:
             sq += torch.linalg.vector_norm(b.flat).double().square()  # fused, in the grads' dtype
         return sq.sqrt()
 
+    def _placed(self) -> bool:
+        return any(getattr(p, ATTR, None) is not None for p in self.parameters())
+
     def clip_grads(self, max_norm: float) -> float:
+        if self._placed():
+            return super().clip_grads(max_norm)
         norm = self.grad_norm()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

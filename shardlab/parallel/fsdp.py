@@ -128,7 +128,7 @@ class FSDPEngine(ShardedEngine):
             src = f.shard.detach().to(self.mesh.device, f.full.dtype)
             # ``.data``: writing the gathered values must not bump the version counter that
             # autograd checks on the views it saved in forward.
-            u.pending.append(self.comm.all_gather(src, async_op=True, out=f.full.data))
+            u.pending.append(self.comm.all_gather_async(src, out=f.full.data))
 
     def _gather(self, u: Unit, wait: bool, prefetch_next: int | None = None):
         self._launch(u)
@@ -193,7 +193,7 @@ class FSDPEngine(ShardedEngine):
     def _post_backward(self, f: FlatParam):
         grad, f.full.grad = f.full.grad, None
         f.in_flight = grad.to(f.shard.dtype)  # fp32 reduction under mixed precision
-        f.reduce = self.comm.reduce_scatter(f.in_flight, async_op=True)
+        f.reduce = self.comm.reduce_scatter_async(f.in_flight)
         u = f.unit
         u.reduced += 1
         if u.reduced == len(u.flats):
@@ -216,6 +216,7 @@ class FSDPEngine(ShardedEngine):
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for x, y in micro_batches:
+            x, y = self._local(x, y)
             with autocast() if autocast else contextlib.nullcontext():
                 loss = self.model(x, y)
             (loss * (loss_scale / n)).backward()
@@ -229,7 +230,7 @@ class FSDPEngine(ShardedEngine):
         """Sum the gradient shards over replicas (hybrid sharding), then average."""
         if self.replicate_group:
             rep = self.mesh.comm(self.replicate_group)
-            for w in [rep.all_reduce(f.shard.grad, async_op=True) for f in self.flats]:
+            for w in [rep.all_reduce_async(f.shard.grad) for f in self.flats]:
                 w.wait()
         for f in self.flats:
             f.shard.grad.div_(self.dp_size())
@@ -237,7 +238,7 @@ class FSDPEngine(ShardedEngine):
     def parameters(self) -> list[nn.Parameter]:
         return [f.shard for f in self.flats]
 
-    def named_parameters(self):
+    def named_parameters(self, all_params: bool = False):
         return [(f"flat{i}", f.shard) for i, f in enumerate(self.flats)]
 
 

@@ -24,6 +24,8 @@ import math
 import torch
 from torch import nn
 
+from ..distributed.placement import Placement, get_placement, replicas
+from ..distributed.reshard import gather_global, local_slice
 from ..parallelize import Engine
 from .data import make_buckets
 
@@ -41,6 +43,7 @@ class FlatParam:
         self.shard_size = max(1, math.ceil(self.total / n))
         self.padded = self.shard_size * n
         self.start = rank * self.shard_size
+        self.placements = [get_placement(p, n) for n, p in zip(names, params)]  # TP/EP slices: global names
         self.shard: nn.Parameter | None = None
 
     def flatten(self, tensors, dtype=None) -> torch.Tensor:
@@ -55,6 +58,13 @@ class FlatParam:
 
     def own(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.start:self.start + self.shard_size]
+
+    def own_ranges(self) -> list[tuple[int, int]]:
+        """Per parameter, the range of its elements inside this rank's shard (shard coordinates;
+        empty when lo >= hi)."""
+        end = self.start + self.shard_size
+        return [(max(o, self.start) - self.start, min(o + k, end) - self.start)
+                for o, k in zip(self.offsets, self.numels)]
 
 
 def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float):
@@ -104,12 +114,19 @@ class ShardedEngine(Engine):
                 f.shard.grad = torch.zeros_like(f.shard)
 
     def grad_norm(self) -> torch.Tensor:
-        """Squares of this rank's gradient shard (padding is zero), divided by the number of
-        ranks holding the same shard, summed over the world: each element counted once."""
-        copies = self.mesh.world_size // self.mesh.size(self.shard_group)
+        """Each global element counted once: the squares of every parameter's part inside this
+        rank's gradient shard, divided by how many ranks hold that same part (the parameter's
+        replicas, placement.py, split S ways by the shard group), summed over the world."""
+        s_size = self.mesh.size(self.shard_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for g in self.grads():
-            sq += torch.linalg.vector_norm(g.detach()).double().square().to(sq.device) / copies
+        for f in self.flats:
+            if f.shard.grad is None:
+                continue
+            g = f.shard.grad.detach()
+            for (lo, hi), pl in zip(f.own_ranges(), f.placements):
+                if hi > lo:
+                    part = torch.linalg.vector_norm(g[lo:hi]).double().square().to(sq.device)
+                    sq += part * s_size / replicas(pl, self.mesh)
         if self.mesh.world_size > 1:
             self.mesh.comm("world").all_reduce(sq)
         return sq.sqrt()
@@ -126,40 +143,45 @@ class ShardedEngine(Engine):
     def _all_gather_shard(self, t: torch.Tensor) -> torch.Tensor:
         return self.mesh.comm(self.shard_group).all_gather(t.detach().to(self.mesh.device).contiguous()).cpu()
 
-    def full_state(self, optimizer) -> dict[str, torch.Tensor]:
-        out = {f"model.{n}": b.detach().cpu() for n, b in self.model.named_buffers()}
+    def full_state(self, optimizer, everywhere: bool = False) -> dict[str, torch.Tensor]:
+        """All-gather every flat buffer (and Adam state) over the shard group, cut it into the
+        rank's local parameters, then assemble global tensors (TP slices etc.) like the base
+        Engine. Collective; complete on rank 0 (on every rank with ``everywhere``)."""
+        items, first = [], self.mesh.comm(self.shard_group).rank == 0  # one copy per shard group
         for f in self.flats:
-            for name, v in zip(f.names, f.views(self._all_gather_shard(f.shard))):
-                out[f"model.{name}"] = v.clone()
+            views = f.views(self._all_gather_shard(f.shard))
+            items += [(f"model.{pl.name}", pl, v) for pl, v in zip(f.placements, views)]
             st = optimizer.state.get(f.shard, {}) if optimizer is not None else {}
             for key, s in sorted(st.items()):  # sorted: every rank gathers in the same order
-                if torch.is_tensor(s) and s.numel() == f.shard_size and s.dim() == 1:
-                    for name, v in zip(f.names, f.views(self._all_gather_shard(s))):
-                        out[f"optim.{name}.{key}"] = v.clone()
-                else:  # scalars such as Adam's step: the same for every parameter of the shard
-                    for name in f.names:
-                        out[f"optim.{name}.{key}"] = s.detach().cpu().clone() if torch.is_tensor(s) else torch.tensor(s)
-        return out
+                if torch.is_tensor(s) and s.dim() == 1 and s.numel() == f.shard_size:
+                    items += [(f"optim.{pl.name}.{key}", pl, v)
+                              for pl, v in zip(f.placements, f.views(self._all_gather_shard(s)))]
+                elif torch.is_tensor(s):  # scalars such as Adam's step: one per parameter
+                    items += [(f"optim.{pl.name}.{key}", Placement(f"{pl.name}.{key}", tuple(s.shape)), s)
+                              for pl in f.placements]
+        return gather_global(items if first else [], self.mesh, everywhere)
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
-        for n, b in self.model.named_buffers():
-            b.copy_(state[f"model.{n}"])
+        """Cut this rank's shard out of global tensors saved under any layout."""
         for f in self.flats:
-            missing = [n for n in f.names if f"model.{n}" not in state]
+            missing = [pl.name for pl in f.placements if f"model.{pl.name}" not in state]
             if missing:
-                raise KeyError(f"checkpoint has no model.{missing[0]}")
-            self.load_flat(f, f.flatten([state[f"model.{n}"] for n in f.names], f.shard.dtype))
-            keys = sorted({k[len(f"optim.{f.names[0]}."):] for k in state if k.startswith(f"optim.{f.names[0]}.")})
+                raise RuntimeError(f"checkpoint has no tensor model.{missing[0]} (saved from another model?)")
+            local = [local_slice(state[f"model.{pl.name}"], pl, shape) for pl, shape in zip(f.placements, f.shapes)]
+            self.load_flat(f, f.flatten(local, f.shard.dtype))
+            prefix = f"optim.{f.placements[0].name}."
+            keys = sorted(k[len(prefix):] for k in state if k.startswith(prefix) and "." not in k[len(prefix):])
             if optimizer is None or not keys:
                 continue
             st = {}
             for key in keys:
-                first = state[f"optim.{f.names[0]}.{key}"]
-                if tuple(first.shape) == f.shapes[0]:  # per-element state (Adam m, v)
-                    full = f.flatten([state[f"optim.{n}.{key}"] for n in f.names], first.dtype)
-                    st[key] = f.own(full).clone().to(f.shard.device)
-                else:
+                first = state[prefix + key]
+                if tuple(first.shape) == tuple(f.placements[0].global_shape) and first.dim() > 0:
+                    parts = [local_slice(state[f"optim.{pl.name}.{key}"], pl, shape)
+                             for pl, shape in zip(f.placements, f.shapes)]
+                    st[key] = f.own(f.flatten(parts, first.dtype)).clone().to(f.shard.device)
+                else:  # Adam's step
                     st[key] = first.clone()
             optimizer.state[f.shard] = st
 
@@ -223,7 +245,7 @@ class ZeroEngine(ShardedEngine):
                 break
             if f.grad_full is None:  # ZeRO-2 bucket that received no gradient
                 f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
-            f.pending = self.comm.reduce_scatter(f.grad_full, async_op=True)
+            f.pending = self.comm.reduce_scatter_async(f.grad_full)
             self._next += 1
 
     @torch.no_grad()
@@ -245,6 +267,7 @@ class ZeroEngine(ShardedEngine):
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for k, (x, y) in enumerate(micro_batches):
             self._sync = self.stage == 2 or k == n - 1
+            x, y = self._local(x, y)
             with autocast() if autocast else contextlib.nullcontext():
                 loss = self.model(x, y)
             (loss * (loss_scale / n)).backward()
@@ -263,7 +286,7 @@ class ZeroEngine(ShardedEngine):
     def after_step(self):
         """All-gather the updated slices into every rank's flat buffers; zero the gradients."""
         with torch.no_grad():
-            pending = [self.comm.all_gather(f.shard.detach().clone(), async_op=True, out=f.full)
+            pending = [self.comm.all_gather_async(f.shard.detach().clone(), out=f.full)
                        for f in self.flats]
             for w in pending:
                 w.wait()

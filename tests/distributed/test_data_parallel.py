@@ -118,7 +118,7 @@ def expected_bytes(engine, cfg, mesh) -> int:
 def _compare(ctx, cfg, ref, reload_cfg=None):
     engine, opt, losses, norms = train(ctx, cfg)
     ref_losses, ref_norms, ref_state = ref
-    state = engine.full_state(opt)
+    state = engine.full_state(opt, everywhere=True)
     err = max(abs(a - b) for a, b in zip(losses + norms, ref_losses + ref_norms))
     for k, v in ref_state.items():
         err = max(err, float((state[k].to(v.dtype) - v).abs().max()))
@@ -127,7 +127,7 @@ def _compare(ctx, cfg, ref, reload_cfg=None):
         other = parallelize(build_model(reload_cfg.model, 99, dtype=torch.float64), mesh, reload_cfg)
         other_opt = other.make_optimizer(adamw(reload_cfg))
         other.load_full_state(state, other_opt)
-        back = other.full_state(other_opt)
+        back = other.full_state(other_opt, everywhere=True)
         for k, v in ref_state.items():
             err = max(err, float((back[k].to(v.dtype) - v).abs().max()))
     return err

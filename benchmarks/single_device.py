@@ -1,0 +1,128 @@
+"""shardlab's training loop vs a plain PyTorch loop written here, same model, one device.
+
+    python benchmarks/single_device.py                       # CPU, configs/tiny.toml
+    python benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda   # GPU (bf16, compile)
+
+Both loops run in the same process, alternating in blocks (ABAB...) so that drift in machine
+load hits both equally; the table reports the median step time of each and the tokens/s ratio
+(shardlab / plain). Target: >= 0.97 on CPU, >= 1.0 on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shardlab import config as C  # noqa: E402
+from shardlab import launch  # noqa: E402
+from shardlab.distributed.mesh import Mesh  # noqa: E402
+from shardlab.distributed.topology import Topology  # noqa: E402
+from shardlab.models.llama import build_model  # noqa: E402
+from shardlab.train.data import Loader, TokenData, prepare  # noqa: E402
+from shardlab.train.loop import Trainer  # noqa: E402
+from shardlab.train.metrics import flops_per_token, peak_flops  # noqa: E402
+from shardlab.train.optim import lr_at  # noqa: E402
+
+
+class PlainLoop:
+    """The loop a PyTorch user writes: AdamW, autocast, clip, step. No shardlab code in the step."""
+
+    def __init__(self, cfg, data, device):
+        t = cfg.train
+        self.cfg, self.device = cfg, device
+        model = build_model(cfg.model, t.seed, device=device)
+        self.model = torch.compile(model) if cfg.parallel.compile else model
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+        kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                      {"params": rest, "weight_decay": 0.0}],
+                                     lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
+        self.loader = Loader(data, t.seq_len, t.global_batch, 1, 0, 1, t.seed, device)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.step = 0
+
+    def train_step(self):
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, self.cfg.train)
+        (x, y), = self.loader.next_batch()
+        if self.dtype:
+            with torch.autocast(self.device.type, dtype=self.dtype):
+                loss = self.model(x, y)
+        else:
+            loss = self.model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+
+
+def _timed(step_fn, n, device):
+    out = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step_fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench(ctx, cfg, data_dir, blocks, per_block, warmup):
+    mesh = Mesh.build(Topology(), ctx.device)
+    data = TokenData(data_dir)
+    ours, plain = Trainer(cfg, mesh, data), PlainLoop(cfg, data, ctx.device)
+    _timed(ours.train_step, warmup, ctx.device)
+    _timed(plain.train_step, warmup, ctx.device)
+    t_ours, t_plain = [], []
+    for _ in range(blocks):
+        t_ours += _timed(ours.train_step, per_block, ctx.device)
+        t_plain += _timed(plain.train_step, per_block, ctx.device)
+    return statistics.median(t_ours), statistics.median(t_plain), str(ctx.device), \
+        (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.toml")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--blocks", type=int, default=6)
+    ap.add_argument("--per-block", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the row as JSON here")
+    args, overrides = ap.parse_known_args(argv)
+    cfg = C.load(args.config, overrides)
+    cfg.train.device = args.device
+    cfg.logging.progress = False
+    cfg.validate(1)
+    data_dir = str(prepare(cfg.data))
+    (ours, plain, dev, name), = launch.run(bench, 1, cfg, data_dir, args.blocks, args.per_block, args.warmup,
+                                          device=args.device)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    peak, label = peak_flops(torch.device(dev), cfg.train.precision) if dev != "cpu" else (None, "cpu")
+    row = {"config": args.config, "device": name, "precision": cfg.train.precision, "compile": cfg.parallel.compile,
+           "plain_tok_s": tokens / plain, "shardlab_tok_s": tokens / ours, "ratio": plain / ours,
+           "plain_mfu": fpt * tokens / plain / peak if peak else None,
+           "shardlab_mfu": fpt * tokens / ours / peak if peak else None}
+    mfu = (lambda v: f"{100 * v:.1f}%" if v else "n/a")
+    print(f"| config | device | precision | compile | plain PyTorch tok/s | shardlab tok/s | ratio | MFU plain / shardlab |")
+    print(f"|---|---|---|---|---|---|---|---|")
+    print(f"| {Path(args.config).name} | {name} | {cfg.train.precision} | {cfg.parallel.compile} | "
+          f"{row['plain_tok_s']:,.0f} | {row['shardlab_tok_s']:,.0f} | {row['ratio']:.3f} | "
+          f"{mfu(row['plain_mfu'])} / {mfu(row['shardlab_mfu'])} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=1))
+
+
+if __name__ == "__main__":
+    main()

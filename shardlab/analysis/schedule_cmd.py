@@ -1,0 +1,61 @@
+"""``shardlab schedule --pp P --microbatches M --schedule NAME [--virtual V] [--out timeline.png]``
+
+Builds the schedule's action lists, simulates them (deadlock check, timeline, bubble, memory),
+prints the timeline as text and the theoretical vs simulated bubble, and optionally saves a PNG.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..parallel.pipeline.schedule import SCHEDULES, ScheduleError, build, theoretical_bubble
+from ..parallel.pipeline.simulate import simulate
+from .timeline import plot, render_text
+
+
+def configure(parser):
+    parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--virtual", "-v", type=int, default=0,
+                        help="virtual stages per rank (interleaved; default 2 there, 1 elsewhere)")
+    parser.add_argument("--cost", default="1,1,1", help="F,B,W cost per stage (default 1,1,1)")
+    parser.add_argument("--out", default="", help="save the timeline as a PNG here")
+
+
+def summary(name: str, p: int, m: int, v: int, f: float = 1.0, b: float = 1.0, w: float = 1.0):
+    """(text report, SimResult) for one schedule; raises ScheduleError if it cannot run."""
+    sched = build(name, p, m, v)
+    res = simulate(sched, f=f, b=b, w=w)
+    if not res.ok:
+        raise ScheduleError(f"schedule {name} refused: {res.reason}")
+    theory = theoretical_bubble(name, p, m, v, f, b, w)
+    lines = [f"{name}: pp={p} microbatches={m} virtual={v} costs F={f:g} B={b:g} W={w:g}"
+             + (" (B and W split)" if sched.split_bw else " (backward = B+W)"),
+             render_text(res.timeline, unit=min(f, b, w) / v),
+             f"bubble: theoretical {theory:.4f}   simulated {res.bubble:.4f}   "
+             f"(step {res.makespan:g} time units, {p} ranks)",
+             "micro-batches held per rank (F done, backward not): "
+             + " ".join(f"{x / v:g}" for x in res.peak_inflight)
+             + ("   until W: " + " ".join(f"{x / v:g}" for x in res.peak_held) if sched.split_bw else "")
+             + ("  (in units of a rank's whole layer share)" if v > 1 else "")]
+    return "\n".join(lines), res
+
+
+def main(args) -> int:
+    v = args.virtual or (2 if args.schedule == "interleaved" else 1)
+    try:
+        f, b, w = (float(x) for x in args.cost.split(","))
+    except ValueError:
+        print("shardlab schedule: --cost must be three numbers F,B,W, e.g. 1,1,1", file=sys.stderr)
+        return 2
+    try:
+        text, res = summary(args.schedule, args.pp, args.microbatches, v, f, b, w)
+    except ScheduleError as e:
+        print(f"shardlab schedule: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.out:
+        plot(res.timeline, args.out, f"{args.schedule} pp={args.pp} m={args.microbatches} v={v}: "
+                                     f"simulated bubble {res.bubble:.3f}")
+        print(f"timeline saved to {args.out}")
+    return 0

@@ -1,0 +1,184 @@
+"""``shardlab verify [--nproc N] [--layouts a,b,...] [--steps K]``: the parity matrix.
+
+For a tiny Llama (and a tiny MoE for the expert layouts) in float64 on CPU gloo, run an
+independent single-process reference (plain model + torch AdamW on the whole global batch; no
+shardlab engine), then every layout that fits N ranks for K optimizer steps, and print: layout,
+max |loss diff| over the steps, max |param diff| after the steps (global tensors assembled from
+the shards), bytes sent per step (ledger, all ranks), pass/fail. Exit code 1 on any failure.
+
+A layout names the degrees it needs; the remaining ranks become data parallel (dp_replicate,
+or dp_shard for ZeRO/FSDP layouts). ``tp2`` at N = 8 is therefore tp2 x dp4.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+from .. import config as C
+from .. import launch
+from ..distributed.mesh import Mesh
+from ..distributed.topology import Topology
+from ..models.llama import build_model
+from ..train.data import Loader, TokenData, prepare
+from ..train.optim import lr_at
+
+TOL = 1e-10
+BASE = {"model": {"vocab_size": 256, "d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+                  "max_seq_len": 32},
+        "train": {"seq_len": 32, "global_batch": 16, "precision": "fp64", "warmup_steps": 1, "lr": 1e-2,
+                  "grad_clip": 0.5, "eval_batches": 1},
+        "logging": {"progress": False, "tensorboard": False}}
+MOE = {"n_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}
+
+# name -> (parallel degrees/options, model overrides, data-parallel fill axis)
+LAYOUTS: dict[str, tuple[dict, dict, str]] = {
+    "dp": ({}, {}, "dp_replicate"),
+    "dp-accum": ({"microbatches": 2}, {}, "dp_replicate"),
+    "zero1": ({"zero_stage": 1}, {}, "dp_shard"),
+    "zero2": ({"zero_stage": 2}, {}, "dp_shard"),
+    "fsdp": ({"zero_stage": 3}, {}, "dp_shard"),
+    "hsdp": ({"zero_stage": 3, "dp_replicate": 2}, {}, "dp_shard"),
+    "tp2": ({"tp": 2}, {}, "dp_replicate"),
+    "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, "dp_replicate"),
+    "tp4": ({"tp": 4}, {}, "dp_replicate"),
+    "tp2-fsdp": ({"tp": 2, "zero_stage": 3}, {}, "dp_shard"),
+    "pp2-gpipe": ({"pp": 2, "pp_schedule": "gpipe", "microbatches": 4}, {}, "dp_replicate"),
+    "pp2-1f1b": ({"pp": 2, "pp_schedule": "1f1b", "microbatches": 4}, {}, "dp_replicate"),
+    "pp2-interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 4}, {},
+                        "dp_replicate"),
+    "pp2-zb": ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 4}, {}, "dp_replicate"),
+    "pp2-tp2": ({"pp": 2, "tp": 2, "microbatches": 2}, {}, "dp_replicate"),
+    "cp2": ({"cp": 2}, {}, "dp_replicate"),
+    "cp2-tp2": ({"cp": 2, "tp": 2}, {}, "dp_replicate"),
+    "ep2": ({"ep": 2, "dp_shard": 2}, MOE, "dp_replicate"),
+    "ep4": ({"ep": 4, "dp_shard": 4}, MOE, "dp_replicate"),
+    "moe-dp": ({}, MOE, "dp_replicate"),
+}
+
+
+def layout_config(name: str, nproc: int, steps: int = 3) -> C.Config | None:
+    """The config of layout ``name`` on ``nproc`` ranks, or None when it does not fit."""
+    par, model, fill = LAYOUTS[name]
+    cfg = C.from_dict({**BASE, "model": {**BASE["model"], **model}, "train": {**BASE["train"], "steps": steps},
+                       "parallel": dict(par)})
+    used = cfg.parallel.world_size
+    if nproc % used:
+        return None
+    setattr(cfg.parallel, fill, getattr(cfg.parallel, fill) * (nproc // used))
+    try:
+        cfg.validate(nproc)
+    except C.ConfigError:
+        return None
+    return cfg
+
+
+def describe(cfg: C.Config) -> str:
+    p = cfg.parallel
+    extra = [f"zero{p.zero_stage}" if p.zero_stage else "", "sp" if p.sequence_parallel else "",
+             p.pp_schedule if p.pp > 1 else "", f"m{p.microbatches}" if p.microbatches > 1 else "",
+             f"E{cfg.model.n_experts}" if cfg.model.n_experts else ""]
+    return " ".join([Topology.from_config(p).describe()] + [e for e in extra if e])
+
+
+def reference(cfg: C.Config, data_dir: str, steps: int):
+    """Independent single-process run: plain model, torch AdamW, whole global batch."""
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = build_model(cfg.model, t.seed, dtype=torch.float64)
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.ndim >= 2 and "norm" not in n]
+    rest = [p for n, p in named if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    loader = Loader(TokenData(data_dir), t.seq_len, t.global_batch, 1, 0, 1, t.seed)
+    losses = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        (x, y), = loader.next_batch()
+        loss = model(x, y)
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(ctx, cfg: C.Config, data_dir: str, steps: int):
+    from ..train.loop import Trainer
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
+    tr = Trainer(cfg, mesh, TokenData(data_dir))
+    losses = []
+    snap = mesh.ledger.snapshot()
+    for _ in range(steps):
+        losses.append(tr.engine.global_loss(tr.train_step()["local_loss"]))
+    sent = sum(e.bytes_sent for e in mesh.ledger.since(snap).values()) / steps
+    state = tr.engine.full_state(tr.optimizer)
+    params = {k: v for k, v in state.items() if k.startswith("model.")}
+    return losses, params, sent
+
+
+def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict) -> dict:
+    cfg = layout_config(name, nproc, steps)
+    key = (cfg.model.n_experts,)
+    if key not in ref_cache:
+        ref_cache[key] = reference(cfg, data_dir, steps)
+    ref_losses, ref_params = ref_cache[key]
+    t0 = time.time()
+    row = {"layout": name, "ranks": nproc, "detail": describe(cfg)}
+    try:
+        out = launch.run(_worker, nproc, cfg, data_dir, steps, timeout_s=120)
+    except (launch.WorkerError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()
+        row.update(ok=False, error=" ".join(first[:2])[:160], seconds=time.time() - t0)
+        return row
+    losses, params, _ = out[0]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    missing = sorted(set(ref_params) - set(params))
+    param_diff = max(((params[k] - v).abs().max().item() for k, v in ref_params.items() if k in params),
+                     default=math.inf)
+    row.update(loss_diff=loss_diff, param_diff=param_diff if not missing else math.inf,
+               bytes_per_step=sum(o[2] for o in out), seconds=time.time() - t0,
+               ok=loss_diff <= TOL and param_diff <= TOL and not missing,
+               error=f"missing {missing[:2]}" if missing else "")
+    return row
+
+
+def configure(parser):
+    parser.add_argument("--nproc", type=int, default=4, help="ranks per layout (default 4)")
+    parser.add_argument("--layouts", default=None, help=f"comma-separated subset of: {', '.join(LAYOUTS)}")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
+
+
+def main(args) -> int:
+    names = args.layouts.split(",") if args.layouts else list(LAYOUTS)
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise C.ConfigError("--layouts", f"unknown layout {unknown[0]!r}; choose from {', '.join(LAYOUTS)}")
+    fitting = [n for n in names if layout_config(n, args.nproc, args.steps) is not None]
+    skipped = [n for n in names if n not in fitting]
+    data_dir = str(prepare(layout_config(fitting[0], args.nproc).data if fitting else C.Config().data))
+    print(f"shardlab verify: {len(fitting)} layouts on {args.nproc} ranks, {args.steps} steps, float64, "
+          f"tolerance {TOL:g}" + (f" (not fitting {args.nproc} ranks: {', '.join(skipped)})" if skipped else ""))
+    print(f"| layout | degrees | max abs loss diff | max abs param diff | bytes sent/step (all ranks) | result |")
+    print("|---|---|---|---|---|---|")
+    cache, failures = {}, 0
+    for name in fitting:
+        r = run_layout(name, args.nproc, data_dir, args.steps, cache)
+        failures += not r["ok"]
+        if "loss_diff" in r:
+            print(f"| {name} | {r['detail']} | {r['loss_diff']:.2e} | {r['param_diff']:.2e} | "
+                  f"{r['bytes_per_step']:,.0f} | {'pass' if r['ok'] else 'FAIL ' + r['error']} |", flush=True)
+        else:
+            print(f"| {name} | {r['detail']} | - | - | - | FAIL {r['error']} |", flush=True)
+    print(f"{len(fitting) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(None))

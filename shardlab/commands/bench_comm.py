@@ -1,0 +1,280 @@
+"""``shardlab bench comm``: time collectives like nccl-tests, shardlab's own algorithms and the
+backend's side by side, in one run on the same ranks.
+
+    shardlab bench comm --nproc 4 --ops all_reduce --sizes 1K..64M --algorithms backend,ring,tree,rhd
+
+Conventions (nccl-tests): ``size`` is the message in bytes (all_reduce, broadcast), the gathered
+output (all_gather), the full input (reduce_scatter) or one rank's input (all_to_all).
+algbw = size / time; busbw = algbw * 2(N-1)/N for all_reduce, * (N-1)/N for all_gather,
+reduce_scatter and all_to_all, * 1 for broadcast: the per-link rate of a bandwidth-optimal
+algorithm, comparable across N. ``x bk`` is busbw relative to the backend column.
+
+Timing (unlike nccl-tests, which averages back-to-back calls): the algorithms take turns call
+by call, each call starts after a barrier and is timed on every rank; ``time`` is the median
+over the iterations of the slowest rank's time. On a shared, loaded machine this keeps a burst
+of someone else's load from landing on one column only. The JSON also has mean and min.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import torch
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+       "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+       "broadcast": lambda n: 1.0}
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"--sizes: cannot read {text!r}; write e.g. 4, 1K, 4M or 1G (powers of 1024)")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def parse_sizes(text: str, factor: int = 2) -> list[int]:
+    """``"1K..64M"`` -> 1K, 2K, ..., 64M (times ``factor``); ``"4,1K,4M"`` -> that list."""
+    out = []
+    for part in text.split(","):
+        if ".." in part:
+            lo, hi = (parse_size(p) for p in part.split(".."))
+            if lo < 1 or hi < lo or factor < 2:
+                raise ValueError(f"--sizes: range {part!r} must go up from >= 1 byte (factor >= 2)")
+            while lo <= hi:
+                out.append(lo)
+                lo *= factor
+        else:
+            out.append(parse_size(part))
+    return sorted(set(out))
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B" if nbytes < 1024 else f"{nbytes / 1024:.1f}K"
+
+
+def configure(parser):
+    parser.add_argument("target", choices=["comm"], help="what to benchmark (comm: collectives)")
+    parser.add_argument("--nproc", type=int, default=4, help="number of ranks to spawn (default 4)")
+    parser.add_argument("--ops", default="all_reduce", help=f"comma list of {', '.join(OPS)} or 'all'")
+    parser.add_argument("--sizes", default="1K..64M", help="bytes: '1K..64M' (x factor) or a list '4,1K,4M'")
+    parser.add_argument("--factor", type=int, default=2, help="step factor of a size range (default 2)")
+    parser.add_argument("--algorithms", default="backend,ring,tree,rhd",
+                        help="comma list of backend, ring, tree, rhd, auto")
+    parser.add_argument("--dtype", default="float32", help="element type (float32, bfloat16, int64, ...)")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per point (fewer for huge sizes)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per point")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--json", default=None, help="write every measured point to this JSON file")
+    parser.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
+    parser.add_argument("--profile", default=None, help="write a torch.profiler Chrome trace per rank here")
+
+
+def _settings(args) -> dict:
+    from ..distributed.algorithms import ALGORITHMS
+
+    ops = list(OPS) if args.ops == "all" else [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise ValueError(f"--ops: unknown {bad}; choose from {', '.join(OPS)} or 'all'")
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [a for a in algorithms if a not in ALGORITHMS]
+    if bad:
+        raise ValueError(f"--algorithms: unknown {bad}; choose from {', '.join(ALGORITHMS)}")
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype: {args.dtype!r} is not a torch dtype (float32, bfloat16, int64, ...)")
+    if args.nproc < 2:
+        raise ValueError("--nproc: collectives need at least 2 ranks")
+    return dict(ops=ops, sizes=parse_sizes(args.sizes, args.factor), algorithms=algorithms,
+                dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile)
+
+
+def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
+    """The requested algorithms that run something different for ``op`` (e.g. every own choice
+    is the ring for all_gather), so that no implementation is timed twice under two names."""
+    from ..distributed.algorithms import select
+
+    out, seen = [], set()
+    for a in algorithms:
+        key = tuple(select(op, a, size) for size in sizes)
+        if key not in seen:
+            seen.add(key)
+            out.append(a)
+    return out
+
+
+def label(op: str, algorithm: str) -> str:
+    from ..distributed.algorithms import select
+
+    if algorithm in ("backend", "auto"):
+        return algorithm
+    impl = select(op, algorithm, 1)
+    return algorithm if impl == algorithm else impl
+
+
+def _call(comm, op: str, x: torch.Tensor, algorithm: str, splits):
+    if op == "all_reduce":
+        comm.all_reduce(x, algorithm=algorithm)
+    elif op == "all_gather":
+        comm.all_gather(x, algorithm=algorithm)
+    elif op == "reduce_scatter":
+        comm.reduce_scatter(x, algorithm=algorithm)
+    elif op == "all_to_all":
+        comm.all_to_all(x, splits, splits, algorithm=algorithm)
+    else:
+        comm.broadcast(x, 0, algorithm=algorithm)
+
+
+def _input(op: str, size: int, n: int, dtype, device):
+    """The local input of ``op`` for a ``size``-byte point (element counts rounded to fit)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    count = max(1, size // esize)
+    if op in ("all_gather",):
+        count = max(1, count // n)
+    if op in ("reduce_scatter", "all_to_all"):
+        count = max(n, count // n * n)
+    return torch.ones(count, dtype=dtype, device=device), [count // n] * n
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _worker(ctx, s):
+    import torch.distributed as dist
+
+    from ..distributed.collectives import Comm
+    from ..distributed.ledger import Ledger
+
+    n, dtype = ctx.world_size, getattr(torch, s["dtype"])
+    ledger = Ledger()
+    comm = Comm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger)
+    prof = None
+    if s["profile"]:
+        from torch.profiler import ProfilerActivity, profile
+        prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []))
+        prof.__enter__()
+    rows = []
+    for op in s["ops"]:
+        for size in s["sizes"]:
+            x, splits = _input(op, size, n, dtype, ctx.device)
+            iters = max(3, min(s["iters"], (256 << 20) // max(1, size)))
+            algos = columns(op, s["algorithms"], s["sizes"])
+            sent = {}
+            for algo in algos:
+                for _ in range(s["warmup"]):
+                    _call(comm, op, x, algo, splits)
+                before = ledger.snapshot()
+                _call(comm, op, x, algo, splits)
+                sent[algo] = sum(e.bytes_sent for e in ledger.since(before).values())
+            # Algorithms interleaved call by call, each call timed alone after a barrier, so that
+            # the load of a shared machine drifts over all columns alike.
+            times = torch.zeros(len(algos), iters, dtype=torch.float64)
+            for i in range(iters):
+                for a, algo in enumerate(algos):
+                    x.fill_(1)  # keep values bounded across repeated in-place reductions
+                    dist.barrier()
+                    _sync(ctx.device)
+                    t0 = time.perf_counter()
+                    _call(comm, op, x, algo, splits)
+                    _sync(ctx.device)
+                    times[a, i] = time.perf_counter() - t0
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per call: the slowest rank
+            for a, algo in enumerate(algos):
+                rows.append(dict(op=op, size=size, count=x.numel(), algorithm=algo,
+                                 seconds=times[a].median().item(), mean_seconds=times[a].mean().item(),
+                                 min_seconds=times[a].min().item(), iters=iters, sent_per_rank=sent[algo]))
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        import os
+        os.makedirs(s["profile"], exist_ok=True)
+        prof.export_chrome_trace(os.path.join(s["profile"], f"rank{ctx.rank}.json"))
+    return rows
+
+
+def table(rows: list[dict], n: int) -> str:
+    """nccl-tests style: one block per op, one line per size, the algorithms side by side."""
+    out = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        pts = {(r["size"], r["algorithm"]): r for r in rows if r["op"] == op}
+        algorithms = [a for a in dict.fromkeys(r["algorithm"] for r in rows if r["op"] == op)]
+        sizes = sorted({r["size"] for r in rows if r["op"] == op})
+        head1 = f"{'':>8}{'':>10} |" + "".join(f"{label(op, a):^{33 if a != 'backend' and 'backend' in algorithms else 27}}|" for a in algorithms)
+        head2 = f"{'size':>8}{'count':>10} |" + "".join(
+            f"{'time us':>9}{'algbw':>9}{'busbw':>9}" + (f"{'x bk':>6}" if a != "backend" and "backend" in algorithms else "") + "|"
+            for a in algorithms)
+        out += [f"# {op}  N={n}  (time: median per call of the slowest rank; algbw, busbw: GB/s)", head1, head2]
+        for size in sizes:
+            line = f"{human(size):>8}{pts[(size, algorithms[0])]['count']:>10} |"
+            bk = pts.get((size, "backend"))
+            for a in algorithms:
+                r = pts[(size, a)]
+                algbw = size / r["seconds"] / 1e9
+                busbw = algbw * BUS[op](n)
+                line += f"{r['seconds'] * 1e6:>9.1f}{algbw:>9.3f}{busbw:>9.3f}"
+                if a != "backend" and bk:
+                    line += f"{bk['seconds'] / r['seconds']:>6.2f}"
+                line += "|"
+            out.append(line)
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], n: int, path: str):
+    """Per op: busbw against size (top) and time per call against size (bottom, log-log: where
+    the latency-bound algorithms cross the bandwidth-bound ones)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(2, len(ops), figsize=(5 * len(ops), 7.5), squeeze=False)
+    for col, op in enumerate(ops):
+        for algo in dict.fromkeys(r["algorithm"] for r in rows if r["op"] == op):
+            pts = sorted((r["size"], r["seconds"]) for r in rows if r["op"] == op and r["algorithm"] == algo)
+            sizes = [p[0] for p in pts]
+            axes[0][col].plot(sizes, [sz / t / 1e9 * BUS[op](n) for sz, t in pts], marker="o", label=label(op, algo))
+            axes[1][col].plot(sizes, [t * 1e3 for _, t in pts], marker="o", label=label(op, algo))
+        for row, ylabel in ((0, "busbw (GB/s)"), (1, "time per call (ms)")):
+            ax = axes[row][col]
+            ax.set_xscale("log", base=2)
+            if row == 1:
+                ax.set_yscale("log")
+            ax.set_xlabel("size (bytes)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{op}, N={n}")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from ..launch import run
+
+    try:
+        s = _settings(args)
+    except ValueError as e:
+        print(f"shardlab bench comm: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows = run(_worker, args.nproc, s, device=args.device, timeout_s=600)[0]
+    print(table(rows, args.nproc))
+    print(f"# {args.nproc} ranks, dtype {s['dtype']}, device {args.device}, {time.perf_counter() - t0:.1f} s in all")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(nproc=args.nproc, dtype=s["dtype"], device=args.device, rows=rows), f, indent=1)
+    if args.plot:
+        plot(rows, args.nproc, args.plot)
+    return 0

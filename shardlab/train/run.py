@@ -1,0 +1,89 @@
+"""``shardlab train CONFIG --nproc N [--resume] [--profile N] [--section.key=value ...]``.
+
+Validates the config before any process starts, prepares the tokenised corpus once in this
+process, launches N ranks (or runs in place under torchrun), and prints where the logs, the
+plot and the checkpoints went.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .. import config as C
+from .. import launch
+from .data import prepare
+from .loop import train_rank
+
+
+def configure(parser):
+    parser.add_argument("config", nargs="?", help="TOML / JSON / DeepSpeed JSON config (see configs/)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local ranks to spawn (default: the product of the parallel degrees)")
+    parser.add_argument("--resume", action="store_true", help="resume from the newest valid checkpoint")
+    parser.add_argument("--profile", type=int, default=None, metavar="N",
+                        help="write a torch.profiler Chrome trace per rank for N steps")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override train.device")
+    parser.add_argument("--run-dir", default=None, help="override logging.run_dir")
+
+
+def resolve(args) -> tuple[C.Config, int]:
+    cfg = C.load(args.config, args.overrides)
+    if args.resume:
+        cfg.checkpoint.resume = True
+    if args.profile is not None:
+        cfg.logging.profile_steps = args.profile
+    if args.device:
+        cfg.train.device = args.device
+    if args.run_dir:
+        cfg.logging.run_dir = args.run_dir
+    nproc = launch.torchrun_world_size() or args.nproc or cfg.parallel.world_size
+    if nproc != cfg.parallel.world_size and cfg.parallel.world_size == 1:
+        cfg.parallel.dp_replicate = nproc  # degrees not given: plain data parallel over all ranks
+    cfg.validate(world_size=nproc)
+    return cfg, nproc
+
+
+def main(args) -> int:
+    cfg, nproc = resolve(args)
+    data_dir = prepare(cfg.data)
+    if not launch.under_torchrun():
+        print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
+              f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)
+    results = launch.run(train_rank, nproc, cfg, str(data_dir), device=cfg.train.device,
+                         timeout_s=cfg.train.timeout_s, threads=cfg.train.threads)
+    summary = results[0]
+    if summary is None or (launch.under_torchrun() and launch.torchrun_rank() != 0):
+        return 0
+    _report(cfg, summary)
+    return 0
+
+
+def _layout(cfg) -> str:
+    from ..distributed.topology import Topology
+    return Topology.from_config(cfg.parallel).describe()
+
+
+def _report(cfg, s) -> None:
+    run_dir = Path(s["run_dir"])
+    plot = None
+    try:
+        from .plot import plot_run
+        plot = plot_run(run_dir)
+    except Exception as e:  # a plot must never fail a finished run
+        print(f"shardlab: could not draw the loss plot: {e}", file=sys.stderr)
+    mfu = f"{100 * s['mfu']:.1f}% ({s['peak_label']})" if s.get("mfu") else f"n/a ({s['peak_label']})"
+    lines = [
+        "",
+        f"done: {s['steps']} steps, {s['params']:,} parameters, layout {s['layout']}",
+        f"  train loss {s['loss']:.4f}   validation loss {s['val_loss']:.4f}   "
+        f"unigram baseline {s['unigram_baseline']:.4f} nats/token",
+        f"  {s['tokens_per_s']:,.0f} tokens/s   MFU {mfu}",
+        f"  metrics:     {run_dir / 'metrics.jsonl'}  (TensorBoard: {run_dir / 'tensorboard'})",
+        f"  plot:        {plot if plot else 'not drawn'}",
+        f"  checkpoints: {s['checkpoint_dir'] or 'disabled'}",
+    ]
+    if s.get("resumed_from"):
+        lines.append(f"  resumed from {s['resumed_from']}")
+    print("\n".join(lines))
+    (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "ledger"}, indent=1))

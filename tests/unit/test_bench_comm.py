@@ -1,0 +1,42 @@
+"""`shardlab bench comm`: size parsing, the nccl-tests table, and errors before any rank starts."""
+import pytest
+
+from shardlab import cli
+from shardlab.commands import bench_comm as bc
+
+
+def test_parse_sizes():
+    assert bc.parse_sizes("1K..8K") == [1024, 2048, 4096, 8192]
+    assert bc.parse_sizes("4,1K,4M") == [4, 1024, 4 << 20]
+    assert bc.parse_sizes("1..64", factor=4) == [1, 4, 16, 64]
+    assert bc.parse_size("2MiB") == 2 << 20
+    with pytest.raises(ValueError, match="--sizes"):
+        bc.parse_size("4X")
+    assert [bc.human(s) for s in (4, 1024, 3 << 20, 1536)] == ["4B", "1K", "3M", "1.5K"]
+
+
+def test_columns_skip_algorithms_that_run_the_same_code():
+    assert bc.columns("all_reduce", ["backend", "ring", "tree", "rhd"], [1024]) == ["backend", "ring", "tree", "rhd"]
+    assert bc.columns("all_gather", ["backend", "ring", "tree", "rhd"], [1024]) == ["backend", "ring"]
+    assert bc.columns("broadcast", ["ring", "tree", "rhd"], [1024]) == ["ring", "tree"]
+    assert bc.label("broadcast", "tree") == "binomial" and bc.label("all_to_all", "ring") == "pairwise"
+
+
+def test_table_bus_bandwidth():
+    rows = [dict(op="all_reduce", size=4 << 20, count=1 << 20, algorithm=a, seconds=s, iters=3, sent_per_rank=0)
+            for a, s in (("backend", 0.004), ("ring", 0.005))]
+    text = bc.table(rows, 4)
+    line = [l for l in text.splitlines() if l.strip().startswith("4M")][0].replace("|", " ").split()
+    # algbw = 4 MiB / 4 ms = 1.049 GB/s; busbw = algbw * 2*3/4; ring is 0.8x the backend
+    assert line[2:5] == ["4000.0", "1.049", "1.573"] and line[-1] == "0.80"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["bench", "comm", "--ops", "allreduce"], "--ops"),
+    (["bench", "comm", "--algorithms", "ring,fast"], "--algorithms"),
+    (["bench", "comm", "--nproc", "1"], "--nproc"),
+    (["bench", "comm", "--sizes", "1Q"], "--sizes"),
+])
+def test_bad_arguments_fail_before_spawning(argv, msg, capsys):
+    assert cli.main(argv) == 2
+    assert msg in capsys.readouterr().err

@@ -1,0 +1,71 @@
+"""Config: loading, overrides, validation errors that name the field and the fix."""
+import dataclasses
+import json
+
+import pytest
+
+from shardlab import config as C
+from shardlab.cli import main as cli_main
+
+
+def test_every_field_has_a_docstring():
+    for section in C.SECTIONS.values():
+        for fl in dataclasses.fields(section):
+            assert fl.metadata.get("doc"), f"{section.__name__}.{fl.name} has no docstring"
+
+
+def test_toml_json_and_overrides(tmp_path):
+    (tmp_path / "a.toml").write_text("[model]\nd_model = 64\nn_heads = 2\n[train]\nlr = 0.01\n")
+    cfg = C.load(tmp_path / "a.toml", ["--train.lr=1e-4", "--parallel.tp", "2", "--parallel.compile=false"])
+    assert cfg.model.d_model == 64 and cfg.train.lr == 1e-4 and cfg.parallel.tp == 2
+    (tmp_path / "b.json").write_text(json.dumps({"model": {"n_layers": 3}, "logging": {"progress": False}}))
+    cfg = C.load(tmp_path / "b.json")
+    assert cfg.model.n_layers == 3 and cfg.logging.progress is False
+
+
+@pytest.mark.parametrize("overrides,world,field,fragment", [
+    (["--parallel.tp=2"], 4, "parallel", "set --nproc 2"),
+    (["--model.n_heads=3"], 1, "model.n_heads", "does not divide d_model"),
+    (["--parallel.tp=8", "--model.n_heads=4"], 8, "parallel.tp", "does not divide model.n_heads"),
+    (["--parallel.pp=8"], 8, "parallel.pp", "cannot fill"),
+    (["--parallel.pp=2", "--parallel.microbatches=1"], 2, "parallel.microbatches", "use >= 2"),
+    (["--train.global_batch=6", "--parallel.dp_replicate=4"], 4, "train.global_batch", "multiple of 4"),
+    (["--parallel.ep=2", "--parallel.dp_shard=2"], 2, "parallel.ep", "MoE"),
+    (["--train.precision=fp8"], 1, "train.precision", "fp32"),
+    (["--parallel.pp_schedule=1f1c"], 1, "parallel.pp_schedule", "did you mean '1f1b'"),
+])
+def test_validate_names_field_and_fix(overrides, world, field, fragment):
+    cfg = C.load(None, overrides)
+    with pytest.raises(C.ConfigError) as e:
+        cfg.validate(world)
+    assert e.value.field == field
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_keys_did_you_mean():
+    with pytest.raises(C.ConfigError, match="did you mean 'lr'"):
+        C.load(None, ["--train.lrr=1"])
+    with pytest.raises(C.ConfigError, match="did you mean 'parallel'"):
+        C.from_dict({"paralel": {"tp": 2}})
+    with pytest.raises(C.ConfigError, match="expected int"):
+        C.load(None, ["--parallel.tp=two"])
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
+    (tmp_path / "bad.toml").write_text("[model]\nn_heads = 3\n")
+    assert cli_main(["config", "show", str(tmp_path / "bad.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model.n_heads" in err
+    assert cli_main(["train", str(tmp_path / "bad.toml"), "--nproc", "1"]) == 2
+    assert cli_main(["config", "show", "configs/tiny.toml", "--train.lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "lr = 0.5  # Peak learning rate." in out
+
+
+def test_presets_validate():
+    from pathlib import Path
+    presets = sorted(Path(__file__).parents[2].glob("configs/*.toml"))
+    assert presets
+    for p in presets:
+        C.load(p).validate()

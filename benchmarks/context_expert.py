@@ -3,9 +3,13 @@ all ranks' tensors on one GPU, gloo transport).
 
 1. Activation memory per rank of a tiny Llama at a long sequence for cp = 1, 2, 4: the bytes
    autograd saves for backward (unique storages, parameters excluded; exact) and, on CUDA, the
-   peak allocated memory of the forward+backward above the model's.
+   peak allocated memory of the forward+backward above the model's; on CPU, the peak resident
+   set during the forward+backward above the resident set before it, with allocations of
+   64 KiB and more mmapped individually so that freed memory leaves the resident set.
 2. Ring attention: time of forward+backward, seconds blocked waiting on the ring (exposed
    communication), the same transfers alone (no compute), hidden fraction = 1 - exposed/alone.
+   Blocked time also contains skew between ranks (a peer that computes slower sends later), so
+   on shared CPUs the hidden fraction is a lower bound.
 3. MoE layer under ep = 1, 2, 4: forward all-to-all dispatch + combine time vs expert compute.
 
     PYTHONPATH=. python benchmarks/context_expert.py [--seq 8192] [--device cpu]
@@ -16,6 +20,7 @@ one run are the meaningful part.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -47,6 +52,35 @@ def activation_bytes(model, fn) -> int:
     return sum(saved.values()), out
 
 
+def _exact_rss():
+    """Make the CPU resident set track live tensors: every allocation >= 64 KiB gets its own
+    mmap, returned to the OS when freed (glibc mallopt M_MMAP_THRESHOLD; torch's CPU allocator
+    does not cache). Then the peak RSS of a phase measures its peak live memory."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
+        return True
+    except OSError:
+        return False
+
+
+def _rss_mib(field: str) -> float | None:
+    """VmRSS (current) or VmHWM (peak since the last reset) from /proc, in MiB."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+
+
+def _reset_peak_rss():
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -63,14 +97,59 @@ def memory(mesh, seq, dev):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    _reset_peak_rss()
+    rss0 = _rss_mib("VmRSS")
     nbytes, loss = activation_bytes(model, lambda: model(x, y))
     loss.backward()
     _sync(dev)
+    hwm = _rss_mib("VmHWM")
+    rss = None if rss0 is None or hwm is None else hwm - rss0
     peak = torch.cuda.max_memory_allocated() - base if dev.type == "cuda" else None
-    return {"saved_MiB": nbytes / 2**20, "peak_MiB": None if peak is None else peak / 2**20}
+    return {"saved_MiB": nbytes / 2**20, "peak_MiB": None if peak is None else peak / 2**20, "rss_MiB": rss}
+
+
+def _exchange(comm, kv, n, tag):
+    """``n`` ring steps of the K/V block with nothing else running."""
+    cp, r = comm.size, comm.rank
+    for _ in range(n):
+        buf = torch.empty_like(kv)
+        for req in (comm.isend(kv, (r + 1) % cp, tag), comm.irecv(buf, (r - 1) % cp, tag)):
+            req.wait()
+
+
+def _backward_timeline(comm, stats):
+    """(blocked seconds, of which skew) of this rank's backward waits. At step s a rank waits for
+    K/V from r-1 and for r+1 to take ours (both posted at their step s start) and for the partial
+    dK/dV from r-1 (posted at the end of its step s-1); the final wait for the complete dK/dV
+    from r-1 (end of its last step) and for r+1 to take our partial sums (its step s+1 start,
+    or its final receive)."""
+    cp, r = comm.size, comm.rank
+    row = torch.tensor(stats["bwd_posts"] + stats["bwd_dkv_posts"] + stats["bwd_final_post"], dtype=torch.float64)
+    every = comm.all_gather(row.unsqueeze(0))                               # (cp, 2cp+1)
+    posts, dkv_posts, final_post = every[:, :cp], every[:, cp:2 * cp], every[:, 2 * cp]
+    prev, nxt = (r - 1) % cp, (r + 1) % cp
+    blocked = skew = 0.0
+    for s, (w0, w1) in enumerate(stats["bwd_waits"]):
+        ready = []
+        if s < cp - 1:
+            ready += [posts[prev, s], posts[nxt, s]]
+        if s > 0:
+            ready.append(dkv_posts[prev, s - 1])
+        b = w1 - w0
+        blocked += b
+        skew += min(max(0.0, float(max(ready)) - w0), b)
+    w0, w1 = stats["bwd_final_wait"][0]
+    ready = [dkv_posts[prev, cp - 1], final_post[nxt]] + [posts[nxt, s + 1] for s in range(cp - 1)]
+    blocked += w1 - w0
+    skew += min(max(0.0, float(max(ready)) - w0), w1 - w0)
+    return blocked, skew
 
 
 def ring(mesh, seq, dev, iters=3):
+    """Ring attention fwd+bwd; forward timeline analysed for overlap. A forward wait at step s
+    waits for the block from rank r-1 (isend posted at that rank's step s) and for rank r+1 to
+    take ours (irecv posted at its step s). The part of the wait before the later of those two
+    posts is skew (a peer still computing), the rest is transfer time not hidden by compute."""
     comm = mesh.comm("cp")
     cp, r = comm.size, comm.rank
     B, H, D = 1, 4, 32
@@ -78,7 +157,9 @@ def ring(mesh, seq, dev, iters=3):
     q, k, v, do = (context.shard_sequence(torch.randn(B, H, seq, D, generator=g), r, cp, dim=2).to(dev)
                    for _ in range(4))
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    totals, waits, alone = [], [], []
+    keys = ("fwd_bwd_s", "exposed_comm_s", "comm_alone_s", "fwd_alone_s", "fwd_blocked_s", "fwd_skew_s",
+            "fwd_unhidden_s", "bwd_alone_s", "bwd_blocked_s", "bwd_skew_s", "bwd_unhidden_s")
+    rec = {k_: [] for k_ in keys}
     for it in range(iters + 1):
         stats: dict = {}
         comm.barrier()
@@ -90,20 +171,25 @@ def ring(mesh, seq, dev, iters=3):
         # the same transfers with no compute: fwd (cp-1) K/V blocks, bwd (cp-1) K/V + cp dK/dV
         kv = torch.stack([k.detach(), v.detach()]).contiguous()
         t2 = time.perf_counter()
-        for tag, n in ((0, 2 * (cp - 1)), (1, cp)):
-            for _ in range(n):
-                buf = torch.empty_like(kv)
-                for req in (comm.isend(kv, (r + 1) % cp, tag), comm.irecv(buf, (r - 1) % cp, tag)):
-                    req.wait()
-        _sync(dev)
+        _exchange(comm, kv, cp - 1, 0)
         t3 = time.perf_counter()
+        _exchange(comm, kv, cp - 1, 0)
+        _exchange(comm, kv, cp, 1)
+        _sync(dev)
+        t4 = time.perf_counter()
+        tl = torch.tensor([[p, w0, w1] for p, (w0, w1) in zip(stats["fwd_posts"], stats["fwd_waits"])],
+                          dtype=torch.float64)
+        every = comm.all_gather(tl.unsqueeze(0))                         # (cp, cp-1, 3)
+        blocked = tl[:, 2] - tl[:, 1]
+        peers_ready = torch.maximum(every[(r - 1) % cp, :, 0], every[(r + 1) % cp, :, 0])
+        skew = torch.minimum((peers_ready - tl[:, 1]).clamp(min=0), blocked)
+        bwd_blocked, bwd_skew = _backward_timeline(comm, stats)
         if it:  # first iteration is warm-up
-            totals.append(t1 - t0)
-            waits.append(stats["wait_s"])
-            alone.append(t3 - t2)
-    tot, wait, comm_s = (statistics.median(v) for v in (totals, waits, alone))
-    return {"fwd_bwd_s": tot, "exposed_comm_s": wait, "comm_alone_s": comm_s,
-            "hidden_fraction": max(0.0, 1 - wait / comm_s)}
+            for key, val in zip(keys, (t1 - t0, stats["wait_s"], t4 - t2, t3 - t2, float(blocked.sum()),
+                                       float(skew.sum()), float((blocked - skew).sum()), t4 - t3,
+                                       bwd_blocked, bwd_skew, bwd_blocked - bwd_skew)):
+                rec[key].append(val)
+    return {key: statistics.median(vals) for key, vals in rec.items()}
 
 
 def moe(mesh, dev, tokens=2048, iters=3):
@@ -114,35 +200,31 @@ def moe(mesh, dev, tokens=2048, iters=3):
             p.normal_(0, 0.05)
     layer = expert.ExpertParallelMoE(ref, mesh, cfg, "layers.0.feed_forward")
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(mesh.rank)).to(dev)
-    if mesh.size("ep") == 1:  # no all-to-all: time the expert compute alone
-        times = []
-        for _ in range(iters + 1):
-            t0 = time.perf_counter()
-            layer(x)
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        return {"a2a_ms": 0.0, "experts_ms": 1e3 * statistics.median(times[1:]), "a2a_MiB": 0.0}
     for it in range(iters + 1):
         if it == 1:
             layer.timing = {k: 0.0 for k in layer.timing}
             snap = mesh.ledger.snapshot()
         mesh.comm("ep").barrier()
         layer(x)
+        _sync(dev)
     tm, n = layer.timing, layer.timing["calls"]
     sent = sum(e.bytes_sent for (op, grp), e in mesh.ledger.since(snap).items() if op == "all_to_all")
     return {"a2a_ms": 1e3 * (tm["dispatch_s"] + tm["combine_s"]) / n, "experts_ms": 1e3 * tm["experts_s"] / n,
             "a2a_MiB": sent / n / 2**20}
 
 
-def worker(ctx, n, seq, device):
+def worker(ctx, n, seq, device, parts):
     dev = torch.device(device)
+    _exact_rss()
     out = {}
     mesh = Mesh.build(Topology(cp=n)) if n > 1 else Mesh.single(dev)
-    out["memory"] = memory(mesh, seq, dev)
-    if n > 1:
+    if "memory" in parts:
+        out["memory"] = memory(mesh, seq, dev)
+    if "ring" in parts and n > 1:
         out["ring"] = ring(mesh, seq, dev)
-    ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
-    out["moe"] = moe(ep_mesh, dev)
+    if "moe" in parts:
+        ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
+        out["moe"] = moe(ep_mesh, dev)
     return out
 
 
@@ -152,39 +234,53 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default="")
+    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe")
     args = ap.parse_args()
     res = {}
     for n in args.sizes:
-        per_rank = run(worker, n, n, args.seq, args.device, timeout_s=600)
+        per_rank = run(worker, n, n, args.seq, args.device, args.parts, timeout_s=600)
         res[n] = per_rank
-    base = max(r["memory"]["saved_MiB"] for r in res[args.sizes[0]])
-    print(f"\nActivation memory per rank, tiny Llama (d 64, 2 layers, 4 heads), seq {args.seq}, batch 1, "
-          f"fp32, device {args.device}")
-    print("| cp | saved for backward, max over ranks (MiB) | vs cp=1 | peak alloc fwd+bwd (MiB) |")
-    print("|---|---|---|---|")
-    for n, rr in res.items():
-        m = max(r["memory"]["saved_MiB"] for r in rr)
-        pk = [r["memory"]["peak_MiB"] for r in rr]
-        pk_s = f"{max(pk):.1f}" if pk[0] is not None else "n/a (CPU)"
-        print(f"| {n} | {m:.1f} | {m / base:.3f} | {pk_s} |")
-    print(f"\nRing attention fwd+bwd, B 1, 4 heads, head_dim 32, seq {args.seq}, causal (median of 3, max over ranks)")
-    print("| cp | fwd+bwd (ms) | comm alone (ms) | exposed comm (ms) | hidden fraction |")
-    print("|---|---|---|---|---|")
-    for n, rr in res.items():
-        if "ring" not in rr[0]:
-            continue
-        g = {k: max(r["ring"][k] for r in rr) for k in rr[0]["ring"]}
-        hidden = min(r["ring"]["hidden_fraction"] for r in rr)
-        print(f"| {n} | {1e3 * g['fwd_bwd_s']:.1f} | {1e3 * g['comm_alone_s']:.1f} | "
-              f"{1e3 * g['exposed_comm_s']:.1f} | {hidden:.2f} |")
-    print("\nMoE layer forward, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, dropless (mean over ranks)")
-    print("| ep | dispatch+combine all-to-all (ms) | expert compute (ms) | a2a / experts | a2a sent per rank (MiB) |")
-    print("|---|---|---|---|---|")
-    for n, rr in res.items():
-        a = statistics.mean(r["moe"]["a2a_ms"] for r in rr)
-        e = statistics.mean(r["moe"]["experts_ms"] for r in rr)
-        mib = statistics.mean(r["moe"]["a2a_MiB"] for r in rr)
-        print(f"| {n} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
+    if "memory" in args.parts:
+        base = max(r["memory"]["saved_MiB"] for r in res[args.sizes[0]])
+        base_rss = max(r["memory"]["rss_MiB"] or 1e-9 for r in res[args.sizes[0]])
+        print(f"\nActivation memory per rank, tiny Llama (d 64, 2 layers, 4 heads), seq {args.seq}, batch 1, "
+              f"fp32, device {args.device}")
+        print("| cp | saved for backward, max over ranks (MiB) | vs cp=1 | peak RSS growth in fwd+bwd (MiB, vs cp=1) "
+              "| CUDA peak alloc fwd+bwd (MiB) |")
+        print("|---|---|---|---|---|")
+        for n, rr in res.items():
+            m = max(r["memory"]["saved_MiB"] for r in rr)
+            pk = [r["memory"]["peak_MiB"] for r in rr]
+            pk_s = f"{max(pk):.1f}" if pk[0] is not None else "n/a (CPU)"
+            rss = [r["memory"]["rss_MiB"] for r in rr]
+            rss_s = f"{max(rss):.1f} ({max(rss) / base_rss:.2f})" if None not in rss else "n/a"
+            print(f"| {n} | {m:.1f} | {m / base:.3f} | {rss_s} | {pk_s} |")
+    if "ring" in args.parts:
+        print(f"\nRing attention, B 1, 4 heads, head_dim 32, seq {args.seq}, causal (median of 3 runs; times max "
+              "over ranks, hidden fraction mean over ranks). blocked = time in wait, skew = part of it before "
+              "the peers had posted the matching isend/irecv, unhidden = blocked - skew.")
+        print("| cp | pass | fwd+bwd (ms) | transfers alone (ms) | blocked in wait (ms) "
+              "| of which skew (ms) | unhidden (ms) | hidden = 1 - unhidden / alone |")
+        print("|---|---|---|---|---|---|---|---|")
+        for n, rr in res.items():
+            if "ring" not in rr[0]:
+                continue
+            g = {k: max(r["ring"][k] for r in rr) for k in rr[0]["ring"]}
+            for ps in ("fwd", "bwd"):
+                hidden = statistics.mean(max(0.0, 1 - r["ring"][f"{ps}_unhidden_s"] / r["ring"][f"{ps}_alone_s"])
+                                         for r in rr)
+                print(f"| {n} | {ps} | {1e3 * g['fwd_bwd_s']:.1f} | {1e3 * g[f'{ps}_alone_s']:.1f} | "
+                      f"{1e3 * g[f'{ps}_blocked_s']:.1f} | {1e3 * g[f'{ps}_skew_s']:.1f} | "
+                      f"{1e3 * g[f'{ps}_unhidden_s']:.1f} | {hidden:.2f} |")
+    if "moe" in args.parts:
+        print("\nMoE layer forward, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, dropless (mean over ranks)")
+        print("| ep | dispatch+combine all-to-all (ms) | expert compute (ms) | a2a / experts | a2a sent per rank (MiB) |")
+        print("|---|---|---|---|---|")
+        for n, rr in res.items():
+            a = statistics.mean(r["moe"]["a2a_ms"] for r in rr)
+            e = statistics.mean(r["moe"]["experts_ms"] for r in rr)
+            mib = statistics.mean(r["moe"]["a2a_MiB"] for r in rr)
+            print(f"| {n} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({str(k): v for k, v in res.items()}, fh, indent=1)

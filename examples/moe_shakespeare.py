@@ -124,7 +124,8 @@ def plot(runs: list[dict], path: Path):
             share_last = last[layer] / last[layer].sum()
             xs = torch.arange(E) + (j - (len(runs) - 1) / 2) * width
             ax.bar(xs, share_last, width, label=f"ep={h['ep']} last 10 steps")
-            ax.plot(xs, share_first, "k.", label=f"ep={h['ep']} first 10 steps" if j == 0 else None)
+            if j == 0:  # same start for every ep (capacity per rank makes the runs drift apart)
+                ax.plot(torch.arange(E), share_first, "k_", ms=14, mew=2, label="first 10 steps")
             ax.axhline(1 / E, color="gray", lw=0.8, ls="--")
             ax.set_title(f"layer {layer}: share of routed tokens per expert")
             ax.set_xlabel("expert")
@@ -144,8 +145,12 @@ def main():
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--out", default="runs/moe")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from <out>/ep<N>.json")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.replot:
+        plot([json.loads((out / f"ep{ep}.json").read_text()) for ep in args.ep], out / "moe_load_balance.png")
+        return
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for ep in args.ep:

@@ -330,11 +330,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if p.pp_schedule == "interleaved":
             _check(p.microbatches % p.pp == 0, "parallel.microbatches",
                    f"interleaved needs micro-batches divisible by pp={p.pp}")
+        _check(not m.tie_embeddings, "model.tie_embeddings",
+               "the embedding (first stage) and the head (last stage) cannot share a weight across "
+               "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")
+        _check(m.n_experts == 0, "parallel.pp",
+               "pipeline parallel with an MoE model is not supported yet (the auxiliary losses of blocks "
+               "outside the last stage would be lost); use parallel.pp = 1 or model.n_experts = 0")
     _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
            "virtual stages > 1 need pp_schedule = 'interleaved'")
     _check((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
            f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
     _check(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
+    _check(not (p.pp > 1 and m.n_experts and (m.moe_aux_loss_coef or m.moe_z_loss_coef)), "model.moe_aux_loss_coef",
+           "with pp > 1 the MoE auxiliary losses of earlier stages do not reach the loss yet; "
+           "use pp=1 or set model.moe_aux_loss_coef = model.moe_z_loss_coef = 0")
     if m.n_experts:
         _check(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
         _check(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")

@@ -195,16 +195,16 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
             model.layers[key] = torch.compile(block)
     if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
         from .parallel.pipeline import apply as pipeline
-        return pipeline(model, mesh, cfg)
-    # Last: how data-parallel ranks share model state (parallel/data.py, zero.py, fsdp.py).
-    from .parallel import data, fsdp, zero
-    if p.zero_stage == 3:
-        engine = fsdp.apply(model, mesh, cfg)
-    elif p.zero_stage in (1, 2):
-        engine = zero.apply(model, mesh, cfg)
-    elif mesh.size("dp_cp") > 1:
-        engine = data.apply(model, mesh, cfg)
-    else:
-        engine = Engine(model, mesh, cfg)
+        engine = pipeline(model, mesh, cfg)
+    else:  # last: how data-parallel ranks share model state (parallel/data.py, zero.py, fsdp.py)
+        from .parallel import data, fsdp, zero
+        if p.zero_stage == 3:
+            engine = fsdp.apply(model, mesh, cfg)
+        elif p.zero_stage in (1, 2):
+            engine = zero.apply(model, mesh, cfg)
+        elif mesh.size("dp_cp") > 1:
+            engine = data.apply(model, mesh, cfg)
+        else:
+            engine = Engine(model, mesh, cfg)
     engine.shard_batch = cp_shard
     return engine

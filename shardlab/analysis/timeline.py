@@ -42,31 +42,48 @@ def render_text(timeline, unit: float | None = None, cell: int = 3, max_cols: in
     return "\n".join(lines)
 
 
-def plot(timeline, path: str, title: str = "") -> str:
-    """Save a Gantt chart of the timeline as a PNG; returns the path."""
-    import matplotlib
-    matplotlib.use("Agg")
+def _draw(ax, timeline, title: str, legend: bool = True):
     import matplotlib.pyplot as plt
 
     p = len(timeline)
     spans = [(a, s, e) for tl in timeline for a, s, e in tl]
     t0 = min(s for _, s, _ in spans) if spans else 0.0
-    fig, ax = plt.subplots(figsize=(12, 0.6 * p + 1.2))
+    width = (max(e for _, _, e in spans) - t0) if spans else 1.0
     for r, tl in enumerate(timeline):
         for a, s, e in tl:
             chunk = a.stage // p
             ax.broken_barh([(s - t0, e - s)], (p - 1 - r - 0.4, 0.8), facecolors=COLORS.get(a.kind, "gray"),
                            edgecolor="white", linewidth=0.5, alpha=1.0 - 0.35 * (chunk % 2))
-            if (e - s) > 0.012 * (max(x for _, _, x in spans) - t0):
+            if (e - s) > 0.012 * width:
                 ax.text(s - t0 + (e - s) / 2, p - 1 - r, f"{a.kind}{a.mb}", ha="center", va="center",
                         fontsize=7, color="white")
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(p))])
-    ax.set_xlabel("time")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["F forward", "B backward (input grad if split)", "W weight grad"],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
+    if legend:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+        ax.legend(handles, ["F forward", "B backward (input grad if split)", "W weight grad"],
+                  loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=8, frameon=False)
     ax.set_title(title, fontsize=10, loc="left")
+
+
+def plot(timeline, path: str, title: str = "") -> str:
+    """Save a Gantt chart of the timeline as a PNG; returns the path. Lighter bars: the
+    second (odd) chunk of an interleaved rank."""
+    return plot_grid([(timeline, title)], path)
+
+
+def plot_grid(items, path: str) -> str:
+    """Several timelines ``[(timeline, title), ...]`` stacked on one time axis, one PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heights = [0.6 * len(tl) + 0.9 for tl, _ in items]
+    fig, axes = plt.subplots(len(items), 1, figsize=(12, sum(heights) + 0.6), sharex=True,
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for i, (ax, (tl, title)) in enumerate(zip(axes[:, 0], items)):
+        _draw(ax, tl, title, legend=(i == 0))
+    axes[-1, 0].set_xlabel("time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -52,10 +52,13 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "pp2-zb": ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 4}, {}, "dp_replicate"),
     "pp2-tp2": ({"pp": 2, "tp": 2, "microbatches": 2}, {}, "dp_replicate"),
     "cp2": ({"cp": 2}, {}, "dp_replicate"),
+    "pp2-cp2": ({"pp": 2, "cp": 2, "microbatches": 2}, {}, "dp_replicate"),
     "cp2-tp2": ({"cp": 2, "tp": 2}, {}, "dp_replicate"),
     "ep2": ({"ep": 2, "dp_shard": 2}, MOE, "dp_replicate"),
     "ep4": ({"ep": 4, "dp_shard": 4}, MOE, "dp_replicate"),
     "moe-dp": ({}, MOE, "dp_replicate"),
+    "ep2-tp2": ({"ep": 2, "dp_shard": 2, "tp": 2}, MOE, "dp_replicate"),
+    "ep2-cp2": ({"ep": 2, "cp": 2}, MOE, "dp_replicate"),
 }
 
 

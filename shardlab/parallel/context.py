@@ -95,12 +95,44 @@ def _repeat(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
-def _scores(q, k, scale, diag):
+TILE = 128
+"""Query rows per score tile: a pair of chunks is computed in (TILE x c) pieces, so the
+transient score memory is bounded by a few TILE * c per head instead of c * c."""
+
+
+def _scores(q, k, scale, diag, r0):
+    """Scores of query rows r0.. of a chunk against a whole key chunk; ``diag`` masks keys after
+    the query (same chunk)."""
     s = (q @ k.transpose(-1, -2)) * scale
     if diag:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        rows, n = s.shape[-2:]
+        s = s.masked_fill(torch.ones(rows, n, dtype=torch.bool, device=s.device).triu(1 + r0), float("-inf"))
     return s
+
+
+def _pair_forward(q, k, v, scale, diag):
+    """Attention of query chunk q over key chunk (k, v): (out, lse), in row tiles."""
+    outs, lses = [], []
+    for r0 in range(0, q.shape[2], TILE):
+        s = _scores(q[:, :, r0:r0 + TILE], k, scale, diag, r0)
+        lse = torch.logsumexp(s, -1)
+        outs.append(torch.exp(s - lse[..., None]) @ v)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _pair_backward(q, k, v, do, lse, delta, scale, diag, dq):
+    """Adds this pair's dQ into ``dq``; returns (dK, dV) of the key chunk. Row tiles as forward."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r0 in range(0, q.shape[2], TILE):
+        rows = slice(r0, r0 + TILE)
+        qt, dot = q[:, :, rows], do[:, :, rows]
+        p = torch.exp(_scores(qt, k, scale, diag, r0) - lse[:, :, rows, None])
+        dv += p.transpose(-1, -2) @ dot
+        ds = p * (dot @ v.transpose(-1, -2) - delta[:, :, rows, None])
+        dq[:, :, rows] += (ds @ k) * scale
+        dk += (ds.transpose(-1, -2) @ qt) * scale
+    return dk, dv
 
 
 def _merge(acc, out, lse):
@@ -126,15 +158,15 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:  # next block's transfer overlaps this block's compute
                 nxt = torch.empty_like(kv)
                 reqs = [comm.isend(kv, (r + 1) % cp), comm.irecv(nxt, (r - 1) % cp)]
+                _mark(stats, "fwd_posts", time.perf_counter())
             k_ids = chunk_ids((r - step) % cp, cp)
             kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for qi, ki, diag in _pairs(q_ids, k_ids, causal):
-                s = _scores(qc[qi], _repeat(kc[ki], rep), scale, diag)
-                lse = torch.logsumexp(s, -1)
-                out = torch.exp(s - lse[..., None]) @ _repeat(vc[ki], rep)
+                out, lse = _pair_forward(qc[qi], _repeat(kc[ki], rep), _repeat(vc[ki], rep), scale, diag)
                 acc[qi] = _merge(acc[qi], out, lse)
-            _wait(reqs, stats)
+            waited = _wait(reqs, stats)
             if reqs:
+                _mark(stats, "fwd_waits", waited)
                 kv = nxt
         out = torch.cat([acc[0][0], acc[1][0]], dim=2)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
@@ -164,41 +196,50 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:  # the partial dK/dV of this block from the ranks that held it before
                 incoming = torch.empty_like(kv)
                 reqs.append(comm.irecv(incoming, prev_rank, tag=1))
+            _mark(stats, "bwd_posts", time.perf_counter())
             k_ids = chunk_ids((r - step) % cp, cp)
             kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dkv = torch.zeros_like(kv)
             dkc, dvc = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             for qi, ki, diag in _pairs(q_ids, k_ids, causal):
-                kr, vr = _repeat(kc[ki], rep), _repeat(vc[ki], rep)
-                p = torch.exp(_scores(qc[qi], kr, scale, diag) - lsec[qi][..., None])
-                dv_blk = p.transpose(-1, -2) @ doc[qi]
-                ds = p * (doc[qi] @ vr.transpose(-1, -2) - dc[qi][..., None])
-                dq[qi] += (ds @ kr) * scale
-                dk_blk = (ds.transpose(-1, -2) @ qc[qi]) * scale
+                dk_blk, dv_blk = _pair_backward(qc[qi], _repeat(kc[ki], rep), _repeat(vc[ki], rep), doc[qi],
+                                                lsec[qi], dc[qi], scale, diag, dq[qi])
                 if rep > 1:  # sum the gradients of the repeated key/value heads
                     dk_blk = dk_blk.unflatten(1, (-1, rep)).sum(2)
                     dv_blk = dv_blk.unflatten(1, (-1, rep)).sum(2)
                 dkc[ki].add_(dk_blk)
                 dvc[ki].add_(dv_blk)
-            _wait(reqs, stats)
+            _mark(stats, "bwd_waits", _wait(reqs, stats))
             if step > 0:
                 dkv += incoming
             if cp > 1:  # pass the block's gradient on, one hop behind the block itself
                 sends.append(comm.isend(dkv, nxt_rank, tag=1))
+                _mark(stats, "bwd_dkv_posts", time.perf_counter())
                 in_flight.append(dkv)  # keep the buffer alive until its send completes
             if step < cp - 1:
                 kv = nxt
         if cp > 1:  # after cp hops the complete dK/dV of our own block comes back to us
             dkv = torch.empty_like(kv)
-            _wait([comm.irecv(dkv, prev_rank, tag=1)] + sends, stats)
+            final = comm.irecv(dkv, prev_rank, tag=1)
+            _mark(stats, "bwd_final_post", time.perf_counter())
+            _mark(stats, "bwd_final_wait", _wait([final] + sends, stats))
         return torch.cat(dq, dim=2), dkv[0], dkv[1], None, None, None
 
 
+def _mark(stats, key, value):
+    """Timeline for the benchmark's overlap analysis (post and wait times per ring step)."""
+    stats.setdefault(key, []).append(value)
+
+
 def _wait(reqs, stats):
+    """Wait for the ring transfers; ``stats["wait_s"]`` adds the seconds spent blocked.
+    Returns (start, end) of the wait (perf_counter: one clock for all processes of a host)."""
     t0 = time.perf_counter()
     for req in reqs:
         req.wait()
-    stats["wait_s"] = stats.get("wait_s", 0.0) + time.perf_counter() - t0
+    t1 = time.perf_counter()
+    stats["wait_s"] = stats.get("wait_s", 0.0) + t1 - t0
+    return t0, t1
 
 
 def ring_attention(q, k, v, comm, causal: bool = True, stats: dict | None = None) -> torch.Tensor:
@@ -207,8 +248,9 @@ def ring_attention(q, k, v, comm, causal: bool = True, stats: dict | None = None
 
 
 class RingAttention(nn.Module):
-    """Drop-in for ``layers.<i>.attention.core``. ``stats["wait_s"]``: seconds blocked on the ring
-    (communication not hidden behind compute)."""
+    """Drop-in for ``layers.<i>.attention.core``. ``self.stats`` belongs to the latest call (its
+    forward and, once run, its backward): ``wait_s`` = seconds blocked on the ring, plus the
+    post/wait timeline the benchmark analyses."""
 
     def __init__(self, comm):
         super().__init__()
@@ -216,6 +258,7 @@ class RingAttention(nn.Module):
         self.stats: dict = {}
 
     def forward(self, q, k, v, causal: bool = True):
+        self.stats = {}  # a fresh record per call: nothing accumulates over a long run
         if q.dtype in (torch.float16, torch.bfloat16):
             return ring_attention(q.float(), k.float(), v.float(), self.comm, causal, self.stats).to(q.dtype)
         return ring_attention(q, k, v, self.comm, causal, self.stats)

@@ -24,9 +24,10 @@ batch: :meth:`batch_sum` all-reduces their statistics over dp_cp (backward: all-
 gradient, the adjoint of a sum), so the loss equals the single-process MoE on the whole batch.
 This is installed for every MoE model in a multi-rank data-parallel run, also when ep = 1.
 
-Tensor parallel: the MoE input is replicated over tp (no sequence parallel), so each tp rank
-runs its own ep group on identical tokens: the experts are replicated over tp and computed
-redundantly (correct, not yet faster). Splitting experts over tp is future work.
+Tensor parallel: tensor.py leaves MoE layers whole; their input is replicated over tp (sequence
+parallel with MoE is refused), so each tp rank runs its own ep group on identical tokens: the
+experts are replicated over tp and computed redundantly (correct, not faster). Splitting
+experts over tp is future work.
 """
 from __future__ import annotations
 
@@ -35,23 +36,9 @@ import time
 import torch
 from torch import nn
 
+from ..distributed.autograd import all_to_all
 from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE, Experts
-
-
-class _AllToAll(torch.autograd.Function):
-    """Forward: rows ``in_splits[q]`` go to rank q, ``out_splits[s]`` arrive from s.
-    Backward: the same exchange with the splits swapped (all-to-all is its own adjoint)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, in_splits, out_splits):
-        ctx.comm, ctx.splits = comm, (in_splits, out_splits)
-        return comm.all_to_all(x, in_splits, out_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        in_splits, out_splits = ctx.splits
-        return ctx.comm.all_to_all(grad.contiguous(), out_splits, in_splits), None, None, None
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -66,10 +53,6 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.comm.all_reduce(grad.clone()), None
-
-
-def all_to_all(x, comm, in_splits, out_splits):
-    return _AllToAll.apply(x, comm, in_splits, out_splits)
 
 
 class ExpertParallelMoE(MoE):
@@ -97,9 +80,12 @@ class ExpertParallelMoE(MoE):
 
     def run_experts(self, x, counts):
         ep, n_local, tm = self.ep.size, self.n_local, self.timing
-        if ep == 1:
-            return self.experts(x, counts.tolist())
         t0 = time.perf_counter()
+        if ep == 1:
+            out = self.experts(x, counts.tolist())
+            tm["experts_s"] += time.perf_counter() - t0
+            tm["calls"] += 1
+            return out
         send = counts.view(ep, n_local)
         recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()

@@ -36,6 +36,7 @@ from ..config import ConfigError, ModelConfig
 from ..distributed import autograd as dc
 from ..distributed.placement import Placement, set_placement
 from ..models.llama import RMSNorm, init_tensor
+from ..models.moe import MoE
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
@@ -199,7 +200,7 @@ class SequenceParallelRMSNorm(RMSNorm):
 # Applying the plan
 # ---------------------------------------------------------------------------------------------
 
-def check(model_cfg: ModelConfig, tp: int) -> None:
+def check(model_cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
     """The splits tensor parallelism needs; ConfigError naming the field otherwise."""
     m = model_cfg
     if m.n_heads % tp:
@@ -210,9 +211,10 @@ def check(model_cfg: ModelConfig, tp: int) -> None:
                                                "nor replicated evenly; one of them must divide the other")
     if m.ffn_dim % tp:
         raise ConfigError("model.ffn_hidden", f"ffn size {m.ffn_dim} is not divisible by tp={tp}")
-    if m.n_experts:
-        raise ConfigError("parallel.tp", "tensor parallel of MoE blocks is not implemented; "
-                                         "use parallel.ep for the experts and tp=1")
+    if m.n_experts and sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel", "MoE blocks stay whole under tensor parallel "
+                                                        "(replicated over tp) and need the full sequence; "
+                                                        "set sequence_parallel=false or tp=1")
 
 
 class _Ctx:
@@ -329,13 +331,15 @@ def apply(model: nn.Module, mesh, cfg, plan: dict[str, str] | None = None) -> nn
     tp = mesh.size("tp")
     if tp == 1:
         return model
-    check(cfg.model, tp)
+    check(cfg.model, tp, cfg.parallel.sequence_parallel)
     ctx = _Ctx(model, mesh, cfg)
+    # MoE feed-forwards stay whole: replicated over tp, their experts placed by expert parallel.
+    moe = {name for name, mod in model.named_modules() if isinstance(mod, MoE)}
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"plan: unknown style {style!r} for {pattern!r}; styles are {sorted(STYLES)}")
         for name, mod in list(model.named_modules()):
-            if name and fnmatchcase(name, pattern):
+            if name and fnmatchcase(name, pattern) and not any(name == m or name.startswith(m + ".") for m in moe):
                 new = STYLES[style](ctx, name, mod)
                 if new is not None:
                     _replace(model, name, new)

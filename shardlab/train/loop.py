@@ -162,6 +162,11 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
                    "comm_bytes_per_step": sum(e.bytes_sent for e in moved.values()) / window_steps,
                    "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "loss_scale": tr.scaler.scale,
                    "skipped_steps": tr.scaler.skipped}
+            if cfg.model.n_experts:  # tokens per expert, dropped fraction (last step), all-to-all bytes
+                from ..parallel.expert import moe_metrics
+                moe = moe_metrics(tr.engine.model, moved)
+                moe["moe/all_to_all_bytes"] = moe.get("moe/all_to_all_bytes", 0) / window_steps
+                rec.update(moe)
             snap, window_time, window_steps = mesh.ledger.snapshot(), 0.0, 0
             last["loss"] = loss
             if writer:

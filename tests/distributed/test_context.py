@@ -9,7 +9,7 @@ from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models.llama import build_model
 from shardlab.parallel import context
-from shardlab.parallelize import Engine
+from shardlab.parallelize import parallelize
 
 ATOL = 1e-10
 
@@ -31,7 +31,8 @@ def _attention_checks(mesh, results):
     g = torch.Generator().manual_seed(7)
     B, Hq, Hkv, S, D = 2, 4, 2, 8 * cp, 8
     q, k, v, dout = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv, Hq))
-    for causal in (True, False):
+    for causal, tile in ((True, 128), (False, 128), (True, 3)):  # tile 3: chunk pairs in row tiles
+        context.TILE = tile
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = full_attention(*ref_in, causal)
         ref.backward(dout)
@@ -45,8 +46,9 @@ def _attention_checks(mesh, results):
         for name, a, b in zip("qkv", loc, ref_in):
             err = max(err, (a.grad - context.shard_sequence(b.grad, r, cp, dim=2)).abs().max().item())
         block = 2 * B * Hkv * (S // cp) * D * 8  # one K/V block in bytes
-        results[f"attn causal={causal}"] = (err, fwd_bytes == (cp - 1) * block,
-                                            bwd_bytes == (cp - 1) * block + cp * block)
+        results[f"attn causal={causal} tile={tile}"] = (err, fwd_bytes == (cp - 1) * block,
+                                                        bwd_bytes == (cp - 1) * block + cp * block)
+    context.TILE = 128
 
 
 def _train_step_check(mesh, name, results):
@@ -64,11 +66,13 @@ def _train_step_check(mesh, name, results):
     ref_loss.backward()
     ref_opt.step()
 
-    model = context.apply(build_model(cfg.model, seed=2, dtype=torch.float64), mesh, cfg)
-    engine = Engine(model, mesh, cfg)
+    for key, value in mesh.topology.__dict__.items():
+        setattr(cfg.parallel, key, value)
+    engine = parallelize(build_model(cfg.model, seed=2, dtype=torch.float64), mesh, cfg)
+    model = engine.model
     dp, dpi = mesh.size("dp"), mesh.local_rank("dp")
     b = tokens.shape[0] // dp
-    x, y = context.shard_batch(tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b], mesh)
+    x, y = tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b]  # the engine cuts the cp shard
     loss = engine.global_loss(engine.forward_backward([(x, y)]))
     grad_err = max((p.grad - rp.grad).abs().max().item()
                    for p, rp in zip(model.parameters(), ref.parameters()))
@@ -109,5 +113,5 @@ def test_ring_attention_and_train_step_cp2():
 def test_ring_attention_cp4_and_cp2_dp2():
     res = run(worker, 4, [dict(cp=4), dict(dp_shard=2, cp=2)])
     for r in res:
-        assert len(r) == 4
+        assert len(r) == 5
         _check(r)

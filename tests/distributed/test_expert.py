@@ -7,7 +7,7 @@ from shardlab.distributed.placement import get_placement
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models.llama import build_model
-from shardlab.parallel import context, expert
+from shardlab.parallel import expert
 from shardlab.parallelize import parallelize
 
 ATOL = 1e-10
@@ -40,12 +40,13 @@ def _train_step(mesh, cfg):
     ref_loss.backward()
     ref_params = dict(ref.named_parameters())
     ref_grads = {n: p.grad.clone() for n, p in ref_params.items()}
-    torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.step()
 
     engine = parallelize(build_model(cfg.model, seed=4, dtype=torch.float64), mesh, cfg)
     dp, dpi = mesh.size("dp"), mesh.local_rank("dp")
     b = tokens.shape[0] // dp
-    x, y = context.shard_batch(tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b], mesh)
+    x, y = tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b]  # the engine cuts the cp shard
     snap = mesh.ledger.snapshot()
     loss = engine.global_loss(engine.forward_backward([(x, y)]))
     metrics = expert.moe_metrics(engine.model, mesh.ledger.since(snap))
@@ -53,9 +54,17 @@ def _train_step(mesh, cfg):
     for name, p in engine.named_parameters():
         pl = get_placement(p, name)
         grad_err = max(grad_err, (p.grad - local_slice(ref_grads[pl.name], pl)).abs().max().item())
-    torch.optim.AdamW(engine.parameters(), lr=1e-2).step()
+    norm_err = abs(engine.grad_norm().item() - torch.cat([g.flatten() for g in ref_grads.values()]).norm().item())
+    grad_err = max(grad_err, norm_err)
+    opt = torch.optim.AdamW(engine.parameters(), lr=1e-2)
+    opt.step()
     param_err = max((p - local_slice(ref_params[get_placement(p, n).name], get_placement(p, n))).abs().max().item()
                     for n, p in engine.named_parameters())
+    # checkpoint tensors in global coordinates: experts gathered over ep equal the reference's
+    state = engine.full_state(opt, everywhere=True)
+    for n, rp in ref_params.items():
+        param_err = max(param_err, (state[f"model.{n}"] - rp).abs().max().item(),
+                        (state[f"optim.{n}.exp_avg_sq"] - ref_opt.state[rp]["exp_avg_sq"]).abs().max().item())
     tpe = metrics["moe/0/tokens_per_expert"]
     ref_tpe = ref.layers["0"].feed_forward.last_stats["tokens_per_expert"].tolist()
     return (abs(loss - ref_loss.item()), grad_err, param_err, tpe == ref_tpe,
@@ -85,8 +94,11 @@ def _capacity_layer(mesh, cfg):
 def worker(ctx, topologies):
     out = {}
     for topo in topologies:
+        topo = dict(topo)
+        algorithm = topo.pop("algorithm", "backend")
         mesh = Mesh.build(Topology(**topo))
-        tag = "x".join(f"{k}{v}" for k, v in topo.items())
+        mesh.algorithm = algorithm  # "ring": shardlab's own pairwise all-to-all
+        tag = "x".join(f"{k}{v}" for k, v in topo.items()) + ("" if algorithm == "backend" else f" {algorithm}")
         for k in (1, 2):
             out[f"{tag} top{k} step"] = _train_step(mesh, make_cfg(topo, top_k=k))
         out[f"{tag} capacity"] = _capacity_layer(mesh, make_cfg(topo, capacity=1.0))
@@ -110,7 +122,7 @@ def _check(res, rank, all_res):
 
 
 def test_expert_parallel_ep2():
-    res = run(worker, 2, [dict(dp_shard=2, ep=2)])
+    res = run(worker, 2, [dict(dp_shard=2, ep=2), dict(dp_shard=2, ep=2, algorithm="ring")])
     assert sum(v[2] for r in res for k, v in r.items() if k.endswith("capacity")) > 0  # drops happened
     for rank, r in enumerate(res):
         _check(r, rank, res)
@@ -118,7 +130,7 @@ def test_expert_parallel_ep2():
 
 def test_expert_parallel_ep4_and_ep_x_dp_and_ep_over_cp():
     res = run(worker, 4, [dict(dp_shard=4, ep=4), dict(dp_replicate=2, dp_shard=2, ep=2),
-                          dict(dp_shard=2, cp=2, ep=4)])
+                          dict(dp_shard=2, cp=2, ep=4), dict(dp_shard=2, tp=2, ep=2)])
     for rank, r in enumerate(res):
-        assert len(r) == 9
+        assert len(r) == 12
         _check(r, rank, res)

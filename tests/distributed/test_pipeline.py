@@ -38,7 +38,7 @@ def reference(cfg, n):
     loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
-    return float(loss), grads, float(norm)
+    return float(loss.detach()), grads, float(norm)
 
 
 def pipeline_step(mesh, cfg, dp, dp_rank):
@@ -77,7 +77,7 @@ def _worker(ctx, topo_list, combos, n_layers):
             out.append(dict(topo=topo.describe(), sched=sched, m=m, v=v, names=sorted(grads),
                             loss_err=abs(loss - ref_loss), grad_err=err, norm_err=abs(norm - ref_norm),
                             sent=mesh.ledger.total_sent("pp", "send"),
-                            timeline=len(engine.last_timeline)))
+                            timeline=[len(tl) for tl in engine.gather_timeline()]))
             mesh.ledger.reset()
     return out
 
@@ -94,6 +94,9 @@ def _check(results, n_layers):
             assert r["grad_err"] <= ATOL, r
             assert r["norm_err"] <= ATOL, r
             by_combo.setdefault((r["topo"], r["sched"], r["m"]), set()).update(r["names"])
+            if "timeline" in r:  # F and B (and W) of every micro-batch at every stage, timed
+                per_mb = 3 if r["sched"] == "zb-h1" else 2
+                assert sum(r["timeline"]) == per_mb * r["m"] * len(r["timeline"]) * r["v"], r
     for combo, names in by_combo.items():
         assert names == all_names, combo  # the stages together hold every parameter
     return by_combo
@@ -101,7 +104,10 @@ def _check(results, n_layers):
 
 def test_pipeline_parity_pp2():
     combos = [(s, m, v) for s, v in SCHEDS for m in (2, 4)]
-    results = run(_worker, 2, [dict(pp=2)], combos, 4, timeout_s=120)
+    results = run(_worker_pp2, 2, combos, timeout_s=180)
+    for ckpt in results[0][-1], results[1][-1]:
+        assert ckpt["keys_missing"] == [] and ckpt["param_err"] <= ATOL and ckpt["reload_err"] == 0.0, ckpt
+    results = [r[:-1] for r in results]
     by_combo = _check(results, 4)
     assert len(by_combo) == 8
     # bytes: each micro-batch crosses each of the 2v - 1 stage boundaries once forward (activation)
@@ -111,16 +117,55 @@ def test_pipeline_parity_pp2():
         assert r0["sent"] + r1["sent"] == act * r0["m"] * (2 * r0["v"] - 1) * 2, r0
 
 
+def _worker_pp2(ctx, combos):
+    return _worker(ctx, [dict(pp=2)], combos, 4) + [_checkpoint_case()]
+
+
+def _checkpoint_case():
+    """AdamW step on pp=2 equals the reference step; full_state has every global tensor; it
+    reloads into a fresh pp=2 engine and into a single-process model."""
+    from shardlab.parallelize import Engine
+    mesh = Mesh.build(Topology(pp=2))
+    cfg = tiny_cfg(4)
+    cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.global_batch = 2, 2, 2
+    make_opt = lambda groups: torch.optim.AdamW(groups, lr=1e-2)  # noqa: E731
+    ref = Engine(build_model(cfg.model, SEED, dtype=torch.float64), Mesh.single(), cfg)
+    ref_opt = ref.make_optimizer(make_opt)
+    x, y = batch(cfg, 2)
+    ref.model(x, y).backward()
+    ref_opt.step()
+    engine, _, _, _ = pipeline_step(mesh, cfg, 1, 0)
+    opt = engine.make_optimizer(make_opt)
+    opt.step()
+    state = engine.full_state(opt)
+    want = ref.full_state(ref_opt)
+    err = max((state[k] - want[k]).abs().max().item() for k in want if k in state)
+    again = apply(build_model(cfg.model, SEED + 1, dtype=torch.float64), mesh, cfg)
+    opt2 = again.make_optimizer(make_opt)
+    again.load_full_state(state, opt2)
+    reload_err = max((p - state[f"model.{n}"]).abs().max().item() for n, p in again.named_parameters())
+    single = Engine(build_model(cfg.model, SEED + 1, dtype=torch.float64), Mesh.single(), cfg)
+    single.load_full_state(state, single.make_optimizer(make_opt))
+    reload_err = max(reload_err, max((p - state[f"model.{n}"]).abs().max().item()
+                                     for n, p in single.named_parameters()))
+    return dict(keys_missing=sorted(set(want) ^ set(state)), param_err=err, reload_err=reload_err)
+
+
 def test_pipeline_parity_pp4_and_pp2_dp2():
     combos = [(s, m, v) for s, v in SCHEDS for m in (4, 8)]
     pp2dp2 = [("1f1b", 2, 1), ("zb-h1", 4, 1), ("interleaved", 4, 2)]
     results = run(_worker_two, 4, combos, pp2dp2, timeout_s=240)
-    by_combo = _check(results, 8)
-    assert len(by_combo) == 8 + 3
+    cp = [[r for r in rank if r["topo"] == "pp2cp2"] for rank in results]
+    for r in sum(cp, []):  # pp x cp (ring attention) = 2 x 2
+        assert r["loss_err"] <= ATOL and r["grad_err"] <= ATOL and r["norm_err"] <= ATOL, r
+    by_combo = _check([[r for r in rank if r["topo"] != "pp2cp2"] for rank in results], 8)
+    assert len(by_combo) == 8 + 3 and len(cp[0]) == 2
 
 
 def _worker_two(ctx, combos, pp2dp2):
-    return _worker(ctx, [dict(pp=4)], combos, 8) + _worker(ctx, [dict(pp=2, dp_shard=2)], pp2dp2, 8)
+    cp = _worker_3d(ctx, [("1f1b", 2, 1, False), ("zb-h1", 2, 1, False)], dict(pp=2, cp=2))
+    return (_worker(ctx, [dict(pp=4)], combos, 8) + _worker(ctx, [dict(pp=2, dp_shard=2)], pp2dp2, 8)
+            + [dict(r, topo="pp2cp2") for r in cp])
 
 
 def test_schedule_refused_before_running():
@@ -129,3 +174,56 @@ def test_schedule_refused_before_running():
     cfg.parallel.pp, cfg.parallel.microbatches = 4, 2
     with pytest.raises(ScheduleError, match="microbatches=2 < pp=4"):
         apply(build_model(cfg.model, SEED), copy.copy(Mesh.single()), cfg)
+
+
+# -- 3D: pp x tp x dp = 2 x 2 x 2 through parallelize() (TP first, then PP, dp on top) ---------------
+
+def _worker_3d(ctx, combos, topo_kw=None):
+    """pp composed with tp / cp / dp through parallelize(); sharded grads compared by placement."""
+    from shardlab.distributed.placement import get_placement
+    from shardlab.parallelize import parallelize
+    topo = Topology(**(topo_kw or dict(pp=2, tp=2, dp_replicate=2)))
+    mesh = Mesh.build(topo)
+    dp = topo.dp_replicate
+    out = []
+    for sched, m, v, sp in combos:
+        cfg = tiny_cfg(4)
+        cfg.model.vocab_size = 67  # not divisible by tp: padded vocab shards
+        p = cfg.parallel
+        p.pp, p.tp, p.cp, p.dp_replicate, p.pp_schedule, p.microbatches, p.pp_virtual = \
+            topo.pp, topo.tp, topo.cp, dp, sched, m, v
+        p.sequence_parallel = sp
+        cfg.train.global_batch = dp * m
+        cfg.validate(ctx.world_size)
+        ref_loss, ref_grads, ref_norm = reference(cfg, cfg.train.global_batch)
+        engine = parallelize(build_model(cfg.model, SEED, dtype=torch.float64), mesh, cfg)
+        d = mesh.coords["dp_replicate"]
+        x, y = batch(cfg, cfg.train.global_batch)
+        x, y = x[d * m:(d + 1) * m], y[d * m:(d + 1) * m]
+        mbs = list(zip(x.chunk(m), y.chunk(m)))  # full sequences: the engine keeps this rank's cp shard
+        loss = engine.global_loss(engine.forward_backward(mbs))
+        err, names = 0.0, set()
+        for name, prm in engine.named_parameters():
+            pl = get_placement(prm, name)
+            want = ref_grads[pl.name]
+            if pl.dim is not None:
+                want = want.narrow(pl.dim, pl.start, pl.length)
+            err = max(err, (pl.valid(prm.grad) - want).abs().max().item())
+            names.add(pl.name)
+        out.append(dict(topo="3d", sched=sched, m=m, v=v, sp=sp, names=sorted(names), loss_err=abs(loss - ref_loss),
+                        grad_err=err, norm_err=abs(float(engine.grad_norm()) - ref_norm)))
+    return out
+
+
+def test_pipeline_tensor_data_3d():
+    combos = [("1f1b", 2, 1, False), ("zb-h1", 4, 1, True), ("interleaved", 2, 2, False)]
+    results = run(_worker_3d, 8, combos, timeout_s=300)
+    cfg = tiny_cfg(4)
+    cfg.model.vocab_size = 67
+    all_names = set(build_model(cfg.model, SEED).state_dict())
+    by_combo = {}
+    for rank_results in results:
+        for r in rank_results:
+            assert r["loss_err"] <= ATOL and r["grad_err"] <= ATOL and r["norm_err"] <= ATOL, r
+            by_combo.setdefault((r["sched"], r["m"]), set()).update(r["names"])
+    assert len(by_combo) == 3 and all(names == all_names for names in by_combo.values())

@@ -96,7 +96,18 @@ def test_moe_llama_trains_and_is_layout_independent():
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     loss = m1(tokens[:, :-1], tokens[:, 1:])
     ce = F.cross_entropy(m1(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    assert float(loss) > float(ce)  # aux losses are included
+    assert loss.item() > ce.item()  # aux losses are included
     loss.backward()
     assert m1.layers["0"].feed_forward.router.weight.grad.abs().sum() > 0
     assert m1.layers["0"].feed_forward.experts.w1.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"parallel": {"pp": 2, "microbatches": 2}, "model": {"n_experts": 4}}, "model.moe_aux_loss_coef"),
+])
+def test_unsupported_combinations_fail_before_start(overrides, field):
+    from shardlab.config import ConfigError, from_dict
+    cfg = from_dict(overrides)
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(cfg.parallel.world_size)
+    assert err.value.field == field

@@ -143,3 +143,44 @@ def test_stage_views_chain_to_the_full_model():
     ranges = parts[0][2]
     assert all(f"layers.{i}.attention.wq.weight" in names0 for s in (0, 2) for i in ranges[s])
     assert not any(f"layers.{i}." in n for n in names0 for s in (1, 3) for i in ranges[s])
+
+
+def test_config_errors_before_any_process():
+    from shardlab.config import Config, ConfigError
+    for changes, field in (({"microbatches": 2}, "parallel.microbatches"),
+                           ({"pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 6}, "parallel.microbatches"),
+                           ({"pp_virtual": 2}, "parallel.pp_virtual")):
+        cfg = Config()
+        cfg.model.n_layers, cfg.parallel.pp, cfg.parallel.microbatches = 8, 4, 4
+        cfg.train.global_batch = 48
+        for k, v in changes.items():
+            setattr(cfg.parallel, k, v)
+        with pytest.raises(ConfigError) as e:
+            cfg.validate()
+        assert e.value.field == field
+    cfg = Config()
+    cfg.parallel.pp, cfg.parallel.microbatches, cfg.model.tie_embeddings = 2, 2, True
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        cfg.validate()
+
+
+def test_per_stage_costs():
+    # GPipe, p = 2, m = 2; stage 1 twice as slow: rank 1 runs F0 [1,3] F1 [3,5] B0 [5,9] B1 [9,13],
+    # rank 0 waits for each gradient: B0 [9,11], B1 [13,15]
+    res = check(build("gpipe", 2, 2), stage_costs={0: {"F": 1, "B": 2}, 1: {"F": 2, "B": 4}})
+    assert res.makespan == 15 and res.bubble == pytest.approx(1 - 18 / 30)
+    assert [(str(a), s, e) for a, s, e in res.timeline[0]][-1] == ("B1s0", 13, 15)
+
+
+def test_stage_views_follow_replaced_blocks():
+    import torch
+
+    from shardlab.config import ModelConfig
+    from shardlab.models.llama import build_model
+    from shardlab.parallel.pipeline.stage import split_model, stage_views
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=16)
+    model, chunks, ranges = split_model(build_model(cfg, 3), 0, 2)
+    key = str(ranges[0][0])
+    model.layers[key] = torch.nn.Sequential()  # e.g. a wrapper applied after the split
+    assert chunks[0].layers[key] is not model.layers[key]
+    assert stage_views(model, ranges, [0])[0].layers[key] is model.layers[key]

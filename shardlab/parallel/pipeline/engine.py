@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ...parallelize import Engine
-from .schedule import build
+from .schedule import Action, build
 from .simulate import check
-from .stage import StageLink, mark_pipeline_placements, split_model
+from .stage import StageLink, mark_pipeline_placements, split_model, stage_views
 
 
 class PipelineEngine(Engine):
@@ -44,15 +44,26 @@ class PipelineEngine(Engine):
         self.link = StageLink(mesh.comm("pp"), activation_shape(cfg), _param_dtype(model), mesh.device,
                               self.n_stages)
         self._schedules: dict = {}
+        self.lookahead = 2  # receives posted ahead of the one being waited for (buffers: 3 activations)
         self.last_timeline: list = []
         self._capture: list | None = None
+        owns = lambda mod: any(p.requires_grad for p in mod.parameters(recurse=False))  # noqa: E731
         for mod in model.modules():  # W needs each parameter-owning module's output (split backward)
-            if any(True for _ in mod.parameters(recurse=False)):
+            if owns(mod):
                 mod.register_forward_hook(self._record_output)
+        self._owners = {s: {id(mod) for mod in chunk.modules() if owns(mod)} for s, chunk in chunks.items()}
+
+    def rebuild_stages(self) -> None:
+        """Re-point the stage views at ``self.model``'s current blocks: call after replacing
+        entries of ``model.layers`` (activation-checkpoint or compile wrappers applied later)."""
+        self.chunks = stage_views(self.model, self.ranges, sorted(self.chunks))
 
     def _record_output(self, module, args, output):
         if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
             self._capture.append((module, output))
+
+    def _recv_tag(self, a) -> int:
+        return self.link.tag(a.kind[-1], a.mb, a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
 
     def schedule(self, m: int):
         """The checked action lists for m micro-batches (built and simulated once per m)."""
@@ -66,6 +77,7 @@ class PipelineEngine(Engine):
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
         """Run the schedule over the micro-batches. Returns the mean loss over micro-batches on the
         last stage and 0 on the others (``global_loss`` gives every rank the true value)."""
+        micro_batches = [self._local(x, y) for x, y in micro_batches]  # cp: this rank's sequence shard
         m = len(micro_batches)
         sched = self.schedule(m)
         self._check_batch(micro_batches)
@@ -74,13 +86,19 @@ class PipelineEngine(Engine):
         inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
         losses = []
         timeline = []
-        for a in sched.ranks[self.pp_rank]:
+        actions = sched.ranks[self.pp_rank]
+        recvs, n_recv = [a for a in actions if a.kind.startswith("RECV")], 0
+        for a in actions:
             key = (a.mb, a.stage)
+            if a.kind.startswith("RECV"):  # also post the next `lookahead` receives ahead of need
+                for r in recvs[n_recv:n_recv + 1 + self.lookahead]:
+                    self.link.post(r.peer, self._recv_tag(r))
+                n_recv += 1
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
-                inputs[key] = self.link.recv(a.peer, self.link.tag("F", a.mb, a.stage - 1)).requires_grad_()
+                inputs[key] = self.link.recv(a.peer, self._recv_tag(a)).requires_grad_()
             elif a.kind == "RECV_B":
-                out_grads[key] = self.link.recv(a.peer, self.link.tag("B", a.mb, a.stage + 1))
+                out_grads[key] = self.link.recv(a.peer, self._recv_tag(a))
             elif a.kind == "SEND_F":
                 self.link.send(outputs[key], a.peer, self.link.tag("F", a.mb, a.stage))
             elif a.kind == "SEND_B":
@@ -90,9 +108,13 @@ class PipelineEngine(Engine):
                 x = tokens if a.stage == 0 else inputs[key]
                 self._capture = [] if split else None
                 with autocast() if autocast else _null():
-                    out = self.chunks[a.stage](x, targets if a.stage == last else None)
+                    out = self.chunks[a.stage](x, targets if a.stage == last else None,
+                                               positions=self._positions(tokens))
                 if split:
                     saved_z[key], self._capture = self._capture, None
+                    if {id(mod) for mod, _ in saved_z[key]} != self._owners[a.stage]:
+                        raise RuntimeError(f"zb-h1: a parameter-owning module of stage {a.stage} did not return "
+                                           "one tensor that requires grad; its weights would get no W; use 1f1b")
                 if a.stage == last:
                     losses.append(out.detach().double())
                     out = out * (loss_scale / m)
@@ -110,16 +132,51 @@ class PipelineEngine(Engine):
                     if x is not None:
                         in_grads[key], grads = grads[0], grads[1:]
                     saved_z[key] = [(mod, z, g) for (mod, z), g in zip(saved_z[key], grads)]
+                    del zs, wrt, grads
+                del out, grad, x  # nothing may keep this micro-batch's graph alive past W
             elif a.kind == "W":
                 for mod, z, g in saved_z.pop(key):
                     if g is not None:
                         params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
                         torch.autograd.backward(z, g, inputs=params)
+                    del z, g
             if a.kind in ("F", "B", "W"):
                 timeline.append((a, t0, time.perf_counter()))
         self.link.wait_sends()
         self.last_timeline = timeline
         self.sync_grads()
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        return torch.stack(losses).mean()
+
+    def gather_timeline(self) -> list:
+        """The last step's measured timeline of every pp rank, on every rank (two all-gathers over
+        pp): ``[[(Action, start, end), ...] per rank]``, ready for ``analysis.timeline.plot``."""
+        comm = self.mesh.comm("pp")
+        counts = comm.all_gather(torch.tensor([len(self.last_timeline)], dtype=torch.int64))
+        rows = torch.zeros(int(counts.max()), 5, dtype=torch.float64)
+        for i, (a, start, end) in enumerate(self.last_timeline):
+            rows[i] = torch.tensor(["FBW".index(a.kind), a.mb, a.stage, start, end], dtype=torch.float64)
+        every = comm.all_gather(rows.unsqueeze(0))
+        return [[(Action("FBW"[int(k)], int(mb), int(st)), s, e) for k, mb, st, s, e in every[r, :int(n)].tolist()]
+                for r, n in enumerate(counts.tolist())]
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
+        """Forward only: micro-batch by micro-batch, this rank's stages in ascending order (each
+        waits only for a lower stage, so it cannot deadlock). Mean loss on the last stage, else 0."""
+        last, losses = self.n_stages - 1, []
+        micro_batches = [self._local(x, y) for x, y in micro_batches]
+        for j, (tokens, targets) in enumerate(micro_batches):
+            for s in sorted(self.chunks):
+                x = tokens if s == 0 else self.link.recv((s - 1) % self.pp, self.link.tag("F", j, s - 1))
+                with autocast() if autocast else _null():
+                    out = self.chunks[s](x, targets if s == last else None, positions=self._positions(tokens))
+                if s == last:
+                    losses.append(out.double())
+                else:
+                    self.link.send(out, (s + 1) % self.pp, self.link.tag("F", j, s))
+        self.link.wait_sends()
         if not losses:
             return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         return torch.stack(losses).mean()
@@ -131,12 +188,22 @@ class PipelineEngine(Engine):
         self.mesh.comm("pp").all_reduce(t)
         return float(self.mesh.comm("dp_cp").all_reduce(t, op="avg"))
 
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Positions of this rank's tokens, passed to every stage: a middle stage only sees hidden
+        states, whose length differs from the tokens' under sequence parallel."""
+        cp = self.mesh.size("cp")
+        if cp > 1:  # load-balanced causal shard: two non-contiguous blocks (context.py)
+            from ..context import positions
+            return positions(tokens.shape[1], self.mesh.local_rank("cp"), cp, tokens.device)
+        return torch.arange(tokens.shape[1], device=tokens.device)
+
     def _check_batch(self, micro_batches):
-        want = self.link.shape[:2]
+        t, par = self.cfg.train, self.cfg.parallel
+        want = (t.global_batch // (par.dp * par.microbatches), t.seq_len // par.cp)  # tokens, before SP
         got = tuple(micro_batches[0][0].shape[:2])
         if got != want:
             raise ValueError(f"pipeline: micro-batch of shape {got} but the stages agreed on {want} "
-                             f"(train.global_batch / (dp * parallel.microbatches), train.seq_len); "
+                             f"(train.global_batch / (dp * parallel.microbatches), train.seq_len / cp); "
                              f"pass micro-batches of that shape")
 
 

@@ -144,7 +144,8 @@ def zb_h1(p: int, m: int) -> list[list[tuple]]:
             if nb[r] < nf[r] and (r == p - 1 or ready("B", nb[r], r + 1)):
                 act = ("B", nb[r], r)
                 nb[r] += 1
-            elif nf[r] < m and nf[r] - nb[r] < p - r and nf[r] - nw[r] < 2 * p - r - 1 and (r == 0 or ready("F", nf[r], r - 1)):
+            elif (nf[r] < m and nf[r] - nb[r] < p - r and nf[r] - nw[r] < 2 * p - r - 1
+                  and (r == 0 or ready("F", nf[r], r - 1))):
                 act = ("F", nf[r], r)
                 nf[r] += 1
             elif nw[r] < nb[r]:

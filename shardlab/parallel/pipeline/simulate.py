@@ -35,9 +35,12 @@ def costs(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> di
 
 
 def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
-             comm: float = 0.0) -> SimResult:
+             comm: float = 0.0, stage_costs: dict | None = None) -> SimResult:
+    """``stage_costs``: optional {stage: {"F": t, "B": t, "W": t}} durations of one action at
+    that stage (e.g. measured), overriding the uniform f, b, w."""
     p, last = sched.p, sched.n_stages - 1
-    cost = costs(sched, f, b, w)
+    uniform = costs(sched, f, b, w)
+    cost = (lambda a: stage_costs[a.stage][a.kind]) if stage_costs else (lambda a: uniform[a.kind])  # noqa: E731
     pos, clock = [0] * p, [0.0] * p
     posted: dict[tuple, tuple[float, int]] = {}   # message key -> (time, receiver rank)
     received: set = set()
@@ -80,7 +83,7 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
                     if why:
                         return invalid(r, a, why)
                     start = clock[r]
-                    clock[r] += cost[a.kind]
+                    clock[r] += cost(a)
                     timeline[r].append((a, start, clock[r]))
                     done.add((a.kind, a.mb, a.stage))
                     if a.kind == "F":

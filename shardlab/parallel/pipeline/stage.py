@@ -78,6 +78,11 @@ def _view(model: Llama, layers: range, first: bool, last: bool) -> Llama:
     return chunk
 
 
+def stage_views(model: Llama, ranges: list[range], stages: list[int]) -> dict[int, Llama]:
+    """{stage: view} over ``model``'s current modules (call again after wrapping blocks)."""
+    return {s: _view(model, ranges[s], s == 0, s == len(ranges) - 1) for s in stages}
+
+
 def split_model(model: Llama, pp_rank: int, pp: int, v: int = 1) -> tuple[Llama, dict[int, Llama], list[range]]:
     """Keep only this rank's parts of ``model`` (in place). Returns (the rank's module with
     global names, {stage: chunk view}, the layer ranges of all stages)."""
@@ -92,7 +97,7 @@ def split_model(model: Llama, pp_rank: int, pp: int, v: int = 1) -> tuple[Llama,
         if key not in keep:
             del model.layers[key]
     owns_first, owns_last = 0 in mine, n_stages - 1 in mine
-    chunks = {s: _view(model, ranges[s], s == 0, s == n_stages - 1) for s in mine}
+    chunks = stage_views(model, ranges, mine)
     if not owns_first:
         model.tok_embeddings = None
     if not owns_last:
@@ -115,12 +120,15 @@ class StageLink:
     """Point-to-point exchange over the ``pp`` group with shapes agreed ahead.
 
     ``send`` never blocks (isend; the step waits for all sends at its end); ``recv`` blocks until
-    the tensor arrived. ``tag(kind, mb, stage)`` identifies a message by the sending stage."""
+    the tensor arrived. ``post`` issues a receive early (irecv into a fresh buffer) so that the
+    transfer overlaps compute; ``recv`` then only waits for it. ``tag(kind, mb, stage)``
+    identifies a message by the sending stage."""
 
     def __init__(self, comm, shape: tuple, dtype: torch.dtype, device, n_stages: int):
         self.comm, self.shape, self.dtype, self.device = comm, tuple(shape), dtype, device
         self.n_stages = n_stages
         self.pending: list = []
+        self.posted: dict = {}
 
     def tag(self, kind: str, mb: int, src_stage: int) -> int:
         return (mb * self.n_stages + src_stage) * 2 + (kind == "B")
@@ -132,9 +140,15 @@ class StageLink:
         t = t.detach().contiguous()
         self.pending.append((self.comm.isend(t, peer, tag), t))
 
+    def post(self, peer: int, tag: int) -> None:
+        if tag not in self.posted:
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.posted[tag] = (self.comm.irecv(buf, peer, tag), buf)
+
     def recv(self, peer: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.comm.irecv(buf, peer, tag).wait()
+        self.post(peer, tag)
+        work, buf = self.posted.pop(tag)
+        work.wait()
         return buf
 
     def wait_sends(self) -> None:

@@ -1,0 +1,242 @@
+"""Pipeline parallel benchmark: shardlab schedules vs torch.distributed.pipelining, CPU gloo.
+
+    PYTHONPATH=. python benchmarks/pipeline.py [--pp 2 4] [--steps 6] [--out docs/img]
+
+Same model, same stage split (shardlab's parameter-balanced partition; torch gets the very same
+stage modules), m = 8 micro-batches, fp32, one thread per rank. Every engine is built up front
+and the measured steps go round-robin over the engines, so load from other processes hits all
+of them alike. Step time = forward + backward of one step (no optimizer), the slowest rank;
+median and fastest of the steps (on a shared machine the fastest step is the least
+disturbed). Measured bubble: 1 - busy / (ranks x span) from the executor's per-action
+timestamps; simulated bubble: the simulator with the measured median F, B, W durations of
+each stage (and again adding the measured hop latency of a message). Activation
+memory: peak bytes of tensors saved for backward (autograd saved-tensor hooks, storage
+de-duplicated, parameters excluded), one extra step per engine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shardlab.analysis.timeline import measured_bubble, plot  # noqa: E402
+from shardlab.config import Config  # noqa: E402
+from shardlab.distributed.mesh import Mesh  # noqa: E402
+from shardlab.distributed.topology import Topology  # noqa: E402
+from shardlab.launch import run  # noqa: E402
+from shardlab.models.llama import build_model  # noqa: E402
+from shardlab.parallel.pipeline import apply  # noqa: E402
+from shardlab.parallel.pipeline.schedule import build, theoretical_bubble  # noqa: E402
+from shardlab.parallel.pipeline.simulate import simulate  # noqa: E402
+from shardlab.parallel.pipeline.stage import split_model  # noqa: E402
+
+M, MB = 8, 2
+
+
+def make_cfg(pp: int, schedule: str, v: int) -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len = 256, 128, 8, 4, 64
+    cfg.train.seq_len, cfg.train.global_batch = 64, M * MB
+    p = cfg.parallel
+    p.pp, p.pp_schedule, p.pp_virtual, p.microbatches = pp, schedule, v, M
+    return cfg.validate(pp)
+
+
+def data(cfg):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+class ActivationMeter:
+    """Live bytes of tensors autograd saved for backward (storage de-duplicated), and the peak."""
+
+    def __init__(self, exclude: set):
+        self.exclude, self.live, self.bytes, self.peak = exclude, {}, 0, 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self.exclude or ptr == 0:
+            return t
+        n, refs = self.live.get(ptr, (st.nbytes(), 0))
+        if refs == 0:
+            self.bytes += n
+            self.peak = max(self.peak, self.bytes)
+        self.live[ptr] = (n, refs + 1)
+        return _Held(self, ptr, t.detach())  # detached: holding t itself would make a cycle t -> grad_fn -> t
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, ptr):
+        n, refs = self.live[ptr]
+        if refs == 1:
+            del self.live[ptr]
+            self.bytes -= n
+        else:
+            self.live[ptr] = (n, refs - 1)
+
+
+class _Held:
+    def __init__(self, meter, ptr, t):
+        self.meter, self.ptr, self.t = meter, ptr, t
+
+    def __del__(self):
+        self.meter.release(self.ptr)
+
+
+def shardlab_engine(mesh, pp, schedule, v):
+    cfg = make_cfg(pp, schedule, v)
+    engine = apply(build_model(cfg.model, 0), mesh, cfg)
+    x, y = data(cfg)
+    mbs = list(zip(x.chunk(M), y.chunk(M)))
+
+    def step():
+        engine.model.zero_grad(set_to_none=True)
+        engine.forward_backward(mbs)
+    return step, engine
+
+
+def torch_engine(mesh, pp, v):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    cfg = make_cfg(pp, "interleaved" if v > 1 else "1f1b", v)
+    model, chunks, _ = split_model(build_model(cfg.model, 0), mesh.local_rank("pp"), pp, v)
+    group = mesh.group("pp")
+    stages = [PipelineStage(chunk, s, pp * v, torch.device("cpu"), group=group) for s, chunk in sorted(chunks.items())]
+    loss_fn = lambda logits, y: model.criterion(logits, y)  # noqa: E731
+    sched = (ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn) if v > 1
+             else Schedule1F1B(stages[0], M, loss_fn=loss_fn))
+    x, y = data(cfg)
+    first, last = 0 in chunks, pp * v - 1 in chunks
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        args = (x,) if first else ()
+        sched.step(*args, target=y if last else None, losses=[] if last else None, return_outputs=False)
+    return step, model
+
+
+ENGINES = [("shardlab 1f1b", "1f1b", 1), ("torch Schedule1F1B", "torch", 1),
+           ("shardlab interleaved v=2", "interleaved", 2), ("torch ScheduleInterleaved1F1B v=2", "torch", 2),
+           ("shardlab gpipe", "gpipe", 1), ("shardlab zb-h1", "zb-h1", 1)]
+
+
+def worker(ctx, pp, steps, warmup):
+    mesh = Mesh.build(Topology(pp=pp))
+    comm = mesh.comm("pp")
+    engines = {}
+    for name, kind, v in ENGINES:
+        engines[name] = torch_engine(mesh, pp, v) if kind == "torch" else shardlab_engine(mesh, pp, kind, v)
+    times = {name: [] for name in engines}
+    timelines = {name: [] for name in engines}
+    for i in range(warmup + steps):
+        for name, (step, eng) in engines.items():
+            comm.barrier()
+            t0 = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[name].append(dt)
+                if hasattr(eng, "last_timeline"):
+                    timelines[name].append([(a, s, e) for a, s, e in eng.last_timeline])
+    memory = {}
+    for name, (step, eng) in engines.items():
+        model = eng.model if hasattr(eng, "model") else eng
+        meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
+        comm.barrier()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            step()
+        memory[name] = meter.peak
+    return dict(times=times, timelines=timelines, memory=memory)
+
+
+def hop_latency(timeline, n_stages: int) -> float:
+    """Median time from a message's producer finishing to its consumer starting, over the
+    actions whose rank sat idle waiting for that message: the latency of one hop (send, wake-up)."""
+    ends = {(a.kind, a.mb, a.stage): e for rank in timeline for a, _, e in rank}
+    gaps = []
+    for rank in timeline:
+        prev_end = None
+        for a, s, e in rank:
+            dep = (("F", a.mb, a.stage - 1) if a.kind == "F" and a.stage > 0 else
+                   ("B", a.mb, a.stage + 1) if a.kind == "B" and a.stage < n_stages - 1 else None)
+            if dep in ends and prev_end is not None and ends[dep] >= prev_end:
+                gaps.append(s - ends[dep])
+            prev_end = e
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def summarise(pp, results, out_dir):
+    """Per engine: median and fastest step time (slowest rank); for shardlab schedules the
+    measured bubble of the fastest step and of the median, and the simulated bubble with the
+    step's median F, B, W durations per stage (with and without the measured hop latency)."""
+    rows = []
+    n = len(results[0]["times"][ENGINES[0][0]])
+    steps = {name: [max(r["times"][name][i] for r in results) for i in range(n)] for name, _, _ in ENGINES}
+    for name, kind, v in ENGINES:
+        row = dict(pp=pp, engine=name, ms=1e3 * statistics.median(steps[name]), best=1e3 * min(steps[name]),
+                   mem=max(r["memory"][name] for r in results) / 2**20)
+        if kind != "torch":
+            tls = [[r["timelines"][name][i] for r in results] for i in range(n)]
+            fastest = tls[min(range(n), key=lambda i: steps[name][i])]
+            # median duration of each action kind at each stage, measured in the fastest step
+            per_stage = {}
+            for rank_tl in fastest:
+                for a, s, e in rank_tl:
+                    per_stage.setdefault(a.stage, {}).setdefault(a.kind, []).append(e - s)
+            per_stage = {st: {k: statistics.median(d) for k, d in kinds.items()} for st, kinds in per_stage.items()}
+            lat = hop_latency(fastest, pp * v)
+            sched = build(kind, pp, M, v)
+            row.update(bubble=measured_bubble(fastest), bubble_med=statistics.median(map(measured_bubble, tls)),
+                       sim=simulate(sched, stage_costs=per_stage).bubble, lat=lat,
+                       sim_lat=simulate(sched, comm=lat, stage_costs=per_stage).bubble,
+                       theory=theoretical_bubble(kind, pp, M, v))
+            if out_dir:
+                plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}.png"),
+                     f"measured {name}, pp={pp}, m={M} (fastest of {n} steps): bubble {row['bubble']:.3f}")
+        rows.append(row)
+    for mine, ref in (("shardlab 1f1b", "torch Schedule1F1B"),
+                      ("shardlab interleaved v=2", "torch ScheduleInterleaved1F1B v=2")):
+        row = next(r for r in rows if r["engine"] == mine)
+        row["ratio"] = statistics.median(steps[mine]) / statistics.median(steps[ref])
+        row["ratio_best"] = min(steps[mine]) / min(steps[ref])
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default="", help="folder for measured timeline PNGs")
+    args = ap.parse_args(argv)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    all_rows = []
+    for pp in args.pp:
+        results = run(worker, pp, pp, args.steps, args.warmup, timeout_s=600, threads=1)
+        all_rows += summarise(pp, results, args.out)
+    print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
+    print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
+          "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
+          "| peak saved activations MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in all_rows:
+        ratio = f"{r['ratio']:.2f}x / {r['ratio_best']:.2f}x" if "ratio" in r else ""
+        bub = (f"{r['bubble']:.3f} / {r['bubble_med']:.3f} | {r['sim']:.3f} | {r['sim_lat']:.3f} "
+               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f}" if "bubble" in r else "- | - | - | -")
+        print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,7 @@ COMMANDS = {
                    "shardlab checkpoint inspect|export DIR [--to model.safetensors]"),
     "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
     "schedule": ("shardlab.analysis.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
+    "memory": ("shardlab.analysis.memory", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
 }
 
 

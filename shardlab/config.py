@@ -320,6 +320,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",
            f"{m.n_layers} layers cannot fill pp*pp_virtual={p.pp * p.pp_virtual} stages; lower pp or add layers")
     _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "must be 0, 1, 2 or 3")
+    _check(not p.offload or p.zero_stage == 3, "parallel.offload",
+           "CPU offload is implemented with zero_stage = 3; set --parallel.zero_stage=3 or --parallel.offload=false")
     _check(p.pp_schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"), "parallel.pp_schedule",
            f"unknown schedule {p.pp_schedule!r}{_did_you_mean(p.pp_schedule, ['gpipe', '1f1b', 'interleaved', 'zb-h1'])}")
     if p.pp > 1:

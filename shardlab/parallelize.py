@@ -173,9 +173,12 @@ class _null:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
-    unsupported = [name for name, on in (("zero_stage", p.zero_stage > 0),) if on]
+    unsupported = [name for name, on in (
+        ("zero_stage", p.zero_stage > 0 and p.pp > 1),                          # ZeRO inside pipeline stages
+        ("zero_stage", p.zero_stage > 0 and cfg.model.n_experts > 0 and p.ep > 1)) if on]  # expert shards
     if unsupported:
-        raise NotImplementedError(f"parallel.{unsupported[0]} is not implemented yet in this build")
+        raise NotImplementedError(f"parallel.{unsupported[0]} > 0 with pp > 1 or ep > 1 is not implemented "
+                                  "yet; use zero_stage = 0 (DDP) for those layouts")
     if p.tp > 1:
         from .parallel import tensor
         tensor.apply(model, mesh, cfg)
@@ -193,7 +196,15 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
         from .parallel.pipeline import apply as pipeline
         engine = pipeline(model, mesh, cfg)
-    else:
-        engine = Engine(model, mesh, cfg)
+    else:  # last: how data-parallel ranks share model state (parallel/data.py, zero.py, fsdp.py)
+        from .parallel import data, fsdp, zero
+        if p.zero_stage == 3:
+            engine = fsdp.apply(model, mesh, cfg)
+        elif p.zero_stage in (1, 2):
+            engine = zero.apply(model, mesh, cfg)
+        elif mesh.size("dp_cp") > 1:
+            engine = data.apply(model, mesh, cfg)
+        else:
+            engine = Engine(model, mesh, cfg)
     engine.shard_batch = cp_shard
     return engine

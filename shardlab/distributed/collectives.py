@@ -26,6 +26,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Pending:
+    """The handle of an asynchronous collective (``Comm.*_async``): ``wait()`` blocks until it is
+    done, applies any finishing step (the division of ``op="avg"``) and returns the result."""
+
+    def __init__(self, work, result: torch.Tensor, finish=None):
+        self.work, self.result, self.finish = work, result, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.finish is not None:
+                self.finish(self.result)
+        return self.result
+
+
 class Comm:
     """A process group with a name, its member ranks, the rank's ledger and an algorithm choice."""
 
@@ -189,6 +205,44 @@ class Comm:
         self._count("broadcast", _nbytes(t))
         dist.broadcast(t, src=self.ranks[src], group=self.group)
         return t
+
+    # -- asynchronous variants (backend only; own algorithms run synchronously) ---------------
+    # Used where communication overlaps computation (DDP buckets launched from gradient hooks,
+    # FSDP prefetch). Counted in the ledger exactly like the synchronous calls.
+    def _sync_instead(self, algorithm) -> bool:
+        return self.size == 1 or (algorithm or self.algorithm) != "backend"
+
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
+        """Start ``all_reduce(t, op)`` in place; ``.wait()`` returns ``t``."""
+        if self._sync_instead(algorithm):
+            return Pending(None, self.all_reduce(t, op, algorithm))
+        self._count("all_reduce", _nbytes(t))
+        work = dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group, async_op=True)
+        return Pending(work, t, (lambda r: r.div_(self.size)) if op == "avg" else None)
+
+    def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
+                         algorithm: str | None = None) -> Pending:
+        """Start a dim-0 all-gather of ``t`` into ``out`` (allocated if None); ``.wait()`` returns it."""
+        if self._sync_instead(algorithm):
+            res = self.all_gather(t, 0, algorithm)
+            return Pending(None, out.copy_(res) if out is not None else res)
+        if out is None:
+            out = torch.empty((t.shape[0] * self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        self._count("all_gather", _nbytes(out))
+        work = _all_gather_single(out, t.contiguous(), group=self.group, async_op=True)
+        return Pending(work, out)
+
+    def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
+        """Start a dim-0 reduce-scatter; ``.wait()`` returns this rank's slice."""
+        if self._sync_instead(algorithm):
+            return Pending(None, self.reduce_scatter(t, 0, op, algorithm))
+        if t.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter: dim 0 of size {t.shape[0]} not divisible by {self.size}")
+        self._count("reduce_scatter", _nbytes(t))
+        out = torch.empty((t.shape[0] // self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        work = dist.reduce_scatter_tensor(out, t.contiguous(), op=_OPS["sum" if op == "avg" else op],
+                                          group=self.group, async_op=True)
+        return Pending(work, out, (lambda r: r.div_(self.size)) if op == "avg" else None)
 
     # -- point to point (group-relative peers) -------------------------------------------------
     def isend(self, t: torch.Tensor, peer: int, tag: int = 0):

@@ -1,0 +1,142 @@
+"""Model-state memory per rank: the ZeRO formula next to what a real run allocates.
+
+``shardlab memory CONFIG --nproc N`` prints, for DDP and ZeRO stages 1/2/3 over N data-parallel
+ranks, the bytes of parameters, gradients and optimizer states per rank by formula (ZeRO
+paper, Rajbhandari et al. 2020) and, for the configured stage, what one real training step
+holds afterwards (every allocated storage counted once), plus an activation estimate.
+
+Formula, Psi parameters, Adam, N ranks: bytes/param = P (params) + G (grads) + K (optimizer)
+  mixed precision (ZeRO paper): P=2 (bf16), G=2, K=12 (fp32 master + m + v)
+  fp32 (what CPU runs hold):    P=4, G=4, K=8 (m + v; the parameters are the master)
+  DDP  P+G+K     ZeRO-1  P+G+K/N     ZeRO-2  P+(G+K)/N     ZeRO-3  (P+G+K)/N
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}
+
+
+@dataclass
+class StateBytes:
+    params: float
+    grads: float
+    optim: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optim
+
+
+def formula(psi: int, n: int, stage: int, precision: str = "mixed") -> StateBytes:
+    """Per-rank bytes of model state for ``psi`` parameters over ``n`` data-parallel ranks."""
+    p, g, k = PRECISIONS[precision]
+    return StateBytes(psi * p / (n if stage >= 3 else 1), psi * g / (n if stage >= 2 else 1),
+                      psi * k / (n if stage >= 1 else 1))
+
+
+def activation_estimate(cfg, micro_batch: int, bytes_per_elem: int = 2) -> float:
+    """Activations kept for backward, per rank and micro-batch (Korthikanti et al. 2022, no
+    recomputation, no TP/SP): per layer s*b*h*(34 + 5*a*s/h) bytes at 2 bytes/element, plus
+    the logits (s*b*V, kept twice: logits and softmax). An estimate, not a measurement."""
+    m, s, b = cfg.model, cfg.train.seq_len, micro_batch
+    per_layer = s * b * m.d_model * (34 + 5 * m.n_heads * s / m.d_model) * bytes_per_elem / 2
+    return m.n_layers * per_layer + 2 * s * b * m.vocab_size * bytes_per_elem
+
+
+def measure(engine, optimizer) -> StateBytes:
+    """Bytes of the storages a rank holds, each storage counted once, in the order params ->
+    grads -> optimizer (a gradient that is a view of a bucket counts the bucket once)."""
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or not torch.is_tensor(t):
+                continue
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        return total
+
+    flats = getattr(engine, "flats", [])
+    params = list(engine.model.parameters()) + [f.shard for f in flats] + [getattr(f, "full", None) for f in flats]
+    grads = [p.grad for p in params if torch.is_tensor(p)] + [getattr(f, "grad_full", None) for f in flats]
+    optim = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return StateBytes(size(params), size(grads), size(optim))
+
+
+# -- the measured run (spawned ranks) -------------------------------------------------------------
+def _measure_worker(ctx, cfg):
+    from ..distributed.mesh import Mesh
+    from ..distributed.topology import Topology
+    from ..models.llama import build_model
+    from ..parallelize import parallelize
+
+    mesh = Mesh.build(Topology.from_config(cfg.parallel))
+    model = build_model(cfg.model, cfg.train.seed, dtype=torch.float32)
+    engine = parallelize(model, mesh, cfg)
+    opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
+    b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)
+    g = torch.Generator().manual_seed(cfg.train.seed + mesh.rank)
+    tok = torch.randint(0, cfg.model.vocab_size, (b, cfg.train.seq_len + 1), generator=g)
+    engine.forward_backward([(tok[:, :-1], tok[:, 1:])] * cfg.parallel.microbatches)
+    opt.step()
+    got = measure(engine, opt)
+    return (got.params, got.grads, got.optim)
+
+
+def measure_run(cfg, nproc: int) -> list[StateBytes]:
+    from ..launch import run
+    return [StateBytes(*r) for r in run(_measure_worker, nproc, cfg, threads=1, timeout_s=cfg.train.timeout_s)]
+
+
+# -- command ---------------------------------------------------------------------------------------
+def configure(p: argparse.ArgumentParser):
+    p.add_argument("config", nargs="?", help="TOML/JSON config (DeepSpeed JSON accepted)")
+    p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (if the config sets no degrees)")
+    p.add_argument("--no-run", action="store_true", help="formula only: do not start ranks")
+
+
+def resolve(config_path, overrides, nproc: int):
+    from ..config import load
+    cfg = load(config_path, overrides)
+    if cfg.parallel.world_size == 1 and nproc > 1:  # a single-process config: shard over N ranks
+        cfg.parallel.dp_shard = nproc
+    return cfg.validate(world_size=nproc)
+
+
+def main(args) -> int:
+    from ..models.llama import Llama, count_params
+
+    cfg = resolve(args.config, args.overrides, args.nproc)
+    with torch.device("meta"):
+        psi = count_params(Llama(cfg.model))
+    n = cfg.parallel.dp_shard * cfg.parallel.cp if cfg.parallel.zero_stage == 3 else cfg.parallel.dp * cfg.parallel.cp
+    stage = cfg.parallel.zero_stage
+    mib = 2**20
+    print(f"model: {psi:,} parameters; {n} data-parallel ranks sharding state; configured: {STAGES[stage]}")
+    print(f"{'stage':<8}{'formula':<10}{'params MiB':>12}{'grads MiB':>12}{'optim MiB':>12}{'total MiB':>12}")
+    for s in STAGES:
+        for prec in ("mixed", "fp32"):
+            f = formula(psi, n, s, prec)
+            mark = " <" if s == stage else ""
+            print(f"{STAGES[s]:<8}{prec:<10}{f.params / mib:>12.3f}{f.grads / mib:>12.3f}{f.optim / mib:>12.3f}"
+                  f"{f.total / mib:>12.3f}{mark}")
+    b = max(1, cfg.train.global_batch // cfg.parallel.dp // cfg.parallel.microbatches)
+    act = activation_estimate(cfg, b, 4)
+    print(f"activations (estimate, fp32, micro-batch {b} x {cfg.train.seq_len}): {act / mib:.3f} MiB per rank")
+    if args.no_run:
+        return 0
+    print(f"measured after one fp32 AdamW step with {args.nproc} ranks ({STAGES[stage]}):")
+    expect = formula(psi, n, stage, "fp32")
+    for r, got in enumerate(measure_run(cfg, args.nproc)):
+        print(f"  rank {r}: params {got.params / mib:.3f}  grads {got.grads / mib:.3f}  optim {got.optim / mib:.3f}"
+              f"  total {got.total / mib:.3f} MiB  (formula fp32 {expect.total / mib:.3f}, "
+              f"ratio {got.total / expect.total:.3f})")
+    return 0

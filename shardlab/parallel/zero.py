@@ -1,0 +1,314 @@
+"""ZeRO-1 and ZeRO-2 on flat buffers (Rajbhandari et al., 2020), and what ZeRO-3 shares with them.
+
+Parameters are packed (reverse order, per weight-decay group, at most ``bucket_cap_mb`` each)
+into flat buffers padded to a multiple of N; rank r owns slice r of every buffer. Every rank
+keeps the whole model (the model's parameters are views into the flat buffers) but the
+optimizer only sees this rank's slices, so its state (Adam m, v; fp32 master) is 1/N.
+
+ZeRO-1: gradients accumulate in full flat buffers (``param.grad`` are views into them); after
+the last micro-batch's backward each buffer is reduce-scattered (launched from the gradient
+hooks as soon as the bucket is complete), and the rank's averaged slice becomes the
+optimizer's gradient. ZeRO-2: every micro-batch's gradients are reduce-scattered bucket by
+bucket during backward and summed into a 1/N gradient shard; full gradients never persist.
+After the optimizer step, the updated slices are all-gathered into the flat buffers.
+
+Communication per step: reduce-scatter + all-gather of Psi elements = 2 Psi (N-1)/N, the same
+as DDP's all-reduce (ZeRO-2 with k micro-batches reduce-scatters k times).
+Memory per rank (fp32 Adam, bytes/param): ZeRO-1 4 + 4 + 8/N; ZeRO-2 4 + (4 + 8)/N.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from ..distributed.placement import Placement, get_placement, replicas
+from ..distributed.reshard import gather_global, local_slice
+from ..parallelize import Engine
+from .data import make_buckets
+
+
+class FlatParam:
+    """Parameters ``names`` packed end to end, padded to ``n * shard_size``; rank ``r`` owns
+    elements ``[r * shard_size, (r + 1) * shard_size)``. ``shard`` is the optimizer's parameter."""
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], n: int, rank: int, weight_decay: float):
+        self.names, self.shapes = list(names), [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.total = sum(self.numels)
+        self.n, self.rank, self.weight_decay = n, rank, weight_decay
+        self.shard_size = max(1, math.ceil(self.total / n))
+        self.padded = self.shard_size * n
+        self.start = rank * self.shard_size
+        self.placements = [get_placement(p, n) for n, p in zip(names, params)]  # TP/EP slices: global names
+        self.shard: nn.Parameter | None = None
+
+    def flatten(self, tensors, dtype=None) -> torch.Tensor:
+        flat = torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
+        return torch.nn.functional.pad(flat, (0, self.padded - self.total))
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view per parameter. ``split`` (not slicing) so that autograd's backward of the
+        views is a single concatenation instead of one full-size zero tensor per parameter."""
+        parts = flat.split(self.numels + [self.padded - self.total])
+        return [t.view(s) for t, s in zip(parts, self.shapes)]
+
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start:self.start + self.shard_size]
+
+    def own_ranges(self) -> list[tuple[int, int]]:
+        """Per parameter, the range of its elements inside this rank's shard (shard coordinates;
+        empty when lo >= hi)."""
+        end = self.start + self.shard_size
+        return [(max(o, self.start) - self.start, min(o + k, end) - self.start)
+                for o, k in zip(self.offsets, self.numels)]
+
+
+def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float):
+    """Split (name, param) pairs like Engine.param_groups: no decay for norms and vectors."""
+    decay = [(n, p) for n, p in named if not (p.ndim < 2 or "norm" in n)]
+    no_decay = [(n, p) for n, p in named if p.ndim < 2 or "norm" in n]
+    return [(g, wd) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]
+
+
+class ShardedEngine(Engine):
+    """What ZeRO-1/2/3 share: flat parameters sharded over ``shard_group`` (and replicated over
+    ``replicate_group``), the optimizer on the shards, the norm and checkpoints from the shards."""
+
+    shard_group, replicate_group = "dp_cp", None
+    flats: list[FlatParam]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [f.shard.grad for f in self.flats if f.shard.grad is not None]
+
+    def dp_size(self) -> int:
+        n = self.mesh.size(self.shard_group)
+        return n * (self.mesh.size(self.replicate_group) if self.replicate_group else 1)
+
+    def make_optimizer(self, build):
+        """``build(groups)`` on this rank's shards. The result is the plain torch optimizer (LR
+        schedulers and grad scalers accept it); a post-step hook lets the engine finish the
+        step (all-gather the new slices for ZeRO-1/2) and zero the gradient shards."""
+        groups = [{"params": [f.shard for f in self.flats if f.weight_decay == wd], "weight_decay": wd}
+                  for wd in sorted({f.weight_decay for f in self.flats}, reverse=True)]
+        opt = build(groups)
+        opt.register_step_post_hook(lambda *_: self.after_step())
+        return opt
+
+    def after_step(self):
+        self.zero_grad()
+
+    def zero_grad(self):
+        for f in self.flats:
+            if f.shard.grad is not None:
+                f.shard.grad.zero_()
+
+    def ensure_grads(self):
+        """Gradient shards exist and are zero-initialised (``optimizer.zero_grad()`` may have set
+        them to None)."""
+        for f in self.flats:
+            if f.shard.grad is None:
+                f.shard.grad = torch.zeros_like(f.shard)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Each global element counted once: the squares of every parameter's part inside this
+        rank's gradient shard, divided by how many ranks hold that same part (the parameter's
+        replicas, placement.py, split S ways by the shard group), summed over the world."""
+        s_size = self.mesh.size(self.shard_group)
+        sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for f in self.flats:
+            if f.shard.grad is None:
+                continue
+            g = f.shard.grad.detach()
+            for (lo, hi), pl in zip(f.own_ranges(), f.placements):
+                if hi > lo:
+                    part = torch.linalg.vector_norm(g[lo:hi]).double().square().to(sq.device)
+                    sq += part * s_size / replicas(pl, self.mesh)
+        if self.mesh.world_size > 1:
+            self.mesh.comm("world").all_reduce(sq)
+        return sq.sqrt()
+
+    def clip_grads(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in self.grads():
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return float(norm)
+
+    # -- checkpoints in global coordinates ---------------------------------------------------
+    def _all_gather_shard(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mesh.comm(self.shard_group).all_gather(t.detach().to(self.mesh.device).contiguous()).cpu()
+
+    def full_state(self, optimizer, everywhere: bool = False) -> dict[str, torch.Tensor]:
+        """All-gather every flat buffer (and Adam state) over the shard group, cut it into the
+        rank's local parameters, then assemble global tensors (TP slices etc.) like the base
+        Engine. Collective; complete on rank 0 (on every rank with ``everywhere``)."""
+        items, first = [], self.mesh.comm(self.shard_group).rank == 0  # one copy per shard group
+        for f in self.flats:
+            views = f.views(self._all_gather_shard(f.shard))
+            items += [(f"model.{pl.name}", pl, v) for pl, v in zip(f.placements, views)]
+            st = optimizer.state.get(f.shard, {}) if optimizer is not None else {}
+            for key, s in sorted(st.items()):  # sorted: every rank gathers in the same order
+                if torch.is_tensor(s) and s.dim() == 1 and s.numel() == f.shard_size:
+                    items += [(f"optim.{pl.name}.{key}", pl, v)
+                              for pl, v in zip(f.placements, f.views(self._all_gather_shard(s)))]
+                elif torch.is_tensor(s):  # scalars such as Adam's step: one per parameter
+                    items += [(f"optim.{pl.name}.{key}", Placement(f"{pl.name}.{key}", tuple(s.shape)), s)
+                              for pl in f.placements]
+        return gather_global(items if first else [], self.mesh, everywhere)
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
+        """Cut this rank's shard out of global tensors saved under any layout."""
+        for f in self.flats:
+            missing = [pl.name for pl in f.placements if f"model.{pl.name}" not in state]
+            if missing:
+                raise RuntimeError(f"checkpoint has no tensor model.{missing[0]} (saved from another model?)")
+            local = [local_slice(state[f"model.{pl.name}"], pl, shape) for pl, shape in zip(f.placements, f.shapes)]
+            self.load_flat(f, f.flatten(local, f.shard.dtype))
+            prefix = f"optim.{f.placements[0].name}."
+            keys = sorted(k[len(prefix):] for k in state if k.startswith(prefix) and "." not in k[len(prefix):])
+            if optimizer is None or not keys:
+                continue
+            st = {}
+            for key in keys:
+                first = state[prefix + key]
+                if tuple(first.shape) == tuple(f.placements[0].global_shape) and first.dim() > 0:
+                    parts = [local_slice(state[f"optim.{pl.name}.{key}"], pl, shape)
+                             for pl, shape in zip(f.placements, f.shapes)]
+                    st[key] = f.own(f.flatten(parts, first.dtype)).clone().to(f.shard.device)
+                else:  # Adam's step
+                    st[key] = first.clone()
+            optimizer.state[f.shard] = st
+
+    def load_flat(self, f: FlatParam, full: torch.Tensor):
+        f.shard.data.copy_(f.own(full).to(f.shard.device))
+
+
+class ZeroEngine(ShardedEngine):
+    """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``) over the ``dp_cp`` group."""
+
+    def __init__(self, model: nn.Module, mesh, cfg, stage: int):
+        super().__init__(model, mesh, cfg)
+        self.stage, self.name = stage, f"zero{stage}"
+        self.comm = mesh.comm(self.shard_group)
+        n, r = self.comm.size, self.comm.rank
+        cap = cfg.parallel.bucket_cap_mb * 2**20
+        self.flats, self._where = [], {}
+        for named, wd in decay_groups(Engine.named_parameters(self), cfg.train.weight_decay):
+            names = {id(p): nm for nm, p in named}
+            for bucket in make_buckets([p for _, p in named], cap):
+                f = FlatParam([names[id(p)] for p in bucket], bucket, n, r, wd)
+                f.params, f.full = bucket, f.flatten(bucket)
+                self.comm.broadcast(f.full, 0)  # every replica starts from rank 0's weights
+                for i, (p, v) in enumerate(zip(bucket, f.views(f.full))):
+                    p.data = v
+                    p.grad = None
+                    self._where[id(p)] = (len(self.flats), i)
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+                f.shard = nn.Parameter(f.own(f.full))  # aliases the flat buffer: no extra copy
+                f.grad_full = torch.zeros_like(f.full) if stage == 1 else None
+                f.shard.grad = f.own(f.grad_full) if stage == 1 else torch.zeros_like(f.shard)
+                f.ready, f.pending = 0, None
+                self.flats.append(f)
+        self._sync, self._next = True, 0
+
+    # -- backward ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad(self, p):
+        fi, i = self._where[id(p)]
+        f = self.flats[fi]
+        if self.stage == 1:  # the gradient lives in the persistent full buffer (bucket view)
+            view = f.views(f.grad_full)[i]
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+        else:  # ZeRO-2: a staging buffer lives only until the bucket is reduce-scattered
+            if f.ready == 0:
+                f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
+            f.views(f.grad_full)[i].copy_(p.grad)
+            p.grad = None
+        if not self._sync:
+            return
+        f.ready += 1
+        if self.cfg.parallel.overlap_comm:
+            self._launch(force=False)
+
+    def _launch(self, force: bool):
+        while self._next < len(self.flats):  # in bucket order: the same sequence on every rank
+            f = self.flats[self._next]
+            if not force and f.ready < len(f.names):
+                break
+            if f.grad_full is None:  # ZeRO-2 bucket that received no gradient
+                f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
+            f.pending = self.comm.reduce_scatter_async(f.grad_full)
+            self._next += 1
+
+    @torch.no_grad()
+    def _finish(self):
+        self._launch(force=True)
+        for f in self.flats:
+            part = f.pending.wait()
+            if self.stage == 1:
+                f.own(f.grad_full).copy_(part)
+            else:
+                f.shard.grad.add_(part)
+                f.grad_full = None
+            f.pending, f.ready = None, 0
+        self._next = 0
+
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+        self.ensure_grads()
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
+        for k, (x, y) in enumerate(micro_batches):
+            self._sync = self.stage == 2 or k == n - 1
+            x, y = self._local(x, y)
+            with autocast() if autocast else contextlib.nullcontext():
+                loss = self.model(x, y)
+            (loss * (loss_scale / n)).backward()
+            if self._sync:
+                self._finish()
+            total += loss.detach().double()
+        self.sync_grads()
+        return total / n
+
+    def sync_grads(self):
+        """Turn the summed gradient shards into the average over the data-parallel ranks."""
+        for f in self.flats:
+            f.shard.grad.div_(self.comm.size)
+
+    # -- optimizer step ---------------------------------------------------------------------
+    def after_step(self):
+        """All-gather the updated slices into every rank's flat buffers; zero the gradients."""
+        with torch.no_grad():
+            pending = [self.comm.all_gather_async(f.shard.detach().clone(), out=f.full)
+                       for f in self.flats]
+            for w in pending:
+                w.wait()
+        self.zero_grad()
+
+    def zero_grad(self):
+        for f in self.flats:
+            (f.grad_full if self.stage == 1 else f.shard.grad).zero_()
+
+    def ensure_grads(self):
+        for f in self.flats:
+            if self.stage == 1:
+                # The full buffer starts every step at zero, whatever zero_grad did (it only
+                # sees this rank's slice, the optimizer's gradient).
+                f.grad_full.zero_()
+                f.shard.grad = f.own(f.grad_full)
+            elif f.shard.grad is None:  # optimizer.zero_grad(set_to_none=True) dropped it
+                f.shard.grad = torch.zeros_like(f.shard)
+
+    def load_flat(self, f: FlatParam, full: torch.Tensor):
+        f.full.copy_(full)
+
+
+def apply(model: nn.Module, mesh, cfg) -> ZeroEngine:
+    return ZeroEngine(model, mesh, cfg, cfg.parallel.zero_stage)

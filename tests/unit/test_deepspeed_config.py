@@ -1,0 +1,69 @@
+"""DeepSpeed JSON translation: mapped keys, warnings naming unsupported keys, batch errors."""
+import json
+
+import pytest
+
+from shardlab.config import ConfigError, load
+from shardlab.deepspeed_config import translate
+
+DS = {
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-7,
+                                               "weight_decay": 0.05, "torch_adam": True}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 1e-3,
+                                                      "total_num_steps": 100}},
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e5, "overlap_comm": True,
+                          "offload_optimizer": {"device": "cpu"}},
+    "gradient_clipping": 0.7,
+    "activation_checkpointing": {"partition_activations": False},
+}
+
+
+def test_translate_maps_every_supported_key(recwarn):
+    out = translate(DS)
+    assert out["train"] == {"global_batch": 32, "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-7,
+                            "weight_decay": 0.05, "warmup_steps": 10, "steps": 100, "min_lr_ratio": 0.0,
+                            "precision": "fp16", "loss_scale_init": 4096.0, "loss_scale_window": 500,
+                            "grad_clip": 0.7}
+    assert out["parallel"] == {"microbatches": 2, "dp_shard": 4, "zero_stage": 3,
+                               "bucket_cap_mb": 5e5 * 4 / 2**20, "overlap_comm": True, "offload": True,
+                               "activation_checkpointing": "full"}
+
+
+def test_unsupported_keys_are_named_in_a_warning():
+    ds = dict(DS, wall_clock_breakdown=True, zero_optimization={"stage": 2, "contiguous_gradients": True})
+    with pytest.warns(UserWarning, match="wall_clock_breakdown.*zero_optimization.contiguous_gradients|"
+                                         "zero_optimization.contiguous_gradients.*wall_clock_breakdown"):
+        translate(ds)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     "train_batch_size"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size"),
+    ({"train_batch_size": 0}, "train_batch_size"),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+])
+def test_batch_inconsistencies_are_errors(bad, field):
+    with pytest.raises(ConfigError) as e:
+        translate(bad)
+    assert e.value.field == field
+
+
+def test_load_recognises_a_deepspeed_file(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                                "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    cfg = load(path)
+    assert (cfg.train.global_batch, cfg.train.precision, cfg.parallel.zero_stage) == (16, "bf16", 2)
+    assert (cfg.parallel.microbatches, cfg.parallel.dp_shard) == (4, 1)
+    cfg.validate(world_size=1)
+
+
+def test_offload_needs_stage_3():
+    from shardlab.config import Config
+    cfg = Config()
+    cfg.parallel.offload, cfg.parallel.zero_stage = True, 2
+    with pytest.raises(ConfigError, match="parallel.offload"):
+        cfg.validate()

@@ -336,6 +336,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(m.n_experts == 0, "parallel.pp",
                "pipeline parallel with an MoE model is not supported yet (the auxiliary losses of blocks "
                "outside the last stage would be lost); use parallel.pp = 1 or model.n_experts = 0")
+    _check(p.zero_stage == 0 or p.pp == 1, "parallel.zero_stage",
+           "ZeRO/FSDP inside pipeline stages is not implemented; use zero_stage = 0 (DDP) with pp > 1")
+    _check(p.zero_stage == 0 or p.ep == 1, "parallel.zero_stage",
+           "ZeRO/FSDP of expert-parallel weights is not implemented; use zero_stage = 0 (DDP) with ep > 1")
     _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
            "virtual stages > 1 need pp_schedule = 'interleaved'")
     _check((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",

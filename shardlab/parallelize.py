@@ -173,12 +173,6 @@ class _null:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
     """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
     p = cfg.parallel
-    unsupported = [name for name, on in (
-        ("zero_stage", p.zero_stage > 0 and p.pp > 1),                          # ZeRO inside pipeline stages
-        ("zero_stage", p.zero_stage > 0 and cfg.model.n_experts > 0 and p.ep > 1)) if on]  # expert shards
-    if unsupported:
-        raise NotImplementedError(f"parallel.{unsupported[0]} > 0 with pp > 1 or ep > 1 is not implemented "
-                                  "yet; use zero_stage = 0 (DDP) for those layouts")
     if p.tp > 1:
         from .parallel import tensor
         tensor.apply(model, mesh, cfg)
@@ -190,9 +184,12 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
         from .parallel import context
         model = context.apply(model, mesh, cfg)
         cp_shard = lambda x, y: context.shard_batch(x, y, mesh)  # noqa: E731
+    # Activation checkpointing and compile wrap whole blocks in place (names unchanged).
+    from .parallel import checkpointing
+    checkpointing.apply(model, p.activation_checkpointing)
     if p.compile:
-        for key, block in model.layers.items():
-            model.layers[key] = torch.compile(block)
+        for block in model.layers.values():
+            block.compile()
     if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
         from .parallel.pipeline import apply as pipeline
         engine = pipeline(model, mesh, cfg)

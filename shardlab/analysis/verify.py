@@ -37,6 +37,7 @@ MOE = {"n_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}
 LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "dp": ({}, {}, "dp_replicate"),
     "dp-accum": ({"microbatches": 2}, {}, "dp_replicate"),
+    "dp-ac-full": ({"activation_checkpointing": "full"}, {}, "dp_replicate"),
     "zero1": ({"zero_stage": 1}, {}, "dp_shard"),
     "zero2": ({"zero_stage": 2}, {}, "dp_shard"),
     "fsdp": ({"zero_stage": 3}, {}, "dp_shard"),
@@ -45,6 +46,8 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}, "dp_replicate"),
     "tp4": ({"tp": 4}, {}, "dp_replicate"),
     "tp2-fsdp": ({"tp": 2, "zero_stage": 3}, {}, "dp_shard"),
+    "tp2-ac-selective": ({"tp": 2, "activation_checkpointing": "selective"}, {}, "dp_replicate"),
+    "fsdp-ac-full": ({"zero_stage": 3, "activation_checkpointing": "full"}, {}, "dp_shard"),
     "pp2-gpipe": ({"pp": 2, "pp_schedule": "gpipe", "microbatches": 4}, {}, "dp_replicate"),
     "pp2-1f1b": ({"pp": 2, "pp_schedule": "1f1b", "microbatches": 4}, {}, "dp_replicate"),
     "pp2-interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 4}, {},
@@ -81,6 +84,7 @@ def layout_config(name: str, nproc: int, steps: int = 3) -> C.Config | None:
 def describe(cfg: C.Config) -> str:
     p = cfg.parallel
     extra = [f"zero{p.zero_stage}" if p.zero_stage else "", "sp" if p.sequence_parallel else "",
+             f"ac-{p.activation_checkpointing}" if p.activation_checkpointing != "none" else "",
              p.pp_schedule if p.pp > 1 else "", f"m{p.microbatches}" if p.microbatches > 1 else "",
              f"E{cfg.model.n_experts}" if cfg.model.n_experts else ""]
     return " ".join([Topology.from_config(p).describe()] + [e for e in extra if e])

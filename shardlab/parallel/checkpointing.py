@@ -1,0 +1,34 @@
+"""Activation checkpointing (recomputation), applied by parallelize() after TP/EP/CP/PP.
+
+``full``: each transformer block keeps only its input; its activations are recomputed in
+backward. ``selective`` (Megatron's): only the attention core (scores, softmax, weighted sum:
+the large, cheap-to-recompute part) is recomputed; projections and the MLP keep theirs.
+
+The wrapper replaces the module's ``forward`` on the instance, so module and parameter names
+(checkpoint keys, placements) do not change. Non-reentrant ``torch.utils.checkpoint`` runs
+forward hooks again during recomputation, which the FSDP engine relies on to re-gather.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _wrap(module: nn.Module) -> None:
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+
+def apply(model: nn.Module, mode: str) -> nn.Module:
+    """mode: none, full or selective (config ``parallel.activation_checkpointing``)."""
+    if mode == "none":
+        return model
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpointing must be none, full or selective, got {mode!r}")
+    for block in model.layers.values():
+        _wrap(block if mode == "full" else block.attention.core)
+    return model

@@ -1,6 +1,10 @@
 """The one place that composes parallel modules, in a fixed order:
 
-    TP(+SP) -> EP -> CP -> PP -> activation checkpointing / compile -> ZeRO/FSDP or DDP
+    TP(+SP) -> EP -> CP -> activation checkpointing / compile -> PP -> ZeRO/FSDP or DDP
+
+(Checkpointing and compile wrap each block in place; pipeline stages are views over the same
+blocks, so wrapping before the split equals wrapping after it, and the stages never need
+rebuilding.)
 
 ``parallelize(model, mesh, cfg)`` returns an :class:`Engine`: what the train loop drives.
 An Engine owns the local module and knows how to run forward+backward over the step's

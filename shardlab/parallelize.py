@@ -115,13 +115,17 @@ class Engine:
             self.mesh.comm("world").all_reduce(sq)
         return sq.sqrt()
 
+    def grads(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds (engines with flat buffers return those)."""
+        return [p.grad for p in self.parameters() if p.grad is not None]
+
     def clip_grads(self, max_norm: float) -> float:
+        """Scale every gradient by min(1, max_norm / global norm); returns the norm."""
         norm = self.grad_norm()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in self.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
+            for g in self.grads():
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return float(norm)
 
     # -- checkpoints (global coordinates) ----------------------------------------------------

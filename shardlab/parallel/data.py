@@ -220,15 +220,10 @@ class DDPEngine(Engine):
     def _placed(self) -> bool:
         return any(getattr(p, ATTR, None) is not None for p in self.parameters())
 
-    def clip_grads(self, max_norm: float) -> float:
+    def grads(self) -> list[torch.Tensor]:
         if self._placed():
-            return super().clip_grads(max_norm)
-        norm = self.grad_norm()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for b in self.ddp.buckets:  # the gradients are views into the buckets
-                b.flat.mul_(coef.to(b.flat.dtype))
-        return float(norm)
+            return super().grads()
+        return [b.flat for b in self.ddp.buckets]  # the gradients are views into the buckets
 
 
 def apply(model: nn.Module, mesh, cfg) -> DDPEngine:

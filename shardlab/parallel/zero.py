@@ -131,13 +131,6 @@ class ShardedEngine(Engine):
             self.mesh.comm("world").all_reduce(sq)
         return sq.sqrt()
 
-    def clip_grads(self, max_norm: float) -> float:
-        norm = self.grad_norm()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in self.grads():
-                g.mul_(coef.to(device=g.device, dtype=g.dtype))
-        return float(norm)
 
     # -- checkpoints in global coordinates ---------------------------------------------------
     def _all_gather_shard(self, t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,29 @@
+"""`shardlab verify` (the CI subset): each layout's losses and parameters equal the single-process
+reference to 1e-10, and a wrong engine is caught (the check can fail)."""
+from shardlab.analysis import verify
+from shardlab.cli import main as cli_main
+
+
+def test_verify_subset_passes(capsys):
+    rc = cli_main(["verify", "--nproc", "2", "--layouts", "dp,zero2,fsdp,tp2-sp,pp2-zb,cp2,ep2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("| pass |") == 7 and "7 passed, 0 failed" in out
+
+
+def test_verify_can_fail():
+    """A layout passes against the true reference and fails against a reference perturbed by
+    1e-6 in one parameter: the comparison is real."""
+    row = verify.run_layout("dp", 1, str(verify.prepare(verify.layout_config("dp", 1).data)), 2, {})
+    assert row["ok"], row
+    cfg = verify.layout_config("dp", 1, 2)
+    losses, params = verify.reference(cfg, str(verify.prepare(cfg.data)), 2)
+    key = next(iter(params))
+    params[key] = params[key] + 1e-6
+    row = verify.run_layout("dp", 1, str(verify.prepare(cfg.data)), 2, {(0,): (losses, params)})
+    assert not row["ok"] and row["param_diff"] >= 1e-6
+
+
+def test_unknown_layout_is_a_clear_error(capsys):
+    assert cli_main(["verify", "--layouts", "dp,tp9"]) == 2
+    assert "unknown layout 'tp9'" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
+    from .config import ConfigError, parse_overrides
     from .launch import WorkerError
 
     argv = sys.argv[1:] if argv is None else argv
@@ -45,16 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=")[0])]
-    if bad and not getattr(args, "_overrides_ok_values", False):
-        # a value following "--section.key" (space form) is allowed
-        prev_is_key = [i > 0 and extra[i - 1].startswith("--") and "=" not in extra[i - 1] for i in range(len(extra))]
-        bad = [a for i, a in enumerate(extra) if not (a.startswith("--") and "." in a.split("=")[0])
-               and not prev_is_key[i]]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
     args.overrides = extra
     try:
+        parse_overrides(extra)  # whatever argparse did not know must be a --section.key=value override
         return int(importlib.import_module(args._module).main(args) or 0)
     except ConfigError as e:
         print(str(e), file=sys.stderr)

@@ -106,11 +106,14 @@ class Engine:
         """Global L2 norm of the gradient, each global element counted once: every rank adds
         its local squares divided by the number of identical copies (placement.py), then one
         all-reduce over the world."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        by_copies: dict[int, list[torch.Tensor]] = {}
         for name, p in self.named_parameters():
             if p.grad is not None:
                 pl = get_placement(p, name)
-                sq += pl.valid(p.grad.detach()).double().pow(2).sum() / replicas(pl, self.mesh)
+                by_copies.setdefault(replicas(pl, self.mesh), []).append(pl.valid(p.grad.detach()))
+        sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for copies, grads in by_copies.items():  # one fused (foreach) norm per group
+            sq += torch.nn.utils.get_total_norm(grads).double().square().to(sq.device) / copies
         if self.mesh.world_size > 1:
             self.mesh.comm("world").all_reduce(sq)
         return sq.sqrt()
@@ -124,8 +127,9 @@ class Engine:
         norm = self.grad_norm()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in self.grads():
-                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            if float(coef) < 1.0:
+                for g in self.grads():
+                    g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return float(norm)
 
     # -- checkpoints (global coordinates) ----------------------------------------------------

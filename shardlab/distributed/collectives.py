@@ -18,8 +18,9 @@ from .ledger import Ledger, ring_bytes
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-# torch >= 2.12 renamed all_gather_into_tensor (the old name warns); keep both working.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn); keep both working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -155,7 +156,7 @@ class Comm:
         x = t if dim == 0 else t.movedim(dim, 0)
         x = x.contiguous()
         out = torch.empty((x.shape[0] // self.size,) + tuple(x.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, x, op=_OPS["sum" if op == "avg" else op], group=self.group)
+        _reduce_scatter_single(out, x, op=_OPS["sum" if op == "avg" else op], group=self.group)
         if op == "avg":
             out.div_(self.size)
         return out if dim == 0 else out.movedim(0, dim).contiguous()
@@ -240,7 +241,7 @@ class Comm:
             raise ValueError(f"reduce_scatter: dim 0 of size {t.shape[0]} not divisible by {self.size}")
         self._count("reduce_scatter", _nbytes(t))
         out = torch.empty((t.shape[0] // self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-        work = dist.reduce_scatter_tensor(out, t.contiguous(), op=_OPS["sum" if op == "avg" else op],
+        work = _reduce_scatter_single(out, t.contiguous(), op=_OPS["sum" if op == "avg" else op],
                                           group=self.group, async_op=True)
         return Pending(work, out, (lambda r: r.div_(self.size)) if op == "avg" else None)
 

@@ -7,13 +7,12 @@ import torch
 
 from shardlab import config as C
 from shardlab import launch
+from shardlab.analysis.verify import reference as verify_reference
 from shardlab.cli import main as cli_main
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
-from shardlab.models.llama import build_model
-from shardlab.train.data import Loader, TokenData, prepare
+from shardlab.train.data import TokenData, prepare
 from shardlab.train.loop import Trainer
-from shardlab.train.optim import lr_at
 
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=32", "--train.seq_len=32", "--train.global_batch=8", "--train.warmup_steps=2",
@@ -32,26 +31,10 @@ def _dp_worker(ctx, cfg, data_dir, steps):
 
 
 def _reference(cfg, data_dir, steps):
-    """Independent single-process AdamW on the whole global batch (no shardlab engine)."""
-    t = cfg.train
-    model = build_model(cfg.model, t.seed, dtype=torch.float64)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    loader = Loader(TokenData(data_dir), t.seq_len, t.global_batch, 1, 0, 1, t.seed)
-    losses = []
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
-        (x, y), = loader.next_batch()
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters())
+    """Independent single-process AdamW on the whole global batch (no shardlab engine): the
+    reference of `shardlab verify`. Returns (losses, {name: parameter})."""
+    losses, params = verify_reference(cfg, data_dir, steps)
+    return losses, {k[len("model."):]: v for k, v in params.items()}
 
 
 @pytest.mark.parametrize("dp,micro", [(2, 2), (4, 1)])

@@ -167,7 +167,7 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
                 moe = moe_metrics(tr.engine.model, moved)
                 moe["moe/all_to_all_bytes"] = moe.get("moe/all_to_all_bytes", 0) / window_steps
                 rec.update(moe)
-            snap, window_time, window_steps = mesh.ledger.snapshot(), 0.0, 0
+            window_time, window_steps = 0.0, 0
             last["loss"] = loss
             if writer:
                 writer.write(rec)
@@ -179,6 +179,8 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
                 writer.write({"kind": "val", "step": step, "val_loss": last["val_loss"]})
         if cfg.checkpoint.save and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
             tr.save_checkpoint(ck_dir)
+        if window_steps == 0:  # a record was written: start counting bytes after eval/checkpoint traffic
+            snap = mesh.ledger.snapshot()
         if bar:
             bar.update(1)
     if bar:

@@ -13,6 +13,7 @@ tensors map to global ones (for the gradient norm and for checkpoints).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 import torch
 from torch import nn
 
@@ -45,7 +46,7 @@ class Engine:
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for x, y in micro_batches:
             x, y = self._local(x, y)
-            with autocast() if autocast else _null():
+            with autocast() if autocast else nullcontext():
                 loss = self.model(x, y)
             (loss * (loss_scale / n)).backward()
             total += loss.detach().double()
@@ -58,7 +59,7 @@ class Engine:
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for x, y in micro_batches:
             x, y = self._local(x, y)
-            with autocast() if autocast else _null():
+            with autocast() if autocast else nullcontext():
                 total += self.model(x, y).double()
         return total / len(micro_batches)
 
@@ -172,14 +173,6 @@ def _state_device(v: torch.Tensor, p: torch.Tensor):
     """Optimizer state lives with its parameter; AdamW's scalar ``step`` stays on the CPU except
     for the fused CUDA kernel, which wants it on the GPU."""
     return p.device if v.dim() > 0 or p.device.type == "cuda" else torch.device("cpu")
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:

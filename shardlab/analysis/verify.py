@@ -172,7 +172,7 @@ def main(args) -> int:
     data_dir = str(prepare(layout_config(fitting[0], args.nproc).data if fitting else C.Config().data))
     print(f"shardlab verify: {len(fitting)} layouts on {args.nproc} ranks, {args.steps} steps, float64, "
           f"tolerance {TOL:g}" + (f" (not fitting {args.nproc} ranks: {', '.join(skipped)})" if skipped else ""))
-    print(f"| layout | degrees | max abs loss diff | max abs param diff | bytes sent/step (all ranks) | result |")
+    print("| layout | degrees | max abs loss diff | max abs param diff | bytes sent/step (all ranks) | result |")
     print("|---|---|---|---|---|---|")
     cache, failures = {}, 0
     for name in fitting:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 
@@ -152,7 +151,3 @@ class Loader:
         self.cursor = int(state["cursor"])
         self.seed = int(state.get("seed", self.seed))
         self._perm_epoch = -1
-
-
-def epochs(loader: Loader) -> float:
-    return loader.cursor / loader.windows if loader.windows else math.nan

@@ -16,6 +16,7 @@ Every compute action is time-stamped (``engine.last_timeline``) for measured tim
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 import time
 
 import torch
@@ -107,7 +108,7 @@ class PipelineEngine(Engine):
                 tokens, targets = micro_batches[a.mb]
                 x = tokens if a.stage == 0 else inputs[key]
                 self._capture = [] if split else None
-                with autocast() if autocast else _null():
+                with autocast() if autocast else nullcontext():
                     out = self.chunks[a.stage](x, targets if a.stage == last else None,
                                                positions=self._positions(tokens))
                 if split:
@@ -170,7 +171,7 @@ class PipelineEngine(Engine):
         for j, (tokens, targets) in enumerate(micro_batches):
             for s in sorted(self.chunks):
                 x = tokens if s == 0 else self.link.recv((s - 1) % self.pp, self.link.tag("F", j, s - 1))
-                with autocast() if autocast else _null():
+                with autocast() if autocast else nullcontext():
                     out = self.chunks[s](x, targets if s == last else None, positions=self._positions(tokens))
                 if s == last:
                     losses.append(out.double())
@@ -218,14 +219,6 @@ def activation_shape(cfg) -> tuple[int, int, int]:
 
 def _param_dtype(model: nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def apply(model: nn.Module, mesh, cfg) -> PipelineEngine:

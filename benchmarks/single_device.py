@@ -115,8 +115,8 @@ def main(argv=None):
            "plain_mfu": fpt * tokens / plain / peak if peak else None,
            "shardlab_mfu": fpt * tokens / ours / peak if peak else None}
     mfu = (lambda v: f"{100 * v:.1f}%" if v else "n/a")
-    print(f"| config | device | precision | compile | plain PyTorch tok/s | shardlab tok/s | ratio | MFU plain / shardlab |")
-    print(f"|---|---|---|---|---|---|---|---|")
+    print("| config | device | precision | compile | plain PyTorch tok/s | shardlab tok/s | ratio | MFU plain / shardlab |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {Path(args.config).name} | {name} | {cfg.train.precision} | {cfg.parallel.compile} | "
           f"{row['plain_tok_s']:,.0f} | {row['shardlab_tok_s']:,.0f} | {row['ratio']:.3f} | "
           f"{mfu(row['plain_mfu'])} / {mfu(row['shardlab_mfu'])} |")

@@ -1,7 +1,6 @@
 """Context parallel (ring attention, load-balanced causal split) against full attention and the
 plain model on one process. float64, CPU gloo."""
 import torch
-import torch.nn.functional as F
 
 from shardlab.config import Config, ModelConfig
 from shardlab.distributed.mesh import Mesh

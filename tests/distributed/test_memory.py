@@ -1,6 +1,5 @@
 """Measured per-rank model-state bytes (every allocated storage counted once, after one real
 AdamW step) equal the ZeRO formula within 2% for DDP and ZeRO stages 1, 2 and 3."""
-import torch
 
 from shardlab.analysis.memory import _measure_worker, formula
 from shardlab.config import Config

@@ -7,8 +7,6 @@ import torch.nn.functional as F
 
 from shardlab.config import ModelConfig
 from shardlab.models.llama import build_model
-from shardlab.models.moe import MoE
-from shardlab.models.llama import init_weights
 
 
 def make_moe(**kw):

@@ -79,6 +79,17 @@ class Comm:
     def _record(self, op: str, link: algos.Link):
         self.ledger.record(op, self.name, link.sent, link.recv)
 
+    def _own_in_place(self, op: str, t: torch.Tensor, run) -> torch.Tensor:
+        """Run an own algorithm ``run(link, flat)`` on ``t`` in place: flatten (a copy when ``t``
+        is not contiguous), run, copy back, record the bytes the link really moved."""
+        x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        link = self._link()
+        run(link, x)
+        if not t.is_contiguous():
+            t.copy_(x.view(t.shape))
+        self._record(op, link)
+        return t
+
     # -- collectives (in place where torch is) -----------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
@@ -90,15 +101,8 @@ class Comm:
         if algo != "backend" and self._host_staged(t):
             return t.copy_(self.all_reduce(t.cpu(), op, algorithm))
         if algo != "backend":
-            x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
-            link = self._link()
-            algos.ALL_REDUCE[algo](link, x, op)
-            if op == "avg":
-                x.div_(self.size)
-            if not t.is_contiguous():
-                t.copy_(x.view(t.shape))
-            self._record("all_reduce", link)
-            return t
+            self._own_in_place("all_reduce", t, lambda link, x: algos.ALL_REDUCE[algo](link, x, op))
+            return t.div_(self.size) if op == "avg" else t
         self._count("all_reduce", _nbytes(t))
         dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group)
         if op == "avg":
@@ -196,13 +200,7 @@ class Comm:
         if algo != "backend" and self._host_staged(t):
             return t.copy_(self.broadcast(t.cpu(), src, algorithm))
         if algo != "backend":
-            x = t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
-            link = self._link()
-            algos.BROADCAST[algo](link, x, src)
-            if not t.is_contiguous():
-                t.copy_(x.view(t.shape))
-            self._record("broadcast", link)
-            return t
+            return self._own_in_place("broadcast", t, lambda link, x: algos.BROADCAST[algo](link, x, src))
         self._count("broadcast", _nbytes(t))
         dist.broadcast(t, src=self.ranks[src], group=self.group)
         return t

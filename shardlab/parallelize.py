@@ -19,8 +19,10 @@ from torch import nn
 
 from .config import Config
 from .distributed.mesh import Mesh
-from .distributed.placement import Placement, get_placement, replicas
-from .distributed.reshard import gather_global, local_slice
+from .distributed.placement import get_placement, replicas
+from .distributed.reshard import gather_pieces
+from .parallel import state
+from .parallel.materialize import materialize, model_init_fn
 
 
 class Engine:
@@ -133,51 +135,45 @@ class Engine:
                     g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return float(norm)
 
-    # -- checkpoints (global coordinates) ----------------------------------------------------
+    # -- state in global coordinates (checkpoints: parallel/state.py) ----------------------------
+    def replicate_groups(self, pl) -> tuple[str, ...]:
+        """Groups over which a parameter with placement ``pl`` is replicated (tp and pp are
+        added by ``writes_piece`` when the placement does not shard over them)."""
+        return ("edp",) if "ep" in pl.sharded_over else ("dp_cp",)
+
+    def state_pieces(self, optimizer) -> list:
+        """This rank's :class:`Piece` s of the model and optimizer state; of identical replicas
+        only one rank lists a piece. No communication."""
+        return state.param_pieces(self.named_parameters(all_params=True), optimizer, self.mesh,
+                                  self.replicate_groups)
+
+    def load_pieces(self, reader, optimizer) -> None:
+        """Read exactly this rank's boxes from ``reader`` (any saving layout). No communication."""
+        state.load_param_pieces(self.named_parameters(all_params=True), reader, optimizer)
+
     def full_state(self, optimizer, everywhere: bool = False) -> dict[str, torch.Tensor]:
-        """Global tensors ``model.<global name>`` and ``optim.<global name>.<state>``, assembled
-        on rank 0 from every rank's shards (empty on the other ranks unless ``everywhere``).
-        Collective."""
-        items = []
-        for name, p in self.named_parameters(all_params=True):
-            pl = get_placement(p, name)
-            items.append((f"model.{pl.name}", pl, p))
-            for k, v in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(v):
-                    vpl = pl if v.shape == p.shape else Placement(f"{pl.name}.{k}", tuple(v.shape))
-                    items.append((f"optim.{pl.name}.{k}", vpl, v))
-        return gather_global(items, self.mesh, everywhere)
+        """Global tensors ``model.<global name>`` and ``optim.<global name>.<state>`` assembled
+        from every rank's pieces, on rank 0 (on every rank with ``everywhere``). Collective;
+        holds the whole state: for tests and small models (checkpoints never use it)."""
+        return gather_pieces(self.state_pieces(optimizer), self.mesh, everywhere)
 
-    def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
+    def load_full_state(self, tensors: dict[str, torch.Tensor], optimizer) -> None:
         """Cut this rank's shards out of global tensors (any saving layout)."""
-        with torch.no_grad():
-            for name, p in self.named_parameters(all_params=True):
-                pl = get_placement(p, name)
-                key = f"model.{pl.name}"
-                if key not in state:
-                    raise RuntimeError(f"checkpoint has no tensor {key} (saved from another model?)")
-                p.copy_(local_slice(state[key], pl, p.shape))
-                prefix = f"optim.{pl.name}."
-                st = {}
-                for k, v in state.items():
-                    if k.startswith(prefix) and "." not in k[len(prefix):]:
-                        sub = k[len(prefix):]
-                        part = local_slice(v, pl, p.shape) if v.shape == pl.global_shape and v.dim() > 0 else v
-                        # a private copy: the optimizer updates it in place
-                        st[sub] = part.to(device=_state_device(v, p), copy=True).contiguous()
-                if st:
-                    optimizer.state[p] = st
+        self.load_pieces(state.DictReader(tensors), optimizer)
 
 
-def _state_device(v: torch.Tensor, p: torch.Tensor):
-    """Optimizer state lives with its parameter; AdamW's scalar ``step`` stays on the CPU except
-    for the fused CUDA kernel, which wants it on the GPU."""
-    return p.device if v.dim() > 0 or p.device.type == "cuda" else torch.device("cpu")
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, init: bool = True) -> Engine:
+    """Apply the parallelisms the config asks for, in the fixed order of the module doc.
 
-
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
-    """Apply the parallelisms the config asks for, in the fixed order of the module doc."""
+    ``model`` may be on the meta device (``models.llama.meta_model``): every parallel module
+    then works on meta tensors and, once placements are decided, each rank materialises only
+    what it owns (parallel/materialize.py; FSDP its flat shards). ``init=False`` skips drawing
+    the initial values (a checkpoint is loaded next)."""
     p = cfg.parallel
+    init_fn = model_init_fn(cfg.model, cfg.train.seed)
+
+    def own(m):  # materialise this rank's boxes of whatever is still on meta
+        return materialize(m, init_fn, mesh.device, init)
     if p.tp > 1:
         from .parallel import tensor
         tensor.apply(model, mesh, cfg)
@@ -197,16 +193,18 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Engine:
             block.compile()
     if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
         from .parallel.pipeline import apply as pipeline
-        engine = pipeline(model, mesh, cfg)
+        engine = pipeline(model, mesh, cfg, materialize=own)
     else:  # last: how data-parallel ranks share model state (parallel/data.py, zero.py, fsdp.py)
         from .parallel import data, fsdp, zero
         if p.zero_stage == 3:
-            engine = fsdp.apply(model, mesh, cfg)
-        elif p.zero_stage in (1, 2):
-            engine = zero.apply(model, mesh, cfg)
-        elif mesh.size("dp_cp") > 1:
-            engine = data.apply(model, mesh, cfg)
+            engine = fsdp.apply(model, mesh, cfg, init_fn=init_fn if init else None)
         else:
-            engine = Engine(model, mesh, cfg)
+            own(model)
+            if p.zero_stage in (1, 2):
+                engine = zero.apply(model, mesh, cfg)
+            elif mesh.size("dp_cp") > 1:
+                engine = data.apply(model, mesh, cfg)
+            else:
+                engine = Engine(model, mesh, cfg)
     engine.shard_batch = cp_shard
     return engine

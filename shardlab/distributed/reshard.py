@@ -1,74 +1,74 @@
-"""Global coordinates for checkpoints: gather local shards into global tensors, and cut the
-local shard of a global tensor for any layout.
+"""Global tensors from every rank's pieces: ``full_state`` for tests, tools and small models.
 
-Every local tensor is described by a :class:`~shardlab.distributed.placement.Placement`
-(global name and shape, the sliced dimension, offset, valid length). Saving gathers the
-valid parts to rank 0, which assembles the global tensors; loading gives every rank the
-global tensors, from which it cuts its own slice (zero-padding where its layout pads). So a
-checkpoint written under one layout loads under any other.
-
-Scaling note: consolidating through rank 0 needs the whole model state in rank 0's host
-memory; fine for the CPU and single-node sizes shardlab trains, not for 70B (per-rank files
-with the same placement records are the next step, see docs/composition.md).
+Checkpoints never use this (each rank writes and reads its own boxes: train/checkpoint.py).
+Here every rank's :class:`~.regions.Piece` s are exchanged with two tensor all-gathers over the
+world -- a JSON description and the raw bytes, padded to the longest rank's -- and assembled into
+whole tensors. No pickle, and the collectives run on the mesh's device (NCCL takes no CPU
+tensors). It holds the whole state on the assembling ranks: a debugging and testing aid.
 """
 from __future__ import annotations
 
+import json
+
 import torch
-import torch.distributed as dist
 
-from .placement import Placement
+from .regions import Piece
+
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                               torch.int32, torch.uint8, torch.bool)}
 
 
-def gather_global(items: list[tuple[str, Placement, torch.Tensor]], mesh,
-                  everywhere: bool = False) -> dict[str, torch.Tensor]:
-    """``items``: (key, placement, local tensor) of this rank. Returns the global tensors on
-    rank 0 (every key complete) and an empty dict on the other ranks (on every rank when
-    ``everywhere``)."""
-    pieces = [(key, tuple(pl.global_shape), pl.dim, pl.start, pl.valid(t.detach()).cpu().clone())
-              for key, pl, t in items]
+def _encode(pieces: list[Piece]) -> tuple[bytes, torch.Tensor]:
+    desc, blobs = [], []
+    for p in pieces:
+        t = p.tensor.detach().contiguous().cpu()
+        desc.append([p.key, list(p.global_shape), list(p.offsets), list(t.shape), str(t.dtype)])
+        blobs.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8))
+    payload = torch.cat(blobs) if blobs else torch.zeros(0, dtype=torch.uint8)
+    return json.dumps(desc).encode(), payload
+
+
+def _exchange(pieces: list[Piece], mesh) -> list[tuple[list, torch.Tensor]]:
+    header, payload = _encode(pieces)
     if mesh.world_size == 1:
-        gathered = [pieces]
-    elif everywhere:
-        gathered = [None] * mesh.world_size
-        dist.all_gather_object(gathered, pieces, group=mesh.group("world"))
-    else:
-        gathered = [None] * mesh.world_size if mesh.rank == 0 else None
-        dist.gather_object(pieces, gathered, dst=0, group=mesh.group("world"))
-        if mesh.rank != 0:
-            return {}
-    out: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
-    for rank_pieces in gathered:
-        for key, shape, dim, start, value in rank_pieces:
-            if dim is None:
-                out[key] = value.reshape(shape)
-                filled[key] = -1
-                continue
-            if key not in out:
-                out[key] = torch.zeros(shape, dtype=value.dtype)
-                filled[key] = 0
-            region = out[key].narrow(dim, start, value.shape[dim])
-            region.copy_(value)
-            filled[key] += value.numel()  # replicas add duplicates: checked as >= below
-    for key, n in filled.items():
-        if n != -1 and n < out[key].numel():
-            raise RuntimeError(f"checkpoint: shards of {key} do not cover the global tensor "
-                               f"({n} of {out[key].numel()} elements)")
+        return [(json.loads(header), payload)]
+    comm, dev = mesh.comm("world"), mesh.device
+    sizes = comm.all_gather(torch.tensor([[len(header), payload.numel()]], dtype=torch.int64, device=dev)).cpu()
+    width = int((sizes[:, 0] + sizes[:, 1]).max())
+    buf = torch.zeros(1, width, dtype=torch.uint8)
+    buf[0, :len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    buf[0, len(header):len(header) + payload.numel()] = payload
+    every = comm.all_gather(buf.to(dev)).cpu()
+    out = []
+    for r in range(every.shape[0]):
+        h, n = int(sizes[r, 0]), int(sizes[r, 1])
+        out.append((json.loads(bytes(every[r, :h].tolist())), every[r, h:h + n]))
     return out
 
 
-def local_slice(global_tensor: torch.Tensor, pl: Placement, local_shape) -> torch.Tensor:
-    """This rank's part of ``global_tensor`` under placement ``pl`` (zero padding appended)."""
-    if tuple(global_tensor.shape) != tuple(pl.global_shape):
-        raise RuntimeError(f"checkpoint: {pl.name} has shape {tuple(global_tensor.shape)}, this model "
-                           f"expects {tuple(pl.global_shape)} (a different model shape?)")
-    if pl.dim is None:
-        return global_tensor
-    length = pl.length if pl.length is not None else local_shape[pl.dim]
-    part = global_tensor.narrow(pl.dim, pl.start, length)
-    pad = local_shape[pl.dim] - length
-    if pad > 0:
-        shape = list(local_shape)
-        shape[pl.dim] = pad
-        part = torch.cat([part, torch.zeros(shape, dtype=part.dtype)], dim=pl.dim)
-    return part
+def gather_pieces(pieces: list[Piece], mesh, everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's pieces: on rank 0 (every rank with ``everywhere``; the
+    others get an empty dict). Collective over the world. Raises if a tensor is not covered."""
+    ranks = _exchange(pieces, mesh)
+    if not everywhere and mesh.rank != 0:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for desc, payload in ranks:
+        pos = 0
+        for key, gshape, offsets, shape, dtype in desc:
+            dt = _DTYPES[dtype]
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            value = payload[pos:pos + n].clone().view(dt).reshape(shape)  # clone: aligned storage
+            pos += n
+            if key not in out:
+                out[key] = torch.zeros(gshape, dtype=dt)
+                covered[key] = torch.zeros(gshape, dtype=torch.bool)
+            box = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
+            out[key][box] = value
+            covered[key][box] = True
+    for key, c in covered.items():
+        if not bool(c.all()):
+            raise RuntimeError(f"state: the ranks' pieces of {key} do not cover the global tensor "
+                               f"({int(c.sum())} of {c.numel()} elements)")
+    return out

@@ -12,13 +12,13 @@ layers 4..7 still names them ``layers.4`` ... (global names = checkpoint keys).
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .init import init_box, param_seed  # noqa: F401  (param_seed: re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -158,11 +158,6 @@ class Llama(nn.Module):
 # Layout-independent initialisation
 # ---------------------------------------------------------------------------------------------
 
-def param_seed(seed: int, name: str) -> int:
-    """A 63-bit seed that depends only on the run seed and the parameter's global name."""
-    return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode())) % (2**63 - 1)
-
-
 def init_std(name: str, cfg: ModelConfig) -> float | None:
     """Standard deviation for a parameter by global name; None means 'ones' (norm weights)."""
     if name.endswith("norm.weight"):
@@ -172,27 +167,23 @@ def init_std(name: str, cfg: ModelConfig) -> float | None:
     return cfg.init_std
 
 
-def init_tensor(name: str, shape, cfg: ModelConfig, seed: int, dtype=torch.float32) -> torch.Tensor:
-    """The global initial value of parameter ``name``: same on every rank, under every layout.
-    A sharded module materialises the global tensor with this and keeps its slice."""
-    std = init_std(name, cfg)
-    if std is None:
-        return torch.ones(shape, dtype=dtype)
-    g = torch.Generator().manual_seed(param_seed(seed, name))
-    return (torch.randn(tuple(shape), generator=g, dtype=torch.float32) * std).to(dtype)
+def init_tensor(name: str, shape, cfg: ModelConfig, seed: int, dtype=torch.float32, offsets=None,
+                sizes=None, device="cpu") -> torch.Tensor:
+    """The global initial value of parameter ``name`` (same on every rank, under every layout), or
+    only its box ``[offsets, offsets + sizes)``, drawn without building the rest (models/init.py)."""
+    return init_box(name, shape, init_std(name, cfg), seed, offsets, sizes, dtype, device)
 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> nn.Module:
     """Materialise every parameter (meta or real) from its global name. Returns the model."""
     for name, p in list(model.named_parameters(remove_duplicate=True)):
-        value = init_tensor(name, p.shape, cfg, seed, torch.float32)
         if p.is_meta:
             owner, attr = _owner(model, name)
-            new = nn.Parameter(value.to(p.dtype), requires_grad=p.requires_grad)
-            setattr(owner, attr, new)
+            value = init_tensor(name, p.shape, cfg, seed, p.dtype)
+            setattr(owner, attr, nn.Parameter(value, requires_grad=p.requires_grad))
         else:
-            p.copy_(value.to(p.dtype))
+            p.copy_(init_tensor(name, p.shape, cfg, seed, torch.float32).to(p.dtype))
     if cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight
     return model
@@ -206,12 +197,18 @@ def _owner(model: nn.Module, name: str):
     return mod, attr
 
 
-def build_model(cfg: ModelConfig, seed: int, device="cpu", dtype=torch.float32) -> Llama:
-    """Build on the meta device, then materialise with layout-independent init."""
+def meta_model(cfg: ModelConfig, dtype=torch.float32) -> Llama:
+    """The model on the meta device: shapes and names, no storage. ``parallelize`` decides what
+    each rank owns, then materialises only that (parallel/materialize.py)."""
     with torch.device("meta"):
-        model = Llama(cfg)
+        return Llama(cfg).to(dtype)
+
+
+def build_model(cfg: ModelConfig, seed: int, device="cpu", dtype=torch.float32) -> Llama:
+    """The whole model, materialised with layout-independent init (single-process reference)."""
+    model = meta_model(cfg, dtype)
     init_weights(model, cfg, seed)
-    return model.to(device=device, dtype=dtype)
+    return model.to(device=device)
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

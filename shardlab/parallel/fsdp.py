@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..parallelize import Engine
+from .materialize import init_flat_range
 from .zero import FlatParam, ShardedEngine, decay_groups
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,8 +64,9 @@ class Unit:
 class FSDPEngine(ShardedEngine):
     name = "fsdp"
 
-    def __init__(self, model: nn.Module, mesh, cfg, unit_names: list[str] | None = None):
+    def __init__(self, model: nn.Module, mesh, cfg, unit_names: list[str] | None = None, init_fn=None):
         super().__init__(model, mesh, cfg)
+        self.init_fn = init_fn  # draws boxes of meta parameters (parallel/materialize.py)
         p = cfg.parallel
         self.shard_group = "dp_shard_cp"
         self.replicate_group = "dp_replicate" if mesh.size("dp_replicate") > 1 else None
@@ -99,10 +101,13 @@ class FSDPEngine(ShardedEngine):
         flats = []
         for group, wd in decay_groups(named, self.cfg.train.weight_decay):
             f = FlatParam([n for n, _ in group], [p for _, p in group], comm.size, comm.rank, wd)
-            full = dp.broadcast(f.flatten([p for _, p in group]), 0)  # every rank starts from rank 0
-            f.shard = nn.Parameter(f.own(full).clone().to(self.home))
+            if any(p.is_meta for _, p in group):  # meta model: draw only this rank's range
+                f.shard = nn.Parameter(self._init_shard(f, group))
+            else:  # a materialised model: every rank starts from rank 0's values
+                full = dp.broadcast(f.flatten([p for _, p in group]), 0)
+                f.shard = nn.Parameter(f.own(full).clone().to(self.home))
             f.shard.grad = torch.zeros_like(f.shard)
-            dtype = self.compute_dtype or full.dtype
+            dtype = self.compute_dtype or f.shard.dtype
             f.full = torch.empty(f.padded, dtype=dtype, device=self.mesh.device, requires_grad=True)
             f.full.untyped_storage().resize_(0)
             f.full.register_post_accumulate_grad_hook(lambda t, f=f: self._post_backward(f))
@@ -116,6 +121,18 @@ class FSDPEngine(ShardedEngine):
         for f in flats:
             f.unit = u
         return u
+
+    def _init_shard(self, f: FlatParam, group) -> torch.Tensor:
+        """This rank's slice of a flat buffer of meta parameters, each element drawn from its
+        parameter's global initial value (or left empty for a checkpoint to fill): the rank
+        never holds more of the unit than its shard."""
+        shard = torch.zeros(f.shard_size, dtype=group[0][1].dtype, device=self.home)
+        for (name, p), (lo, hi), off in zip(group, f.own_ranges(), f.offsets):
+            if hi > lo:
+                a = f.start + lo - off  # the range inside the parameter's own flat elements
+                shard[lo:hi] = init_flat_range(self.init_fn, name, p, a, a + hi - lo, self.home,
+                                               init=self.init_fn is not None)
+        return shard
 
     # -- gather / free --------------------------------------------------------------------------
     def _launch(self, u: Unit):
@@ -247,8 +264,10 @@ def _sites(model: nn.Module, p: torch.Tensor) -> list[tuple[nn.Module, str]]:
     return [(m, a) for m in model.modules() for a, q in m._parameters.items() if q is p]
 
 
-def apply(model: nn.Module, mesh, cfg, unit_names: list[str] | None = None) -> FSDPEngine:
-    return FSDPEngine(model, mesh, cfg, unit_names)
+def apply(model: nn.Module, mesh, cfg, unit_names: list[str] | None = None, init_fn=None) -> FSDPEngine:
+    """``init_fn``: the model's box initialiser (parallel/materialize.py), used when ``model`` is
+    on the meta device; None there leaves the shards uninitialised (a checkpoint fills them)."""
+    return FSDPEngine(model, mesh, cfg, unit_names, init_fn)
 
 
 __all__ = ["FSDPEngine", "apply", "block_policy", "size_policy", "Engine"]

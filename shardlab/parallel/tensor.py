@@ -20,8 +20,9 @@ with zero rows that no token selects and whose logits are masked out of the soft
 cross-entropy combines per-rank partial results with three all-reduces of one number per
 token (max, sum of exponentials, target logit) and never gathers the (B, S, V) logits.
 
-Parameters are created from the global tensor (``init_tensor`` on a meta model, or the
-already initialised full weight) by keeping this rank's slice, and carry a ``Placement``.
+Parameters are created from the global tensor by keeping this rank's slice (a meta slice of a
+meta model, materialised later by parallel/materialize.py; or a slice of an already initialised
+full weight), and carry a ``Placement``.
 ``apply(model, mesh, cfg)`` reads the plan in models/plans.py; parallelize.py calls it first.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from ..distributed import autograd as dc
 from ..distributed.placement import Placement, set_placement
-from ..models.llama import RMSNorm, init_tensor
+from ..models.llama import RMSNorm
 from ..models.moe import MoE
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
@@ -226,11 +227,9 @@ class _Ctx:
         self.seed = cfg.train.seed
 
     def full(self, param: torch.Tensor, name: str) -> torch.Tensor:
-        """The global value of ``param``: its data, or init_tensor's if it is still on meta."""
-        if param.is_meta:
-            value = init_tensor(name, param.shape, self.cfg.model, self.seed, torch.float32)
-            return value.to(device=self.mesh.device, dtype=param.dtype)
-        return param.detach()
+        """The global tensor of ``param``: its data, or the meta tensor itself (the shard is then
+        a meta tensor too, materialised later from its Placement: parallel/materialize.py)."""
+        return param if param.is_meta else param.detach()
 
     def shard(self, full: torch.Tensor, name: str, dim: int, start: int, rows: int,
               copies: int = 1) -> nn.Parameter:
@@ -324,8 +323,8 @@ STYLES = {"colwise": _colwise, "colwise_kv": _colwise_kv, "rowwise": _rowwise,
 
 def apply(model: nn.Module, mesh, cfg, plan: dict[str, str] | None = None) -> nn.Module:
     """Shard ``model`` in place over ``mesh``'s tp group following ``plan`` (default: the Llama
-    plan of models/plans.py). Parameters still on the meta device that no style shards (norm
-    weights) are materialised from ``init_tensor``. Returns the model."""
+    plan of models/plans.py). On a meta model the shards stay meta (with their Placements) and
+    ``parallelize`` materialises each rank's boxes at the end. Returns the model."""
     from ..models.plans import LLAMA_TP_PLAN
     plan = LLAMA_TP_PLAN if plan is None else plan
     tp = mesh.size("tp")
@@ -343,9 +342,4 @@ def apply(model: nn.Module, mesh, cfg, plan: dict[str, str] | None = None) -> nn
                 new = STYLES[style](ctx, name, mod)
                 if new is not None:
                     _replace(model, name, new)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()):
-            if p.is_meta:
-                value = ctx.full(p, name)
-                _replace(model, name, nn.Parameter(value.clone(), requires_grad=p.requires_grad))
     return model

@@ -24,8 +24,9 @@ import math
 import torch
 from torch import nn
 
-from ..distributed.placement import Placement, get_placement, replicas
-from ..distributed.reshard import gather_global, local_slice
+from ..distributed.placement import get_placement, replicas
+from ..distributed.regions import Piece, writes_piece
+from . import state
 from ..parallelize import Engine
 from .data import make_buckets
 
@@ -132,54 +133,51 @@ class ShardedEngine(Engine):
         return sq.sqrt()
 
 
-    # -- checkpoints in global coordinates ---------------------------------------------------
-    def _all_gather_shard(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mesh.comm(self.shard_group).all_gather(t.detach().to(self.mesh.device).contiguous()).cpu()
+    # -- state in global coordinates (parallel/state.py) ----------------------------------------
+    def _replicate_groups(self) -> tuple[str, ...]:
+        return (self.replicate_group,) if self.replicate_group else ()
 
-    def full_state(self, optimizer, everywhere: bool = False) -> dict[str, torch.Tensor]:
-        """All-gather every flat buffer (and Adam state) over the shard group, cut it into the
-        rank's local parameters, then assemble global tensors (TP slices etc.) like the base
-        Engine. Collective; complete on rank 0 (on every rank with ``everywhere``)."""
-        items, first = [], self.mesh.comm(self.shard_group).rank == 0  # one copy per shard group
+    def state_pieces(self, optimizer) -> list:
+        """Boxes of the parameters and Adam states inside this rank's slice of every flat
+        buffer; scalar states (Adam's ``step``) once per parameter it overlaps. No communication."""
+        out = []
         for f in self.flats:
-            views = f.views(self._all_gather_shard(f.shard))
-            items += [(f"model.{pl.name}", pl, v) for pl, v in zip(f.placements, views)]
+            lo, hi = f.start, f.start + f.shard_size
             st = optimizer.state.get(f.shard, {}) if optimizer is not None else {}
-            for key, s in sorted(st.items()):  # sorted: every rank gathers in the same order
-                if torch.is_tensor(s) and s.dim() == 1 and s.numel() == f.shard_size:
-                    items += [(f"optim.{pl.name}.{key}", pl, v)
-                              for pl, v in zip(f.placements, f.views(self._all_gather_shard(s)))]
-                elif torch.is_tensor(s):  # scalars such as Adam's step: one per parameter
-                    items += [(f"optim.{pl.name}.{key}", Placement(f"{pl.name}.{key}", tuple(s.shape)), s)
-                              for pl in f.placements]
-        return gather_global(items if first else [], self.mesh, everywhere)
+            values = {"model": f.shard}
+            values.update({f"optim.{k}": v for k, v in sorted(st.items())
+                           if torch.is_tensor(v) and v.dim() == 1 and v.numel() == f.shard_size})
+            out += state.flat_pieces(f, values, self.mesh, self._replicate_groups(), lo, hi)
+            scalars = {k: v for k, v in st.items() if torch.is_tensor(v) and v.dim() == 0}
+            for pl, (a, b) in zip(f.placements, f.own_ranges()):
+                if a < b and writes_piece(pl, self.mesh, self._replicate_groups()):
+                    out += [Piece(f"optim.{pl.name}.{k}", (), (), v.detach()) for k, v in scalars.items()]
+        return out
+
+    def _param_target(self, f: FlatParam) -> tuple[torch.Tensor, int, int]:
+        """Where loaded parameter values go: (buffer, lo, hi) of the flat range it holds."""
+        return f.shard.data, f.start, f.start + f.shard_size
 
     @torch.no_grad()
-    def load_full_state(self, state: dict[str, torch.Tensor], optimizer) -> None:
-        """Cut this rank's shard out of global tensors saved under any layout."""
+    def load_pieces(self, reader, optimizer) -> None:
+        """Read this rank's ranges of every flat buffer (parameters and Adam states) from
+        ``reader``, saved under any layout. No communication."""
         for f in self.flats:
-            missing = [pl.name for pl in f.placements if f"model.{pl.name}" not in state]
-            if missing:
-                raise RuntimeError(f"checkpoint has no tensor model.{missing[0]} (saved from another model?)")
-            local = [local_slice(state[f"model.{pl.name}"], pl, shape) for pl, shape in zip(f.placements, f.shapes)]
-            self.load_flat(f, f.flatten(local, f.shard.dtype))
-            prefix = f"optim.{f.placements[0].name}."
-            keys = sorted(k[len(prefix):] for k in state if k.startswith(prefix) and "." not in k[len(prefix):])
+            target, lo, hi = self._param_target(f)
+            state.load_flat_range(f, reader, "model", target, lo, hi)
+            keys = state.optim_keys(reader, f.placements[0].name)
             if optimizer is None or not keys:
                 continue
             st = {}
             for key in keys:
-                first = state[prefix + key]
-                if tuple(first.shape) == tuple(f.placements[0].global_shape) and first.dim() > 0:
-                    parts = [local_slice(state[f"optim.{pl.name}.{key}"], pl, shape)
-                             for pl, shape in zip(f.placements, f.shapes)]
-                    st[key] = f.own(f.flatten(parts, first.dtype)).clone().to(f.shard.device)
+                shape = tuple(reader.global_shape(f"optim.{f.placements[0].name}.{key}"))
+                if shape == tuple(f.placements[0].global_shape) and shape:
+                    buf = torch.zeros(f.shard_size, dtype=f.shard.dtype, device=f.shard.device)
+                    state.load_flat_range(f, reader, key, buf, f.start, f.start + f.shard_size)
+                    st[key] = buf
                 else:  # Adam's step
-                    st[key] = first.clone()
+                    st[key] = reader.read(f"optim.{f.placements[0].name}.{key}").clone()
             optimizer.state[f.shard] = st
-
-    def load_flat(self, f: FlatParam, full: torch.Tensor):
-        f.shard.data.copy_(f.own(full).to(f.shard.device))
 
 
 class ZeroEngine(ShardedEngine):
@@ -299,8 +297,8 @@ class ZeroEngine(ShardedEngine):
             elif f.shard.grad is None:  # optimizer.zero_grad(set_to_none=True) dropped it
                 f.shard.grad = torch.zeros_like(f.shard)
 
-    def load_flat(self, f: FlatParam, full: torch.Tensor):
-        f.full.copy_(full)
+    def _param_target(self, f: FlatParam) -> tuple[torch.Tensor, int, int]:
+        return f.full, 0, f.padded  # every rank keeps the whole (replicated) parameters
 
 
 def apply(model: nn.Module, mesh, cfg) -> ZeroEngine:

@@ -15,7 +15,7 @@ import torch
 from ..config import Config
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
-from ..models.llama import build_model, count_params
+from ..models.llama import count_params, meta_model
 from ..parallelize import parallelize
 from . import checkpoint as ckpt
 from .data import Loader, TokenData
@@ -30,14 +30,16 @@ def checkpoint_dir(cfg: Config) -> Path:
 class Trainer:
     """Everything one rank holds during training. Built by :func:`train_rank`; usable directly in tests."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, data: TokenData):
+    def __init__(self, cfg: Config, mesh: Mesh, data: TokenData, init: bool = True):
+        """``init=False``: allocate without drawing initial values (a checkpoint is loaded next)."""
         self.cfg, self.mesh, self.rank = cfg, mesh, mesh.rank
         t = cfg.train
         torch.manual_seed(t.seed)
         self.device = mesh.device
-        model = build_model(cfg.model, t.seed, device=self.device, dtype=param_dtype(t.precision))
+        # Built on the meta device: each rank materialises only what its layout gives it.
+        model = meta_model(cfg.model, dtype=param_dtype(t.precision))
         self.n_params = count_params(model)
-        self.engine = parallelize(model, mesh, cfg)
+        self.engine = parallelize(model, mesh, cfg, init=init)
         self.optimizer = self.engine.make_optimizer(build_adamw(t, self.device))
         topo = mesh.topology
         c = mesh.coords
@@ -73,29 +75,38 @@ class Trainer:
             total += self.engine.global_loss(self.engine.evaluate(micro, self.autocast))
         return total / len(batches)
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints (train/checkpoint.py: each rank writes and reads its own boxes) ----------
     def save_checkpoint(self, directory: Path) -> Path | None:
-        tensors = self.engine.full_state(self.optimizer)   # collective for sharded engines
-        rng = ckpt.rng_tensors(self.rank, self.device)["rng.%d.cpu" % self.rank]
-        all_rng = self.mesh.comm("world").all_gather(rng.unsqueeze(0)) if self.mesh.world_size > 1 \
-            else rng.unsqueeze(0)
+        """Every rank writes its own pieces (no gather); rank 0 writes the index last and commits.
+        Only barriers synchronise (they run on the mesh's device), so nothing else is collective."""
+        world = self.mesh.comm("world")
+        if self.rank == 0:
+            ckpt.prepare(directory, self.step)
+        world.barrier()
+        ckpt.write_rank(ckpt.staging_dir(directory, self.step), self.rank,
+                        self.engine.state_pieces(self.optimizer), ckpt.rng_tensors(self.device))
+        world.barrier()
         path = None
         if self.rank == 0:
-            tensors.update({f"rng.{r}.cpu": all_rng[r] for r in range(all_rng.shape[0])})
             meta = {"data": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
-            path = ckpt.save(directory, self.step, tensors, meta, keep=self.cfg.checkpoint.keep)
-        self.mesh.comm("world").barrier()
+            path = ckpt.commit(directory, self.step, self.mesh.world_size, meta, keep=self.cfg.checkpoint.keep)
+        world.barrier()
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        tensors, meta = ckpt.load(path)
-        self.engine.load_full_state(tensors, self.optimizer)
+        """Read this rank's boxes (saved under any layout and world size), the data cursor, the
+        loss scale and, when the world size is unchanged, this rank's RNG states."""
+        reader = ckpt.Reader(path)
+        self.engine.load_pieces(reader, self.optimizer)
+        meta = reader.meta
         self.loader.load_state_dict(meta["data"])
         self.scaler.load_state_dict(meta["scaler"])
-        ckpt.restore_rng(tensors, self.rank, self.device)
-        self.step = int(meta["step"])
+        if reader.world_size == self.mesh.world_size:
+            ckpt.restore_rng({k: v for k in ("rng.cpu", "rng.cuda")
+                              if (v := reader.extra(self.rank, k)) is not None}, self.device)
+        self.step = int(reader.step)
 
 
 def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
@@ -103,16 +114,15 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
     mesh.algorithm = cfg.parallel.comm_algorithm
     data = TokenData(data_dir)
-    tr = Trainer(cfg, mesh, data)
     t, log = cfg.train, cfg.logging
     run_dir, ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
     is_main = mesh.rank == 0
+    path = ckpt.latest_valid(ck_dir, warn=print if is_main else (lambda *_: None)) if cfg.checkpoint.resume else None
+    tr = Trainer(cfg, mesh, data, init=path is None)  # resuming: no initial values to draw
     resumed_from = None
-    if cfg.checkpoint.resume:
-        path = ckpt.latest_valid(ck_dir, warn=print if is_main else (lambda *_: None))
-        if path is not None:
-            tr.load_checkpoint(path)
-            resumed_from = str(path)
+    if path is not None:
+        tr.load_checkpoint(path)
+        resumed_from = str(path)
     writer = MetricsWriter(run_dir, log.tensorboard) if is_main else None
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak, peak_label = peak_flops(mesh.device, t.precision)

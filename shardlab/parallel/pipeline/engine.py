@@ -221,14 +221,17 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
-def apply(model: nn.Module, mesh, cfg) -> PipelineEngine:
+def apply(model: nn.Module, mesh, cfg, materialize=None) -> PipelineEngine:
     """Keep this rank's stages of ``model``, mark their placements, check the schedule, and
-    return the engine. Call after TP/EP/CP have transformed the model."""
+    return the engine. Call after TP/EP/CP have transformed the model. ``materialize(model)``
+    gives a meta model's kept stages their storage (only this rank's layers are ever drawn)."""
     p = cfg.parallel
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs
     model, chunks, ranges = split_model(model, mesh.local_rank("pp"), p.pp, p.pp_virtual)
     mark_pipeline_placements(model)
+    if materialize is not None:
+        materialize(model)
     engine = PipelineEngine(model, mesh, cfg, chunks, ranges)
     engine._schedules[p.microbatches] = engine_sched
     return engine

@@ -1,0 +1,165 @@
+"""An engine's state in global coordinates: the pieces it writes, and loading from any layout.
+
+Saving: every rank lists :class:`~shardlab.distributed.regions.Piece` s -- boxes of global
+tensors (``model.<name>``, ``optim.<name>.<state>``) -- for the parameters and optimizer states it
+holds; of identical replicas only one rank lists a piece (:func:`writes_piece`). Loading: every
+rank asks a *reader* (train/checkpoint.Reader, or :class:`DictReader` over global tensors) for
+exactly the boxes it needs, so a checkpoint written under one layout loads under any other and no
+rank reads more than it holds.
+
+Two shapes of engine state:
+* per parameter (replicated engine, DDP, TP, PP, EP): a local tensor is one box (its placement);
+* flat shards (ZeRO-1/2/3): a rank's slice of a flat buffer covers a flat element range of
+  several local parameters, each cut into boxes by :func:`flat_boxes`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..distributed.placement import get_placement
+from ..distributed.regions import Piece, flat_boxes, intersect, placement_box, sub_box, writes_piece
+
+
+class DictReader:
+    """The reader interface over a dict of global tensors (``load_full_state``)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def keys(self):
+        return list(self.state)
+
+    def has(self, key: str) -> bool:
+        return key in self.state
+
+    def global_shape(self, key: str) -> tuple:
+        return tuple(self.state[key].shape)
+
+    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor:
+        t = self.state[key]
+        if offsets is not None:
+            t = t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        return t.to(dtype) if dtype is not None else t
+
+
+def _check(reader, key: str, global_shape) -> None:
+    if not reader.has(key):
+        raise RuntimeError(f"checkpoint has no tensor {key} (saved from another model?)")
+    got = tuple(reader.global_shape(key))
+    if got != tuple(global_shape):
+        raise RuntimeError(f"checkpoint: {key} has shape {got}, this model expects {tuple(global_shape)} "
+                           "(a different model shape?)")
+
+
+def optim_keys(reader, name: str) -> list[str]:
+    """The optimizer-state names saved for global parameter ``name`` (e.g. exp_avg, step)."""
+    prefix = f"optim.{name}."
+    return sorted(k[len(prefix):] for k in reader.keys() if k.startswith(prefix) and "." not in k[len(prefix):])
+
+
+def _state_device(v_dim: int, p: torch.Tensor):
+    """Optimizer state lives with its parameter; AdamW's scalar ``step`` stays on the CPU except
+    for the fused CUDA kernel, which wants it on the GPU."""
+    return p.device if v_dim > 0 or p.device.type == "cuda" else torch.device("cpu")
+
+
+# -- per-parameter engines ---------------------------------------------------------------------
+
+def param_pieces(named, optimizer, mesh, replicate_groups) -> list[Piece]:
+    """``named``: (name, local parameter); ``replicate_groups(placement)`` -> group names over
+    which that parameter is replicated."""
+    out = []
+    for name, p in named:
+        pl = get_placement(p, name)
+        if not writes_piece(pl, mesh, replicate_groups(pl)):
+            continue
+        offsets, _ = placement_box(pl, p.shape)
+        out.append(Piece(f"model.{pl.name}", tuple(pl.global_shape), offsets, pl.valid(p.detach())))
+        for k, v in (optimizer.state.get(p, {}) if optimizer is not None else {}).items():
+            if not torch.is_tensor(v):
+                continue
+            if v.shape == p.shape and v.dim() > 0:
+                out.append(Piece(f"optim.{pl.name}.{k}", tuple(pl.global_shape), offsets, pl.valid(v.detach())))
+            else:
+                out.append(Piece(f"optim.{pl.name}.{k}", tuple(v.shape), (0,) * v.dim(), v.detach()))
+    return out
+
+
+def _read_local(reader, key, pl, local_shape, dtype, device) -> torch.Tensor:
+    """The local tensor for placement ``pl`` from ``reader`` (padding zero-filled)."""
+    offsets, sizes = placement_box(pl, local_shape)
+    part = reader.read(key, offsets, sizes, dtype)
+    if tuple(sizes) == tuple(local_shape):
+        return part.to(device)
+    out = torch.zeros(local_shape, dtype=dtype, device=device)
+    out[tuple(slice(0, s) for s in sizes)] = part
+    return out
+
+
+@torch.no_grad()
+def load_param_pieces(named, reader, optimizer) -> None:
+    for name, p in named:
+        pl = get_placement(p, name)
+        key = f"model.{pl.name}"
+        _check(reader, key, pl.global_shape)
+        p.copy_(_read_local(reader, key, pl, p.shape, p.dtype, p.device))
+        if optimizer is None:
+            continue
+        st = {}
+        for k in optim_keys(reader, pl.name):
+            shape = tuple(reader.global_shape(f"optim.{pl.name}.{k}"))
+            if shape == tuple(pl.global_shape) and shape:
+                st[k] = _read_local(reader, f"optim.{pl.name}.{k}", pl, p.shape, p.dtype, p.device)
+            else:
+                v = reader.read(f"optim.{pl.name}.{k}")
+                st[k] = v.to(_state_device(v.dim(), p), copy=True)
+        if st:
+            optimizer.state[p] = st
+
+
+# -- flat shards (ZeRO-1/2/3) ----------------------------------------------------------------------
+
+def _segments(f, lo: int, hi: int):
+    """For flat buffer range [lo, hi): per parameter i overlapping it, (i, placement, global box,
+    start in the range, valid sub-box offsets inside the local box, local box sizes)."""
+    for i, (pl, shape, o, n) in enumerate(zip(f.placements, f.shapes, f.offsets, f.numels)):
+        a, b = max(o, lo), min(o + n, hi)
+        if a >= b:
+            continue
+        outer = placement_box(pl, shape)
+        valid_local = ((0,) * len(shape), outer[1])
+        pos = a - lo
+        for lbox in flat_boxes(shape, a - o, b - o):
+            size = 1
+            for s in lbox[1]:
+                size *= s
+            keep = intersect(lbox, valid_local)
+            if keep is not None:
+                inner = tuple(slice(k - l, k - l + s) for k, l, s in zip(keep[0], lbox[0], keep[1]))
+                yield i, pl, sub_box(outer, keep), pos, size, lbox[1], inner
+            pos += size
+
+
+def flat_pieces(f, values: dict[str, torch.Tensor], mesh, replicate_groups, lo: int, hi: int) -> list[Piece]:
+    """Pieces of flat buffer ``f``'s range [lo, hi), for each named 1-D tensor of that range
+    (``{"model": shard, "optim.exp_avg": ...}``)."""
+    out = []
+    for i, pl, gbox, pos, size, lsizes, inner in _segments(f, lo, hi):
+        if not writes_piece(pl, mesh, replicate_groups):
+            continue
+        for kind, flat in values.items():
+            key = f"model.{pl.name}" if kind == "model" else f"optim.{pl.name}.{kind[len('optim.'):]}"
+            box = flat.detach()[pos:pos + size].view(lsizes)[inner]
+            out.append(Piece(key, tuple(pl.global_shape), gbox[0], box))
+    return out
+
+
+@torch.no_grad()
+def load_flat_range(f, reader, kind: str, target: torch.Tensor, lo: int, hi: int) -> None:
+    """Fill ``target`` (the flat buffer's range [lo, hi), 1-D) from ``reader``; padding -> 0."""
+    target.zero_()
+    for i, pl, gbox, pos, size, lsizes, inner in _segments(f, lo, hi):
+        key = f"model.{pl.name}" if kind == "model" else f"optim.{pl.name}.{kind}"
+        _check(reader, key, pl.global_shape)
+        part = reader.read(key, gbox[0], gbox[1], target.dtype).to(target.device)
+        target[pos:pos + size].view(lsizes)[inner] = part

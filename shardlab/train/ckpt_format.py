@@ -225,8 +225,11 @@ def read_header(path: Path) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: damaged safetensors header; re-save or use an older checkpoint") \
                 from None
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    try:
+        header.pop("__metadata__", None)
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        end = -1
     if 8 + n + end != size:
         raise CheckpointError(f"{path}: header and file size disagree (truncated or damaged); "
                               "re-save or use an older checkpoint")

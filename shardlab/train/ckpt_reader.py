@@ -38,10 +38,10 @@ class Reader:
             self._ranks = {int(r["rank"]): r for r in index["ranks"]}
             for info in self._keys.values():
                 dtype_from_name(info["dtype"])
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+            self._handles: dict[str, object] = {}
+            self._check_files()
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{index_file}: damaged ({type(e).__name__}: {e}); {_FIX}") from None
-        self._handles: dict[str, object] = {}
-        self._check_files()
 
     def _check_files(self) -> None:
         headers = {}

@@ -245,6 +245,40 @@ def test_damage_is_detected_and_named(tmp_path):
     assert ckpt.latest_valid(tmp_path, warn=warned.append) is None
 
 
+def test_damaged_index_and_header_are_named(tmp_path):
+    w = torch.randn(4, 2)
+    path = save(tmp_path, 1, {"model.w": w}, row_split("model.w", (4, 2), 2))
+    index = path / "index.json"
+    good = index.read_text()
+    for bad in ["{not json", '{"step": 1}', good.replace('"keys": {', '"keys": {"model.x": 3, ', 1)]:
+        index.write_text(bad)
+        with pytest.raises(ckpt.CheckpointError, match="index.json: damaged"):
+            ckpt.Reader(path)
+    index.write_text(good)
+    f = path / "rank_00001.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[9] ^= 0x20  # inside the JSON header: the header no longer parses or no longer matches
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.CheckpointError, match="rank_00001.safetensors"):
+        ckpt.Reader(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pieces_and_rng(tmp_path):
+    dev = torch.device("cuda", 0)
+    w = torch.randn(6, 3, device=dev)
+    staging = ckpt.prepare(tmp_path, 1)
+    torch.cuda.manual_seed(3)
+    rng = ckpt.rng_tensors(dev)
+    expect = torch.rand(4, device=dev)
+    for r in range(2):
+        ckpt.write_rank(staging, r, [ckpt.Piece("model.w", (6, 3), (3 * r, 0), w[3 * r:3 * r + 3])], rng)
+    r = ckpt.Reader(ckpt.commit(tmp_path, 1, 2, {}))
+    assert torch.equal(r.read("model.w").to(dev), w) and sorted(r.rank_files()[1]["extra"]) == ["rng.cpu", "rng.cuda"]
+    assert ckpt.restore_rng({n: r.extra(1, n) for n in ("rng.cpu", "rng.cuda")}, dev)
+    assert torch.equal(torch.rand(4, device=dev), expect)
+
+
 def _cli(*args):
     """The real entry point in a subprocess: exit code, stderr, no traceback."""
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -1,66 +1,124 @@
-"""``shardlab checkpoint inspect DIR`` and ``shardlab checkpoint export DIR --to model.safetensors``.
+"""``shardlab checkpoint inspect|verify|export DIR [--to model.safetensors] [--force]``.
 
 DIR is one checkpoint (``.../step_00000100``) or a checkpoint directory (the newest valid one
-is used). Checksums are verified first; a damaged checkpoint is refused with the file named.
+is used). ``inspect`` reads only index.json and the shard headers; ``verify`` reads every piece
+and checks its crc32; ``export`` writes the ``model.*`` tensors as one safetensors file, one
+tensor (in slices of at most ``--chunk-mib``) at a time, never the whole model in memory.
+A damaged checkpoint is refused with the file named (exit 2). Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
+
+import torch
 
 from ..config import ConfigError
 from ..train import checkpoint as ckpt
+from ..train.ckpt_format import SafetensorsWriter, volume
 
 
 def _resolve(path: str) -> Path:
     p = Path(path)
-    if (p / "meta.json").exists():
+    if not p.exists():
+        raise ConfigError("DIR", f"{p} does not exist; pass a step_XXXXXXXX directory or a checkpoint directory")
+    if (p / "index.json").exists() or p.name.startswith(ckpt.PREFIX):
         return p
-    found = ckpt.latest_valid(p)
+    skipped: list[str] = []
+    found = ckpt.latest_valid(p, warn=skipped.append)
     if found is None:
-        raise ConfigError("DIR", f"no valid checkpoint in {p}; pass a step_XXXXXXXX directory or the "
+        why = f" (newest: {skipped[0].split(': ', 2)[-1]})" if skipped else ""
+        raise ConfigError("DIR", f"no valid checkpoint in {p}{why}; pass a step_XXXXXXXX directory or the "
                                  "checkpoint directory of a run (logging.run_dir/checkpoints)")
+    for line in skipped:
+        print(line, file=sys.stderr)
     return found
 
 
 def configure(parser):
-    parser.add_argument("action", choices=["inspect", "export"])
+    parser.add_argument("action", choices=["inspect", "verify", "export"])
     parser.add_argument("dir", help="a checkpoint (step_XXXXXXXX) or a directory of checkpoints")
     parser.add_argument("--to", default=None, help="export: output .safetensors path (consolidated weights)")
     parser.add_argument("--force", action="store_true", help="export: overwrite an existing output file")
+    parser.add_argument("--chunk-mib", type=float, default=64.0,
+                        help="export: read and write each tensor in slices of at most this many MiB")
+
+
+def _inspect(reader: ckpt.Reader) -> None:
+    meta = reader.meta
+    print(f"checkpoint {reader.path}")
+    print(f"  step {reader.step}   world size {reader.world_size}   layout {meta.get('layout', '?')}"
+          + (f"   engine {meta['engine']}" if "engine" in meta else ""))
+    others = {k: v for k, v in meta.items() if k not in ("layout", "engine", "config")}
+    if others:
+        print(f"  meta {json.dumps(others, sort_keys=True)}"[:200])
+    width = max((len(k) for k in reader.keys()), default=10)
+    print(f"  {'tensor':<{width}} {'shape':<20} {'dtype':<9} pieces")
+    for key in reader.keys():
+        print(f"  {key:<{width}} {str(reader.global_shape(key)):<20} "
+              f"{str(reader.dtype(key)).replace('torch.', ''):<9} {len(reader.pieces(key))}")
+    for r in reader.rank_files():
+        extra = ", ".join(r["extra"]) or "-"
+        print(f"  rank {r['rank']:>5}  {r['file']}  {r['size'] / 2**20:10.3f} MiB   extra: {extra}")
+    print(f"  total {reader.nbytes() / 2**20:.3f} MiB in {len(reader.rank_files())} files")
+
+
+def _export(reader: ckpt.Reader, out: Path, chunk_bytes: int) -> tuple[int, int]:
+    """Stream the model.* tensors into ``out`` (written under a temporary name, then renamed)."""
+    keys = [k for k in reader.keys() if k.startswith("model.")]
+    if not keys:
+        raise ckpt.CheckpointError(f"{reader.path}: no model.* tensors to export")
+    specs = [(k[len("model."):], reader.dtype(k), reader.global_shape(k)) for k in keys]
+    tmp = out.with_name(f".{out.name}.part")
+    writer = SafetensorsWriter(tmp, specs, {"source": str(reader.path), "step": reader.step})
+    try:
+        for key, (name, dtype, shape) in zip(keys, specs):
+            if not shape:
+                writer.write(name, reader.read(key))
+                continue
+            row = volume(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+            rows = max(1, chunk_bytes // max(row, 1))
+            starts = range(0, shape[0], rows) if shape[0] else [0]
+            for start in starts:
+                n = min(rows, shape[0] - start)
+                writer.write(name, reader.read(key, (start,) + (0,) * (len(shape) - 1), (n,) + shape[1:]),
+                             last=start + n >= shape[0])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    return len(specs), sum(volume(s) for _, _, s in specs)
 
 
 def main(args) -> int:
+    out = Path(args.to) if args.to else None
+    if args.action == "export":
+        if out is None:
+            raise ConfigError("--to", "export needs an output path, e.g. --to model.safetensors")
+        if out.exists() and not args.force:
+            raise ConfigError("--to", f"{out} exists; pass --force to overwrite it")
+        if args.chunk_mib <= 0:
+            raise ConfigError("--chunk-mib", "must be > 0, e.g. --chunk-mib 64")
     try:
         path = _resolve(args.dir)
-        tensors, meta = ckpt.load(path)
+        reader = ckpt.Reader(path)
+        if args.action == "inspect":
+            _inspect(reader)
+        elif args.action == "verify":
+            n = reader.verify_all()
+            print(f"ok: {reader.path}: {n} tensors in {len(reader.rank_files())} files, all crc32 match, "
+                  f"every key fully covered")
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            n, numel = _export(reader, out, int(args.chunk_mib * 2**20))
+            print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out}")
     except ckpt.CheckpointError as e:
         raise ConfigError("DIR", f"refused: {e}") from None
-    if args.action == "inspect":
-        groups: dict[str, list] = {}
-        for k, v in tensors.items():
-            groups.setdefault(k.split(".", 1)[0], []).append((k, v))
-        print(f"checkpoint {path}")
-        print(f"  step {meta['step']}   layout {meta.get('layout')}   world size {meta.get('world_size')}   "
-              f"engine {meta.get('engine')}")
-        print(f"  data cursor {meta['data']['cursor']}   loss scaler {json.dumps(meta.get('scaler'))}")
-        for name, items in sorted(groups.items()):
-            n = sum(v.numel() for _, v in items)
-            nbytes = sum(v.numel() * v.element_size() for _, v in items)
-            print(f"  {name:<6} {len(items):>5} tensors  {n:>14,} elements  {nbytes / 2**20:>10.2f} MiB")
-        print("  model tensors:")
-        for k, v in sorted(tensors.items()):
-            if k.startswith("model."):
-                print(f"    {k[6:]:<48} {str(tuple(v.shape)):<20} {str(v.dtype).replace('torch.', '')}")
-        return 0
-    if not args.to:
-        raise ConfigError("--to", "export needs an output path, e.g. --to model.safetensors")
-    out = Path(args.to)
-    if out.exists() and not args.force:
-        raise ConfigError("--to", f"{out} exists; pass --force to overwrite it")
-    from safetensors.torch import save_file
-    weights = {k[len("model."):]: v.contiguous() for k, v in tensors.items() if k.startswith("model.")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"source": str(path), "step": str(meta["step"])})
-    print(f"wrote {len(weights)} tensors ({sum(v.numel() for v in weights.values()):,} parameters) to {out}")
+    except OSError as e:
+        raise ConfigError("--to" if args.action == "export" else "DIR",
+                          f"{e.filename or args.dir}: {e.strerror or e}") from None
     return 0

@@ -1,120 +1,201 @@
-"""Checkpoints: safetensors tensors in global coordinates + a JSON manifest with checksums.
+"""Sharded checkpoints: every rank writes the pieces it owns, rank 0 publishes an index.
 
-Layout of one checkpoint ``<dir>/step_00000100/``:
-  state.safetensors   ``model.<global name>``, ``optim.<global name>.<state>``, ``rng.<rank>.<kind>``
-  meta.json           step, data cursor, LR-schedule position, loss scaler, layout, config,
-                      and the sha256 of every file (verified on load)
+One checkpoint ``<dir>/step_00000100/``::
 
-Saving writes a hidden temporary directory, fsyncs every file, then renames it into place:
-a crash mid-save leaves the previous checkpoints intact. The last ``keep`` are kept. Nothing
-is ever unpickled: tensors come from safetensors, the rest from JSON.
+    rank_00000.safetensors   this rank's pieces (boxes of global tensors) + its extra tensors (RNG)
+    rank_00000.json          what rank 0 wrote: per piece key, global shape, offsets, sizes, dtype,
+                             name in the file, crc32; the extra names; the file size
+    ...
+    index.json               written last: step, world size, meta, per key the pieces that cover it
+
+Saving (the caller barriers between the phases)::
+
+    rank 0: staging = prepare(dir, step)           # <dir>/.tmp-step_00000100, emptied
+    every rank: write_rank(staging_dir(dir, step), rank, pieces, extra)
+    rank 0: commit(dir, step, world_size, meta)    # index.json, fsync, rename, prune
+
+A crash at any point before the rename leaves only a hidden ``.tmp-`` directory, which is
+never listed; the previous checkpoints are untouched. Loading under any layout: ``Reader``
+(ckpt_reader.py) reads only the slices that intersect the box a rank asks for. Nothing is ever
+unpickled: tensors come from safetensors, the rest from JSON. Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from .ckpt_format import (CheckpointError, Piece, SafetensorsWriter, dtype_name, flat_boxes, fsync_path,
+                          plan_cover)
+from .ckpt_reader import Reader
+
+__all__ = ["CheckpointError", "Piece", "PREFIX", "staging_dir", "prepare", "write_rank", "commit",
+           "list_checkpoints", "latest_valid", "Reader", "flat_boxes", "rng_tensors", "restore_rng"]
 
 PREFIX = "step_"
+INDEX = "index.json"
+FORMAT = "shardlab-sharded-1"
+_STEP_RE = re.compile(r"^step_\d{8}$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file and why."""
+def _step_name(step: int) -> str:
+    return f"{PREFIX}{int(step):08d}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def rank_file(rank: int, suffix: str) -> str:
+    return f"rank_{int(rank):05d}.{suffix}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def staging_dir(directory, step: int) -> Path:
+    """The hidden directory where checkpoint ``step`` is written before it is published."""
+    return Path(directory) / f".tmp-{_step_name(step)}"
+
+
+def prepare(directory, step: int) -> Path:
+    """Rank 0, before any rank writes: an empty staging directory (a stale one is removed)."""
+    staging = staging_dir(directory, step)
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _dumps(obj: dict) -> str:
+    """JSON with one line per top-level entry and per entry of a nested dict or list (readable
+    and compact: one line per key, piece or rank)."""
+    def block(v, pad):
+        if isinstance(v, dict) and v:
+            return "{\n" + ",\n".join(f"{pad} {json.dumps(k)}: {json.dumps(x)}" for k, x in v.items()) + f"\n{pad}}}"
+        if isinstance(v, list) and v:
+            return "[\n" + ",\n".join(f"{pad} {json.dumps(x)}" for x in v) + f"\n{pad}]"
+        return json.dumps(v)
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {block(v, ' ')}" for k, v in obj.items()) + "\n}\n"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Write JSON under a temporary name, fsync, rename: readers never see half a file."""
+    tmp = path.with_name(path.name + ".part")
+    with tmp.open("w") as fh:
+        fh.write(_dumps(obj))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_rank(staging: Path, rank: int, pieces: list[Piece], extra: dict[str, torch.Tensor]) -> None:
+    """Every rank: write ``rank_NNNNN.safetensors`` (pieces + extra tensors) and ``rank_NNNNN.json``
+    (written after the data is fsynced, so its presence means this rank finished). Tensors may
+    be on any device; they are copied to the host one at a time. No collective."""
+    staging = Path(staging)
+    specs, entries = [], []
+    for i, p in enumerate(pieces):
+        gshape, offs = tuple(int(s) for s in p.global_shape), tuple(int(o) for o in p.offsets)
+        sizes = tuple(p.tensor.shape)
+        if len(offs) != len(gshape) or len(sizes) != len(gshape) or \
+                any(o < 0 or o + s > g for o, s, g in zip(offs, sizes, gshape)):
+            raise ValueError(f"checkpoint piece {p.key}: box offsets {offs} sizes {sizes} does not fit "
+                             f"global shape {gshape}")
+        name = f"p{i}.{p.key}"
+        specs.append((name, p.tensor.dtype, sizes))
+        entries.append({"key": p.key, "global_shape": list(gshape), "offsets": list(offs),
+                        "sizes": list(sizes), "dtype": dtype_name(p.tensor.dtype), "name": name})
+    for name, t in extra.items():
+        if re.match(r"^p\d+\.", name):
+            raise ValueError(f"checkpoint extra tensor {name!r}: names p<N>.* are reserved for pieces")
+        dtype_name(t.dtype)
+        specs.append((name, t.dtype, tuple(t.shape)))
+    path = staging / rank_file(rank, "safetensors")
+    writer = SafetensorsWriter(path, specs, {"format": FORMAT, "rank": rank})
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        for p, e in zip(pieces, entries):
+            e["crc32"] = writer.write(e["name"], p.tensor)
+        extras = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "crc32": writer.write(name, t)}
+                  for name, t in extra.items()}
+        size = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    _write_json(staging / rank_file(rank, "json"),
+                {"rank": rank, "file": path.name, "size": size, "pieces": entries, "extra": extras})
 
 
-def save(directory: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 3,
-         _fail_after_tensors: bool = False) -> Path:
-    """Atomically write checkpoint ``step``; prune to the newest ``keep``. Returns its path.
-    (``_fail_after_tensors`` simulates a crash mid-save for tests.)"""
+def _check_covered(key: str, info: dict) -> None:
+    boxes = sorted({(tuple(p["offsets"]), tuple(p["sizes"])) for p in info["pieces"]})
+    _, hole = plan_cover((0,) * len(info["global_shape"]), info["global_shape"], boxes)
+    if hole is not None:
+        raise CheckpointError(f"checkpoint {key}: no rank saved the box at offsets {hole[0]} sizes {hole[1]} "
+                              f"of global shape {tuple(info['global_shape'])}; fix the engine's pieces")
+
+
+def commit(directory, step: int, world_size: int, meta: dict, keep: int = 3) -> Path:
+    """Rank 0, after every rank has written: index.json last, fsync, atomic rename to
+    ``<dir>/step_NNNNNNNN`` (an existing one is replaced), prune to the newest ``keep``."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, str(tmp / "state.safetensors"))
-    if _fail_after_tensors:
-        raise CheckpointError(f"simulated crash while saving {tmp}")
-    meta = dict(meta, step=step, files={"state.safetensors": _sha256(tmp / "state.safetensors")})
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-    for f in tmp.iterdir():
-        with f.open("rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-        old = root / f".old-{final.name}-{os.getpid()}"
+    staging = staging_dir(root, step)
+    keys: dict[str, dict] = {}
+    ranks = []
+    for r in range(world_size):
+        rj = staging / rank_file(r, "json")
+        if not rj.exists():
+            raise CheckpointError(f"{rj}: missing: rank {r} did not finish writing step {step}; "
+                                  "call commit only after every rank's write_rank (barrier)")
+    for r in range(world_size):
+        rj = staging / rank_file(r, "json")
+        info = json.loads(rj.read_text())
+        data = staging / info["file"]
+        if not data.exists() or data.stat().st_size != info["size"]:
+            raise CheckpointError(f"{data}: missing or not the size rank {r} recorded; save the step again")
+        ranks.append({"rank": r, "file": info["file"], "size": info["size"], "extra": info["extra"]})
+        for p in info["pieces"]:
+            k = keys.setdefault(p["key"], {"global_shape": p["global_shape"], "dtype": p["dtype"], "pieces": []})
+            if (k["global_shape"], k["dtype"]) != (p["global_shape"], p["dtype"]):
+                raise CheckpointError(f"{rj}: {p['key']} saved as {p['dtype']} {p['global_shape']} here but "
+                                      f"{k['dtype']} {k['global_shape']} by another rank; fix the engine's pieces")
+            k["pieces"].append({"file": info["file"], "name": p["name"], "offsets": p["offsets"],
+                                "sizes": p["sizes"], "crc32": p["crc32"]})
+    for key, info in keys.items():
+        _check_covered(key, info)
+    index = {"format": FORMAT, "step": int(step), "world_size": int(world_size), "meta": meta,
+             "keys": dict(sorted(keys.items())), "ranks": ranks}
+    _write_json(staging / INDEX, index)
+    fsync_path(staging)
+    final = root / _step_name(step)
+    if final.exists():  # re-saving the same step (e.g. after a resume): swap, then delete the old one
+        old = root / f".old-{final.name}"
+        if old.exists():
+            shutil.rmtree(old)
         os.replace(final, old)
-        os.replace(tmp, final)
+        os.replace(staging, final)
+        fsync_path(root)
         shutil.rmtree(old)
     else:
-        os.replace(tmp, final)
-    _fsync_dir(root)
+        os.replace(staging, final)
+    fsync_path(root)
     for stale in list_checkpoints(root)[:-keep]:
         shutil.rmtree(stale, ignore_errors=True)
+    for leftover in root.glob(f".tmp-{PREFIX}*"):  # staging dirs of saves that crashed earlier
+        shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Completed checkpoints (temporary directories excluded), oldest first."""
+def list_checkpoints(directory) -> list[Path]:
+    """Published checkpoints (``step_NNNNNNNN``; staging dirs excluded), oldest first."""
     root = Path(directory)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_RE.match(p.name))
 
 
-def verify(path: str | Path) -> dict:
-    """Check the manifest and every file's checksum; return the manifest or raise CheckpointError."""
-    path = Path(path)
-    meta_file = path / "meta.json"
-    if not meta_file.exists():
-        raise CheckpointError(f"{meta_file}: missing (incomplete checkpoint)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_file}: damaged ({e})") from None
-    for name, digest in meta.get("files", {}).items():
-        f = path / name
-        if not f.exists():
-            raise CheckpointError(f"{f}: missing")
-        if _sha256(f) != digest:
-            raise CheckpointError(f"{f}: checksum mismatch (file damaged or modified)")
-    return meta
-
-
-def load(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Verify then read one checkpoint -> (tensors, meta)."""
-    meta = verify(path)
-    return load_file(str(Path(path) / "state.safetensors")), meta
-
-
-def latest_valid(directory: str | Path, warn=print) -> Path | None:
-    """The newest checkpoint that verifies; damaged newer ones are reported through ``warn``."""
+def latest_valid(directory, warn=print) -> Path | None:
+    """The newest checkpoint whose index parses and whose files exist with the recorded sizes
+    (no tensor data is read); damaged newer ones are reported through ``warn``."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            verify(path)
+            Reader(path).close()
             return path
         except CheckpointError as e:
             warn(f"shardlab: skipping damaged checkpoint: {e}")
@@ -123,19 +204,20 @@ def latest_valid(directory: str | Path, warn=print) -> Path | None:
 
 # -- RNG state as tensors ----------------------------------------------------------------------
 
-def rng_tensors(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    out = {f"rng.{rank}.cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        out[f"rng.{rank}.cuda"] = torch.cuda.get_rng_state(device)
+def rng_tensors(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states as uint8 tensors, for ``write_rank(..., extra=...)``."""
+    out = {"rng.cpu": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        out["rng.cuda"] = torch.cuda.get_rng_state(device)
     return out
 
 
-def restore_rng(tensors: dict[str, torch.Tensor], rank: int, device: torch.device) -> bool:
-    """Restore this rank's RNG states if the checkpoint has them (same world size)."""
-    key = f"rng.{rank}.cpu"
-    if key not in tensors:
+def restore_rng(tensors: dict[str, torch.Tensor | None], device: torch.device) -> bool:
+    """Restore RNG states saved by ``rng_tensors`` (e.g. ``{n: reader.extra(rank, n) for n in ...}``).
+    Returns False when the CPU state is absent (e.g. the world size changed)."""
+    if tensors.get("rng.cpu") is None:
         return False
-    torch.set_rng_state(tensors[key])
-    if device.type == "cuda" and f"rng.{rank}.cuda" in tensors:
-        torch.cuda.set_rng_state(tensors[f"rng.{rank}.cuda"], device)
+    torch.set_rng_state(tensors["rng.cpu"])
+    if torch.device(device).type == "cuda" and tensors.get("rng.cuda") is not None:
+        torch.cuda.set_rng_state(tensors["rng.cuda"], device)
     return True

@@ -1,0 +1,191 @@
+"""Reading a sharded checkpoint under any layout: each rank asks for the boxes it needs.
+
+``Reader(path)`` parses ``index.json`` and checks that every shard file exists with the recorded
+size and a parseable safetensors header matching the index (cheap: no tensor data is read).
+``read(key, offsets, sizes)`` assembles the box from the saved pieces that intersect it, reading
+only the intersecting slices through ``safe_open(...).get_slice(name)[slices]`` (memory-mapped;
+only the touched bytes are paged in). A piece read whole has its crc32 checked; ``verify_all``
+reads and checks every piece. Docs: docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .ckpt_format import CheckpointError, crc32, dtype_from_name, plan_cover, read_header
+
+_FIX = "re-save or use an older checkpoint"
+_ST_NAMES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
+             "int32": "I32", "uint8": "U8", "bool": "BOOL"}
+
+
+class Reader:
+    """One published checkpoint (a ``step_NNNNNNNN`` directory)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        index_file = self.path / "index.json"
+        if not index_file.exists():
+            raise CheckpointError(f"{index_file}: missing (incomplete checkpoint: the save did not finish); "
+                                  "use an older checkpoint")
+        try:
+            index = json.loads(index_file.read_text())
+            self.step, self.world_size, self.meta = int(index["step"]), int(index["world_size"]), index["meta"]
+            self._keys: dict[str, dict] = index["keys"]
+            self._ranks = {int(r["rank"]): r for r in index["ranks"]}
+            for info in self._keys.values():
+                dtype_from_name(info["dtype"])
+            self._handles: dict[str, object] = {}
+            self._check_files()
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{index_file}: damaged ({type(e).__name__}: {e}); {_FIX}") from None
+
+    def _check_files(self) -> None:
+        headers = {}
+        for r in self._ranks.values():
+            f = self.path / r["file"]
+            if not f.exists():
+                raise CheckpointError(f"{f}: missing; {_FIX}")
+            if f.stat().st_size != r["size"]:
+                raise CheckpointError(f"{f}: {f.stat().st_size} bytes, index.json records {r['size']} "
+                                      f"(truncated or modified); {_FIX}")
+            headers[r["file"]] = read_header(f)
+            for name, e in r["extra"].items():
+                self._check_entry(f, headers[r["file"]], name, e["dtype"], e["shape"])
+        for key, info in self._keys.items():
+            for p in info["pieces"]:
+                if p["file"] not in headers:
+                    raise CheckpointError(f"{self.path / 'index.json'}: {key} names unknown file {p['file']}; {_FIX}")
+                self._check_entry(self.path / p["file"], headers[p["file"]], p["name"], info["dtype"], p["sizes"])
+
+    @staticmethod
+    def _check_entry(f: Path, header: dict, name: str, dtype: str, shape) -> None:
+        h = header.get(name)
+        if h is None or h.get("dtype") != _ST_NAMES[dtype] or list(h.get("shape", ())) != list(shape):
+            raise CheckpointError(f"{f}: tensor {name} missing or not as index.json records it; {_FIX}")
+
+    # -- what is in it ---------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def has(self, key: str) -> bool:
+        return key in self._keys
+
+    def _info(self, key: str) -> dict:
+        if key not in self._keys:
+            raise CheckpointError(f"{self.path}: no tensor {key} in this checkpoint (saved from another model "
+                                  "or with another optimizer?)")
+        return self._keys[key]
+
+    def global_shape(self, key: str) -> tuple:
+        return tuple(self._info(key)["global_shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return dtype_from_name(self._info(key)["dtype"])
+
+    def pieces(self, key: str) -> list[dict]:
+        """The saved pieces of ``key``: {file, name, offsets, sizes, crc32}."""
+        return list(self._info(key)["pieces"])
+
+    def rank_files(self) -> list[dict]:
+        """Per saving rank: {rank, file, size, extra}."""
+        return [self._ranks[r] for r in sorted(self._ranks)]
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{self.path / file}: cannot be opened ({e}); {_FIX}") from None
+        return self._handles[file]
+
+    def _read_piece(self, p: dict, off, sizes) -> torch.Tensor:
+        """The part (off, sizes) of saved piece ``p``, in global coordinates; crc32 when whole."""
+        whole = list(off) == p["offsets"] and list(sizes) == p["sizes"]
+        handle = self._open(p["file"])
+        try:
+            if whole:
+                t = handle.get_tensor(p["name"])
+            else:
+                t = handle.get_slice(p["name"])[tuple(slice(o - po, o - po + s)
+                                                      for o, po, s in zip(off, p["offsets"], sizes))]
+        except Exception as e:
+            raise CheckpointError(f"{self.path / p['file']}: cannot read {p['name']} ({e}); {_FIX}") from None
+        if whole and crc32(t) != p["crc32"]:
+            raise CheckpointError(f"{self.path / p['file']}: checksum mismatch in {p['name']} (file damaged); "
+                                  f"{_FIX}")
+        return t
+
+    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor:
+        """The box [offsets, offsets + sizes) of global tensor ``key`` (the whole tensor when None),
+        assembled from the saved pieces that intersect it; only those slices are read."""
+        info = self._info(key)
+        gshape = tuple(info["global_shape"])
+        offsets = (0,) * len(gshape) if offsets is None else tuple(int(o) for o in offsets)
+        sizes = tuple(g - o for g, o in zip(gshape, offsets)) if sizes is None else tuple(int(s) for s in sizes)
+        if len(offsets) != len(gshape) or len(sizes) != len(gshape) or \
+                any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offsets, sizes, gshape)):
+            raise CheckpointError(f"{self.path}: {key}: box offsets {offsets} sizes {sizes} is outside its "
+                                  f"global shape {gshape}; the loading layout does not match the model")
+        pieces = info["pieces"]
+        plan, hole = plan_cover(offsets, sizes, [(tuple(p["offsets"]), tuple(p["sizes"])) for p in pieces])
+        if hole is not None:
+            raise CheckpointError(f"{self.path}: {key}: no saved piece covers offsets {hole[0]} sizes {hole[1]}; "
+                                  f"{_FIX}")
+        out = torch.empty(sizes, dtype=dtype_from_name(info["dtype"]))
+        for i, c_off, c_size in plan:
+            part = self._read_piece(pieces[i], c_off, c_size)
+            if out.dim() == 0:
+                out.copy_(part.reshape(()))
+            else:
+                out[tuple(slice(c - o, c - o + s) for c, o, s in zip(c_off, offsets, c_size))] = part
+        return out if dtype is None else out.to(dtype)
+
+    def extra(self, rank: int, name: str) -> torch.Tensor | None:
+        """An extra tensor saved by ``rank`` (e.g. ``"rng.cpu"``), or None if it has none."""
+        r = self._ranks.get(int(rank))
+        if r is None or name not in r["extra"]:
+            return None
+        e = r["extra"][name]
+        whole = {"file": r["file"], "name": name, "offsets": [], "sizes": [], "crc32": e["crc32"]}
+        return self._read_piece(whole, (), ())  # empty box == the piece's box: read whole, crc checked
+
+    def verify_all(self) -> int:
+        """Read every piece and extra tensor whole and check its crc32; check every key is fully
+        covered. Returns the number of tensors checked. CheckpointError names the first bad file."""
+        n = 0
+        for key, info in self._keys.items():
+            boxes = [(tuple(p["offsets"]), tuple(p["sizes"])) for p in info["pieces"]]
+            _, hole = plan_cover((0,) * len(info["global_shape"]), info["global_shape"], boxes)
+            if hole is not None:
+                raise CheckpointError(f"{self.path}: {key}: no saved piece covers offsets {hole[0]}; {_FIX}")
+        by_file: dict[str, list[dict]] = {}
+        for info in self._keys.values():
+            for p in info["pieces"]:
+                by_file.setdefault(p["file"], []).append(p)
+        for r in self.rank_files():
+            for p in by_file.get(r["file"], []):
+                self._read_piece(p, p["offsets"], p["sizes"])
+                n += 1
+            for name in r["extra"]:
+                self.extra(r["rank"], name)
+                n += 1
+        return n
+
+    def nbytes(self) -> int:
+        return sum(r["size"] for r in self._ranks.values())
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

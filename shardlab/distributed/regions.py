@@ -24,7 +24,9 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 def flat_boxes(shape, lo: int, hi: int) -> list[Box]:
     """The flat range ``[lo, hi)`` of a row-major tensor of ``shape`` as boxes, in flat order."""
     shape = tuple(int(s) for s in shape)
-    if lo >= hi:
+    if not 0 <= lo <= hi <= math.prod(shape):
+        raise ValueError(f"flat_boxes: range [{lo}, {hi}) outside a tensor of {math.prod(shape)} elements")
+    if lo == hi:
         return []
     if not shape:
         return [((), ())]

@@ -17,21 +17,15 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 
+from ..distributed.regions import Piece, flat_boxes  # noqa: F401  (re-exported: the checkpoint API)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the file and the fix."""
-
-
-class Piece(NamedTuple):
-    """One box of one global tensor, as saved by one rank."""
-    key: str                # "model.<global name>" or "optim.<global name>.<state>"
-    global_shape: tuple     # full tensor shape, () for scalars
-    offsets: tuple          # origin of this box in global coordinates
-    tensor: torch.Tensor    # the box's values; tensor.shape are the box sizes
 
 
 # torch dtype <-> safetensors dtype string; index files use the torch name ("float32").
@@ -127,36 +121,6 @@ def plan_cover(offsets, sizes, boxes):
         out.append((i, c_off, c_size))
         todo.extend(subtract(r_off, r_size, c_off, c_size))
     return out, None
-
-
-def flat_boxes(shape, lo: int, hi: int) -> list[tuple[tuple, tuple]]:
-    """Decompose the row-major element range [lo, hi) of a tensor of ``shape`` into the fewest
-    boxes (offsets, sizes), in flat order: concatenating the boxes' flattened values gives
-    ``tensor.reshape(-1)[lo:hi]``. Used for FSDP flat shards."""
-    shape = tuple(int(s) for s in shape)
-    if not 0 <= lo <= hi <= volume(shape):
-        raise ValueError(f"flat_boxes: range [{lo}, {hi}) outside a tensor of {volume(shape)} elements")
-    if lo == hi:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = volume(shape[1:])
-    rest = shape[1:]
-    full_rest = tuple(0 for _ in rest), rest
-    a, b = lo // inner, hi // inner
-    if lo % inner == 0 and hi % inner == 0:
-        return [((a,) + full_rest[0], (b - a,) + rest)]
-    if a == (hi - 1) // inner:  # inside one row of the first dimension
-        return [((a,) + o, (1,) + s) for o, s in flat_boxes(rest, lo - a * inner, hi - a * inner)]
-    out = []
-    if lo % inner:
-        out += [((a,) + o, (1,) + s) for o, s in flat_boxes(rest, lo % inner, inner)]
-        a += 1
-    if b > a:
-        out.append(((a,) + full_rest[0], (b - a,) + rest))
-    if hi % inner:
-        out += [((b,) + o, (1,) + s) for o, s in flat_boxes(rest, 0, hi % inner)]
-    return out
 
 
 # -- safetensors files -------------------------------------------------------------------------

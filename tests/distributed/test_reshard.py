@@ -1,5 +1,6 @@
-"""Checkpoints reshard: train K steps under layout A, save, resume under layout B for K more;
-the losses equal an uninterrupted single-process run (float64, <= 1e-10)."""
+"""Checkpoints reshard: train K steps under layout A, save, resume under layout B (another layout,
+another world size: 4 -> 2, 2 -> 3) for K more; the losses equal an uninterrupted
+single-process run (float64, <= 1e-10)."""
 import json
 
 import pytest
@@ -33,6 +34,9 @@ PAIRS = {
     "dp4->fsdp2": ({"dp_replicate": 4}, {"dp_shard": 2, "zero_stage": 3}, {}),
     "fsdp4->tp2xfsdp2": ({"dp_shard": 4, "zero_stage": 3}, {"tp": 2, "dp_shard": 2, "zero_stage": 3}, {}),
     "cp2xdp2->tp4": ({"cp": 2, "dp_replicate": 2}, {"tp": 4}, {}),
+    # world-size changes: 4 ranks -> 2, 2 ranks -> 3 (uneven pipeline stages, ZeRO-2 shards to PP)
+    "zero2x4->tp2": ({"dp_shard": 4, "zero_stage": 2}, {"tp": 2}, {}),
+    "fsdp2->pp3": ({"dp_shard": 2, "zero_stage": 3}, {"pp": 3, "microbatches": 4}, {}),
 }
 
 

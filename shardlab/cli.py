@@ -15,8 +15,8 @@ COMMANDS = {
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
     "bench": ("shardlab.commands.bench_comm", "time collectives, own vs backend: shardlab bench comm --nproc N"),
     "verify": ("shardlab.analysis.verify", "parity matrix: every layout that fits N ranks vs one process (float64)"),
-    "checkpoint": ("shardlab.commands.checkpoint_cmd", "inspect a checkpoint or export consolidated weights: "
-                   "shardlab checkpoint inspect|export DIR [--to model.safetensors]"),
+    "checkpoint": ("shardlab.commands.checkpoint_cmd", "inspect, verify or export a sharded checkpoint: "
+                   "shardlab checkpoint inspect|verify|export DIR [--to model.safetensors]"),
     "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
     "schedule": ("shardlab.analysis.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
     "memory": ("shardlab.analysis.memory", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),

@@ -5,7 +5,7 @@ Every parallel module communicates through a :class:`Comm` so that every byte is
 on point-to-point ops in algorithms.py) per call: every method takes ``algorithm=`` (default
 ``self.algorithm``, from ``parallel.comm_algorithm``). Backend ops are counted with the bytes
 a ring algorithm would move (ledger.ring_bytes); own algorithms record the bytes they really
-sent and received.
+sent and received. The ledger labels the first "modelled" and the second "measured".
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class Comm:
 
     def _count(self, op: str, nbytes: int):
         sent = ring_bytes(op, nbytes, self.size)
-        self.ledger.record(op, self.name, sent, sent)
+        self.ledger.record(op, self.name, sent, sent, modelled=True)
 
     def _choose(self, op: str, t: torch.Tensor, algorithm: str | None, nbytes: int) -> str:
         return algos.select(op, algorithm or self.algorithm, nbytes)
@@ -188,7 +188,7 @@ class Comm:
         row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
         sent = row * (sum(in_splits) - in_splits[self.rank])
         recv = row * (sum(out_splits) - out_splits[self.rank])
-        self.ledger.record("all_to_all", self.name, sent, recv)
+        self.ledger.record("all_to_all", self.name, sent, recv, modelled=True)
         dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
         return out
 

@@ -108,19 +108,19 @@ def memory(mesh, seq, dev):
     return {"saved_MiB": nbytes / 2**20, "peak_MiB": None if peak is None else peak / 2**20, "rss_MiB": rss}
 
 
-def _exchange(comm, kv, n, tag):
+def _exchange(comm, kv, n):
     """``n`` ring steps of the K/V block with nothing else running."""
     cp, r = comm.size, comm.rank
     for _ in range(n):
         buf = torch.empty_like(kv)
-        for req in (comm.isend(kv, (r + 1) % cp, tag), comm.irecv(buf, (r - 1) % cp, tag)):
+        for req in comm.exchange([(kv, (r + 1) % cp)], [(buf, (r - 1) % cp)]):
             req.wait()
 
 
 def _backward_timeline(comm, stats):
     """(blocked seconds, of which skew) of this rank's backward waits. At step s a rank waits for
     K/V from r-1 and for r+1 to take ours (both posted at their step s start) and for the partial
-    dK/dV from r-1 (posted at the end of its step s-1); the final wait for the complete dK/dV
+    dK/dV from r-1 (posted with its step s K/V); the final wait for the complete dK/dV
     from r-1 (end of its last step) and for r+1 to take our partial sums (its step s+1 start,
     or its final receive)."""
     cp, r = comm.size, comm.rank
@@ -171,10 +171,10 @@ def ring(mesh, seq, dev, iters=3):
         # the same transfers with no compute: fwd (cp-1) K/V blocks, bwd (cp-1) K/V + cp dK/dV
         kv = torch.stack([k.detach(), v.detach()]).contiguous()
         t2 = time.perf_counter()
-        _exchange(comm, kv, cp - 1, 0)
+        _exchange(comm, kv, cp - 1)
         t3 = time.perf_counter()
-        _exchange(comm, kv, cp - 1, 0)
-        _exchange(comm, kv, cp, 1)
+        _exchange(comm, kv, cp - 1)
+        _exchange(comm, kv, cp)
         _sync(dev)
         t4 = time.perf_counter()
         tl = torch.tensor([[p, w0, w1] for p, (w0, w1) in zip(stats["fwd_posts"], stats["fwd_waits"])],

@@ -5,7 +5,7 @@ Every parallel module communicates through a :class:`Comm` so that every byte is
 on point-to-point ops in algorithms.py) per call: every method takes ``algorithm=`` (default
 ``self.algorithm``, from ``parallel.comm_algorithm``). Backend ops are counted with the bytes
 a ring algorithm would move (ledger.ring_bytes); own algorithms record the bytes they really
-sent and received.
+sent and received. The ledger labels the first "modelled" and the second "measured".
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class Comm:
 
     def _count(self, op: str, nbytes: int):
         sent = ring_bytes(op, nbytes, self.size)
-        self.ledger.record(op, self.name, sent, sent)
+        self.ledger.record(op, self.name, sent, sent, modelled=True)
 
     def _choose(self, op: str, t: torch.Tensor, algorithm: str | None, nbytes: int) -> str:
         return algos.select(op, algorithm or self.algorithm, nbytes)
@@ -188,7 +188,7 @@ class Comm:
         row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
         sent = row * (sum(in_splits) - in_splits[self.rank])
         recv = row * (sum(out_splits) - out_splits[self.rank])
-        self.ledger.record("all_to_all", self.name, sent, recv)
+        self.ledger.record("all_to_all", self.name, sent, recv, modelled=True)
         dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
@@ -244,15 +244,37 @@ class Comm:
         return Pending(work, out, (lambda r: r.div_(self.size)) if op == "avg" else None)
 
     # -- point to point (group-relative peers) -------------------------------------------------
-    def isend(self, t: torch.Tensor, peer: int, tag: int = 0):
-        """Non-blocking send to group rank ``peer``; messages with the same tag between a pair
-        arrive in the order sent, messages with different tags never mix."""
+    # No tags: NCCL ignores them and matches the messages between two ranks purely by the order
+    # in which they are issued, so every caller must issue, per (sender, receiver) pair, its
+    # sends and the peer's matching receives in the same order (docs/collectives.md). Without a
+    # tag argument gloo runs the same matching as NCCL, so the CPU tests check that order too.
+    def isend(self, t: torch.Tensor, peer: int):
+        """Non-blocking send to group rank ``peer``. The peer's receives from this rank match
+        this rank's sends to it in issue order (never by tag)."""
         self.ledger.record("send", self.name, _nbytes(t), 0)
-        return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group, tag=tag)
+        return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group)
 
-    def irecv(self, t: torch.Tensor, peer: int, tag: int = 0):
+    def irecv(self, t: torch.Tensor, peer: int):
+        """Non-blocking receive into ``t`` (contiguous) from group rank ``peer``: it gets the
+        earliest message from ``peer`` that no earlier-issued receive has taken."""
         self.ledger.record("recv", self.name, 0, _nbytes(t))
-        return dist.irecv(t, src=self.ranks[peer], group=self.group, tag=tag)
+        return dist.irecv(t, src=self.ranks[peer], group=self.group)
+
+    def exchange(self, sends=(), recvs=()) -> list:
+        """Issue ``[(tensor, peer), ...]`` sends and receives together, receives first, each list
+        in its order (one ``batch_isend_irecv``: NCCL runs it as one group, so two ranks that send
+        to each other cannot block on each other's send). Returns the works to wait for; sent
+        tensors must stay unchanged until then. Counted like ``isend`` / ``irecv``."""
+        ops = []
+        for t, peer in recvs:
+            if not t.is_contiguous():
+                raise ValueError("exchange: a receive buffer must be contiguous")
+            self.ledger.record("recv", self.name, 0, _nbytes(t))
+            ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group))
+        for t, peer in sends:
+            self.ledger.record("send", self.name, _nbytes(t), 0)
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.group))
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def barrier(self):
         if self.size > 1:

@@ -1,9 +1,13 @@
 """Ledger: calls and bytes of every collective issued through shardlab, per op and per group.
 
-One Ledger lives on each rank's :class:`~shardlab.distributed.mesh.Mesh` (no global). Own
-algorithms (algorithms.py, through Comm) record the bytes they really sent and received;
-backend ops record the bytes a ring algorithm would move per rank (:func:`ring_bytes`,
-REFERENCE.md), since the backend does not say what it moved.
+One Ledger lives on each rank's :class:`~shardlab.distributed.mesh.Mesh` (no global). Every
+record says where its bytes come from (``Entry.source``, the "source" column of ``table()``):
+
+  measured   own algorithms (algorithms.py, through Comm) and point-to-point sends/receives:
+             the bytes this rank really passed to send and receive;
+  modelled   backend (torch.distributed) collectives: the bytes a ring algorithm would move per
+             rank (:func:`ring_bytes`; all-to-all: the rows that leave / reach the rank), since
+             the backend does not say what it moved (NCCL may pick a tree, for instance).
 """
 from __future__ import annotations
 
@@ -17,6 +21,15 @@ class Entry:
     bytes_sent: int = 0
     bytes_recv: int = 0
     seconds: float = 0.0
+    modelled_calls: int = 0
+    """How many of ``calls`` recorded modelled bytes (backend collectives); the rest are measured."""
+
+    @property
+    def source(self) -> str:
+        """"measured", "modelled", or "mixed" (an op on one group run both ways)."""
+        if self.modelled_calls == 0:
+            return "measured"
+        return "modelled" if self.modelled_calls == self.calls else "mixed"
 
 
 def ring_bytes(op: str, nbytes: int, n: int) -> int:
@@ -36,17 +49,22 @@ def ring_bytes(op: str, nbytes: int, n: int) -> int:
 
 
 class Ledger:
-    """``ledger.record(op, group_name, sent, recv)``; ``ledger.totals()`` -> {(op, group): Entry}."""
+    """``ledger.record(op, group_name, sent, recv, modelled=...)``; ``ledger.entries`` ->
+    {(op, group): Entry}."""
 
     def __init__(self):
         self.entries: dict[tuple[str, str], Entry] = defaultdict(Entry)
         self.enabled = True
 
-    def record(self, op: str, group: str, sent: int, recv: int | None = None, seconds: float = 0.0):
+    def record(self, op: str, group: str, sent: int, recv: int | None = None, seconds: float = 0.0,
+               modelled: bool = False):
+        """``modelled``: the bytes come from a model (backend collectives), not from what this
+        rank passed to send and receive."""
         if not self.enabled:
             return
         e = self.entries[(op, group)]
         e.calls += 1
+        e.modelled_calls += bool(modelled)
         e.bytes_sent += int(sent)
         e.bytes_recv += int(sent if recv is None else recv)
         e.seconds += seconds
@@ -63,7 +81,8 @@ class Ledger:
         for k, v in self.entries.items():
             base = snap.get(k, Entry())
             d = Entry(v.calls - base.calls, v.bytes_sent - base.bytes_sent,
-                      v.bytes_recv - base.bytes_recv, v.seconds - base.seconds)
+                      v.bytes_recv - base.bytes_recv, v.seconds - base.seconds,
+                      v.modelled_calls - base.modelled_calls)
             if d.calls:
                 out[k] = d
         return out
@@ -73,10 +92,14 @@ class Ledger:
                    if (group is None or g == group) and (op is None or o == op))
 
     def table(self) -> str:
-        rows = [f"{'op':<16}{'group':<14}{'calls':>8}{'sent MiB':>12}{'recv MiB':>12}"]
+        """One row per (op, group); "source": measured bytes (own algorithms, p2p) or modelled
+        (backend collectives, ring model)."""
+        rows = [f"{'op':<16}{'group':<14}{'calls':>8}{'sent MiB':>12}{'recv MiB':>12}  source"]
         for (op, group), e in sorted(self.entries.items()):
-            rows.append(f"{op:<16}{group:<14}{e.calls:>8}{e.bytes_sent / 2**20:>12.3f}{e.bytes_recv / 2**20:>12.3f}")
+            rows.append(f"{op:<16}{group:<14}{e.calls:>8}{e.bytes_sent / 2**20:>12.3f}"
+                        f"{e.bytes_recv / 2**20:>12.3f}  {e.source}")
         return "\n".join(rows)
 
     def as_dict(self) -> dict:
-        return {f"{op}/{group}": vars(e).copy() for (op, group), e in sorted(self.entries.items())}
+        """{"op/group": {calls, bytes_sent, bytes_recv, seconds, modelled_calls, source}}."""
+        return {f"{op}/{group}": dict(vars(e), source=e.source) for (op, group), e in sorted(self.entries.items())}

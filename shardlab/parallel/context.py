@@ -18,7 +18,9 @@ Backward (flash-attention style, nothing quadratic is saved). With D = rowsum(dO
 P = exp(q k^T * scale - lse) recomputed per block:
   dV += P^T dO;  dS = P * (dO V^T - D);  dQ += dS K * scale;  dK += dS^T Q * scale.
 K/V go around the ring again; the dK/dV of a block travel one hop behind it, each rank adding
-its contribution, and after cp hops the sums arrive back at the block's owner.
+its contribution, and after cp hops the sums arrive back at the block's owner. Both streams go
+from rank r to r+1, and point-to-point messages are matched by issue order only (NCCL ignores
+tags): each step sends (previous dK/dV, next K/V) and receives them in that same order.
 
 Communication per rank and attention layer: forward (cp-1) K/V blocks, backward (cp-1) K/V
 blocks + cp dK/dV blocks; a block is 2 * B * Hkv * (S/cp) * head_dim elements. Grouped-query
@@ -157,7 +159,7 @@ class _RingAttention(torch.autograd.Function):
             reqs = []
             if step < cp - 1:  # next block's transfer overlaps this block's compute
                 nxt = torch.empty_like(kv)
-                reqs = [comm.isend(kv, (r + 1) % cp), comm.irecv(nxt, (r - 1) % cp)]
+                reqs = comm.exchange([(kv, (r + 1) % cp)], [(nxt, (r - 1) % cp)])
                 _mark(stats, "fwd_posts", time.perf_counter())
             k_ids = chunk_ids((r - step) % cp, cp)
             kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
@@ -165,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = _pair_forward(qc[qi], _repeat(kc[ki], rep), _repeat(vc[ki], rep), scale, diag)
                 acc[qi] = _merge(acc[qi], out, lse)
             waited = _wait(reqs, stats)
-            if reqs:
+            if step < cp - 1:
                 _mark(stats, "fwd_waits", waited)
                 kv = nxt
         out = torch.cat([acc[0][0], acc[1][0]], dim=2)
@@ -187,16 +189,24 @@ class _RingAttention(torch.autograd.Function):
         q_ids = chunk_ids(r, cp)
         dq = [torch.zeros_like(x) for x in qc]
         kv = torch.stack([k, v]).contiguous()
-        sends, in_flight = [], []
+        # Rank r sends rank r+1 two streams: K/V blocks and partial dK/dV sums. Messages are matched
+        # by issue order only (never by tag), so both sides issue them in one fixed order:
+        # kv_0 | dkv_0, kv_1 | dkv_1, kv_2 | ... | dkv_cp-1 (dkv_s: the sums of block kv_s).
+        passing = None  # the previous step's dK/dV, sent on together with this step's K/V
         for step in range(cp):
-            reqs = []
+            sends, recvs = [], []
+            if passing is not None:  # the partial dK/dV of this block from the ranks that held it before
+                incoming = torch.empty_like(kv)
+                sends.append((passing, nxt_rank))
+                recvs.append((incoming, prev_rank))
             if step < cp - 1:
                 nxt = torch.empty_like(kv)
-                reqs = [comm.isend(kv, nxt_rank, tag=0), comm.irecv(nxt, prev_rank, tag=0)]
-            if step > 0:  # the partial dK/dV of this block from the ranks that held it before
-                incoming = torch.empty_like(kv)
-                reqs.append(comm.irecv(incoming, prev_rank, tag=1))
+                sends.append((kv, nxt_rank))
+                recvs.append((nxt, prev_rank))
+            reqs = comm.exchange(sends, recvs)
             _mark(stats, "bwd_posts", time.perf_counter())
+            if passing is not None:
+                _mark(stats, "bwd_dkv_posts", stats["bwd_posts"][-1])
             k_ids = chunk_ids((r - step) % cp, cp)
             kc, vc = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dkv = torch.zeros_like(kv)
@@ -210,19 +220,18 @@ class _RingAttention(torch.autograd.Function):
                 dkc[ki].add_(dk_blk)
                 dvc[ki].add_(dv_blk)
             _mark(stats, "bwd_waits", _wait(reqs, stats))
-            if step > 0:
+            if passing is not None:
                 dkv += incoming
             if cp > 1:  # pass the block's gradient on, one hop behind the block itself
-                sends.append(comm.isend(dkv, nxt_rank, tag=1))
-                _mark(stats, "bwd_dkv_posts", time.perf_counter())
-                in_flight.append(dkv)  # keep the buffer alive until its send completes
+                passing = dkv
             if step < cp - 1:
                 kv = nxt
         if cp > 1:  # after cp hops the complete dK/dV of our own block comes back to us
             dkv = torch.empty_like(kv)
-            final = comm.irecv(dkv, prev_rank, tag=1)
+            final = comm.exchange([(passing, nxt_rank)], [(dkv, prev_rank)])
             _mark(stats, "bwd_final_post", time.perf_counter())
-            _mark(stats, "bwd_final_wait", _wait([final] + sends, stats))
+            _mark(stats, "bwd_dkv_posts", stats["bwd_final_post"][-1])
+            _mark(stats, "bwd_final_wait", _wait(final, stats))
         return torch.cat(dq, dim=2), dkv[0], dkv[1], None, None, None
 
 

@@ -88,13 +88,15 @@ def train(ctx, cfg: Config):
         norms.append(engine.clip_grads(cfg.train.grad_clip))
         opt.step()
         opt.zero_grad()
-        step_bytes = sum(e.bytes_sent for (op, g), e in mesh.ledger.since(snap).items() if g != "world")
+        moved = {k: e for k, e in mesh.ledger.since(snap).items() if k[1] != "world"}
+        assert all(e.source == "modelled" for e in moved.values()), moved  # backend: ring model
+        step_bytes = sum(e.bytes_sent for e in moved.values())
         losses.append(engine.global_loss(local))
-    assert step_bytes == expected_bytes(engine, cfg, mesh), (step_bytes, expected_bytes(engine, cfg, mesh))
+    assert step_bytes == modelled_ring_bytes(engine, cfg, mesh), (step_bytes, modelled_ring_bytes(engine, cfg, mesh))
     return engine, opt, losses, norms
 
 
-def expected_bytes(engine, cfg, mesh) -> int:
+def modelled_ring_bytes(engine, cfg, mesh) -> int:
     """What one step must send per rank (ring model, float64), from the engine's buffer sizes:
     DDP all-reduces every bucket once; ZeRO-1 reduce-scatters once, ZeRO-2 once per micro-batch,
     both all-gather once; ZeRO-3 all-gathers every unit in forward, the non-root units again in

@@ -249,7 +249,7 @@ def expected_bytes(sp, layers, tp=2, dtype_bytes=8):
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_ledger_bytes_equal_theory(results, sp):
+def test_ledger_modelled_ring_bytes_equal_megatron_theory(results, sp):
     for res in results["2"]:
         for layers in (1, 2):
             got = res[f"ledger sp={sp} L={layers}"]

@@ -25,7 +25,7 @@ from torch import nn
 from ...parallelize import Engine
 from .schedule import Action, build
 from .simulate import check
-from .stage import StageLink, mark_pipeline_placements, split_model, stage_views
+from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model, stage_views
 
 
 class PipelineEngine(Engine):
@@ -63,14 +63,15 @@ class PipelineEngine(Engine):
         if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
             self._capture.append((module, output))
 
-    def _recv_tag(self, a) -> int:
-        return self.link.tag(a.kind[-1], a.mb, a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
+    def _recv_key(self, a) -> tuple:
+        return self.link.key(a.kind[-1], a.mb, a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
 
     def schedule(self, m: int):
         """The checked action lists for m micro-batches (built and simulated once per m)."""
         if m not in self._schedules:
             sched = build(self.schedule_name, self.pp, m, self.v)
             check(sched)  # refuses a deadlocking or incomplete list with the reason
+            check_p2p_order(sched)  # receives in the order of the sends (no tags)
             self._schedules[m] = sched
         return self._schedules[m]
 
@@ -93,17 +94,17 @@ class PipelineEngine(Engine):
             key = (a.mb, a.stage)
             if a.kind.startswith("RECV"):  # also post the next `lookahead` receives ahead of need
                 for r in recvs[n_recv:n_recv + 1 + self.lookahead]:
-                    self.link.post(r.peer, self._recv_tag(r))
+                    self.link.post(r.peer, self._recv_key(r))
                 n_recv += 1
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
-                inputs[key] = self.link.recv(a.peer, self._recv_tag(a)).requires_grad_()
+                inputs[key] = self.link.recv(a.peer, self._recv_key(a)).requires_grad_()
             elif a.kind == "RECV_B":
-                out_grads[key] = self.link.recv(a.peer, self._recv_tag(a))
+                out_grads[key] = self.link.recv(a.peer, self._recv_key(a))
             elif a.kind == "SEND_F":
-                self.link.send(outputs[key], a.peer, self.link.tag("F", a.mb, a.stage))
+                self.link.send(outputs[key], a.peer)
             elif a.kind == "SEND_B":
-                self.link.send(in_grads.pop(key), a.peer, self.link.tag("B", a.mb, a.stage))
+                self.link.send(in_grads.pop(key), a.peer)
             elif a.kind == "F":
                 tokens, targets = micro_batches[a.mb]
                 x = tokens if a.stage == 0 else inputs[key]
@@ -165,18 +166,20 @@ class PipelineEngine(Engine):
     @torch.no_grad()
     def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
         """Forward only: micro-batch by micro-batch, this rank's stages in ascending order (each
-        waits only for a lower stage, so it cannot deadlock). Mean loss on the last stage, else 0."""
+        waits only for a lower stage, so it cannot deadlock). Between any two ranks both sides issue
+        the messages in (micro-batch, stage) order, as issue-order matching needs. Mean loss on the
+        last stage, else 0."""
         last, losses = self.n_stages - 1, []
         micro_batches = [self._local(x, y) for x, y in micro_batches]
         for j, (tokens, targets) in enumerate(micro_batches):
             for s in sorted(self.chunks):
-                x = tokens if s == 0 else self.link.recv((s - 1) % self.pp, self.link.tag("F", j, s - 1))
+                x = tokens if s == 0 else self.link.recv((s - 1) % self.pp, self.link.key("F", j, s - 1))
                 with autocast() if autocast else nullcontext():
                     out = self.chunks[s](x, targets if s == last else None, positions=self._positions(tokens))
                 if s == last:
                     losses.append(out.double())
                 else:
-                    self.link.send(out, (s + 1) % self.pp, self.link.tag("F", j, s))
+                    self.link.send(out, (s + 1) % self.pp)
         self.link.wait_sends()
         if not losses:
             return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
@@ -228,6 +231,7 @@ def apply(model: nn.Module, mesh, cfg, materialize=None) -> PipelineEngine:
     p = cfg.parallel
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs
+    check_p2p_order(engine_sched)
     model, chunks, ranges = split_model(model, mesh.local_rank("pp"), p.pp, p.pp_virtual)
     mark_pipeline_placements(model)
     if materialize is not None:

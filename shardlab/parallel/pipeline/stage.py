@@ -13,8 +13,11 @@ light view of that module over its own layers: same parameters, no copies.
 
 Exchange. Activations and their gradients all have one shape, agreed ahead from the config
 (micro-batch x local sequence x d_model), so a receiver allocates its buffer without any
-per-message handshake. Every message has a tag naming (kind, micro-batch, sending stage):
-messages between the same two ranks can never be matched to the wrong receive.
+per-message handshake. Messages carry no tag: NCCL ignores tags and matches the messages between
+two ranks by the order they are issued. Every rank runs its action list in order, so a message
+reaches the right receive when, for every (sender, receiver) pair, the sender's SEND actions and
+the receiver's RECV actions name the same messages in the same order: :func:`check_p2p_order`
+proves that of a schedule before it runs (the engine refuses a schedule that breaks it).
 """
 from __future__ import annotations
 
@@ -116,13 +119,31 @@ def mark_pipeline_placements(model: nn.Module) -> None:
     assert all("pp" in get_placement(p, n).sharded_over for n, p in model.named_parameters())
 
 
+def check_p2p_order(sched) -> None:
+    """Raise unless, for every pair of pipeline ranks (a -> b), the SEND actions of a to b and the
+    RECV actions of b from a name the same messages (kind, micro-batch, sending stage) in the
+    same order: point-to-point messages are matched by issue order, never by tag."""
+    for a, actions in enumerate(sched.ranks):
+        for b in range(len(sched.ranks)):
+            sent = [(x.kind[-1], x.mb, x.stage) for x in actions if x.kind.startswith("SEND") and x.peer == b]
+            got = [(x.kind[-1], x.mb, x.stage - 1 if x.kind == "RECV_F" else x.stage + 1)
+                   for x in sched.ranks[b] if x.kind.startswith("RECV") and x.peer == a]
+            if sent != got:
+                i = next((i for i, (u, w) in enumerate(zip(sent, got)) if u != w), min(len(sent), len(got)))
+                raise RuntimeError(f"pipeline schedule {sched.name}: rank {a} sends rank {b} the messages "
+                                   f"{sent[i:i + 3]}... but rank {b} receives {got[i:i + 3]}... at position {i}; "
+                                   "messages are matched by issue order (NCCL ignores tags): the receives "
+                                   "must come in the order of the sends")
+
+
 class StageLink:
     """Point-to-point exchange over the ``pp`` group with shapes agreed ahead.
 
     ``send`` never blocks (isend; the step waits for all sends at its end); ``recv`` blocks until
     the tensor arrived. ``post`` issues a receive early (irecv into a fresh buffer) so that the
-    transfer overlaps compute; ``recv`` then only waits for it. ``tag(kind, mb, stage)``
-    identifies a message by the sending stage."""
+    transfer overlaps compute; ``recv`` then only waits for it. ``key(kind, mb, stage)`` names a
+    message by its sending stage, only to find a posted receive again: what arrives in a receive
+    is decided by issue order alone (see the module docstring)."""
 
     def __init__(self, comm, shape: tuple, dtype: torch.dtype, device, n_stages: int):
         self.comm, self.shape, self.dtype, self.device = comm, tuple(shape), dtype, device
@@ -130,24 +151,25 @@ class StageLink:
         self.pending: list = []
         self.posted: dict = {}
 
-    def tag(self, kind: str, mb: int, src_stage: int) -> int:
-        return (mb * self.n_stages + src_stage) * 2 + (kind == "B")
+    @staticmethod
+    def key(kind: str, mb: int, src_stage: int) -> tuple:
+        return kind, mb, src_stage
 
-    def send(self, t: torch.Tensor, peer: int, tag: int) -> None:
+    def send(self, t: torch.Tensor, peer: int) -> None:
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
             raise RuntimeError(f"pipeline: stage output of shape {tuple(t.shape)} {t.dtype} differs from the "
                                f"agreed {self.shape} {self.dtype} (micro-batch x sequence x d_model)")
         t = t.detach().contiguous()
-        self.pending.append((self.comm.isend(t, peer, tag), t))
+        self.pending.append((self.comm.isend(t, peer), t))
 
-    def post(self, peer: int, tag: int) -> None:
-        if tag not in self.posted:
+    def post(self, peer: int, key: tuple) -> None:
+        if key not in self.posted:
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.posted[tag] = (self.comm.irecv(buf, peer, tag), buf)
+            self.posted[key] = (self.comm.irecv(buf, peer), buf)
 
-    def recv(self, peer: int, tag: int) -> torch.Tensor:
-        self.post(peer, tag)
-        work, buf = self.posted.pop(tag)
+    def recv(self, peer: int, key: tuple) -> torch.Tensor:
+        self.post(peer, key)
+        work, buf = self.posted.pop(key)
         work.wait()
         return buf
 

@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return 2
     except WorkerError as e:
+        first = str(e).split("\n")[1] if "\n" in str(e) else ""
+        if first.startswith(("CheckpointError:", "ConfigError:")):  # bad input found by a rank
+            print(f"shardlab: rank {e.rank}: {first.split(': ', 1)[1]}", file=sys.stderr)
+            return 2
         print(f"shardlab: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

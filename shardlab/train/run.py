@@ -44,8 +44,29 @@ def resolve(args) -> tuple[C.Config, int]:
     return cfg, nproc
 
 
+def check_resume(cfg: C.Config) -> None:
+    """With ``--resume``: checkpoints exist but none is usable -> refuse (exit 2) instead of
+    silently starting over and overwriting them. No checkpoint at all: a fresh start."""
+    from .checkpoint import CheckpointError, Reader, list_checkpoints, latest_valid
+    from .loop import checkpoint_dir
+    if not cfg.checkpoint.resume:
+        return
+    directory = checkpoint_dir(cfg)
+    found = list_checkpoints(directory)
+    if found and latest_valid(directory, warn=lambda *_: None) is None:
+        try:
+            Reader(found[-1]).close()
+            why = "damaged"
+        except CheckpointError as e:
+            why = str(e)
+        raise C.ConfigError("--resume", f"no usable checkpoint in {directory} (newest: {why}); restore or "
+                                        "remove the damaged checkpoints, or run without --resume")
+
+
 def main(args) -> int:
     cfg, nproc = resolve(args)
+    if not launch.under_torchrun() or launch.torchrun_rank() == 0:
+        check_resume(cfg)
     data_dir = prepare(cfg.data)
     if not launch.under_torchrun():
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "

@@ -105,11 +105,16 @@ def load_param_pieces(named, reader, optimizer) -> None:
         p.copy_(_read_local(reader, key, pl, p.shape, p.dtype, p.device))
         if optimizer is None:
             continue
-        st = {}
+        st, old = {}, optimizer.state.get(p, {})
         for k in optim_keys(reader, pl.name):
             shape = tuple(reader.global_shape(f"optim.{pl.name}.{k}"))
             if shape == tuple(pl.global_shape) and shape:
-                st[k] = _read_local(reader, f"optim.{pl.name}.{k}", pl, p.shape, p.dtype, p.device)
+                value = _read_local(reader, f"optim.{pl.name}.{k}", pl, p.shape, p.dtype, p.device)
+                buf = old.get(k)  # the optimizer's own buffer, filled in place when it has one
+                if torch.is_tensor(buf) and buf.shape == p.shape and buf.dtype == p.dtype:
+                    st[k] = buf.copy_(value)
+                else:
+                    st[k] = value
             else:
                 v = reader.read(f"optim.{pl.name}.{k}")
                 st[k] = v.to(_state_device(v.dim(), p), copy=True)

@@ -168,11 +168,13 @@ class ShardedEngine(Engine):
             keys = state.optim_keys(reader, f.placements[0].name)
             if optimizer is None or not keys:
                 continue
-            st = {}
+            st, old = {}, optimizer.state.get(f.shard, {})
             for key in keys:
                 shape = tuple(reader.global_shape(f"optim.{f.placements[0].name}.{key}"))
                 if shape == tuple(f.placements[0].global_shape) and shape:
-                    buf = torch.zeros(f.shard_size, dtype=f.shard.dtype, device=f.shard.device)
+                    buf = old.get(key)  # fill the optimizer's own buffer in place when it has one
+                    if not (torch.is_tensor(buf) and buf.shape == f.shard.shape and buf.dtype == f.shard.dtype):
+                        buf = torch.zeros(f.shard_size, dtype=f.shard.dtype, device=f.shard.device)
                     state.load_flat_range(f, reader, key, buf, f.start, f.start + f.shard_size)
                     st[key] = buf
                 else:  # Adam's step

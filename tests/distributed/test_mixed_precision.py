@@ -43,16 +43,23 @@ LAYOUTS = {
     "pp": ({"pp": 2, "microbatches": 2}, {}),
     "cp": ({"cp": 2}, {}),
     "ep": ({"ep": 2, "dp_shard": 2}, MOE),
+    # low-precision storage: parameters/gradients (ZeRO-1/2) or gather + reduce-scatter (FSDP)
+    # in the run's precision, fp32 master slices
+    "zero1-low": ({"dp_shard": 2, "zero_stage": 1, "bucket_cap_mb": 0.01}, {}),
+    "zero2-low": ({"dp_shard": 2, "zero_stage": 2, "bucket_cap_mb": 0.01}, {}),
+    "zero3-low": ({"dp_shard": 2, "zero_stage": 3}, {}),
 }
 
 
-def make_cfg(cache: str, parallel: dict, model: dict, precision: str, init_scale: float = INIT_SCALE) -> C.Config:
+def make_cfg(cache: str, parallel: dict, model: dict, precision: str, init_scale: float = INIT_SCALE,
+             low: bool = False) -> C.Config:
+    storage = {"param_dtype": precision, **({"reduce_dtype": precision} if parallel.get("zero_stage") == 3 else {})}
     cfg = C.from_dict({
         "model": {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 16, **model},
         "train": {"seq_len": 16, "global_batch": 8, "lr": 3e-3, "warmup_steps": 2, "steps": STEPS,
                   "grad_clip": 1.0, "precision": precision, "loss_scale_init": init_scale,
-                  "loss_scale_window": WINDOW, "device": "cpu"},
+                  "loss_scale_window": WINDOW, "device": "cpu", **(storage if low else {})},
         "data": {"cache_dir": cache},
         "parallel": dict(parallel)})
     return cfg.validate(2 if parallel else 1)
@@ -138,8 +145,10 @@ def _reference(cache, data_dir, model: dict, precision: str, init_scale: float, 
 def test_mixed_precision_matches_single_process(layout, data_dir):
     cache, data = data_dir
     parallel, model = LAYOUTS[layout]
-    runs = [(make_cfg(cache, parallel, model, "bf16"), STEPS), (make_cfg(cache, parallel, model, "fp16"), STEPS),
-            (make_cfg(cache, parallel, model, "fp16", 1e30), OVERFLOW_STEPS)]
+    low = layout.endswith("-low")
+    runs = [(make_cfg(cache, parallel, model, "bf16", low=low), STEPS),
+            (make_cfg(cache, parallel, model, "fp16", low=low), STEPS),
+            (make_cfg(cache, parallel, model, "fp16", 1e30, low=low), OVERFLOW_STEPS)]
     torch.set_num_threads(1)
     out = run(_worker, 2, runs, data, timeout_s=180, threads=1)
     for precision, i in (("bf16", 0), ("fp16", 1)):

@@ -172,3 +172,30 @@ def test_mixed_precision_matches_single_process(layout, data_dir):
         assert [r[2] for r in rows] == [True] * OVERFLOW_STEPS, f"{layout} rank {rank}: overflow not skipped"
         assert [r[3] for r in rows] == [r[3] for r in ref] == [1e30 * 0.5 ** (k + 1) for k in range(OVERFLOW_STEPS)]
         assert finite and unchanged, f"{layout} rank {rank}: parameters changed or non-finite after skipped steps"
+
+
+def _measure(ctx, stages):
+    from shardlab.analysis.memory import _measure_worker
+    out = []
+    for stage in stages:
+        cfg = make_cfg("", {"dp_shard": 2, "zero_stage": stage, "bucket_cap_mb": 0.05}, {}, "bf16", low=True)
+        out.append(_measure_worker(ctx, cfg))
+    return out
+
+
+def test_low_precision_storage_is_the_mixed_formula():
+    """ZeRO-1/2 with train.param_dtype = bf16 hold 2 (bf16 params) + 2 (bf16 grads, 1/N for ZeRO-2)
+    + 12/N (fp32 master + Adam m, v) bytes per parameter: the ZeRO paper's mixed layout, within the
+    padding of the flat buffers (2%). FSDP holds fp32 shards and fp32 gradient shards: 16/N in all."""
+    from shardlab.analysis.memory import formula
+    from shardlab.models.llama import count_params
+    psi = count_params(build_model(make_cfg("", {}, {}, "bf16").model, 0))
+    for rank, stages in enumerate(run(_measure, 2, [1, 2, 3], threads=1, timeout_s=120)):
+        for stage, (params, grads, optim) in zip([1, 2, 3], stages):
+            want = formula(psi, 2, stage, "mixed")
+            if stage == 3:
+                assert abs(params + grads + optim - want.total) <= 0.02 * want.total, (rank, stage)
+                continue
+            for what, got, exp in (("params", params, want.params), ("grads", grads, want.grads),
+                                   ("optim", optim, want.optim)):
+                assert abs(got - exp) <= 0.02 * exp, f"rank {rank} ZeRO-{stage} {what}: {got} vs {exp}"

@@ -75,7 +75,7 @@ def measure(engine, optimizer) -> StateBytes:
     params = list(engine.model.parameters()) + [f.shard for f in flats if all(f.shard is not m for m in master)] \
         + [getattr(f, "full", None) for f in flats]
     grads = [p.grad for p in params if torch.is_tensor(p)] + [getattr(f, "grad_full", None) for f in flats] \
-        + (engine.grads() if flats else [])
+        + engine.grads()
     optim = master + [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
     return StateBytes(size(params), size(grads), size(optim))
 

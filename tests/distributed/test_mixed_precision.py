@@ -45,6 +45,7 @@ LAYOUTS = {
     "ep": ({"ep": 2, "dp_shard": 2}, MOE),
     # low-precision storage: parameters/gradients (ZeRO-1/2) or gather + reduce-scatter (FSDP)
     # in the run's precision, fp32 master slices
+    "ddp-low": ({"dp_replicate": 2}, {}),
     "zero1-low": ({"dp_shard": 2, "zero_stage": 1, "bucket_cap_mb": 0.01}, {}),
     "zero2-low": ({"dp_shard": 2, "zero_stage": 2, "bucket_cap_mb": 0.01}, {}),
     "zero3-low": ({"dp_shard": 2, "zero_stage": 3}, {}),
@@ -53,7 +54,8 @@ LAYOUTS = {
 
 def make_cfg(cache: str, parallel: dict, model: dict, precision: str, init_scale: float = INIT_SCALE,
              low: bool = False) -> C.Config:
-    storage = {"param_dtype": precision, **({"reduce_dtype": precision} if parallel.get("zero_stage") == 3 else {})}
+    stage = parallel.get("zero_stage", 0)
+    storage = {**({"param_dtype": precision} if stage else {}), **({"reduce_dtype": precision} if stage in (0, 3) else {})}
     cfg = C.from_dict({
         "model": {"vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 16, **model},
@@ -186,13 +188,16 @@ def _measure(ctx, stages):
 def test_low_precision_storage_is_the_mixed_formula():
     """ZeRO-1/2 with train.param_dtype = bf16 hold 2 (bf16 params) + 2 (bf16 grads, 1/N for ZeRO-2)
     + 12/N (fp32 master + Adam m, v) bytes per parameter: the ZeRO paper's mixed layout, within the
-    padding of the flat buffers (2%). FSDP holds fp32 shards and fp32 gradient shards: 16/N in all."""
+    padding of the flat buffers (2%). FSDP holds fp32 shards and fp32 gradient shards: 16/N in all.
+    DDP with train.reduce_dtype = bf16: fp32 parameters (the master) 4 + bf16 buckets 2 + Adam 8."""
     from shardlab.analysis.memory import formula
     from shardlab.models.llama import count_params
     psi = count_params(build_model(make_cfg("", {}, {}, "bf16").model, 0))
-    for rank, stages in enumerate(run(_measure, 2, [1, 2, 3], threads=1, timeout_s=120)):
-        for stage, (params, grads, optim) in zip([1, 2, 3], stages):
+    for rank, stages in enumerate(run(_measure, 2, [0, 1, 2, 3], threads=1, timeout_s=120)):
+        for stage, (params, grads, optim) in zip([0, 1, 2, 3], stages):
             want = formula(psi, 2, stage, "mixed")
+            if stage == 0:
+                want = type(want)(4 * psi, 2 * psi, 8 * psi)
             if stage == 3:
                 assert abs(params + grads + optim - want.total) <= 0.02 * want.total, (rank, stage)
                 continue

@@ -122,6 +122,13 @@ class TrainConfig:
     grad_clip: float = f(1.0, "Clip the global gradient norm to this value; 0 = no clipping.")
     precision: str = f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling); fp64 for parity tests.")
     loss_scale_init: float = f(2.0**16, "fp16: initial dynamic loss scale.")
+    param_dtype: str = f("", "Low-precision parameter storage: '' = none (fp32 parameters; FSDP gathers in the "
+                             "autocast dtype); bf16/fp16: ZeRO-1/2 keep the model's parameters and gradient "
+                             "buffers in this dtype with fp32 master slices for the optimizer, FSDP all-gathers "
+                             "in it; fp32: FSDP gathers fp32 even under autocast. Needs zero_stage >= 1.")
+    reduce_dtype: str = f("", "Gradient reduction dtype: FSDP reduce-scatters in it ('' = the fp32 shards' dtype); "
+                              "DDP (zero_stage 0, plain data parallel) stores its gradient buckets in it and "
+                              "all-reduces them (bf16: 2 bytes/param). Needs zero_stage 0 or 3.")
     loss_scale_window: int = f(1000, "fp16: overflow-free steps before the loss scale doubles.")
     seed: int = f(1234, "Seed for initialisation, data order and dropout.")
     eval_every: int = f(50, "Validation loss every N steps (and at the end); 0 = only at the end.")
@@ -353,6 +360,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(p.activation_checkpointing in ("none", "full", "selective"), "parallel.activation_checkpointing",
            "must be none, full or selective")
     _check(t.precision in ("fp32", "fp64", "bf16", "fp16"), "train.precision", "must be fp32, fp64, bf16 or fp16")
+    for name in ("param_dtype", "reduce_dtype"):
+        _check(getattr(t, name) in ("", "fp32", "bf16", "fp16"), f"train.{name}", "must be '', fp32, bf16 or fp16")
+    _check(not t.param_dtype or p.zero_stage >= 1, "train.param_dtype",
+           "low-precision parameter storage is implemented by ZeRO/FSDP; set --parallel.zero_stage=1, 2 or 3 "
+           "or leave train.param_dtype empty")
+    _check(not t.reduce_dtype or p.zero_stage in (0, 3), "train.reduce_dtype",
+           "the reduce dtype is a DDP/FSDP option (ZeRO-1/2 reduce in train.param_dtype); use zero_stage 0 or 3")
     _check(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _check(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len",
            f"{t.seq_len} must be divisible by 2*cp={2 * p.cp} for load-balanced context parallel")

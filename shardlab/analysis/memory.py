@@ -9,6 +9,12 @@ Formula, Psi parameters, Adam, N ranks: bytes/param = P (params) + G (grads) + K
   mixed precision (ZeRO paper): P=2 (bf16), G=2, K=12 (fp32 master + m + v)
   fp32 (what CPU runs hold):    P=4, G=4, K=8 (m + v; the parameters are the master)
   DDP  P+G+K     ZeRO-1  P+G+K/N     ZeRO-2  P+(G+K)/N     ZeRO-3  (P+G+K)/N
+
+With ``train.param_dtype = bf16`` ZeRO-1/2 store exactly the mixed layout (bf16 parameters and
+gradients, fp32 master slices + m + v) and the measurement is compared with the mixed formula; an
+optimizer shard whose dtype differs from the parameters the model computes with is a master copy
+and counts as optimizer state. FSDP keeps fp32 shards (master) and fp32 gradient shards: 4+4+8
+over N, the same 16/N total.
 """
 from __future__ import annotations
 
@@ -65,9 +71,12 @@ def measure(engine, optimizer) -> StateBytes:
         return total
 
     flats = getattr(engine, "flats", [])
-    params = list(engine.model.parameters()) + [f.shard for f in flats] + [getattr(f, "full", None) for f in flats]
-    grads = [p.grad for p in params if torch.is_tensor(p)] + [getattr(f, "grad_full", None) for f in flats]
-    optim = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    master = [f.shard for f in flats if f.shard.dtype != getattr(f, "full", f.shard).dtype]
+    params = list(engine.model.parameters()) + [f.shard for f in flats if all(f.shard is not m for m in master)] \
+        + [getattr(f, "full", None) for f in flats]
+    grads = [p.grad for p in params if torch.is_tensor(p)] + [getattr(f, "grad_full", None) for f in flats] \
+        + engine.grads()
+    optim = master + [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
     return StateBytes(size(params), size(grads), size(optim))
 
 
@@ -77,15 +86,17 @@ def _measure_worker(ctx, cfg):
     from ..distributed.topology import Topology
     from ..models.llama import build_model
     from ..parallelize import parallelize
+    from ..train.optim import autocast_factory
 
     mesh = Mesh.build(Topology.from_config(cfg.parallel))
     model = build_model(cfg.model, cfg.train.seed, dtype=torch.float32)
     engine = parallelize(model, mesh, cfg)
+    autocast = autocast_factory(cfg.train.precision, mesh.device)
     opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
     b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)
     g = torch.Generator().manual_seed(cfg.train.seed + mesh.rank)
     tok = torch.randint(0, cfg.model.vocab_size, (b, cfg.train.seq_len + 1), generator=g)
-    engine.forward_backward([(tok[:, :-1], tok[:, 1:])] * cfg.parallel.microbatches)
+    engine.forward_backward([(tok[:, :-1], tok[:, 1:])] * cfg.parallel.microbatches, 1.0, autocast)
     opt.step()
     got = measure(engine, opt)
     return (got.params, got.grads, got.optim)
@@ -133,10 +144,14 @@ def main(args) -> int:
     print(f"activations (estimate, fp32, micro-batch {b} x {cfg.train.seq_len}): {act / mib:.3f} MiB per rank")
     if args.no_run:
         return 0
-    print(f"measured after one fp32 AdamW step with {args.nproc} ranks ({STAGES[stage]}):")
-    expect = formula(psi, n, stage, "fp32")
+    low = cfg.train.param_dtype in ("bf16", "fp16")
+    prec = "mixed" if low else "fp32"
+    print(f"measured after one AdamW step with {args.nproc} ranks ({STAGES[stage]}, precision "
+          f"{cfg.train.precision}, param_dtype {cfg.train.param_dtype or 'fp32'}):")
+    expect = formula(psi, n, stage, prec)
     for r, got in enumerate(measure_run(cfg, args.nproc)):
         print(f"  rank {r}: params {got.params / mib:.3f}  grads {got.grads / mib:.3f}  optim {got.optim / mib:.3f}"
-              f"  total {got.total / mib:.3f} MiB  (formula fp32 {expect.total / mib:.3f}, "
+              f"  total {got.total / mib:.3f} MiB  (formula {prec} {expect.params / mib:.3f} + "
+              f"{expect.grads / mib:.3f} + {expect.optim / mib:.3f} = {expect.total / mib:.3f}, "
               f"ratio {got.total / expect.total:.3f})")
     return 0

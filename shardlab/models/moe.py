@@ -138,6 +138,7 @@ class MoE(nn.Module):
         sel = kept[torch.argsort(r.expert[kept], stable=True)]             # grouped by expert
         counts = torch.bincount(r.expert[sel], minlength=self.n_experts)
         y = self.run_experts(x[r.token[sel]], counts)
-        out = torch.zeros_like(x).index_add(0, r.token[sel], y * r.weight[sel, None].to(y.dtype))
+        # combine in x's dtype (under autocast the experts return bf16/fp16, x is fp32)
+        out = torch.zeros_like(x).index_add(0, r.token[sel], y.to(x.dtype) * r.weight[sel, None].to(x.dtype))
         self.last_routing = r
         return out.view(shape)

@@ -268,9 +268,12 @@ class RingAttention(nn.Module):
 
     def forward(self, q, k, v, causal: bool = True):
         self.stats = {}  # a fresh record per call: nothing accumulates over a long run
-        if q.dtype in (torch.float16, torch.bfloat16):
-            return ring_attention(q.float(), k.float(), v.float(), self.comm, causal, self.stats).to(q.dtype)
-        return ring_attention(q, k, v, self.comm, causal, self.stats)
+        # Under autocast the ring runs in fp32 with autocast off (its hand-written backward would
+        # otherwise mix bf16/fp16 matmul results with fp32 saved tensors).
+        with torch.autocast(q.device.type, enabled=False):
+            if q.dtype in (torch.float16, torch.bfloat16):
+                return ring_attention(q.float(), k.float(), v.float(), self.comm, causal, self.stats).to(q.dtype)
+            return ring_attention(q, k, v, self.comm, causal, self.stats)
 
 
 def _positions_hook(comm):

@@ -14,6 +14,10 @@ How (the same design as ``torch.nn.parallel.DistributedDataParallel``, in ~200 l
 * At the end of backward (an autograd callback) the pending all-reduces are waited and divided
   by the group size. Inside ``with ddp.no_sync():`` hooks only accumulate (gradient accumulation).
 
+* ``grad_dtype`` (``train.reduce_dtype`` in the engine): buckets stored and all-reduced in a lower
+  dtype than the parameters (bf16: 2 bytes/param). Gradients are then not views: each hook adds
+  ``param.grad`` into its bucket and drops it; the optimizer gets fp32 copies during its step only.
+
 Communication per step: one all-reduce of all gradients = 2 Psi (N-1)/N elements per rank.
 Memory per rank: the full model, its gradients and the full optimizer state (16 Psi bytes for
 mixed-precision Adam, 4+4+8 = 16 Psi in fp32).
@@ -75,7 +79,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group=None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, *, comm: Comm | None = None, overlap: bool = True,
-                 params: list[nn.Parameter] | None = None):
+                 params: list[nn.Parameter] | None = None, grad_dtype: torch.dtype | None = None):
         super().__init__()
         self.module = module
         self.comm = comm or _comm_for(process_group)
@@ -88,8 +92,10 @@ class DistributedDataParallel(nn.Module):
                     seen.add(id(p))
                     params.append(p)
         self._broadcast_from_rank0(params)
-        self.buckets = [_Bucket(b, b[0].device, b[0].dtype)
+        self.buckets = [_Bucket(b, b[0].device, grad_dtype or b[0].dtype)
                         for b in make_buckets(params, bucket_cap_mb * 2**20)]
+        self.separate = any(b.flat.dtype != b.params[0].dtype for b in self.buckets)
+        self._filled: set[int] = set()  # separate buckets: parameters whose gradient arrived
         self._where = {}  # id(param) -> (bucket index, index in bucket)
         self._hooks = []
         for bi, b in enumerate(self.buckets):
@@ -128,7 +134,11 @@ class DistributedDataParallel(nn.Module):
         bi, i = self._where[id(p)]
         bucket = self.buckets[bi]
         view = bucket.view(i)
-        if p.grad.data_ptr() != view.data_ptr():  # a fresh grad (after zero_grad(set_to_none))
+        if self.separate:  # low-precision bucket: first gradient of the step overwrites, then adds
+            view.add_(p.grad) if id(p) in self._filled else view.copy_(p.grad)
+            self._filled.add(id(p))
+            p.grad = None
+        elif p.grad.data_ptr() != view.data_ptr():  # a fresh grad (after zero_grad(set_to_none))
             view.copy_(p.grad)
             p.grad = view
         if not self._sync:
@@ -155,7 +165,9 @@ class DistributedDataParallel(nn.Module):
         for b in self.buckets:  # parameters that got no gradient contribute zeros
             if b.ready < len(b.params):
                 for i, p in enumerate(b.params):
-                    if p.grad is None:
+                    if self.separate and id(p) not in self._filled:
+                        b.view(i).zero_()
+                    elif not self.separate and p.grad is None:
                         b.view(i).zero_()
                         p.grad = b.view(i)
         self._launch_ready(force=True)
@@ -164,6 +176,16 @@ class DistributedDataParallel(nn.Module):
             b.flat.div_(self.comm.size)
             b.pending, b.ready = None, 0
         self._next, self._callback_queued = 0, False
+        self._filled.clear()
+
+    def materialize_grads(self, on: bool):
+        """Separate (low-precision) buckets: give every parameter a ``.grad`` in its own dtype
+        (``on``, before the optimizer step) or drop them again (after it)."""
+        if not self.separate:
+            return
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                p.grad = b.view(i).to(p.dtype) if on else None
 
 
 def _comm_for(process_group) -> Comm:
@@ -184,8 +206,20 @@ class DDPEngine(Engine):
         # Expert weights (expert parallel) are averaged over another group: the base rule does it.
         self.experts = [p for n, p in self.named_parameters() if "ep" in get_placement(p, n).sharded_over]
         dense = [p for p in self.parameters() if all(p is not q for q in self.experts)]
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(cfg.train.reduce_dtype)
+        if low is not None and (self.experts or self._placed()):
+            raise NotImplementedError("train.reduce_dtype with DDP covers plain data parallel (no TP, PP or "
+                                      "experts); leave train.reduce_dtype empty for this layout")
         self.ddp = DistributedDataParallel(model, comm=mesh.comm(group), bucket_cap_mb=cfg.parallel.bucket_cap_mb,
-                                           broadcast_buffers=False, overlap=cfg.parallel.overlap_comm, params=dense)
+                                           broadcast_buffers=False, overlap=cfg.parallel.overlap_comm, params=dense,
+                                           grad_dtype=low)
+
+    def make_optimizer(self, build):
+        opt = super().make_optimizer(build)
+        if self.ddp.separate:  # fp32 gradients exist only during the step
+            opt.register_step_pre_hook(lambda *_: self.ddp.materialize_grads(True))
+            opt.register_step_post_hook(lambda *_: self.ddp.materialize_grads(False))
+        return opt
 
     def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
         n = len(micro_batches)
@@ -214,7 +248,8 @@ class DDPEngine(Engine):
             return super().grad_norm()
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for b in self.ddp.buckets:
-            sq += torch.linalg.vector_norm(b.flat).double().square()  # fused, in the grads' dtype
+            flat = b.flat.float() if b.flat.dtype in (torch.float16, torch.bfloat16) else b.flat
+            sq += torch.linalg.vector_norm(flat).double().square()  # fused, in the grads' dtype
         return sq.sqrt()
 
     def _placed(self) -> bool:

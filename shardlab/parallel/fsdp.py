@@ -15,7 +15,10 @@ master). Around each unit:
                  (in fp32) into the rank's gradient shard and free the gathered storage
 
 Mixed precision (``train.precision = bf16``): shards stay fp32 masters, the all-gather sends
-bf16 compute copies, gradients are cast to fp32 before the reduce-scatter. CPU offload keeps
+bf16 compute copies, gradients are cast to fp32 before the reduce-scatter. ``train.param_dtype``
+chooses the all-gather/compute dtype (default: the autocast dtype), ``train.reduce_dtype`` the
+reduce-scatter's (default: the shards' dtype; bf16 halves its bytes, the sum is then rounded to
+bf16 before it is added to the fp32 gradient shard). CPU offload keeps
 shards, gradients and optimizer states on the CPU (a no-op copy when the device is the CPU).
 Hybrid sharding: shard over ``dp_shard`` (x ``cp``), all-reduce gradient shards over ``dp_replicate``.
 
@@ -32,7 +35,7 @@ from torch import nn
 
 from ..parallelize import Engine
 from .materialize import init_flat_range
-from .zero import FlatParam, ShardedEngine, decay_groups
+from .zero import DTYPES, FlatParam, ShardedEngine, decay_groups
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,7 +76,9 @@ class FSDPEngine(ShardedEngine):
         self.comm = mesh.comm(self.shard_group)
         self.reshard, self.prefetch = p.reshard_after_forward, p.prefetch
         self.home = torch.device("cpu") if p.offload else mesh.device  # where shards live
-        self.compute_dtype = _DTYPES.get(cfg.train.precision)  # None: the parameters' dtype
+        t = cfg.train  # gathered (compute) and reduce-scatter dtypes; None: the shards' dtype
+        self.compute_dtype = DTYPES[t.param_dtype] if t.param_dtype else _DTYPES.get(t.precision)
+        self.reduce_dtype = DTYPES.get(t.reduce_dtype)
         names = unit_names if unit_names is not None else block_policy(model)
         modules = dict(model.named_modules())
         self.gathered_bytes = self.peak_gathered_bytes = 0  # parameters in flight (benchmarks)
@@ -209,7 +214,7 @@ class FSDPEngine(ShardedEngine):
     @torch.no_grad()
     def _post_backward(self, f: FlatParam):
         grad, f.full.grad = f.full.grad, None
-        f.in_flight = grad.to(f.shard.dtype)  # fp32 reduction under mixed precision
+        f.in_flight = grad.to(self.reduce_dtype or f.shard.dtype)  # default: fp32 reduction
         f.reduce = self.comm.reduce_scatter_async(f.in_flight)
         u = f.unit
         u.reduced += 1

@@ -15,6 +15,13 @@ After the optimizer step, the updated slices are all-gathered into the flat buff
 Communication per step: reduce-scatter + all-gather of Psi elements = 2 Psi (N-1)/N, the same
 as DDP's all-reduce (ZeRO-2 with k micro-batches reduce-scatters k times).
 Memory per rank (fp32 Adam, bytes/param): ZeRO-1 4 + 4 + 8/N; ZeRO-2 4 + (4 + 8)/N.
+
+Low-precision storage (``train.param_dtype = bf16``/``fp16``): the flat buffers the model's
+parameters view, and so the gradients and their reduce-scatter, are in that dtype; the
+optimizer's parameter is a separate fp32 master copy of the rank's slice. Gradient shards stay in
+the low dtype (unscaled and clipped there); an fp32 copy is made just for ``optimizer.step()``
+(freed after it), and the updated masters are all-gathered in the low dtype. Bytes/param:
+ZeRO-1 2 + 2 + 12/N, ZeRO-2 2 + (2 + 12)/N: the mixed-precision formula of the ZeRO paper.
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ from ..distributed.regions import Piece, writes_piece
 from . import state
 from ..parallelize import Engine
 from .data import make_buckets
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class FlatParam:
@@ -82,8 +91,12 @@ class ShardedEngine(Engine):
     shard_group, replicate_group = "dp_cp", None
     flats: list[FlatParam]
 
+    def grad_shard(self, f: FlatParam) -> torch.Tensor | None:
+        """The gradient shard of ``f`` this engine owns (``f.shard.grad`` unless stored apart)."""
+        return f.shard.grad
+
     def grads(self) -> list[torch.Tensor]:
-        return [f.shard.grad for f in self.flats if f.shard.grad is not None]
+        return [g for g in map(self.grad_shard, self.flats) if g is not None]
 
     def dp_size(self) -> int:
         n = self.mesh.size(self.shard_group)
@@ -121,9 +134,9 @@ class ShardedEngine(Engine):
         s_size = self.mesh.size(self.shard_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for f in self.flats:
-            if f.shard.grad is None:
+            if self.grad_shard(f) is None:
                 continue
-            g = f.shard.grad.detach()
+            g = self.grad_shard(f).detach()
             for (lo, hi), pl in zip(f.own_ranges(), f.placements):
                 if hi > lo:
                     part = torch.linalg.vector_norm(g[lo:hi]).double().square().to(sq.device)
@@ -154,17 +167,17 @@ class ShardedEngine(Engine):
                     out += [Piece(f"optim.{pl.name}.{k}", (), (), v.detach()) for k, v in scalars.items()]
         return out
 
-    def _param_target(self, f: FlatParam) -> tuple[torch.Tensor, int, int]:
-        """Where loaded parameter values go: (buffer, lo, hi) of the flat range it holds."""
-        return f.shard.data, f.start, f.start + f.shard_size
+    def _param_targets(self, f: FlatParam) -> list[tuple[torch.Tensor, int, int]]:
+        """Where loaded parameter values go: (buffer, lo, hi) of each flat range it holds."""
+        return [(f.shard.data, f.start, f.start + f.shard_size)]
 
     @torch.no_grad()
     def load_pieces(self, reader, optimizer) -> None:
         """Read this rank's ranges of every flat buffer (parameters and Adam states) from
         ``reader``, saved under any layout. No communication."""
         for f in self.flats:
-            target, lo, hi = self._param_target(f)
-            state.load_flat_range(f, reader, "model", target, lo, hi)
+            for target, lo, hi in self._param_targets(f):
+                state.load_flat_range(f, reader, "model", target, lo, hi)
             keys = state.optim_keys(reader, f.placements[0].name)
             if optimizer is None or not keys:
                 continue
@@ -191,24 +204,35 @@ class ZeroEngine(ShardedEngine):
         self.comm = mesh.comm(self.shard_group)
         n, r = self.comm.size, self.comm.rank
         cap = cfg.parallel.bucket_cap_mb * 2**20
+        low = DTYPES.get(cfg.train.param_dtype)  # low-precision storage with fp32 master shards
         self.flats, self._where = [], {}
         for named, wd in decay_groups(Engine.named_parameters(self), cfg.train.weight_decay):
             names = {id(p): nm for nm, p in named}
             for bucket in make_buckets([p for _, p in named], cap):
                 f = FlatParam([names[id(p)] for p in bucket], bucket, n, r, wd)
-                f.params, f.full = bucket, f.flatten(bucket)
-                self.comm.broadcast(f.full, 0)  # every replica starts from rank 0's weights
+                f.params, full = bucket, f.flatten(bucket)
+                self.comm.broadcast(full, 0)  # every replica starts from rank 0's weights
+                f.full = full if low is None or low == full.dtype else full.to(low)
                 for i, (p, v) in enumerate(zip(bucket, f.views(f.full))):
                     p.data = v
                     p.grad = None
                     self._where[id(p)] = (len(self.flats), i)
                     p.register_post_accumulate_grad_hook(self._on_grad)
-                f.shard = nn.Parameter(f.own(f.full))  # aliases the flat buffer: no extra copy
+                # the optimizer's parameter aliases the flat buffer (no extra copy), or is the
+                # rank's fp32 master slice when the buffer is low precision
+                f.shard = nn.Parameter(f.own(f.full) if f.full is full else f.own(full).clone())
                 f.grad_full = torch.zeros_like(f.full) if stage == 1 else None
-                f.shard.grad = f.own(f.grad_full) if stage == 1 else torch.zeros_like(f.shard)
+                f.gshard = f.own(f.grad_full) if stage == 1 else torch.zeros_like(f.own(f.full))
                 f.ready, f.pending = 0, None
                 self.flats.append(f)
         self._sync, self._next = True, 0
+        self.ensure_grads()
+
+    def grad_shard(self, f: FlatParam) -> torch.Tensor:
+        return f.gshard
+
+    def _separate(self, f: FlatParam) -> bool:
+        return f.gshard.dtype != f.shard.dtype
 
     # -- backward ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -249,7 +273,7 @@ class ZeroEngine(ShardedEngine):
             if self.stage == 1:
                 f.own(f.grad_full).copy_(part)
             else:
-                f.shard.grad.add_(part)
+                f.gshard.add_(part)
                 f.grad_full = None
             f.pending, f.ready = None, 0
         self._next = 0
@@ -273,34 +297,49 @@ class ZeroEngine(ShardedEngine):
     def sync_grads(self):
         """Turn the summed gradient shards into the average over the data-parallel ranks."""
         for f in self.flats:
-            f.shard.grad.div_(self.comm.size)
+            f.gshard.div_(self.comm.size)
 
     # -- optimizer step ---------------------------------------------------------------------
+    def make_optimizer(self, build):
+        opt = super().make_optimizer(build)
+        opt.register_step_pre_hook(lambda *_: self.before_step())
+        return opt
+
+    def before_step(self):
+        """Low-precision gradient shards: the optimizer gets an fp32 copy for this step only."""
+        for f in self.flats:
+            f.shard.grad = f.gshard.to(f.shard.dtype) if self._separate(f) else f.gshard
+
     def after_step(self):
-        """All-gather the updated slices into every rank's flat buffers; zero the gradients."""
+        """All-gather the updated slices (cast to the buffers' dtype) into every rank's flat
+        buffers; zero the gradients."""
         with torch.no_grad():
-            pending = [self.comm.all_gather_async(f.shard.detach().clone(), out=f.full)
+            pending = [self.comm.all_gather_async(f.shard.detach().to(f.full.dtype, copy=True), out=f.full)
                        for f in self.flats]
             for w in pending:
                 w.wait()
         self.zero_grad()
+        for f in self.flats:
+            if self._separate(f):
+                f.shard.grad = None  # the step's fp32 copy
 
     def zero_grad(self):
         for f in self.flats:
-            (f.grad_full if self.stage == 1 else f.shard.grad).zero_()
+            (f.grad_full if self.stage == 1 else f.gshard).zero_()
 
     def ensure_grads(self):
+        """Every step starts from zero gradients, whatever ``optimizer.zero_grad`` did (it only
+        sees the optimizer's view) or a skipped step left behind; the optimizer's ``.grad`` is the
+        engine's shard when the dtypes agree."""
         for f in self.flats:
-            if self.stage == 1:
-                # The full buffer starts every step at zero, whatever zero_grad did (it only
-                # sees this rank's slice, the optimizer's gradient).
-                f.grad_full.zero_()
-                f.shard.grad = f.own(f.grad_full)
-            elif f.shard.grad is None:  # optimizer.zero_grad(set_to_none=True) dropped it
-                f.shard.grad = torch.zeros_like(f.shard)
+            (f.grad_full if self.stage == 1 else f.gshard).zero_()
+            f.shard.grad = None if self._separate(f) else f.gshard
 
-    def _param_target(self, f: FlatParam) -> tuple[torch.Tensor, int, int]:
-        return f.full, 0, f.padded  # every rank keeps the whole (replicated) parameters
+    def _param_targets(self, f: FlatParam) -> list[tuple[torch.Tensor, int, int]]:
+        out = [(f.full, 0, f.padded)]  # every rank keeps the whole (replicated) parameters
+        if f.shard.untyped_storage().data_ptr() != f.full.untyped_storage().data_ptr():
+            out.append((f.shard.data, f.start, f.start + f.shard_size))  # the fp32 master, read at full precision
+        return out
 
 
 def apply(model: nn.Module, mesh, cfg) -> ZeroEngine:

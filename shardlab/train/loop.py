@@ -58,7 +58,9 @@ class Trainer:
             g["lr"] = lr
         micro = self.loader.next_batch()
         local = self.engine.forward_backward(micro, self.scaler.scale, self.autocast)
-        overflow = self.scaler.unscale_and_check(self.engine.parameters(), self.mesh.comm("world"))
+        # fp16: unscale exactly the gradient tensors this rank owns (flat shards, buckets, TP/EP
+        # shards, its pipeline stage), before clipping; one world all-reduce of the overflow flag.
+        overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
         gnorm = float("nan")
         if not overflow:
             gnorm = self.engine.clip_grads(t.grad_clip)

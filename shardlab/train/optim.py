@@ -45,42 +45,58 @@ def autocast_factory(precision: str, device: torch.device):
 
 
 class LossScaler:
-    """Dynamic loss scaling for fp16: multiply the loss by ``scale``; if any gradient on any rank
-    is inf/nan, skip the step and halve the scale; after ``window`` clean steps, double it."""
+    """Dynamic loss scaling for fp16, with ``torch.amp.GradScaler``'s arithmetic: the loss is
+    multiplied by ``scale`` before backward; :meth:`unscale_and_check` divides the gradients by it
+    and looks for inf/nan; :meth:`update` halves the scale after an overflow (the step is skipped)
+    and doubles it after ``window`` consecutive clean steps. Disabled (bf16, fp32): scale 1, no check.
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, window: int = 1000):
+    The gradients are the tensors an engine owns (``engine.grads()``: DDP buckets, ZeRO/FSDP flat
+    shards, TP/EP shards, a pipeline rank's stage), so every element is unscaled exactly once and
+    checked on the rank that holds it; one all-reduce (max) of the found-inf flag over the world
+    makes every rank skip the same steps."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, window: int = 1000,
+                 growth: float = 2.0, backoff: float = 0.5):
         self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
-        self.window = window
+        self.scale = float(init_scale) if enabled else 1.0
+        self.window, self.growth, self.backoff = window, growth, backoff
         self.clean_steps = 0
         self.skipped = 0
 
-    def unscale_and_check(self, params, comm=None) -> bool:
-        """Divide gradients by the scale; return True when the step must be skipped (overflow).
-        ``comm``: a world Comm so every rank takes the same decision."""
+    def unscale_and_check(self, grads, comm=None, device=None) -> bool:
+        """Multiply every tensor of ``grads`` by 1/scale in place; return True when any element on
+        any rank is inf or nan (the step must be skipped). ``comm``: a world Comm (every rank must
+        call, even with no gradients); ``device``: where the flag lives (the mesh device)."""
         if not self.enabled:
             return False
-        found = torch.zeros((), dtype=torch.float32, device=next(iter(params)).device)
-        inv = 1.0 / self.scale
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(inv)
-                found += (~torch.isfinite(p.grad)).any().float()
-        if comm is not None:
+        grads = [g for g in grads if g is not None]
+        if device is None:
+            device = grads[0].device if grads else torch.device("cpu")
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        groups: dict = {}
+        for g in grads:  # the fused kernel wants one device and dtype per call
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), ts in groups.items():
+            flag = torch.zeros(1, dtype=torch.float32, device=dev)
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, flag, inv)
+            found = torch.maximum(found, flag.to(device))
+        if comm is not None and comm.size > 1:
             comm.all_reduce(found, op="max")
-        return bool(found > 0)
+        return bool(found.item() > 0)
 
     def update(self, overflow: bool) -> None:
+        """After the step: back off on overflow (and count the skip), else grow after ``window``."""
         if not self.enabled:
             return
         if overflow:
-            self.scale = max(self.scale / 2.0, 1.0)
+            self.scale *= self.backoff
             self.clean_steps = 0
             self.skipped += 1
         else:
             self.clean_steps += 1
             if self.clean_steps >= self.window:
-                self.scale *= 2.0
+                self.scale *= self.growth
                 self.clean_steps = 0
 
     def state_dict(self) -> dict:

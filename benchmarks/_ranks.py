@@ -21,6 +21,15 @@ import torch.distributed as dist
 MiB = 2**20
 
 
+def write_table(out: str | None, *blocks: str) -> None:
+    """Write the command line and the printed blocks (header, table, notes) to ``out`` (.md)."""
+    if out:
+        import sys
+        with open(out, "w") as fh:
+            fh.write("\n\n".join([f"`python {' '.join(sys.argv)}`", *blocks]) + "\n")
+        print(f"wrote {out}")
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as fh:
         for line in fh:

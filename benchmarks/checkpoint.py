@@ -188,10 +188,7 @@ def main():
     table = "\n".join(lines + [""] + notes)
     print()
     print(table)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(f"`python {' '.join(sys.argv)}`\n\n{head}\n\n{table}\n")
-        print(f"wrote {args.out}")
+    _ranks.write_table(args.out, head, table)
 
 
 if __name__ == "__main__":

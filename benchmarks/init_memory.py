@@ -128,11 +128,7 @@ def main():
     table = "\n".join(lines)
     print()
     print(table)
-    if args.out:
-        cmd = "python " + " ".join(sys.argv)
-        with open(args.out, "w") as fh:
-            fh.write(f"`{cmd}`\n\n{head}\n\n{fixed_line}\n\n{table}\n")
-        print(f"\nwrote {args.out}")
+    _ranks.write_table(args.out, head, fixed_line, table)
 
 
 if __name__ == "__main__":

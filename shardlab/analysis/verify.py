@@ -90,16 +90,22 @@ def describe(cfg: C.Config) -> str:
     return " ".join([Topology.from_config(p).describe()] + [e for e in extra if e])
 
 
+def reference_adamw(model, t) -> torch.optim.AdamW:
+    """Plain torch AdamW over a single-process model: weight decay on matrices, none on norms
+    and vectors (the grouping every engine uses)."""
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if p.ndim >= 2 and "norm" not in n]
+    rest = [p for n, p in named if not (p.ndim >= 2 and "norm" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
 def reference(cfg: C.Config, data_dir: str, steps: int):
     """Independent single-process run: plain model, torch AdamW, whole global batch."""
     t = cfg.train
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, t.seed, dtype=torch.float64)
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if p.ndim >= 2 and "norm" not in n]
-    rest = [p for n, p in named if not (p.ndim >= 2 and "norm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    opt = reference_adamw(model, t)
     loader = Loader(TokenData(data_dir), t.seq_len, t.global_batch, 1, 0, 1, t.seed)
     losses = []
     for step in range(steps):

@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from shardlab.analysis.verify import reference_adamw
 from shardlab import config as C
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
@@ -72,11 +73,7 @@ def reference(cfg: C.Config, data_dir: str, steps: int):
     Returns per step (loss, grad norm or nan, skipped, scale after the step) and the parameters."""
     t = cfg.train
     model = build_model(cfg.model, t.seed, dtype=torch.float32)
-    named = list(model.named_parameters())
-    decay = [p for n, p in named if p.ndim >= 2 and "norm" not in n]
-    rest = [p for n, p in named if not (p.ndim >= 2 and "norm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    opt = reference_adamw(model, t)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
     fp16 = t.precision == "fp16"
     scale, clean = (t.loss_scale_init if fp16 else 1.0), 0
@@ -105,7 +102,7 @@ def reference(cfg: C.Config, data_dir: str, steps: int):
                     scale, clean = scale * 2, 0
         opt.zero_grad(set_to_none=True)
         rows.append((loss.item(), norm, skipped, scale))
-    return rows, {n: p.detach().clone() for n, p in named}
+    return rows, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _train(cfg: C.Config, data_dir: str, steps: int, device):

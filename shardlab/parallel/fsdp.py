@@ -113,11 +113,8 @@ class FSDPEngine(ShardedEngine):
                 f.shard = nn.Parameter(f.own(full).clone().to(self.home))
             f.shard.grad = torch.zeros_like(f.shard)
             dtype = self.compute_dtype or f.shard.dtype
-            # The gathered buffer: a tensor of f.padded elements over an empty storage (allocating
-            # it and resizing to 0 would hold a whole unit, transiently, at construction).
-            dev = self.mesh.device
-            f.full = torch.empty(0, dtype=dtype, device=dev).set_(
-                torch.UntypedStorage(0, device=dev), 0, (f.padded,), (1,)).requires_grad_()
+            f.full = torch.empty(f.padded, dtype=dtype, device=self.mesh.device, requires_grad=True)
+            f.full.untyped_storage().resize_(0)
             f.full.register_post_accumulate_grad_hook(lambda t, f=f: self._post_backward(f))
             f.sites = [_sites(self.model, p) for _, p in group]
             f.unit_index = len(flats)

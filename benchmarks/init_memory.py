@@ -12,7 +12,8 @@ micro-batch 1 x ``--seq`` tokens per micro-batch + AdamW step). Peak RSS = ``VmH
 rank's process image, the quantity ``ru_maxrss`` reports without the spawning parent's peak
 (see benchmarks/_ranks.py); the table gives the max over ranks, in MiB.
 
-Bounds: construction <= fixed + owned parameters; step <= fixed + owned state after the step
+Bounds: construction <= fixed + owned parameters and the gradient buffers the engine allocates
+when built (FSDP/ZeRO shards); step <= fixed + owned state after the step
 (parameters + Adam m, v measured from the rank's tensors, gradients counted as large as the
 parameters; max over ranks) + FSDP's peak gathered parameters + activations. "fixed" = the measured peak RSS of a rank that imports
 torch + shardlab, builds the mesh and a 1-layer tiny model (d 64, vocab 256, FSDP over N) and
@@ -60,7 +61,8 @@ def _worker(ctx, cfg, path: str, seq: int) -> dict:
     from shardlab.analysis.memory import measure
     out = {"start": _ranks.peak_mib()}
     mesh, engine, opt = _ranks.build_engine(cfg, ctx.device, path)
-    out["owned_params"] = measure(engine, opt).params / MiB
+    built = measure(engine, opt)
+    out["owned_params"] = (built.params + built.grads) / MiB  # FSDP/ZeRO allocate gradient shards at build
     out["construct"] = _ranks.peak_mib()
     _ranks.train_step(cfg, mesh, engine, opt, 1, seq)
     out["step"] = _ranks.peak_mib()

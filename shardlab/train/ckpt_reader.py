@@ -3,23 +3,23 @@
 ``Reader(path)`` parses ``index.json`` and checks that every shard file exists with the recorded
 size and a parseable safetensors header matching the index (cheap: no tensor data is read).
 ``read(key, offsets, sizes)`` assembles the box from the saved pieces that intersect it, reading
-only the intersecting slices through ``safe_open(...).get_slice(name)[slices]`` (memory-mapped;
-only the touched bytes are paged in). A piece read whole has its crc32 checked; ``verify_all``
+only the intersecting slices, by offset: positioned reads (``os.preadv``) of the dim-0 rows
+each box touches, no memory map. A piece read whole has its crc32 checked; ``verify_all``
 reads and checks every piece. Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from .ckpt_format import CheckpointError, crc32, dtype_from_name, plan_cover, read_header
+from .ckpt_format import _ST_DTYPES, CheckpointError, crc32, dtype_from_name, plan_cover, read_header
 
 _FIX = "re-save or use an older checkpoint"
-_ST_NAMES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
-             "int32": "I32", "uint8": "U8", "bool": "BOOL"}
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}                          # "F32" -> torch.float32
+_ST_NAMES = {str(k).replace("torch.", ""): v for k, v in _ST_DTYPES.items()}  # "float32" -> "F32"
 
 
 class Reader:
@@ -39,6 +39,8 @@ class Reader:
             for info in self._keys.values():
                 dtype_from_name(info["dtype"])
             self._handles: dict[str, object] = {}
+            self._data_start: dict[str, int] = {}
+            self._headers: dict[str, dict] = {}
             self._check_files()
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{index_file}: damaged ({type(e).__name__}: {e}); {_FIX}") from None
@@ -53,6 +55,8 @@ class Reader:
                 raise CheckpointError(f"{f}: {f.stat().st_size} bytes, index.json records {r['size']} "
                                       f"(truncated or modified); {_FIX}")
             headers[r["file"]] = read_header(f)
+            end = max((int(v["data_offsets"][1]) for v in headers[r["file"]].values()), default=0)
+            self._data_start[r["file"]] = r["size"] - end  # 8 + header length
             for name, e in r["extra"].items():
                 self._check_entry(f, headers[r["file"]], name, e["dtype"], e["shape"])
         for key, info in self._keys.items():
@@ -60,6 +64,7 @@ class Reader:
                 if p["file"] not in headers:
                     raise CheckpointError(f"{self.path / 'index.json'}: {key} names unknown file {p['file']}; {_FIX}")
                 self._check_entry(self.path / p["file"], headers[p["file"]], p["name"], info["dtype"], p["sizes"])
+        self._headers = headers
 
     @staticmethod
     def _check_entry(f: Path, header: dict, name: str, dtype: str, shape) -> None:
@@ -97,26 +102,44 @@ class Reader:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def _open(self, file: str):
+    def _open(self, file: str) -> int:
+        """A file descriptor for positioned reads (no memory map: pages read for one box are not
+        kept mapped, so a load's resident memory is what it keeps, not the files it touched)."""
         if file not in self._handles:
             try:
-                self._handles[file] = safe_open(str(self.path / file), framework="pt")
-            except Exception as e:  # safetensors raises its own error types
+                self._handles[file] = os.open(self.path / file, os.O_RDONLY)
+            except OSError as e:
                 raise CheckpointError(f"{self.path / file}: cannot be opened ({e}); {_FIX}") from None
         return self._handles[file]
 
+    def _pread(self, file: str, start: int, n: int) -> bytearray:
+        fd, buf, done = self._open(file), bytearray(n), 0
+        view = memoryview(buf)
+        while done < n:
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path / file}: ends early (truncated); {_FIX}")
+            done += got
+        return buf
+
     def _read_piece(self, p: dict, off, sizes) -> torch.Tensor:
-        """The part (off, sizes) of saved piece ``p``, in global coordinates; crc32 when whole."""
+        """The part (off, sizes) of saved piece ``p``, in global coordinates; crc32 when whole.
+        Reads by offset only the piece's dim-0 rows that the box touches."""
         whole = list(off) == p["offsets"] and list(sizes) == p["sizes"]
-        handle = self._open(p["file"])
-        try:
-            if whole:
-                t = handle.get_tensor(p["name"])
-            else:
-                t = handle.get_slice(p["name"])[tuple(slice(o - po, o - po + s)
-                                                      for o, po, s in zip(off, p["offsets"], sizes))]
-        except Exception as e:
-            raise CheckpointError(f"{self.path / p['file']}: cannot read {p['name']} ({e}); {_FIX}") from None
+        h = self._headers[p["file"]][p["name"]]
+        dtype, shape = _ST_TORCH[h["dtype"]], list(h["shape"])
+        item = torch.empty((), dtype=dtype).element_size()
+        row = item
+        for d in shape[1:]:
+            row *= d
+        local = [o - po for o, po in zip(off, p["offsets"])]
+        r0, r1 = (0, shape[0] if shape else 1) if whole or not shape else (local[0], local[0] + sizes[0])
+        start = self._data_start[p["file"]] + int(h["data_offsets"][0]) + r0 * row
+        raw = self._pread(p["file"], start, (r1 - r0) * row)
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        t = t.reshape([r1 - r0] + shape[1:] if shape else [])
+        if not whole:
+            t = t[(slice(None),) + tuple(slice(o, o + n) for o, n in zip(local[1:], sizes[1:]))].contiguous()
         if whole and crc32(t) != p["crc32"]:
             raise CheckpointError(f"{self.path / p['file']}: checksum mismatch in {p['name']} (file damaged); "
                                   f"{_FIX}")
@@ -182,6 +205,8 @@ class Reader:
         return sum(r["size"] for r in self._ranks.values())
 
     def close(self) -> None:
+        for fd in self._handles.values():
+            os.close(fd)
         self._handles.clear()
 
     def __enter__(self):

@@ -131,26 +131,19 @@ def test_reads_only_intersecting_slices(tmp_path, monkeypatch):
     path = save(tmp_path, 1, {"model.w": w}, row_split("model.w", (8, 10), 4))
     r = ckpt.Reader(path)
     touched = []
-    real_open = r._open
+    real_pread = r._pread
 
-    class Spy:
-        def __init__(self, file, handle):
-            self.file, self.handle = file, handle
+    def spy(file, start, n):   # every positioned read: which file, how many bytes
+        touched.append((file, n))
+        return real_pread(file, start, n)
 
-        def get_slice(self, name):
-            touched.append((self.file, "slice"))
-            return self.handle.get_slice(name)
-
-        def get_tensor(self, name):
-            touched.append((self.file, "whole"))
-            return self.handle.get_tensor(name)
-
-    monkeypatch.setattr(r, "_open", lambda f: Spy(f, real_open(f)))
+    monkeypatch.setattr(r, "_pread", spy)
     assert torch.equal(r.read("model.w", (2, 3), (3, 4)), w[2:5, 3:7])   # rows 2..4: ranks 1 and 2
-    assert sorted(touched) == [("rank_00001.safetensors", "slice"), ("rank_00002.safetensors", "slice")]
+    # only the touched rows are read: rank 1 holds rows 2-3 (row 2..3 needed), rank 2 rows 4-5 (row 4)
+    assert sorted(touched) == [("rank_00001.safetensors", 2 * 10 * 4), ("rank_00002.safetensors", 1 * 10 * 4)]
     touched.clear()
     assert torch.equal(r.read("model.w", (4, 0), (4, 10)), w[4:])         # exactly ranks 2 and 3: whole
-    assert sorted(touched) == [("rank_00002.safetensors", "whole"), ("rank_00003.safetensors", "whole")]
+    assert sorted(touched) == [("rank_00002.safetensors", 80), ("rank_00003.safetensors", 80)]
 
 
 def test_dtypes_scalars_and_extras_roundtrip(tmp_path):

@@ -73,14 +73,8 @@ def intersect(a: Box, b: Box) -> Box | None:
     lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
     hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1]))
     if any(h <= l for l, h in zip(lo, hi)):
-        return None if lo else ((), ())
+        return None
     return lo, tuple(h - l for l, h in zip(lo, hi))
-
-
-def box_slices(box: Box, origin=None) -> tuple[slice, ...]:
-    """Python slices selecting ``box`` from a tensor whose element 0 sits at ``origin``."""
-    origin = origin or (0,) * len(box[0])
-    return tuple(slice(o - g, o - g + s) for o, s, g in zip(box[0], box[1], origin))
 
 
 def writes_piece(pl, mesh, replicate_groups: tuple[str, ...]) -> bool:

@@ -14,6 +14,8 @@ Two shapes of engine state:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..distributed.placement import get_placement
@@ -135,9 +137,7 @@ def _segments(f, lo: int, hi: int):
         valid_local = ((0,) * len(shape), outer[1])
         pos = a - lo
         for lbox in flat_boxes(shape, a - o, b - o):
-            size = 1
-            for s in lbox[1]:
-                size *= s
+            size = math.prod(lbox[1])
             keep = intersect(lbox, valid_local)
             if keep is not None:
                 inner = tuple(slice(k - l, k - l + s) for k, l, s in zip(keep[0], lbox[0], keep[1]))

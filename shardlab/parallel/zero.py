@@ -337,7 +337,7 @@ class ZeroEngine(ShardedEngine):
 
     def _param_targets(self, f: FlatParam) -> list[tuple[torch.Tensor, int, int]]:
         out = [(f.full, 0, f.padded)]  # every rank keeps the whole (replicated) parameters
-        if f.shard.untyped_storage().data_ptr() != f.full.untyped_storage().data_ptr():
+        if f.shard.dtype != f.full.dtype:  # a separate master (train.param_dtype), else an alias of f.full
             out.append((f.shard.data, f.start, f.start + f.shard_size))  # the fp32 master, read at full precision
         return out
 

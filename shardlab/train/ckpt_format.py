@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 
-from ..distributed.regions import Piece, flat_boxes  # noqa: F401  (re-exported: the checkpoint API)
+from ..distributed.regions import Piece, flat_boxes, intersect  # noqa: F401  (Piece, flat_boxes: re-exported)
 
 
 class CheckpointError(RuntimeError):
@@ -71,15 +71,6 @@ def volume(sizes) -> int:
     return math.prod(sizes)
 
 
-def intersect(off_a, size_a, off_b, size_b):
-    """The intersection of two boxes as (offsets, sizes), or None when it is empty."""
-    lo = tuple(max(a, b) for a, b in zip(off_a, off_b))
-    hi = tuple(min(a + sa, b + sb) for a, sa, b, sb in zip(off_a, size_a, off_b, size_b))
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
-
-
 def subtract(off, size, c_off, c_size):
     """Box minus an inner box ``c`` (contained in it): at most 2*ndim disjoint boxes."""
     out = []
@@ -110,7 +101,7 @@ def plan_cover(offsets, sizes, boxes):
         r_off, r_size = todo.pop()
         best = None
         for i, (b_off, b_size) in enumerate(boxes):
-            c = intersect(r_off, r_size, b_off, b_size)
+            c = intersect((r_off, r_size), (b_off, b_size))
             if c is not None and (best is None or volume(c[1]) > volume(best[1][1])):
                 best = (i, c)
                 if c[1] == r_size:

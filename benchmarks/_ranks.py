@@ -68,7 +68,7 @@ def build_engine(cfg, device, path: str):
     owns) or "full-build" (the whole model materialised on the rank, then ``parallelize``)."""
     from shardlab.distributed.mesh import Mesh
     from shardlab.distributed.topology import Topology
-    from shardlab.models.llama import build_model, meta_model
+    from shardlab.models import build_model, meta_model
     from shardlab.parallelize import parallelize
 
     mesh = Mesh.build(Topology.from_config(cfg.parallel), device)

@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import _ranks  # noqa: E402
 from shardlab.config import load  # noqa: E402
 from shardlab.launch import run  # noqa: E402
-from shardlab.models.llama import count_params, meta_model  # noqa: E402
+from shardlab.models import count_params, meta_model  # noqa: E402
 
 MiB = _ranks.MiB
 STEP = 1

@@ -31,7 +31,7 @@ from shardlab.config import ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models.llama import build_model
+from shardlab.models import build_model, get_spec
 from shardlab.models.moe import MoE
 from shardlab.parallel import context, expert
 
@@ -88,7 +88,8 @@ def _sync(dev):
 
 def memory(mesh, seq, dev):
     cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=seq)
-    model = context.apply(build_model(cfg, seed=0, device=dev), mesh)
+    model = build_model(cfg, seed=0, device=dev)
+    model = context.apply(model, mesh, None, get_spec(cfg).attention(model))
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (1, seq + 1), generator=g)
     comm = mesh.comm("cp")

@@ -23,7 +23,7 @@ from shardlab.config import Config
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models.llama import build_model, count_params
+from shardlab.models import build_model, count_params
 from shardlab.parallelize import parallelize
 
 MICRO, SEQ, LR = 2, 64, 1e-3

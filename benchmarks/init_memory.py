@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import _ranks  # noqa: E402
 from shardlab.config import load  # noqa: E402
 from shardlab.launch import run  # noqa: E402
-from shardlab.models.llama import count_params, meta_model  # noqa: E402
+from shardlab.models import count_params, meta_model  # noqa: E402
 
 LAYOUTS = {"fsdp": dict(dp_shard=None, zero_stage=3), "tp": dict(tp=None), "pp": dict(pp=None, microbatches=4)}
 MiB = _ranks.MiB

@@ -31,7 +31,7 @@ from shardlab.config import Config  # noqa: E402
 from shardlab.distributed.mesh import Mesh  # noqa: E402
 from shardlab.distributed.topology import Topology  # noqa: E402
 from shardlab.launch import run  # noqa: E402
-from shardlab.models.llama import build_model  # noqa: E402
+from shardlab.models import build_model, get_spec  # noqa: E402
 from shardlab.parallel.pipeline import apply  # noqa: E402
 from shardlab.parallel.pipeline.schedule import build, theoretical_bubble  # noqa: E402
 from shardlab.parallel.pipeline.simulate import simulate  # noqa: E402
@@ -97,7 +97,7 @@ class _Held:
 
 def shardlab_engine(mesh, pp, schedule, v):
     cfg = make_cfg(pp, schedule, v)
-    engine = apply(build_model(cfg.model, 0), mesh, cfg)
+    engine = apply(build_model(cfg.model, 0), mesh, cfg, get_spec(cfg.model))
     x, y = data(cfg)
     mbs = list(zip(x.chunk(M), y.chunk(M)))
 
@@ -110,7 +110,7 @@ def shardlab_engine(mesh, pp, schedule, v):
 def torch_engine(mesh, pp, v):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
     cfg = make_cfg(pp, "interleaved" if v > 1 else "1f1b", v)
-    model, chunks, _ = split_model(build_model(cfg.model, 0), mesh.local_rank("pp"), pp, v)
+    model, chunks, _ = split_model(build_model(cfg.model, 0), get_spec(cfg.model), mesh.local_rank("pp"), pp, v)
     group = mesh.group("pp")
     stages = [PipelineStage(chunk, s, pp * v, torch.device("cpu"), group=group) for s, chunk in sorted(chunks.items())]
     loss_fn = lambda logits, y: model.criterion(logits, y)  # noqa: E731

@@ -23,7 +23,7 @@ from shardlab import config as C  # noqa: E402
 from shardlab import launch  # noqa: E402
 from shardlab.distributed.mesh import Mesh  # noqa: E402
 from shardlab.distributed.topology import Topology  # noqa: E402
-from shardlab.models.llama import build_model  # noqa: E402
+from shardlab.models import build_model  # noqa: E402
 from shardlab.train.data import Loader, TokenData, prepare  # noqa: E402
 from shardlab.train.loop import Trainer  # noqa: E402
 from shardlab.train.metrics import flops_per_token, peak_flops  # noqa: E402

@@ -23,7 +23,7 @@ from shardlab import launch
 from shardlab.config import Config, ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
-from shardlab.models.llama import build_model
+from shardlab.models import build_model, get_spec
 from shardlab.parallel import tensor
 
 
@@ -97,7 +97,7 @@ def _worker(ctx, sp: bool, steps: int, warmup: int):
     n = ctx.world_size
     cfg = make_cfg(n, sp)
     mesh = Mesh.build(Topology(tp=n))
-    ours = tensor.apply(build_model(cfg.model, cfg.train.seed), mesh, cfg)
+    ours = tensor.apply(build_model(cfg.model, cfg.train.seed), mesh, cfg, get_spec(cfg.model).tp_plan)
     theirs = dtensor_model(cfg, init_device_mesh("cpu", (n,)))
     g = torch.Generator().manual_seed(1)
     tok = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1), generator=g)

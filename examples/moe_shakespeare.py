@@ -21,7 +21,7 @@ from shardlab.config import Config, ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models.llama import build_model
+from shardlab.models import build_model
 from shardlab.parallel import expert
 from shardlab.parallelize import parallelize
 

@@ -11,15 +11,15 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "train": ("shardlab.train.run", "train a model: shardlab train CONFIG --nproc N [--section.key=value ...]"),
+    "train": ("shardlab.commands.train_cmd", "train a model: shardlab train CONFIG --nproc N [--section.key=value ...]"),
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
     "bench": ("shardlab.commands.bench_comm", "time collectives, own vs backend: shardlab bench comm --nproc N"),
-    "verify": ("shardlab.analysis.verify", "parity matrix: every layout that fits N ranks vs one process (float64)"),
+    "verify": ("shardlab.commands.verify_cmd", "parity matrix: every layout that fits N ranks vs one process (float64)"),
     "checkpoint": ("shardlab.commands.checkpoint_cmd", "inspect, verify or export a sharded checkpoint: "
                    "shardlab checkpoint inspect|verify|export DIR [--to model.safetensors]"),
-    "plot": ("shardlab.train.plot", "draw loss curves of a run: shardlab plot RUN_DIR"),
-    "schedule": ("shardlab.analysis.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
-    "memory": ("shardlab.analysis.memory", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
+    "plot": ("shardlab.commands.plot_cmd", "draw loss curves of a run: shardlab plot RUN_DIR"),
+    "schedule": ("shardlab.commands.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
+    "memory": ("shardlab.commands.memory_cmd", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
 }
 
 

@@ -7,25 +7,20 @@ metadata (``dataclasses.fields(cls)[i].metadata["doc"]``); ``shardlab config sho
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checks import did_you_mean as _did_you_mean
+from .checks import validate
+from .errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A bad setting. ``str(err)`` is one line naming the field and the fix."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"config error: {field_name}: {message}")
 
 
 def f(default: Any, doc: str):
@@ -37,8 +32,9 @@ def f(default: Any, doc: str):
 
 @dataclass
 class ModelConfig:
-    """Shape of the Llama-style decoder (dense or Mixture-of-Experts)."""
+    """The architecture and its shape. Each architecture reads the fields it needs (docs/models.md)."""
 
+    arch: str = f("llama", "Architecture, a registered ModelSpec: llama, gpt2 or cnn (shardlab/models/<arch>/).")
     vocab_size: int = f(256, "Vocabulary size (256 = byte-level tokens of the Shakespeare corpus).")
     d_model: int = f(128, "Hidden size of the residual stream.")
     n_layers: int = f(4, "Number of transformer blocks.")
@@ -56,6 +52,8 @@ class ModelConfig:
     moe_aux_loss_coef: float = f(0.01, "Weight of the Switch load-balancing auxiliary loss.")
     moe_z_loss_coef: float = f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits).")
     moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).")
+    dropout: float = f(0.0, "Dropout probability (gpt2, cnn); 0 for parity tests and modern pretraining.")
+    n_classes: int = f(10, "cnn: number of classes of the image classifier.")
 
     @property
     def kv_heads(self) -> int:
@@ -94,6 +92,8 @@ class ParallelConfig:
     microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).")
     activation_checkpointing: str = f("none", "Activation recomputation: none, full or selective.")
     compile: bool = f(False, "Wrap each block with torch.compile.")
+    wrap_policy: str = f("blocks", "ZeRO-3/FSDP units: blocks (the architecture's blocks), size:<N> (outermost "
+                                   "modules with >= N parameters) or class:<Name>[,<Name>] (modules of those classes).")
     comm_algorithm: str = f("backend", "Collective algorithm: backend, ring, tree, rhd or auto.")
 
     @property
@@ -193,11 +193,6 @@ class Config:
         return self
 
 
-def _did_you_mean(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def _coerce(section: str, key: str, value: Any, target_type: Any) -> Any:
     """Convert ``value`` (often a string from the command line) to the field's type."""
     name = f"{section}.{key}"
@@ -293,93 +288,6 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
 def _is_deepspeed(data: dict) -> bool:
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization"}
     return bool(keys & set(data)) and not (set(data) & set(SECTIONS))
-
-
-def _check(cond: bool, field_name: str, message: str):
-    if not cond:
-        raise ConfigError(field_name, message)
-
-
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Reject inconsistent settings with one line naming the field and the fix."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "microbatches", "pp_virtual"):
-        _check(getattr(p, name) >= 1, f"parallel.{name}", "must be >= 1")
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
-        _check(getattr(m, name) >= 1, f"model.{name}", "must be >= 1")
-    if world_size is not None:
-        _check(p.world_size == world_size, "parallel",
-               f"dp_replicate*dp_shard*cp*tp*pp = {p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp}*{p.pp} = "
-               f"{p.world_size} but the job has {world_size} processes; set --nproc {p.world_size} "
-               f"or change the degrees so their product is {world_size}")
-    _check(m.d_model % m.n_heads == 0, "model.n_heads", f"{m.n_heads} does not divide d_model={m.d_model}")
-    _check(m.n_heads % m.kv_heads == 0, "model.n_kv_heads",
-           f"{m.kv_heads} does not divide n_heads={m.n_heads}; pick a divisor of {m.n_heads}")
-    _check(m.head_dim % 2 == 0, "model.d_model", "head_dim = d_model/n_heads must be even for rotary embeddings")
-    _check(m.n_heads % p.tp == 0, "parallel.tp", f"tp={p.tp} does not divide model.n_heads={m.n_heads}")
-    _check(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0, "parallel.tp",
-           f"tp={p.tp} and model.n_kv_heads={m.kv_heads}: one must divide the other "
-           "(kv heads are split, or replicated when tp > kv heads)")
-    _check(m.ffn_dim % p.tp == 0, "model.ffn_hidden", f"ffn size {m.ffn_dim} is not divisible by tp={p.tp}")
-    _check(not p.sequence_parallel or t.seq_len % p.tp == 0, "train.seq_len",
-           f"{t.seq_len} is not divisible by tp={p.tp}: sequence parallel splits the sequence over tp; "
-           f"use a multiple of {p.tp} or parallel.sequence_parallel=false")
-    _check(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",
-           f"{m.n_layers} layers cannot fill pp*pp_virtual={p.pp * p.pp_virtual} stages; lower pp or add layers")
-    _check(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", "must be 0, 1, 2 or 3")
-    _check(not p.offload or p.zero_stage == 3, "parallel.offload",
-           "CPU offload is implemented with zero_stage = 3; set --parallel.zero_stage=3 or --parallel.offload=false")
-    _check(p.pp_schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"), "parallel.pp_schedule",
-           f"unknown schedule {p.pp_schedule!r}{_did_you_mean(p.pp_schedule, ['gpipe', '1f1b', 'interleaved', 'zb-h1'])}")
-    if p.pp > 1:
-        _check(p.microbatches >= p.pp, "parallel.microbatches",
-               f"{p.microbatches} micro-batches for pp={p.pp} stages leaves stages idle; use >= {p.pp}")
-        if p.pp_schedule == "interleaved":
-            _check(p.microbatches % p.pp == 0, "parallel.microbatches",
-                   f"interleaved needs micro-batches divisible by pp={p.pp}")
-        _check(not m.tie_embeddings, "model.tie_embeddings",
-               "the embedding (first stage) and the head (last stage) cannot share a weight across "
-               "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")
-        _check(m.n_experts == 0, "parallel.pp",
-               "pipeline parallel with an MoE model is not supported yet (the auxiliary losses of blocks "
-               "outside the last stage would be lost); use parallel.pp = 1 or model.n_experts = 0")
-    _check(p.zero_stage == 0 or p.pp == 1, "parallel.zero_stage",
-           "ZeRO/FSDP inside pipeline stages is not implemented; use zero_stage = 0 (DDP) with pp > 1")
-    _check(p.zero_stage == 0 or p.ep == 1, "parallel.zero_stage",
-           "ZeRO/FSDP of expert-parallel weights is not implemented; use zero_stage = 0 (DDP) with ep > 1")
-    _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
-           "virtual stages > 1 need pp_schedule = 'interleaved'")
-    _check((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
-           f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
-    _check(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
-    if m.n_experts:
-        _check(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
-        _check(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")
-    _check(p.comm_algorithm in ("backend", "ring", "tree", "rhd", "auto"), "parallel.comm_algorithm",
-           "must be backend, ring, tree, rhd or auto")
-    _check(p.activation_checkpointing in ("none", "full", "selective"), "parallel.activation_checkpointing",
-           "must be none, full or selective")
-    _check(t.precision in ("fp32", "fp64", "bf16", "fp16"), "train.precision", "must be fp32, fp64, bf16 or fp16")
-    for name in ("param_dtype", "reduce_dtype"):
-        _check(getattr(t, name) in ("", "fp32", "bf16", "fp16"), f"train.{name}", "must be '', fp32, bf16 or fp16")
-    _check(not t.param_dtype or p.zero_stage >= 1, "train.param_dtype",
-           "low-precision parameter storage is implemented by ZeRO/FSDP; set --parallel.zero_stage=1, 2 or 3 "
-           "or leave train.param_dtype empty")
-    _check(not t.reduce_dtype or p.zero_stage in (0, 3), "train.reduce_dtype",
-           "the reduce dtype is a DDP/FSDP option (ZeRO-1/2 reduce in train.param_dtype); use zero_stage 0 or 3")
-    _check(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    _check(t.seq_len % (2 * p.cp) == 0 or p.cp == 1, "train.seq_len",
-           f"{t.seq_len} must be divisible by 2*cp={2 * p.cp} for load-balanced context parallel")
-    per_step = p.dp * p.microbatches
-    _check(t.global_batch % per_step == 0, "train.global_batch",
-           f"{t.global_batch} is not divisible by dp*microbatches = {p.dp}*{p.microbatches} = {per_step}; "
-           f"use a multiple of {per_step}")
-    _check(t.steps >= 1, "train.steps", "must be >= 1")
-    _check(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-    _check(t.lr > 0, "train.lr", "must be > 0")
-    _check(t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda")
-    _check(0 < cfg.data.val_fraction < 1, "data.val_fraction", "must be between 0 and 1")
-    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
 
 
 def describe(cfg: Config) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 
-from .config import ConfigError
+from .errors import ConfigError
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "overlap_comm", "offload_optimizer", "offload_param"}
 _TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

@@ -18,7 +18,6 @@ over N, the same 16/N total.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +83,7 @@ def measure(engine, optimizer) -> StateBytes:
 def _measure_worker(ctx, cfg):
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
-    from ..models.llama import build_model
+    from ..models import build_model
     from ..parallelize import parallelize
     from ..train.optim import autocast_factory
 
@@ -105,53 +104,3 @@ def _measure_worker(ctx, cfg):
 def measure_run(cfg, nproc: int) -> list[StateBytes]:
     from ..launch import run
     return [StateBytes(*r) for r in run(_measure_worker, nproc, cfg, threads=1, timeout_s=cfg.train.timeout_s)]
-
-
-# -- command ---------------------------------------------------------------------------------------
-def configure(p: argparse.ArgumentParser):
-    p.add_argument("config", nargs="?", help="TOML/JSON config (DeepSpeed JSON accepted)")
-    p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (if the config sets no degrees)")
-    p.add_argument("--no-run", action="store_true", help="formula only: do not start ranks")
-
-
-def resolve(config_path, overrides, nproc: int):
-    from ..config import load
-    cfg = load(config_path, overrides)
-    if cfg.parallel.world_size == 1 and nproc > 1:  # a single-process config: shard over N ranks
-        cfg.parallel.dp_shard = nproc
-    return cfg.validate(world_size=nproc)
-
-
-def main(args) -> int:
-    from ..models.llama import Llama, count_params
-
-    cfg = resolve(args.config, args.overrides, args.nproc)
-    with torch.device("meta"):
-        psi = count_params(Llama(cfg.model))
-    n = cfg.parallel.dp_shard * cfg.parallel.cp if cfg.parallel.zero_stage == 3 else cfg.parallel.dp * cfg.parallel.cp
-    stage = cfg.parallel.zero_stage
-    mib = 2**20
-    print(f"model: {psi:,} parameters; {n} data-parallel ranks sharding state; configured: {STAGES[stage]}")
-    print(f"{'stage':<8}{'formula':<10}{'params MiB':>12}{'grads MiB':>12}{'optim MiB':>12}{'total MiB':>12}")
-    for s in STAGES:
-        for prec in ("mixed", "fp32"):
-            f = formula(psi, n, s, prec)
-            mark = " <" if s == stage else ""
-            print(f"{STAGES[s]:<8}{prec:<10}{f.params / mib:>12.3f}{f.grads / mib:>12.3f}{f.optim / mib:>12.3f}"
-                  f"{f.total / mib:>12.3f}{mark}")
-    b = max(1, cfg.train.global_batch // cfg.parallel.dp // cfg.parallel.microbatches)
-    act = activation_estimate(cfg, b, 4)
-    print(f"activations (estimate, fp32, micro-batch {b} x {cfg.train.seq_len}): {act / mib:.3f} MiB per rank")
-    if args.no_run:
-        return 0
-    low = cfg.train.param_dtype in ("bf16", "fp16")
-    prec = "mixed" if low else "fp32"
-    print(f"measured after one AdamW step with {args.nproc} ranks ({STAGES[stage]}, precision "
-          f"{cfg.train.precision}, param_dtype {cfg.train.param_dtype or 'fp32'}):")
-    expect = formula(psi, n, stage, prec)
-    for r, got in enumerate(measure_run(cfg, args.nproc)):
-        print(f"  rank {r}: params {got.params / mib:.3f}  grads {got.grads / mib:.3f}  optim {got.optim / mib:.3f}"
-              f"  total {got.total / mib:.3f} MiB  (formula {prec} {expect.params / mib:.3f} + "
-              f"{expect.grads / mib:.3f} + {expect.optim / mib:.3f} = {expect.total / mib:.3f}, "
-              f"ratio {got.total / expect.total:.3f})")
-    return 0

@@ -37,13 +37,13 @@ def _chunk_rows(row: int) -> int:
 def init_box(name: str, shape, std: float | None, seed: int, offsets=None, sizes=None,
              dtype=torch.float32, device="cpu") -> torch.Tensor:
     """The box ``[offsets, offsets + sizes)`` of the global initial value of parameter ``name``
-    (``std`` None means ones). Whole tensor when ``offsets`` is None."""
+    (``std`` None means ones, 0 zeros). Whole tensor when ``offsets`` is None."""
     shape = tuple(int(s) for s in shape)
     if offsets is None:
         offsets, sizes = (0,) * len(shape), shape
     offsets, sizes = tuple(offsets), tuple(sizes)
-    if std is None or math.prod(sizes) == 0:
-        fill = torch.ones if std is None else torch.empty
+    if std is None or std == 0 or math.prod(sizes) == 0:
+        fill = torch.ones if std is None else torch.zeros
         return fill(sizes, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(param_seed(seed, name))
     if len(shape) == 0 or math.prod(shape) < 16 or shape[0] == 1:

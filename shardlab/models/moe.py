@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
 
 
 class Experts(nn.Module):
@@ -66,7 +65,7 @@ class Routing:
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor

@@ -286,15 +286,25 @@ def _positions_hook(comm):
     return hook
 
 
-def apply(model: nn.Module, mesh, cfg=None) -> nn.Module:
-    """Swap every attention core for ring attention over ``cp`` and make the model read its
-    tokens as this rank's load-balanced shard (positions added by a forward pre-hook)."""
+def check_config(cfg) -> None:
+    """Load balancing cuts every sequence into 2*cp chunks (called by ``validate``)."""
+    from ..errors import ConfigError
+    cp, seq = cfg.parallel.cp, cfg.train.seq_len
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError("train.seq_len", f"{seq} must be divisible by 2*cp={2 * cp} for load-balanced "
+                                           "context parallel")
+
+
+def apply(model: nn.Module, mesh, cfg=None, cores=None) -> nn.Module:
+    """Swap every attention core ``cores`` = [(owner, attribute)] for ring attention over ``cp``
+    and make the model read its tokens as this rank's load-balanced shard (positions added by a
+    forward pre-hook)."""
     comm = mesh.comm("cp")
     if comm.size == 1:
         return model
     if cfg is not None and cfg.train.seq_len % (2 * comm.size):
         raise ValueError(f"train.seq_len={cfg.train.seq_len} must be divisible by 2*cp={2 * comm.size}")
-    for layer in model.layers.values():
-        layer.attention.core = RingAttention(comm)
+    for owner, attr in cores:  # the spec's attention cores (ModelSpec.attention)
+        setattr(owner, attr, RingAttention(comm))
     model.register_forward_pre_hook(_positions_hook(comm), with_kwargs=True)
     return model

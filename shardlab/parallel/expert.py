@@ -114,16 +114,31 @@ class ExpertParallelMoE(MoE):
 
 
 def moe_layers(model: nn.Module):
-    """(layer key, MoE module) for every MoE block of the model."""
-    return [(k, layer.feed_forward) for k, layer in model.layers.items() if getattr(layer, "is_moe", False)]
+    """(module name, MoE module) for every Mixture-of-Experts module of the model."""
+    return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
+
+
+def check_config(cfg) -> None:
+    """Expert-parallel constraints (called by ``validate``)."""
+    from ..checks import require
+    m, p = cfg.model, cfg.parallel
+    require((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
+            f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
+    require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
+    require(p.zero_stage == 0 or p.ep == 1, "parallel.zero_stage",
+            "ZeRO/FSDP of expert-parallel weights is not implemented; use zero_stage = 0 (DDP) with ep > 1")
+    if m.n_experts:
+        require(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
+        require(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")
 
 
 def apply(model: nn.Module, mesh, cfg) -> nn.Module:
     """Place each MoE layer's experts over ``ep`` and make its auxiliary losses batch-wide."""
     if mesh.size("ep") == 1 and mesh.size("dp_cp") == 1:
         return model
-    for key, moe in moe_layers(model):
-        model.layers[key].feed_forward = ExpertParallelMoE(moe, mesh, cfg.model, f"layers.{key}.feed_forward")
+    for name, moe in moe_layers(model):
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, ExpertParallelMoE(moe, mesh, cfg.model, name))
     return model
 
 
@@ -133,9 +148,10 @@ def moe_metrics(model: nn.Module, ledger_entries: dict | None = None) -> dict:
     ``mesh.ledger.since(snapshot)``)."""
     out: dict = {}
     drops = []
-    for key, moe in moe_layers(model):
+    for name, moe in moe_layers(model):
         st = moe.last_stats
         if st:
+            key = name.removeprefix("layers.").removesuffix(".feed_forward")
             out[f"moe/{key}/tokens_per_expert"] = st["tokens_per_expert"].tolist()
             out[f"moe/{key}/dropped_fraction"] = st["dropped_fraction"]
             drops.append(st["dropped_fraction"])

@@ -1,8 +1,8 @@
 """ZeRO-3 / FSDP: parameters, gradients and optimizer states all sharded 1/N.
 
-The model is cut into *units* (each transformer block by default, the rest of the model is
-the root unit). A unit's parameters are packed into flat buffers (one per weight-decay group)
-padded to a multiple of N; a rank keeps only its slice, the optimizer's parameter (fp32
+The model is cut into *units* (``parallel.wrap_policy``: the architecture's blocks by default,
+or by size or module class; the rest of the model is the root unit). A unit's parameters are
+packed into flat buffers (one per weight-decay group) padded to a multiple of N; a rank keeps only its slice, the optimizer's parameter (fp32
 master). Around each unit:
 
   pre-forward    all-gather the unit's flat buffer (into a storage that is otherwise empty)
@@ -28,21 +28,38 @@ Memory per rank: 16 Psi / N (mixed-precision Adam) plus the gathered units in fl
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch import nn
 
-from ..parallelize import Engine
+from .engine import Engine
 from .materialize import init_flat_range
 from .zero import DTYPES, FlatParam, ShardedEngine, decay_groups
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def block_policy(model: nn.Module) -> list[str]:
-    """Default wrap policy: every transformer block is a unit."""
-    return [f"layers.{k}" for k in model.layers.keys()]
+def wrap_policy(model: nn.Module, policy: str, spec=None) -> list[str]:
+    """Unit names from ``parallel.wrap_policy``: ``blocks`` (the architecture's blocks, from its
+    ModelSpec; for a model without a spec, no units but the root), ``size:<N>`` or
+    ``class:<Name>[,<Name>]``."""
+    kind, _, arg = policy.partition(":")
+    if kind == "blocks":
+        return list(spec.blocks(model)) if spec is not None else []
+    if kind == "size":
+        return size_policy(model, int(arg))
+    if kind == "class":
+        return class_policy(model, tuple(a.strip() for a in arg.split(",") if a.strip()))
+    raise ValueError(f"parallel.wrap_policy: unknown policy {policy!r}; use blocks, size:<N> or class:<Name>")
+
+
+def class_policy(model: nn.Module, class_names: tuple[str, ...]) -> list[str]:
+    """Wrap policy by module class: the outermost modules whose class name is in ``class_names``."""
+    out = []
+    for name, mod in model.named_modules():
+        if name and type(mod).__name__ in class_names and not any(name.startswith(u + ".") for u in out):
+            out.append(name)
+    return out
 
 
 def size_policy(model: nn.Module, min_params: int) -> list[str]:
@@ -79,7 +96,7 @@ class FSDPEngine(ShardedEngine):
         t = cfg.train  # gathered (compute) and reduce-scatter dtypes; None: the shards' dtype
         self.compute_dtype = DTYPES[t.param_dtype] if t.param_dtype else _DTYPES.get(t.precision)
         self.reduce_dtype = DTYPES.get(t.reduce_dtype)
-        names = unit_names if unit_names is not None else block_policy(model)
+        names = unit_names if unit_names is not None else []
         modules = dict(model.named_modules())
         self.gathered_bytes = self.peak_gathered_bytes = 0  # parameters in flight (benchmarks)
         self._in_backward = False
@@ -233,19 +250,11 @@ class FSDPEngine(ShardedEngine):
         self._in_backward = False
 
     # -- the step -------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+    def start_step(self):
         self.ensure_grads()
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
-        for x, y in micro_batches:
-            x, y = self._local(x, y)
-            with autocast() if autocast else contextlib.nullcontext():
-                loss = self.model(x, y)
-            (loss * (loss_scale / n)).backward()
-            self._finish()
-            total += loss.detach().double()
-        self.sync_grads()
-        return total / n
+
+    def after_backward(self, sync: bool):
+        self._finish()
 
     @torch.no_grad()
     def sync_grads(self):
@@ -275,4 +284,4 @@ def apply(model: nn.Module, mesh, cfg, unit_names: list[str] | None = None, init
     return FSDPEngine(model, mesh, cfg, unit_names, init_fn)
 
 
-__all__ = ["FSDPEngine", "apply", "block_policy", "size_policy", "Engine"]
+__all__ = ["FSDPEngine", "apply", "wrap_policy", "class_policy", "size_policy", "Engine"]

@@ -85,8 +85,8 @@ def materialize(model: nn.Module, init_fn, device, init: bool = True) -> nn.Modu
 
 
 def model_init_fn(model_cfg, seed: int):
-    """The Llama initialiser as an ``init_fn`` for :func:`materialize`."""
-    from ..models.llama import init_tensor
+    """The configured architecture's initialiser as an ``init_fn`` for :func:`materialize`."""
+    from ..models.spec import init_tensor
 
     def fn(name, global_shape, offsets, sizes, dtype, device):
         return init_tensor(name, global_shape, model_cfg, seed, dtype, offsets, sizes, device)

@@ -23,7 +23,7 @@ token (max, sum of exponentials, target logit) and never gathers the (B, S, V) l
 Parameters are created from the global tensor by keeping this rank's slice (a meta slice of a
 meta model, materialised later by parallel/materialize.py; or a slice of an already initialised
 full weight), and carry a ``Placement``.
-``apply(model, mesh, cfg)`` reads the plan in models/plans.py; parallelize.py calls it first.
+``apply(model, mesh, cfg, plan)`` follows the architecture's plan (ModelSpec.tp_plan); parallelize.py calls it first.
 """
 from __future__ import annotations
 
@@ -33,10 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from ..errors import ConfigError
 from ..distributed import autograd as dc
 from ..distributed.placement import Placement, set_placement
-from ..models.llama import RMSNorm
 from ..models.moe import MoE
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
@@ -84,7 +83,7 @@ class _SumOverCopies(torch.autograd.Function):
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T with A split by output features (rows of ``weight``): rank r computes
-    Y_r = X A_r^T, a slice of Y's last dim. No bias (the Llama model has none).
+    Y_r = X A_r^T, a slice of Y's last dim.
 
     ``input_op``: None when the caller already applied f / the all-gather once for several
     column layers (see ``gather_input``), else "copy" (f) or "gather" (SP all-gather).
@@ -183,25 +182,29 @@ class VocabParallelCrossEntropy(nn.Module):
                                       self.valid, self.comm)
 
 
-class SequenceParallelRMSNorm(RMSNorm):
-    """RMSNorm on a sequence shard: the weight is replicated, but each rank sees S/tp tokens,
-    so its gradient is a partial sum; f on the weight sums it over tp inside backward."""
+class SequenceParallelNorm(nn.Module):
+    """Any norm (RMSNorm, LayerNorm) on a sequence shard: its parameters are replicated, but each
+    rank sees S/tp tokens, so their gradients are partial sums; f on each parameter sums them
+    over tp inside backward. The norm's parameters are registered here under their own names
+    (checkpoint keys unchanged) and the norm runs with them through ``functional_call``."""
 
-    def __init__(self, norm: RMSNorm, comm):
-        super().__init__(norm.weight.shape[0], norm.eps)
-        self.weight, self.comm = norm.weight, comm
+    def __init__(self, norm: nn.Module, comm):
+        super().__init__()
+        for key, p in norm.named_parameters(recurse=False):
+            self.register_parameter(key, p)
+        self._norm = (norm,)  # a tuple: not a submodule, its parameters are this module's
+        self.comm = comm
 
     def forward(self, x):
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.to(x.dtype) * dc.copy_to_region(self.weight, self.comm)
+        params = {k: dc.copy_to_region(p, self.comm) for k, p in self.named_parameters(recurse=False)}
+        return torch.func.functional_call(self._norm[0], params, (x,))
 
 
 # ---------------------------------------------------------------------------------------------
 # Applying the plan
 # ---------------------------------------------------------------------------------------------
 
-def check(model_cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> None:
+def check(model_cfg, tp: int, sequence_parallel: bool = False) -> None:
     """The splits tensor parallelism needs; ConfigError naming the field otherwise."""
     m = model_cfg
     if m.n_heads % tp:
@@ -210,12 +213,25 @@ def check(model_cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> N
     if m.kv_heads % tp and tp % m.kv_heads:
         raise ConfigError("model.n_kv_heads", f"{m.kv_heads} kv heads cannot be split over tp={tp} "
                                                "nor replicated evenly; one of them must divide the other")
-    if m.ffn_dim % tp:
-        raise ConfigError("model.ffn_hidden", f"ffn size {m.ffn_dim} is not divisible by tp={tp}")
+    from ..models.spec import get_spec
+    ffn = get_spec(m).ffn_dim
+    if ffn is not None and ffn(m) % tp:
+        raise ConfigError("model.ffn_hidden", f"ffn size {ffn(m)} is not divisible by tp={tp}")
     if m.n_experts and sequence_parallel:
         raise ConfigError("parallel.sequence_parallel", "MoE blocks stay whole under tensor parallel "
                                                         "(replicated over tp) and need the full sequence; "
                                                         "set sequence_parallel=false or tp=1")
+
+
+def check_config(cfg) -> None:
+    """Config-time constraints of tensor / sequence parallel (called by ``validate``)."""
+    p, t = cfg.parallel, cfg.train
+    if p.tp > 1:
+        check(cfg.model, p.tp, p.sequence_parallel)
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError("train.seq_len", f"{t.seq_len} is not divisible by tp={p.tp}: sequence parallel splits "
+                                           f"the sequence over tp; use a multiple of {p.tp} or "
+                                           "parallel.sequence_parallel=false")
 
 
 class _Ctx:
@@ -225,6 +241,7 @@ class _Ctx:
         self.tp, self.rank = mesh.size("tp"), mesh.local_rank("tp")
         self.sp = bool(cfg.parallel.sequence_parallel)
         self.seed = cfg.train.seed
+        self.embedding = None  # the VocabParallelEmbedding, once the plan has split it
 
     def full(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The global tensor of ``param``: its data, or the meta tensor itself (the shard is then
@@ -282,12 +299,18 @@ def _vocab_embedding(ctx, name, mod):
     rows = _vocab_rows(ctx)
     w = ctx.shard(ctx.full(mod.weight, f"{name}.weight"), f"{name}.weight", 0, ctx.rank * rows, rows)
     valid = max(0, min(rows, ctx.cfg.model.vocab_size - ctx.rank * rows))
-    return VocabParallelEmbedding(w, ctx.rank * rows, valid, ctx.comm, ctx.sp)
+    ctx.embedding = VocabParallelEmbedding(w, ctx.rank * rows, valid, ctx.comm, ctx.sp)
+    ctx.embedding.original = mod.weight  # to recognise a head tied to it
+    return ctx.embedding
+
+
+def _tied(weight, emb) -> bool:
+    return weight is getattr(emb, "original", None)
 
 
 def _vocab_output(ctx, name, mod):
-    emb = getattr(ctx.model, "tok_embeddings", None)
-    if ctx.cfg.model.tie_embeddings and isinstance(emb, VocabParallelEmbedding):
+    emb = ctx.embedding  # the vocab embedding split earlier in the plan
+    if ctx.cfg.model.tie_embeddings and emb is not None and _tied(mod.weight, emb):
         w = emb.weight                           # tied: the same vocab slice, one parameter
     else:
         rows = _vocab_rows(ctx)
@@ -302,7 +325,7 @@ def _vocab_parallel_loss(ctx, name, mod):
 
 
 def _sequence_parallel_norm(ctx, name, mod):
-    return SequenceParallelRMSNorm(mod, ctx.comm) if ctx.sp else None
+    return SequenceParallelNorm(mod, ctx.comm) if ctx.sp else None
 
 
 def _gather_input(ctx, name, mod):
@@ -321,12 +344,10 @@ STYLES = {"colwise": _colwise, "colwise_kv": _colwise_kv, "rowwise": _rowwise,
           "gather_input": _gather_input}
 
 
-def apply(model: nn.Module, mesh, cfg, plan: dict[str, str] | None = None) -> nn.Module:
-    """Shard ``model`` in place over ``mesh``'s tp group following ``plan`` (default: the Llama
-    plan of models/plans.py). On a meta model the shards stay meta (with their Placements) and
+def apply(model: nn.Module, mesh, cfg, plan: dict[str, str]) -> nn.Module:
+    """Shard ``model`` in place over ``mesh``'s tp group following ``plan`` (the architecture's
+    ``ModelSpec.tp_plan``). On a meta model the shards stay meta (with their Placements) and
     ``parallelize`` materialises each rank's boxes at the end. Returns the model."""
-    from ..models.plans import LLAMA_TP_PLAN
-    plan = LLAMA_TP_PLAN if plan is None else plan
     tp = mesh.size("tp")
     if tp == 1:
         return model

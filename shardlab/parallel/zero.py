@@ -25,7 +25,6 @@ ZeRO-1 2 + 2 + 12/N, ZeRO-2 2 + (2 + 12)/N: the mixed-precision formula of the Z
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -34,10 +33,30 @@ from torch import nn
 from ..distributed.placement import get_placement, replicas
 from ..distributed.regions import Piece, writes_piece
 from . import state
-from ..parallelize import Engine
-from .data import make_buckets
+from .engine import Engine
+from .ddp import make_buckets
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def check_config(cfg) -> None:
+    """Data-parallel sharding and precision options (called by ``validate``)."""
+    from ..checks import one_of, require
+    p, t = cfg.parallel, cfg.train
+    one_of(p.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
+    require(not p.offload or p.zero_stage == 3, "parallel.offload",
+            "CPU offload is implemented with zero_stage = 3; set --parallel.zero_stage=3 or --parallel.offload=false")
+    kind, _, arg = p.wrap_policy.partition(":")
+    require((kind == "blocks" and not arg) or (kind == "size" and arg.isdigit()) or (kind == "class" and arg),
+            "parallel.wrap_policy", f"{p.wrap_policy!r}: use blocks, size:<min params> (e.g. size:100000) "
+                                    "or class:<Name>[,<Name>] (e.g. class:Block)")
+    for name in ("param_dtype", "reduce_dtype"):
+        one_of(getattr(t, name), ("", "fp32", "bf16", "fp16"), f"train.{name}")
+    require(not t.param_dtype or p.zero_stage >= 1, "train.param_dtype",
+            "low-precision parameter storage is implemented by ZeRO/FSDP; set --parallel.zero_stage=1, 2 or 3 "
+            "or leave train.param_dtype empty")
+    require(not t.reduce_dtype or p.zero_stage in (0, 3), "train.reduce_dtype",
+            "the reduce dtype is a DDP/FSDP option (ZeRO-1/2 reduce in train.param_dtype); use zero_stage 0 or 3")
 
 
 class FlatParam:
@@ -278,21 +297,16 @@ class ZeroEngine(ShardedEngine):
             f.pending, f.ready = None, 0
         self._next = 0
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+    def start_step(self):
         self.ensure_grads()
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
-        for k, (x, y) in enumerate(micro_batches):
-            self._sync = self.stage == 2 or k == n - 1
-            x, y = self._local(x, y)
-            with autocast() if autocast else contextlib.nullcontext():
-                loss = self.model(x, y)
-            (loss * (loss_scale / n)).backward()
-            if self._sync:
-                self._finish()
-            total += loss.detach().double()
-        self.sync_grads()
-        return total / n
+
+    def forward(self, *args, sync: bool = True, **kwargs):
+        self._sync = self.stage == 2 or sync  # ZeRO-1 accumulates in the full buffer until the last
+        return self.model(*args, **kwargs)
+
+    def after_backward(self, sync: bool):
+        if self._sync:
+            self._finish()
 
     def sync_grads(self):
         """Turn the summed gradient shards into the average over the data-parallel ranks."""

@@ -15,7 +15,7 @@ import torch
 from ..config import Config
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
-from ..models.llama import count_params, meta_model
+from ..models.spec import count_params, meta_model
 from ..parallelize import parallelize
 from . import checkpoint as ckpt
 from .data import Loader, TokenData

@@ -1,9 +1,7 @@
 """FLOPs, MFU, peak FLOP/s table, and the metrics writers (JSONL + TensorBoard).
 
-FLOPs per trained token (REFERENCE.md): ``6 * N + 12 * n_layers * d_model * seq_len`` where N
-counts the matmul parameters a token passes through (embeddings excluded unless tied to the
-head; for MoE only the top-k experts), and the attention term is the full (non-causal) count:
-SDPA's CPU and math kernels do not skip masked blocks, so we do not halve it.
+FLOPs per trained token come from the architecture's ModelSpec (transformers: ``6 * N + 12 *
+n_layers * d_model * seq_len``, docs/training.md).
 """
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
 
 # Dense peak FLOP/s, no sparsity (REFERENCE.md). Keys are matched against the device name.
 PEAK_FLOPS = [  # (name fragment, {precision: flops})
@@ -27,20 +24,10 @@ PEAK_FLOPS = [  # (name fragment, {precision: flops})
 ]
 
 
-def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Parameters in matmuls one token passes through (head included, embedding lookup excluded)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2
-    dense_ffn = 3 * d * cfg.ffn_dim
-    total = 0
-    for i in range(cfg.n_layers):
-        moe = cfg.n_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1
-        total += attn + (cfg.moe_top_k * dense_ffn + d * cfg.n_experts if moe else dense_ffn)
-    return total + d * cfg.vocab_size
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token of the configured architecture (its ModelSpec's count)."""
+    from ..models.spec import get_spec
+    return get_spec(cfg).flops_per_token(cfg, seq_len)
 
 
 def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:

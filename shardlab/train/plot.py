@@ -33,17 +33,3 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def configure(parser):
-    parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/loss.png)")
-
-
-def main(args) -> int:
-    from ..config import ConfigError
-    if not (Path(args.run_dir) / "metrics.jsonl").exists():
-        raise ConfigError("RUN_DIR", f"{args.run_dir}/metrics.jsonl not found; pass a directory written by "
-                                     "`shardlab train` (logging.run_dir)")
-    print(plot_run(args.run_dir, args.out))
-    return 0

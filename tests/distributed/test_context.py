@@ -9,7 +9,7 @@ from shardlab.config import Config, ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models.llama import build_model
+from shardlab.models import build_model
 from shardlab.parallel import context
 from shardlab.parallelize import parallelize
 

@@ -15,7 +15,7 @@ from shardlab.distributed.ledger import ring_bytes
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models.llama import build_model
+from shardlab.models import build_model
 from shardlab.parallelize import parallelize
 
 ATOL = 1e-10

@@ -1,5 +1,5 @@
 """Meta-device construction: no rank draws (materialises) a tensor, or a part of one, that it does
-not own. Every initial value is drawn through ``models.llama.init_box``; the workers record each
+not own. Every initial value is drawn through ``models.spec.init_box``; the workers record each
 call (name, global shape, box sizes) and the checks below compare them with what each layout
 must own, counted independently from the model's shapes."""
 import math
@@ -11,7 +11,7 @@ from shardlab import config as C
 from shardlab import launch
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
-from shardlab.models.llama import count_params, meta_model
+from shardlab.models import count_params, meta_model
 
 MODEL = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "max_seq_len": 16}
 LAYOUTS = {
@@ -30,7 +30,7 @@ def _cfg(name):
 
 
 def _worker(ctx, cfg):
-    import shardlab.models.llama as L
+    import shardlab.models.spec as L
     from shardlab.parallelize import parallelize
 
     calls, real = [], L.init_box

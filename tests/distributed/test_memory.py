@@ -4,7 +4,7 @@ AdamW step) equal the ZeRO formula within 2% for DDP and ZeRO stages 1, 2 and 3.
 from shardlab.analysis.memory import _measure_worker, formula
 from shardlab.config import Config
 from shardlab.launch import run
-from shardlab.models.llama import build_model, count_params
+from shardlab.models import build_model, count_params
 
 
 def _cfg(stage: int, n: int) -> Config:

@@ -26,7 +26,7 @@ from shardlab import config as C
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models.llama import build_model
+from shardlab.models import build_model
 from shardlab.train.data import Loader, TokenData, prepare
 from shardlab.train.optim import lr_at
 
@@ -188,7 +188,7 @@ def test_low_precision_storage_is_the_mixed_formula():
     padding of the flat buffers (2%). FSDP holds fp32 shards and fp32 gradient shards: 16/N in all.
     DDP with train.reduce_dtype = bf16: fp32 parameters (the master) 4 + bf16 buckets 2 + Adam 8."""
     from shardlab.analysis.memory import formula
-    from shardlab.models.llama import count_params
+    from shardlab.models import count_params
     psi = count_params(build_model(make_cfg("", {}, {}, "bf16").model, 0))
     for rank, stages in enumerate(run(_measure, 2, [0, 1, 2, 3], threads=1, timeout_s=120)):
         for stage, (params, grads, optim) in zip([0, 1, 2, 3], stages):

@@ -10,7 +10,7 @@ from shardlab.config import Config
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models.llama import build_model
+from shardlab.models import build_model, get_spec
 from shardlab.parallel.pipeline import apply
 
 ATOL = 1e-10
@@ -44,7 +44,7 @@ def reference(cfg, n):
 def pipeline_step(mesh, cfg, dp, dp_rank):
     """One step of the pipeline engine on this rank's share of the global batch."""
     model = build_model(cfg.model, SEED, dtype=torch.float64)
-    engine = apply(model, mesh, cfg)
+    engine = apply(model, mesh, cfg, get_spec(cfg.model))
     m = cfg.parallel.microbatches
     per_dp = cfg.train.global_batch // dp
     x, y = batch(cfg, cfg.train.global_batch)
@@ -140,7 +140,7 @@ def _checkpoint_case():
     state = engine.full_state(opt, everywhere=True)
     want = ref.full_state(ref_opt)
     err = max((state[k] - want[k]).abs().max().item() for k in want if k in state)
-    again = apply(build_model(cfg.model, SEED + 1, dtype=torch.float64), mesh, cfg)
+    again = apply(build_model(cfg.model, SEED + 1, dtype=torch.float64), mesh, cfg, get_spec(cfg.model))
     opt2 = again.make_optimizer(make_opt)
     again.load_full_state(state, opt2)
     reload_err = max((p - state[f"model.{n}"]).abs().max().item() for n, p in again.named_parameters())
@@ -173,7 +173,7 @@ def test_schedule_refused_before_running():
     cfg = tiny_cfg(4)
     cfg.parallel.pp, cfg.parallel.microbatches = 4, 2
     with pytest.raises(ScheduleError, match="microbatches=2 < pp=4"):
-        apply(build_model(cfg.model, SEED), copy.copy(Mesh.single()), cfg)
+        apply(build_model(cfg.model, SEED), copy.copy(Mesh.single()), cfg, get_spec(cfg.model))
 
 
 # -- 3D: pp x tp x dp = 2 x 2 x 2 through parallelize() (TP first, then PP, dp on top) ---------------

@@ -13,7 +13,8 @@ from shardlab.distributed.ledger import ring_bytes
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.placement import get_placement
 from shardlab.distributed.topology import Topology
-from shardlab.models.llama import Llama, build_model
+from shardlab.models import build_model
+from shardlab.models.llama.model import Llama
 from shardlab.parallel import tensor as tpmod
 from shardlab.parallelize import parallelize
 

@@ -2,8 +2,9 @@
 import torch
 
 from shardlab.config import ModelConfig
-from shardlab.models.llama import build_model
-from shardlab.parallel import checkpointing
+from shardlab.models import build_model
+from shardlab.models import get_spec
+from shardlab.parallel import recompute as checkpointing
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -11,7 +12,7 @@ CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=
 def _saved_bytes_and_grads(mode):
     model = build_model(CFG, seed=3, dtype=torch.float64)
     names = [n for n, _ in model.named_parameters()]
-    checkpointing.apply(model, mode)
+    checkpointing.apply(model, mode, get_spec("llama"))
     assert [n for n, _ in model.named_parameters()] == names
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     saved = []

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from shardlab.analysis.memory import formula
-from shardlab.parallel.data import make_buckets
+from shardlab.parallel.ddp import make_buckets
 from shardlab.parallel.zero import FlatParam
 
 
@@ -34,7 +34,7 @@ def test_fsdp_mixed_precision_keeps_fp32_masters():
     """bf16 compute copies, fp32 shards and fp32 gradients; loss close to the fp32 model's."""
     from shardlab.config import Config
     from shardlab.distributed.mesh import Mesh
-    from shardlab.models.llama import build_model
+    from shardlab.models import build_model
     from shardlab.parallel.fsdp import FSDPEngine
 
     torch.set_num_threads(1)
@@ -55,7 +55,7 @@ def test_fsdp_mixed_precision_keeps_fp32_masters():
 def test_memory_command_prints_every_stage(tmp_path, capsys):
     import argparse
 
-    from shardlab.analysis import memory
+    from shardlab.commands import memory_cmd as memory
 
     path = tmp_path / "c.toml"
     path.write_text("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 2\nn_heads = 4\nmax_seq_len = 16\n"

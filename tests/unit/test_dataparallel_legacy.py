@@ -3,7 +3,7 @@ on the whole batch (float64)."""
 import torch
 
 from shardlab.config import ModelConfig
-from shardlab.models.llama import build_model
+from shardlab.models import build_model
 from shardlab.parallel import DataParallel
 
 

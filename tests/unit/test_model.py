@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from shardlab.config import ModelConfig
-from shardlab.models.llama import Llama, build_model, count_params, init_tensor, rotary
-from shardlab.train.metrics import flops_per_token, matmul_params_per_token
+from shardlab.models import build_model, count_params, init_tensor
+from shardlab.models.llama.model import Llama, rotary
+from shardlab.models.llama import matmul_params_per_token
+from shardlab.train.metrics import flops_per_token
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 
@@ -38,7 +40,7 @@ def test_init_is_independent_of_construction_order():
     """Building on meta then materialising by name equals materialising a real module by name."""
     torch.manual_seed(123)
     real = Llama(CFG)  # default torch init, then overwritten by name
-    from shardlab.models.llama import init_weights
+    from shardlab.models import init_weights
     init_weights(real, CFG, 7)
     meta = build_model(CFG, seed=7)
     for (n, p), (_, q) in zip(real.named_parameters(), meta.named_parameters()):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlab.config import ModelConfig
-from shardlab.models.llama import build_model
+from shardlab.models import build_model
 
 
 def make_moe(**kw):

@@ -92,7 +92,7 @@ def test_count_errors():
 
 
 def test_schedule_command(tmp_path, capsys):
-    from shardlab.analysis import schedule_cmd
+    from shardlab.commands import schedule_cmd
     ap = argparse.ArgumentParser()
     schedule_cmd.configure(ap)
     out = tmp_path / "t.png"
@@ -123,7 +123,7 @@ def test_stage_views_chain_to_the_full_model():
     import torch
 
     from shardlab.config import ModelConfig
-    from shardlab.models.llama import build_model
+    from shardlab.models import build_model, get_spec
     from shardlab.parallel.pipeline.stage import split_model
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=6, n_heads=4, max_seq_len=16)
     full = build_model(cfg, 3, dtype=torch.float64)
@@ -131,7 +131,7 @@ def test_stage_views_chain_to_the_full_model():
     y = torch.randint(0, 64, (2, 16))
     want = full(x, y)
     p, v = 2, 2
-    parts = [split_model(build_model(cfg, 3, dtype=torch.float64), r, p, v) for r in range(p)]
+    parts = [split_model(build_model(cfg, 3, dtype=torch.float64), get_spec(cfg), r, p, v) for r in range(p)]
     h = x
     for s in range(p * v):
         chunk = parts[s % p][1][s]
@@ -176,11 +176,11 @@ def test_stage_views_follow_replaced_blocks():
     import torch
 
     from shardlab.config import ModelConfig
-    from shardlab.models.llama import build_model
+    from shardlab.models import build_model, get_spec
     from shardlab.parallel.pipeline.stage import split_model, stage_views
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=16)
-    model, chunks, ranges = split_model(build_model(cfg, 3), 0, 2)
+    model, chunks, ranges = split_model(build_model(cfg, 3), get_spec(cfg), 0, 2)
     key = str(ranges[0][0])
     model.layers[key] = torch.nn.Sequential()  # e.g. a wrapper applied after the split
     assert chunks[0].layers[key] is not model.layers[key]
-    assert stage_views(model, ranges, [0])[0].layers[key] is model.layers[key]
+    assert stage_views(model, get_spec(cfg), ranges, [0])[0].layers[key] is model.layers[key]

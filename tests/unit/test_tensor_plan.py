@@ -5,8 +5,8 @@ import torch
 from shardlab.config import Config, ConfigError, ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.placement import Placement, replicas
-from shardlab.models.llama import build_model
-from shardlab.models.plans import LLAMA_TP_PLAN
+from shardlab.models import build_model
+from shardlab.models.llama import TP_PLAN as LLAMA_TP_PLAN
 from shardlab.parallel import tensor
 
 
@@ -52,7 +52,7 @@ def test_tp1_is_a_no_op():
     cfg.model = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2)
     model = build_model(cfg.model, seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    assert tensor.apply(model, Mesh.single(), cfg) is model
+    assert tensor.apply(model, Mesh.single(), cfg, LLAMA_TP_PLAN) is model
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 

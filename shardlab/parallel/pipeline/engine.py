@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from ...parallelize import Engine
+from ..engine import Engine
 from .schedule import Action, build
 from .simulate import check
 from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model, stage_views
@@ -34,12 +34,12 @@ class PipelineEngine(Engine):
 
     name = "pipeline"
 
-    def __init__(self, model: nn.Module, mesh, cfg, chunks: dict, ranges: list[range]):
+    def __init__(self, model: nn.Module, mesh, cfg, chunks: dict, ranges: list[range], spec=None):
         super().__init__(model, mesh, cfg)
         p = cfg.parallel
         self.pp, self.v, self.schedule_name = p.pp, p.pp_virtual, p.pp_schedule
         self.pp_rank = mesh.local_rank("pp")
-        self.chunks, self.ranges = chunks, ranges
+        self.chunks, self.ranges, self.spec = chunks, ranges, spec
         self.n_stages = self.pp * self.v
         self.is_last = (self.n_stages - 1) in chunks
         self.link = StageLink(mesh.comm("pp"), activation_shape(cfg), _param_dtype(model), mesh.device,
@@ -57,7 +57,7 @@ class PipelineEngine(Engine):
     def rebuild_stages(self) -> None:
         """Re-point the stage views at ``self.model``'s current blocks: call after replacing
         entries of ``model.layers`` (activation-checkpoint or compile wrappers applied later)."""
-        self.chunks = stage_views(self.model, self.ranges, sorted(self.chunks))
+        self.chunks = stage_views(self.model, self.spec, self.ranges, sorted(self.chunks))
 
     def _record_output(self, module, args, output):
         if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
@@ -224,7 +224,7 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
-def apply(model: nn.Module, mesh, cfg, materialize=None) -> PipelineEngine:
+def apply(model: nn.Module, mesh, cfg, spec, materialize=None) -> PipelineEngine:
     """Keep this rank's stages of ``model``, mark their placements, check the schedule, and
     return the engine. Call after TP/EP/CP have transformed the model. ``materialize(model)``
     gives a meta model's kept stages their storage (only this rank's layers are ever drawn)."""
@@ -232,10 +232,10 @@ def apply(model: nn.Module, mesh, cfg, materialize=None) -> PipelineEngine:
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs
     check_p2p_order(engine_sched)
-    model, chunks, ranges = split_model(model, mesh.local_rank("pp"), p.pp, p.pp_virtual)
+    model, chunks, ranges = split_model(model, spec, mesh.local_rank("pp"), p.pp, p.pp_virtual)
     mark_pipeline_placements(model)
     if materialize is not None:
         materialize(model)
-    engine = PipelineEngine(model, mesh, cfg, chunks, ranges)
+    engine = PipelineEngine(model, mesh, cfg, chunks, ranges, spec)
     engine._schedules[p.microbatches] = engine_sched
     return engine

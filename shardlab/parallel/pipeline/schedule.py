@@ -84,6 +84,32 @@ def check_counts(name: str, p: int, m: int, v: int = 1) -> None:
 
 # -- one small function per schedule: compute order per rank ---------------------------------------
 
+def check_config(cfg) -> None:
+    """Pipeline constraints (called by ``validate``)."""
+    from ...checks import one_of, require
+    m, p = cfg.model, cfg.parallel
+    one_of(p.pp_schedule, SCHEDULES, "parallel.pp_schedule")
+    require(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
+            "virtual stages > 1 need pp_schedule = 'interleaved'")
+    if p.pp == 1:
+        return
+    require(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",
+            f"{m.n_layers} layers cannot fill pp*pp_virtual={p.pp * p.pp_virtual} stages; lower pp or add layers")
+    require(p.microbatches >= p.pp, "parallel.microbatches",
+            f"{p.microbatches} micro-batches for pp={p.pp} stages leaves stages idle; use >= {p.pp}")
+    if p.pp_schedule == "interleaved":
+        require(p.microbatches % p.pp == 0, "parallel.microbatches",
+                f"interleaved needs micro-batches divisible by pp={p.pp}")
+    require(not m.tie_embeddings, "model.tie_embeddings",
+            "the embedding (first stage) and the head (last stage) cannot share a weight across "
+            "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")
+    require(m.n_experts == 0, "parallel.pp",
+            "pipeline parallel with an MoE model is not supported yet (the auxiliary losses of blocks "
+            "outside the last stage would be lost); use parallel.pp = 1 or model.n_experts = 0")
+    require(p.zero_stage == 0, "parallel.zero_stage",
+            "ZeRO/FSDP inside pipeline stages is not implemented; use zero_stage = 0 (DDP) with pp > 1")
+
+
 def gpipe(p: int, m: int) -> list[list[tuple]]:
     return [[("F", j, r) for j in range(m)] + [("B", j, r) for j in range(m)] for r in range(p)]
 

@@ -1,4 +1,4 @@
-"""Cut the Llama model into pipeline stages and move activations between neighbours.
+"""Cut a model into pipeline stages and move activations between neighbours.
 
 Partition. ``pp * v`` stages, each a contiguous run of layers (at least one), chosen to
 minimise the largest stage parameter count (exact dynamic programme); stage 0 also counts the
@@ -6,9 +6,10 @@ embedding, the last stage the final norm and the output head (and computes the l
 layer counts are allowed. Stage ``s`` lives on pipeline rank ``s % pp`` (round-robin chunks
 for the interleaved schedule).
 
-The rank keeps ONE Llama module holding all its layers under their global names
-(``layers.<i>``), with ``tok_embeddings`` / ``norm`` / ``output`` set to None where it does not
-own them (Llama.forward then takes and/or returns hidden states). Each stage (chunk) is a
+The rank keeps ONE model module holding all its layers under their global names
+(``layers.<i>``), with the modules of the spec's ``pp_first`` (e.g. the embedding) and
+``pp_last`` (final norm, head) set to None where it does not own them (the model's forward then
+takes and/or returns hidden states: the convention of models/spec.py). Each stage (chunk) is a
 light view of that module over its own layers: same parameters, no copies.
 
 Exchange. Activations and their gradients all have one shape, agreed ahead from the config
@@ -27,7 +28,6 @@ import torch
 from torch import nn
 
 from ...distributed.placement import ATTR, Placement, get_placement, set_placement
-from ...models.llama import Llama
 
 
 def partition(layer_sizes: list[int], n_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[range]:
@@ -61,51 +61,54 @@ def partition(layer_sizes: list[int], n_stages: int, first_extra: int = 0, last_
     return bounds[::-1]
 
 
-def model_partition(model: Llama, n_stages: int) -> list[range]:
+def _numel(mod) -> int:
+    return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
+
+
+def model_partition(model: nn.Module, spec, n_stages: int) -> list[range]:
     """Layer ranges of every stage of ``model`` (balanced by parameter count)."""
-    numel = lambda mod: sum(p.numel() for p in mod.parameters()) if mod is not None else 0  # noqa: E731
-    sizes = [numel(model.layers[str(i)]) for i in range(len(model.layers))]
-    return partition(sizes, n_stages, numel(model.tok_embeddings), numel(model.norm) + numel(model.output))
+    sizes = [_numel(model.layers[str(i)]) for i in range(len(model.layers))]
+    first = sum(_numel(getattr(model, n)) for n in spec.pp_first)
+    last = sum(_numel(getattr(model, n)) for n in spec.pp_last)
+    return partition(sizes, n_stages, first, last)
 
 
-def _view(model: Llama, layers: range, first: bool, last: bool) -> Llama:
-    """A Llama sharing ``model``'s modules for one stage (Llama.__init__ would build new ones)."""
-    chunk = Llama.__new__(Llama)
+def _view(model: nn.Module, spec, layers: range, first: bool, last: bool) -> nn.Module:
+    """An instance of the model's class sharing ``model``'s modules for one stage (its __init__
+    would build new ones): its own layers, the first/last stage's modules or None."""
+    chunk = type(model).__new__(type(model))
     nn.Module.__init__(chunk)
-    chunk.cfg = model.cfg
-    chunk.tok_embeddings = model.tok_embeddings if first else None
-    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
-    chunk.norm = model.norm if last else None
-    chunk.output = model.output if last else None
-    chunk.criterion = model.criterion
+    for key, value in vars(model).items():  # plain attributes (e.g. cfg)
+        if not key.startswith("_") and key != "training":
+            object.__setattr__(chunk, key, value)
+    for key, mod in model._modules.items():
+        if key == "layers":
+            mod = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        elif key in spec.pp_first and not first or key in spec.pp_last and not last:
+            mod = None
+        chunk._modules[key] = mod
     return chunk
 
 
-def stage_views(model: Llama, ranges: list[range], stages: list[int]) -> dict[int, Llama]:
+def stage_views(model: nn.Module, spec, ranges: list[range], stages: list[int]) -> dict[int, nn.Module]:
     """{stage: view} over ``model``'s current modules (call again after wrapping blocks)."""
-    return {s: _view(model, ranges[s], s == 0, s == len(ranges) - 1) for s in stages}
+    return {s: _view(model, spec, ranges[s], s == 0, s == len(ranges) - 1) for s in stages}
 
 
-def split_model(model: Llama, pp_rank: int, pp: int, v: int = 1) -> tuple[Llama, dict[int, Llama], list[range]]:
+def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1):
     """Keep only this rank's parts of ``model`` (in place). Returns (the rank's module with
     global names, {stage: chunk view}, the layer ranges of all stages)."""
-    if model.cfg.tie_embeddings and pp > 1:
-        raise ValueError("model.tie_embeddings with parallel.pp > 1: the embedding and the head live on "
-                         "different stages; set model.tie_embeddings = false")
     n_stages = pp * v
-    ranges = model_partition(model, n_stages)
+    ranges = model_partition(model, spec, n_stages)
     mine = [s for s in range(n_stages) if s % pp == pp_rank]
     keep = {str(i) for s in mine for i in ranges[s]}
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
     owns_first, owns_last = 0 in mine, n_stages - 1 in mine
-    chunks = stage_views(model, ranges, mine)
-    if not owns_first:
-        model.tok_embeddings = None
-    if not owns_last:
-        model.norm = None
-        model.output = None
+    chunks = stage_views(model, spec, ranges, mine)
+    for name in (() if owns_first else spec.pp_first) + (() if owns_last else spec.pp_last):
+        setattr(model, name, None)
     return model, chunks, ranges
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from ..distributed.collectives import Comm
 from ..distributed.ledger import Ledger
 from ..distributed.placement import ATTR, get_placement
-from ..parallelize import Engine
+from .engine import Engine
 
 
 class _Bucket:
@@ -221,18 +221,11 @@ class DDPEngine(Engine):
             opt.register_step_post_hook(lambda *_: self.ddp.materialize_grads(False))
         return opt
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
-        n = len(micro_batches)
-        total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
-        for k, (x, y) in enumerate(micro_batches):
-            x, y = self._local(x, y)
-            with contextlib.nullcontext() if k == n - 1 else self.ddp.no_sync():
-                with autocast() if autocast else contextlib.nullcontext():
-                    loss = self.ddp(x, y)
-                (loss * (loss_scale / n)).backward()
-            total += loss.detach().double()
-        self.sync_grads()
-        return total / n
+    def forward(self, *args, sync: bool = True, **kwargs):
+        """Through the DDP wrapper; ``sync=False`` runs under ``no_sync`` (its backward only
+        accumulates: the hooks read the flag when backward reaches them)."""
+        self.ddp._sync = sync
+        return self.ddp(*args, **kwargs)
 
     def sync_grads(self):
         """The dense gradients were all-reduced inside backward (see ``finish``); expert

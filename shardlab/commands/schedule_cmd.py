@@ -9,7 +9,7 @@ import sys
 
 from ..parallel.pipeline.schedule import SCHEDULES, ScheduleError, build, theoretical_bubble
 from ..parallel.pipeline.simulate import simulate
-from .timeline import plot, render_text
+from ..analysis.timeline import plot, render_text
 
 
 def configure(parser):

@@ -11,14 +11,10 @@ layers 4..7 still names them ``layers.4`` ... (global names = checkpoint keys).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from .init import init_box, param_seed  # noqa: F401  (param_seed: re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +54,7 @@ class SDPA(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
@@ -94,14 +90,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = cfg.n_experts > 0 and layer_id % cfg.moe_every == cfg.moe_every - 1
         if self.is_moe:
-            from .moe import MoE  # the MoE feed-forward (expert-parallel issue)
+            from ..moe import MoE  # the MoE feed-forward (expert-parallel issue)
             self.feed_forward = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_dim)
@@ -120,7 +116,7 @@ class CrossEntropy(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -152,72 +148,3 @@ class Llama(nn.Module):
             if getattr(layer, "is_moe", False):
                 total = total + layer.feed_forward.last_aux_loss
         return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout-independent initialisation
-# ---------------------------------------------------------------------------------------------
-
-def init_std(name: str, cfg: ModelConfig) -> float | None:
-    """Standard deviation for a parameter by global name; None means 'ones' (norm weights)."""
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) or ".w2" in name:
-        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    return cfg.init_std
-
-
-def init_tensor(name: str, shape, cfg: ModelConfig, seed: int, dtype=torch.float32, offsets=None,
-                sizes=None, device="cpu") -> torch.Tensor:
-    """The global initial value of parameter ``name`` (same on every rank, under every layout), or
-    only its box ``[offsets, offsets + sizes)``, drawn without building the rest (models/init.py)."""
-    return init_box(name, shape, init_std(name, cfg), seed, offsets, sizes, dtype, device)
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> nn.Module:
-    """Materialise every parameter (meta or real) from its global name. Returns the model."""
-    for name, p in list(model.named_parameters(remove_duplicate=True)):
-        if p.is_meta:
-            owner, attr = _owner(model, name)
-            value = init_tensor(name, p.shape, cfg, seed, p.dtype)
-            setattr(owner, attr, nn.Parameter(value, requires_grad=p.requires_grad))
-        else:
-            p.copy_(init_tensor(name, p.shape, cfg, seed, torch.float32).to(p.dtype))
-    if cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
-        model.output.weight = model.tok_embeddings.weight
-    return model
-
-
-def _owner(model: nn.Module, name: str):
-    *path, attr = name.split(".")
-    mod = model
-    for part in path:
-        mod = getattr(mod, part) if not isinstance(mod, nn.ModuleDict) else mod[part]
-    return mod, attr
-
-
-def meta_model(cfg: ModelConfig, dtype=torch.float32) -> Llama:
-    """The model on the meta device: shapes and names, no storage. ``parallelize`` decides what
-    each rank owns, then materialises only that (parallel/materialize.py)."""
-    with torch.device("meta"):
-        return Llama(cfg).to(dtype)
-
-
-def build_model(cfg: ModelConfig, seed: int, device="cpu", dtype=torch.float32) -> Llama:
-    """The whole model, materialised with layout-independent init (single-process reference)."""
-    model = meta_model(cfg, dtype)
-    init_weights(model, cfg, seed)
-    return model.to(device=device)
-
-
-def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    seen, n = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if exclude_embeddings and name.startswith("tok_embeddings"):
-            continue
-        n += p.numel()
-    return n

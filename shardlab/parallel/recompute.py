@@ -1,6 +1,6 @@
-"""Activation checkpointing (recomputation), applied by parallelize() after TP/EP/CP/PP.
+"""Activation checkpointing (recomputation), applied by parallelize() after TP/EP/CP.
 
-``full``: each transformer block keeps only its input; its activations are recomputed in
+``full``: each block of the architecture (ModelSpec.blocks) keeps only its input; its activations are recomputed in
 backward. ``selective`` (Megatron's): only the attention core (scores, softmax, weighted sum:
 the large, cheap-to-recompute part) is recomputed; projections and the MLP keep theirs.
 
@@ -23,12 +23,17 @@ def _wrap(module: nn.Module) -> None:
     module.forward = forward
 
 
-def apply(model: nn.Module, mode: str) -> nn.Module:
-    """mode: none, full or selective (config ``parallel.activation_checkpointing``)."""
+def apply(model: nn.Module, mode: str, spec) -> nn.Module:
+    """mode: none, full (each of ``spec.blocks(model)``) or selective (each of ``spec.attention(model)``)
+    (config ``parallel.activation_checkpointing``)."""
     if mode == "none":
         return model
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpointing must be none, full or selective, got {mode!r}")
-    for block in model.layers.values():
-        _wrap(block if mode == "full" else block.attention.core)
+    if mode == "full":
+        targets = list(spec.blocks(model).values())
+    else:
+        targets = [getattr(owner, attr) for owner, attr in spec.attention(model)]
+    for module in targets:
+        _wrap(module)
     return model

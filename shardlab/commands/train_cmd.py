@@ -12,8 +12,8 @@ from pathlib import Path
 
 from .. import config as C
 from .. import launch
-from .data import prepare
-from .loop import train_rank
+from ..train.data import prepare
+from ..train.loop import train_rank
 
 
 def configure(parser):
@@ -47,8 +47,8 @@ def resolve(args) -> tuple[C.Config, int]:
 def check_resume(cfg: C.Config) -> None:
     """With ``--resume``: checkpoints exist but none is usable -> refuse (exit 2) instead of
     silently starting over and overwriting them. No checkpoint at all: a fresh start."""
-    from .checkpoint import CheckpointError, Reader, list_checkpoints, latest_valid
-    from .loop import checkpoint_dir
+    from ..train.checkpoint import CheckpointError, Reader, list_checkpoints, latest_valid
+    from ..train.loop import checkpoint_dir
     if not cfg.checkpoint.resume:
         return
     directory = checkpoint_dir(cfg)
@@ -89,7 +89,7 @@ def _report(cfg, s) -> None:
     run_dir = Path(s["run_dir"])
     plot = None
     try:
-        from .plot import plot_run
+        from ..train.plot import plot_run
         plot = plot_run(run_dir)
     except Exception as e:  # a plot must never fail a finished run
         print(f"shardlab: could not draw the loss plot: {e}", file=sys.stderr)

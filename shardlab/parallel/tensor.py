@@ -241,7 +241,7 @@ class _Ctx:
         self.tp, self.rank = mesh.size("tp"), mesh.local_rank("tp")
         self.sp = bool(cfg.parallel.sequence_parallel)
         self.seed = cfg.train.seed
-        self.embedding = None  # the VocabParallelEmbedding, once the plan has split it
+        self.embedding = self.embedding_source = None  # the VocabParallelEmbedding, once split
 
     def full(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The global tensor of ``param``: its data, or the meta tensor itself (the shard is then
@@ -300,17 +300,13 @@ def _vocab_embedding(ctx, name, mod):
     w = ctx.shard(ctx.full(mod.weight, f"{name}.weight"), f"{name}.weight", 0, ctx.rank * rows, rows)
     valid = max(0, min(rows, ctx.cfg.model.vocab_size - ctx.rank * rows))
     ctx.embedding = VocabParallelEmbedding(w, ctx.rank * rows, valid, ctx.comm, ctx.sp)
-    ctx.embedding.original = mod.weight  # to recognise a head tied to it
+    ctx.embedding_source = mod.weight  # the global weight it replaced: a head tied to it shares the slice
     return ctx.embedding
-
-
-def _tied(weight, emb) -> bool:
-    return weight is getattr(emb, "original", None)
 
 
 def _vocab_output(ctx, name, mod):
     emb = ctx.embedding  # the vocab embedding split earlier in the plan
-    if ctx.cfg.model.tie_embeddings and emb is not None and _tied(mod.weight, emb):
+    if ctx.cfg.model.tie_embeddings and emb is not None and mod.weight is ctx.embedding_source:
         w = emb.weight                           # tied: the same vocab slice, one parameter
     else:
         rows = _vocab_rows(ctx)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-# Parity is checked in float64: 1e-10 is the bar of DESIGN.md.
+# Parity is checked in float64 against one process: 1e-10 is the bar (docs/composition.md).
 PARITY_ATOL = 1e-10
 
 

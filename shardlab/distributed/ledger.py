@@ -33,7 +33,7 @@ class Entry:
 
 
 def ring_bytes(op: str, nbytes: int, n: int) -> int:
-    """Bytes one rank sends under the ring algorithm (REFERENCE.md table).
+    """Bytes one rank sends under the ring algorithm (docs/collectives.md table).
 
     ``nbytes``: all_reduce/broadcast -> the message; reduce_scatter -> the full input;
     all_gather -> the full output; all_to_all -> the local input; send/recv -> the message."""

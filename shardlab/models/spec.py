@@ -9,7 +9,8 @@ and the architecture's own config checks. A parallelism the spec leaves out (``t
 ``attention=None``, ``pp_first=None``) is refused by ``validate()`` naming the field.
 
 Adding an architecture = one package under ``shardlab/models/`` whose ``__init__`` calls
-:func:`register` (found on first use), or a ``register(...)`` call from user code or a test.
+:func:`register` (found on first use), or ``model.arch = "package.module:SPEC"`` naming a
+ModelSpec kept anywhere on the Python path (nothing in shardlab changes).
 
 Conventions a transformer spec follows (Llama and GPT-2 do): the model's ``forward(tokens,
 targets=None, positions=None)`` returns logits or the mean loss; its repeated blocks are the
@@ -94,9 +95,21 @@ def specs() -> dict[str, ModelSpec]:
 
 
 def get_spec(arch) -> ModelSpec:
-    """The spec of ``arch`` (a name, or a ModelConfig); ConfigError naming model.arch if unknown."""
+    """The spec of ``arch`` (a name, or a ModelConfig); ConfigError naming model.arch if unknown.
+    ``"package.module:NAME"`` imports that module and uses its ModelSpec ``NAME``: an architecture
+    kept outside shardlab (every rank resolves it by the same import)."""
     name = arch if isinstance(arch, str) else arch.arch
     _discover()
+    if name not in _REGISTRY and ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), attr, None)
+        except ImportError as e:
+            raise ConfigError("model.arch", f"cannot import {module!r} ({e}); write package.module:SPEC "
+                                            "with the module on the Python path") from None
+        if not isinstance(found, ModelSpec):
+            raise ConfigError("model.arch", f"{module}.{attr} is not a ModelSpec; point at a ModelSpec object")
+        _REGISTRY[name] = found
     if name not in _REGISTRY:
         import difflib
         close = difflib.get_close_matches(name, list(_REGISTRY), n=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 
-# Dense peak FLOP/s, no sparsity (REFERENCE.md). Keys are matched against the device name.
+# Dense peak FLOP/s, no sparsity (vendor datasheets; docs/training.md). Keys are matched against the device name.
 PEAK_FLOPS = [  # (name fragment, {precision: flops})
     ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12}),
     ("H100", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}),

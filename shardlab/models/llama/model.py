@@ -1,7 +1,7 @@
 """Llama-style decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention, optional
 tied embeddings, attention through ``scaled_dot_product_attention``. Single-device code:
-nothing here imports torch.distributed. Parallel modules swap submodules by name (see
-``models/plans.py``), so the names below are part of the contract:
+nothing here imports torch.distributed. Parallel modules swap submodules by name (the
+TP_PLAN in ``__init__.py``), so the names below are part of the contract:
 
   tok_embeddings, layers.<i>.attention_norm, layers.<i>.attention.{wq,wk,wv,wo,core},
   layers.<i>.ffn_norm, layers.<i>.feed_forward.{w1,w2,w3}, norm, output, criterion

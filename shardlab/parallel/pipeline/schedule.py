@@ -223,7 +223,7 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
 def theoretical_bubble(name: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
                        w: float = 1.0) -> float:
-    """Idle fraction of the step from the closed forms (REFERENCE.md), costs F, B, W per stage."""
+    """Idle fraction of the step from the closed forms (docs/pipeline.md), costs F, B, W per stage."""
     work = m * (f + b + w)
     if name in ("gpipe", "1f1b"):
         idle = (p - 1) * (f + b + w)

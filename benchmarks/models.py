@@ -1,0 +1,146 @@
+"""Other architectures, side by side in one run: own DDP vs torch DDP and own ZeRO-3/FSDP vs
+torch FSDP2 ``fully_shard``, for every architecture named (default: GPT-2 and the CNN).
+
+    python benchmarks/models.py [--arch gpt2 cnn] [--nproc 2] [--steps 6] [--warmup 2]
+
+CPU gloo, fp32, one thread per rank, AdamW, gradient clipping 1.0. GPT-2: d_model 256, 4 layers,
+8 heads, vocab 256 (byte-level), micro-batch 2 x 64 tokens per rank. CNN: the seeds' CNN
+(fc1 width 128) on 32 random 28x28 images per rank. Both FSDPs wrap each of the architecture's
+blocks (``ModelSpec.blocks``) and the root. Step time: median over the timed steps of the slowest
+rank; the contenders of a comparison are built together and timed in turns (A, B, A, B, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardlab.config import Config
+from shardlab.distributed.mesh import Mesh
+from shardlab.distributed.topology import Topology
+from shardlab.launch import run
+from shardlab.models import build_model, count_params, get_spec
+from shardlab.parallelize import parallelize
+
+LR = 1e-3
+SHAPES = {  # arch -> (model fields, per-rank micro-batch)
+    "gpt2": (dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, max_seq_len=64), 2),
+    "cnn": (dict(d_model=128, n_classes=10), 32),
+    "llama": (dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, max_seq_len=64), 2),
+}
+SEQ = 64
+
+
+def make_cfg(arch: str, n: int, zero_stage: int) -> Config:
+    cfg = Config()
+    fields, micro = SHAPES[arch]
+    cfg.model.arch = arch
+    for k, v in fields.items():
+        setattr(cfg.model, k, v)
+    cfg.train.seq_len, cfg.train.global_batch, cfg.train.grad_clip = SEQ, micro * n, 1.0
+    cfg.parallel.dp_shard, cfg.parallel.zero_stage = n, zero_stage
+    return cfg
+
+
+def _batch(cfg, rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    micro = SHAPES[cfg.model.arch][1]
+    if get_spec(cfg.model).task == "classify":
+        return torch.randn(micro, 1, 28, 28, generator=g), torch.randint(0, cfg.model.n_classes, (micro,), generator=g)
+    tok = torch.randint(0, cfg.model.vocab_size, (micro, SEQ + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def own(cfg):
+    mesh = Mesh.build(Topology.from_config(cfg.parallel))
+    engine = parallelize(build_model(cfg.model, 0), mesh, cfg)
+    opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=LR))
+
+    def step(x, y):
+        engine.forward_backward([(x, y)])
+        engine.clip_grads(cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _plain(model, cfg):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(x, y):
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def torch_ddp(cfg):
+    from torch.nn.parallel import DistributedDataParallel
+    return _plain(DistributedDataParallel(build_model(cfg.model, 0)), cfg)
+
+
+def torch_fsdp2(cfg):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_model(cfg.model, 0)
+    for block in get_spec(cfg.model).blocks(model).values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _plain(model, cfg)
+
+
+def _timed(step, cfg, rank, s) -> float:
+    x, y = _batch(cfg, rank, s)
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(x, y)
+    t = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _bench(ctx, archs, n, warmup, steps):
+    rows = []
+    for arch in archs:
+        for group, stage, contenders in (("DDP", 0, [("own", own), ("torch DDP", torch_ddp)]),
+                                         ("ZeRO-3/FSDP", 3, [("own", own), ("torch FSDP2", torch_fsdp2)])):
+            cfg = make_cfg(arch, n, stage)
+            built = [(name, fn(cfg)) for name, fn in contenders]
+            times = {name: [] for name, _ in built}
+            for s in range(warmup + steps):
+                for name, step in built[s % 2:] + built[:s % 2]:  # rotate who goes first
+                    t = _timed(step, cfg, ctx.rank, s)
+                    if s >= warmup:
+                        times[name].append(t)
+            rows.append((arch, group, {k: statistics.median(v) for k, v in times.items()}))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", nargs="+", default=["gpt2", "cnn"], choices=sorted(SHAPES))
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    for arch in args.arch:
+        cfg = make_cfg(arch, 1, 0)
+        print(f"{arch}: {count_params(build_model(cfg.model, 0)):,} parameters, "
+              f"{SHAPES[arch][1]} {'images' if get_spec(arch).task == 'classify' else f'x {SEQ} tokens'} per rank")
+    rows = run(_bench, args.nproc, args.arch, args.nproc, args.warmup, args.steps, threads=1, timeout_s=1200)[0]
+    print(f"\n### N = {args.nproc}, CPU gloo, fp32\n")
+    print("| arch | comparison | own step ms | torch step ms | own / torch |")
+    print("|---|---|---:|---:|---:|")
+    for arch, group, t in rows:
+        other = next(k for k in t if k != "own")
+        print(f"| {arch} | {group} (vs {other}) | {1000 * t['own']:.1f} | {1000 * t[other]:.1f} | "
+              f"{t['own'] / t[other]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The package's structure rules, checked on the source: no module imports its own importer (no
+cycle among module-level imports), and no module outside ``shardlab/models/`` names an
+architecture (they ask the ModelSpec)."""
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import shardlab
+
+ROOT = Path(shardlab.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """shardlab modules imported at module level (not inside functions: those run later)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("shardlab")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.startswith("shardlab"):
+                out.add(mod)
+                out |= {f"{mod}.{a.name}" for a in node.names}  # "from . import x" imports a module
+    return out
+
+
+def test_no_import_cycles():
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {m: {d for d in _top_level_imports(p) if d in files and d != m} for m, p in files.items()}
+    for m in list(graph):  # importing a.b.c runs a/__init__ and a/b/__init__ first
+        parents = {".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)}
+        graph[m] |= {q for q in parents if q in files and q != m and not m.startswith(q + ".") or False}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        path.append(m)
+        for d in graph[m]:
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        path.pop()
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_cycle_detector_can_fail(tmp_path, monkeypatch):
+    """The detector is real: two modules importing each other are reported."""
+    pkg = tmp_path / "shardlab"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("from . import a\nx = 1\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    try:
+        test_no_import_cycles()
+    except AssertionError as e:
+        assert "shardlab.a" in str(e) and "shardlab.b" in str(e)
+    else:
+        raise AssertionError("a two-module cycle was not detected")
+
+
+ARCH = re.compile(r"\b(llama|gpt-?2|cnn)\b", re.IGNORECASE)
+WORD = re.compile(r"""^[rbuf]*["'][\w.:-]+["']$""")  # a string that is one word: an identifier or key
+ALLOWED = {("config.py", '"llama"')}  # the default of model.arch
+
+
+def test_only_models_name_an_architecture():
+    """Code outside shardlab/models/ never names an architecture: identifiers and one-word strings
+    (keys, names compared against), not docstrings, comments or help texts."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "models":
+            continue
+        src = path.read_text()
+        tree = ast.parse(src)
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        doc_lines = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and id(n) in docstrings:
+                doc_lines |= set(range(n.lineno, n.end_lineno + 1))
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+            code_string = tok.type == tokenize.STRING and WORD.match(tok.string)  # "llama", not prose
+            if (tok.type == tokenize.NAME or code_string) and tok.start[0] not in doc_lines:
+                if (str(rel), tok.string) in ALLOWED:
+                    continue
+                if ARCH.search(tok.string):
+                    found.append(f"{rel}:{tok.start[0]}: {tok.string[:60]}")
+    assert not found, "architecture named outside shardlab/models/:\n" + "\n".join(found)
+
+
+def test_architecture_check_can_fail(tmp_path, monkeypatch):
+    pkg = tmp_path / "shardlab"
+    (pkg / "parallel").mkdir(parents=True)
+    (pkg / "parallel" / "x.py").write_text('"""Works for llama and gpt2 alike."""\nif arch == "gpt2":\n    pass\n')
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    try:
+        test_only_models_name_an_architecture()
+    except AssertionError as e:
+        assert "x.py:2" in str(e) and "x.py:1" not in str(e)
+    else:
+        raise AssertionError("a module comparing against an architecture name was not reported")

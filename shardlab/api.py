@@ -203,6 +203,10 @@ class ModelEngine:
     def eval(self) -> "ModelEngine":
         return self.train(False)
 
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch per rank: train.global_batch / (accumulation * ranks)."""
+        return self.cfg.train.global_batch // (self.accumulation * self.world_size)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward completes the step's accumulation."""
         return self.micro_steps == self.accumulation - 1

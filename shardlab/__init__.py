@@ -1,0 +1,14 @@
+"""shardlab: every parallelism of large-model training from torch.distributed primitives.
+
+``shardlab.initialize(model, config=...)`` (api.py) wraps any ``nn.Module`` for data-parallel
+training, like ``deepspeed.initialize``; imported on first use so that ``import shardlab`` stays light.
+"""
+
+__all__ = ["initialize", "ModelEngine"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'shardlab' has no attribute {name!r}")

@@ -19,6 +19,8 @@ COMMANDS = {
                    "shardlab checkpoint inspect|verify|export DIR [--to model.safetensors]"),
     "plot": ("shardlab.commands.plot_cmd", "draw loss curves of a run: shardlab plot RUN_DIR"),
     "schedule": ("shardlab.commands.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
+    "launch": ("shardlab.commands.launch_cmd", "run a script as N local ranks with torchrun's environment: "
+               "shardlab launch --nproc N script.py [args ...]"),
     "memory": ("shardlab.commands.memory_cmd", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
 }
 

@@ -64,7 +64,8 @@ def _optimizer(ds: dict, out: dict, unsupported: list):
     kind = str(opt.get("type", "AdamW"))
     params = dict(opt.get("params", {}))
     if kind.lower() not in ("adam", "adamw"):
-        unsupported.append(f"optimizer.type={kind} (shardlab uses AdamW)")
+        raise ConfigError("optimizer.type", f"{kind!r} is not supported; use Adam or AdamW (shardlab's "
+                                            "optimizer is AdamW), or pass optimizer= to shardlab.initialize")
     if kind.lower() == "adam" and params.pop("adam_w_mode", True) is False:
         unsupported.append("optimizer.params.adam_w_mode=false (shardlab's Adam is always AdamW)")
     params.pop("adam_w_mode", None)
@@ -81,14 +82,28 @@ def _optimizer(ds: dict, out: dict, unsupported: list):
     unsupported += [f"optimizer.params.{k}" for k in params]
 
 
+_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
 def _scheduler(ds: dict, out: dict, unsupported: list):
     sch = ds.get("scheduler")
-    if not sch:
+    if not sch:  # DeepSpeed without a scheduler: the optimizer's constant learning rate
+        out["train"].update(warmup_steps=0, min_lr_ratio=1.0)
         return
     kind, params = sch.get("type"), dict(sch.get("params", {}))
     t = out["train"]
-    if kind not in ("WarmupLR", "WarmupDecayLR"):
-        unsupported.append(f"scheduler.type={kind} (WarmupLR and WarmupDecayLR are supported)")
+    if kind not in _SCHEDULERS:
+        raise ConfigError("scheduler.type", f"{kind!r} is not supported; use one of {', '.join(_SCHEDULERS)} "
+                                            "or drop the scheduler block (constant learning rate)")
+    if kind == "WarmupCosineLR":  # warm-up to the optimizer's lr, cosine to lr * cos_min_ratio
+        t["warmup_steps"] = int(params.pop("warmup_num_steps", 0))
+        t["steps"] = int(params.pop("total_num_steps", t.get("steps", 1)))
+        t["min_lr_ratio"] = float(params.pop("cos_min_ratio", 0.0001))
+        if float(params.pop("warmup_min_ratio", 0.0)):
+            unsupported.append("scheduler.params.warmup_min_ratio (warm-up starts from 0)")
+        if params.pop("warmup_type", "linear") != "linear":
+            unsupported.append("scheduler.params.warmup_type (shardlab warms up linearly)")
+        unsupported += [f"scheduler.params.{k}" for k in params]
         return
     if "warmup_num_steps" in params:
         t["warmup_steps"] = int(params.pop("warmup_num_steps"))
@@ -149,6 +164,24 @@ def _zero(ds: dict, out: dict, unsupported: list):
     elif offload:
         unsupported += [f"zero_optimization.{k} with stage {stage} (shardlab offloads at stage 3)" for k in offload]
     unsupported += [f"zero_optimization.{k}" for k in z if k not in _ZERO_KEYS]
+
+
+def resolve_batch(ds: dict, world_size: int) -> dict:
+    """DeepSpeed's rule when ``gradient_accumulation_steps`` is absent: train_batch_size /
+    (train_micro_batch_size_per_gpu * world size). Returns a copy with the three numbers consistent
+    with ``world_size`` (for ``shardlab.initialize``, where the world size is known)."""
+    ds = dict(ds)
+    tbs = _positive_int(ds, "train_batch_size")
+    mb = _positive_int(ds, "train_micro_batch_size_per_gpu")
+    ga = _positive_int(ds, "gradient_accumulation_steps")
+    if tbs is not None and mb is not None and ga is None:
+        if tbs % (mb * world_size):
+            raise ConfigError("train_batch_size", f"{tbs} is not train_micro_batch_size_per_gpu * ranks * k = "
+                              f"{mb} * {world_size} * k; use a multiple of {mb * world_size}")
+        ds["gradient_accumulation_steps"] = tbs // (mb * world_size)
+    elif tbs is None and mb is not None:
+        ds["train_batch_size"] = mb * (ga or 1) * world_size
+    return ds
 
 
 def translate(ds: dict) -> dict:

@@ -198,3 +198,87 @@ def _run_torchrun(fn, args, device, timeout_s, threads):
         return fn(ctx, *args)
     finally:
         dist.destroy_process_group()
+
+
+# -- shardlab.initialize: join the job this process was started in ------------------------------
+
+def init_from_env(device: str = "auto", timeout_s: float = 60.0, threads: int = 0) -> RankContext:
+    """The :class:`RankContext` of this process for ``shardlab.initialize``: torch.distributed
+    as it is when already initialised (``launch.run`` workers, a user's own init), else from the
+    torchrun contract (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_*``,
+    set by torchrun and ``shardlab launch``), else a world of one (a private file store)."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        backend = dist.get_backend()
+        # NCCL means one GPU per rank; a gloo job runs on the CPU unless device = cuda says otherwise
+        on_gpu = backend == "nccl" or (device == "cuda" and torch.cuda.is_available())
+        dev = _rank_device("cuda", local_rank) if on_gpu else torch.device("cpu")
+        return RankContext(rank, world, local_rank, dev, backend)
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return _init(rank, world, local_rank, local_world, None, device, timeout_s, threads)
+    fd, store = tempfile.mkstemp(prefix="shardlab-store-")
+    os.close(fd)
+    os.unlink(store)
+    return _init(0, 1, 0, 1, f"file://{store}", device, timeout_s, threads or torch.get_num_threads())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, nproc: int, port: int, base: dict | None = None) -> dict:
+    """The environment torchrun gives rank ``rank`` of a one-node job of ``nproc`` ranks."""
+    env = dict(os.environ if base is None else base)
+    env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+               GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(default_threads(nproc)))
+    return env
+
+
+def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None) -> int:
+    """``shardlab launch``: run ``python argv...`` as ``nproc`` local ranks with torchrun's
+    environment. Returns 0 when every rank exits 0; when one fails, the others are terminated
+    (SIGTERM, then SIGKILL after 5 s) and its exit code is returned, the rank named through
+    ``report`` (default: stderr). Never waits on a dead job."""
+    import subprocess
+    import sys
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    report = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *argv], env=torchrun_env(r, nproc, port)) for r in range(nproc)]
+    failed = None
+    try:
+        while failed is None and any(p.poll() is None for p in procs):
+            for r, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    failed = r
+                    break
+            time.sleep(poll_s)
+        if failed is None:
+            failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 5
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    if failed is None:
+        return 0
+    code = procs[failed].returncode
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    report(f"shardlab launch: rank {failed} failed ({how}); the other ranks were stopped")
+    return code if code > 0 else 1

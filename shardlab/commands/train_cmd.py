@@ -1,7 +1,7 @@
 """``shardlab train CONFIG --nproc N [--resume] [--profile N] [--section.key=value ...]``.
 
-Validates the config before any process starts, prepares the tokenised corpus once in this
-process, launches N ranks (or runs in place under torchrun), and prints where the logs, the
+Validates the config before any process starts, prepares the data once in this process (the
+tokenised corpus, or checks the image files for a ``classify`` architecture), launches N ranks (or runs in place under torchrun), and prints where the logs, the
 plot and the checkpoints went.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .. import config as C
 from .. import launch
-from ..train.data import prepare
+from ..models.spec import get_spec
+from ..train import data, images
 from ..train.loop import train_rank
 
 
@@ -67,7 +68,7 @@ def main(args) -> int:
     cfg, nproc = resolve(args)
     if not launch.under_torchrun() or launch.torchrun_rank() == 0:
         check_resume(cfg)
-    data_dir = prepare(cfg.data)
+    data_dir = (images if get_spec(cfg.model).task == "classify" else data).prepare(cfg.data)
     if not launch.under_torchrun():
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)
@@ -94,12 +95,14 @@ def _report(cfg, s) -> None:
     except Exception as e:  # a plot must never fail a finished run
         print(f"shardlab: could not draw the loss plot: {e}", file=sys.stderr)
     mfu = f"{100 * s['mfu']:.1f}% ({s['peak_label']})" if s.get("mfu") else f"n/a ({s['peak_label']})"
+    classify = s.get("task") == "classify"
     lines = [
         "",
         f"done: {s['steps']} steps, {s['params']:,} parameters, layout {s['layout']}",
         f"  train loss {s['loss']:.4f}   validation loss {s['val_loss']:.4f}   "
-        f"unigram baseline {s['unigram_baseline']:.4f} nats/token",
-        f"  {s['tokens_per_s']:,.0f} tokens/s   MFU {mfu}",
+        + (f"test accuracy {100 * s['accuracy']:.2f}%   class-prior baseline {s['unigram_baseline']:.4f} nats/image"
+           if classify else f"unigram baseline {s['unigram_baseline']:.4f} nats/token"),
+        f"  {s['tokens_per_s']:,.0f} {'images' if classify else 'tokens'}/s   MFU {mfu}",
         f"  metrics:     {run_dir / 'metrics.jsonl'}  (TensorBoard: {run_dir / 'tensorboard'})",
         f"  plot:        {plot if plot else 'not drawn'}",
         f"  checkpoints: {s['checkpoint_dir'] or 'disabled'}",

@@ -99,6 +99,7 @@ class Loader:
         self.data, self.seq_len, self.global_batch = data, seq_len, global_batch
         self.microbatches, self.dp_rank, self.dp_size = microbatches, dp_rank, dp_size
         self.seed, self.device = seed, torch.device(device)
+        self.tokens_per_sample = seq_len
         self.windows = (len(data.train) - 1) // seq_len
         if self.windows < global_batch:
             raise ConfigError("train.seq_len", f"corpus has only {self.windows} windows of {seq_len} tokens")

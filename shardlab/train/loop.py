@@ -4,6 +4,9 @@
 Per step: set the LR, take this rank's micro-batches, ``engine.forward_backward`` (gradient
 accumulation and synchronisation are the engine's business), unscale/check overflow (fp16),
 clip the global gradient norm, AdamW step. Metrics every ``log_every`` steps.
+
+The architecture's ``task`` (models/spec.py) picks the data: ``lm`` token windows (train/data.py),
+``classify`` images and labels (train/images.py; test accuracy reported, a "token" is an image).
 """
 from __future__ import annotations
 
@@ -15,12 +18,20 @@ import torch
 from ..config import Config
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
-from ..models.spec import count_params, meta_model
+from ..models.spec import count_params, get_spec, meta_model
 from ..parallelize import parallelize
 from . import checkpoint as ckpt
+from . import images
 from .data import Loader, TokenData
 from .metrics import MetricsWriter, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes
 from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype
+
+
+def open_data(cfg: Config, data_dir: str):
+    """The prepared data of the configured task: a token corpus (lm) or an image dataset (classify)."""
+    if get_spec(cfg.model).task == "classify":
+        return images.ImageData(data_dir, cfg.data.limit_train, cfg.data.limit_test)
+    return TokenData(data_dir)
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -30,7 +41,7 @@ def checkpoint_dir(cfg: Config) -> Path:
 class Trainer:
     """Everything one rank holds during training. Built by :func:`train_rank`; usable directly in tests."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, data: TokenData, init: bool = True):
+    def __init__(self, cfg: Config, mesh: Mesh, data, init: bool = True):
         """``init=False``: allocate without drawing initial values (a checkpoint is loaded next)."""
         self.cfg, self.mesh, self.rank = cfg, mesh, mesh.rank
         t = cfg.train
@@ -44,8 +55,13 @@ class Trainer:
         topo = mesh.topology
         c = mesh.coords
         dp_rank = c["dp_replicate"] * topo.dp_shard + c["dp_shard"]
-        self.loader = Loader(data, t.seq_len, t.global_batch, cfg.parallel.microbatches,
-                             dp_rank, topo.size("dp"), t.seed, self.device)
+        self.task = get_spec(cfg.model).task
+        if self.task == "classify":
+            self.loader = images.ImageLoader(data, t.global_batch, cfg.parallel.microbatches, dp_rank,
+                                             topo.size("dp"), t.seed, self.device, param_dtype(t.precision))
+        else:
+            self.loader = Loader(data, t.seq_len, t.global_batch, cfg.parallel.microbatches,
+                                 dp_rank, topo.size("dp"), t.seed, self.device)
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.autocast = autocast_factory(t.precision, self.device)
         self.step = 0
@@ -72,10 +88,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
-        total = 0.0
-        for micro in batches:
-            total += self.engine.global_loss(self.engine.evaluate(micro, self.autocast))
+        """Mean validation loss, the model in eval mode (no dropout)."""
+        total, model = 0.0, self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            for micro in batches:
+                total += self.engine.global_loss(self.engine.evaluate(micro, self.autocast))
+        finally:
+            model.train(was_training)
         return total / len(batches)
+
+    def accuracy(self) -> float | None:
+        """classify: top-1 accuracy over the whole test split (collective); lm: None."""
+        return images.accuracy(self.engine, self.loader, autocast=self.autocast) if self.task == "classify" else None
 
     # -- checkpoints (train/checkpoint.py: each rank writes and reads its own boxes) ----------
     def save_checkpoint(self, directory: Path) -> Path | None:
@@ -115,7 +141,7 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
     """Worker run on every rank by ``shardlab train``. Returns rank 0's summary."""
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
     mesh.algorithm = cfg.parallel.comm_algorithm
-    data = TokenData(data_dir)
+    data = open_data(cfg, data_dir)
     t, log = cfg.train, cfg.logging
     run_dir, ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
     is_main = mesh.rank == 0
@@ -146,9 +172,9 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
                       "peak_label": peak_label, "unigram_baseline": data.unigram_entropy,
                       "resumed_from": resumed_from})
     profiler = _profiler(log.profile_steps, run_dir, mesh.rank, mesh.device) if log.profile_steps else None
-    tokens_per_step = t.global_batch * t.seq_len
+    tokens_per_step = t.global_batch * tr.loader.tokens_per_sample  # classify: images per step
     window_time, window_steps, times = 0.0, 0, []
-    last = {"loss": float("nan"), "val_loss": float("nan")}
+    last = {"loss": float("nan"), "val_loss": float("nan"), "accuracy": None}
     snap = mesh.ledger.snapshot()
     while tr.step < t.steps:
         if mesh.device.type == "cuda":
@@ -186,9 +212,9 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
             if bar:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-            last["val_loss"] = tr.evaluate(val_batches)
+            last["val_loss"], last["accuracy"] = tr.evaluate(val_batches), tr.accuracy()
             if writer:
-                writer.write({"kind": "val", "step": step, "val_loss": last["val_loss"]})
+                writer.write({"kind": "val", "step": step, "val_loss": last["val_loss"], "accuracy": last["accuracy"]})
         if cfg.checkpoint.save and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
             tr.save_checkpoint(ck_dir)
         if window_steps == 0:  # a record was written: start counting bytes after eval/checkpoint traffic
@@ -201,7 +227,8 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
         profiler.stop()
     steady = times[len(times) // 5:] or times
     mean_dt = sum(steady) / len(steady) if steady else float("nan")
-    summary = {"steps": tr.step, "loss": last["loss"], "val_loss": last["val_loss"],
+    summary = {"steps": tr.step, "task": tr.task, "loss": last["loss"], "val_loss": last["val_loss"],
+               "accuracy": last["accuracy"],
                "unigram_baseline": data.unigram_entropy, "tokens_per_s": tokens_per_step / mean_dt,
                "mfu": fpt * tokens_per_step / mean_dt / total_peak if total_peak else None,
                "peak_label": peak_label, "params": tr.n_params, "layout": mesh.topology.describe(),

@@ -139,106 +139,148 @@ class Trainer:
 
 def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
     """Worker run on every rank by ``shardlab train``. Returns rank 0's summary."""
-    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
-    mesh.algorithm = cfg.parallel.comm_algorithm
-    data = open_data(cfg, data_dir)
-    t, log = cfg.train, cfg.logging
-    run_dir, ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
-    is_main = mesh.rank == 0
-    path = ckpt.latest_valid(ck_dir, warn=print if is_main else (lambda *_: None)) if cfg.checkpoint.resume else None
-    tr = Trainer(cfg, mesh, data, init=path is None)  # resuming: no initial values to draw
-    resumed_from = None
-    if path is not None:
-        tr.load_checkpoint(path)
-        resumed_from = str(path)
-    writer = MetricsWriter(run_dir, log.tensorboard) if is_main else None
-    fpt = flops_per_token(cfg.model, t.seq_len)
-    peak, peak_label = peak_flops(mesh.device, t.precision)
-    if log.peak_flops:
-        peak, peak_label = log.peak_flops, "configured"
+    run = _Run(ctx, cfg, data_dir)
+    run.start()
+    while run.tr.step < cfg.train.steps:
+        out = run.timed_step()
+        step = run.tr.step
+        if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
+            run.log(out)
+        if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
+            run.evaluate()
+        every = cfg.checkpoint.every
+        if cfg.checkpoint.save and ((every and step % every == 0) or step == cfg.train.steps):
+            run.tr.save_checkpoint(run.ck_dir)
+        run.after_step()
+    return run.finish()
+
+
+class _Run:
+    """The named steps of :func:`train_rank`: set up (mesh, data, model, resume, peak FLOP/s),
+    one timed step, a metrics record over the window since the last one, evaluation, summary."""
+
+    def __init__(self, ctx, cfg: Config, data_dir: str):
+        self.cfg, t, log = cfg, cfg.train, cfg.logging
+        self.mesh = mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
+        mesh.algorithm = cfg.parallel.comm_algorithm
+        self.data = open_data(cfg, data_dir)
+        self.run_dir, self.ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
+        is_main = mesh.rank == 0
+        path = None
+        if cfg.checkpoint.resume:
+            path = ckpt.latest_valid(self.ck_dir, warn=print if is_main else (lambda *_: None))
+        self.tr = Trainer(cfg, mesh, self.data, init=path is None)  # resuming: no initial values to draw
+        self.resumed_from = None
+        if path is not None:
+            self.tr.load_checkpoint(path)
+            self.resumed_from = str(path)
+        self.writer = MetricsWriter(self.run_dir, log.tensorboard) if is_main else None
+        self.fpt = flops_per_token(cfg.model, t.seq_len)
+        self.total_peak, self.peak_label = _peak(cfg, mesh)
+        self.val_batches = self.tr.loader.val_batches(t.eval_batches)
+        self.bar = None
+        if is_main and log.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=t.steps, initial=self.tr.step, desc="train", dynamic_ncols=True, leave=True)
+        self.profiler = _profiler(log.profile_steps, self.run_dir, mesh.rank, mesh.device) if log.profile_steps else None
+        self.tokens_per_step = t.global_batch * self.tr.loader.tokens_per_sample  # classify: images per step
+        self.window_time, self.window_steps, self.times = 0.0, 0, []
+        self.last = {"loss": float("nan"), "val_loss": float("nan"), "accuracy": None}
+        self.snap = mesh.ledger.snapshot()
+
+    def start(self) -> None:
+        if self.writer:
+            mesh = self.mesh
+            self.writer.write({"kind": "start", "step": self.tr.step, "params": self.tr.n_params,
+                               "layout": mesh.topology.describe(), "world_size": mesh.world_size,
+                               "flops_per_token": self.fpt, "peak_flops": self.total_peak,
+                               "peak_label": self.peak_label, "unigram_baseline": self.data.unigram_entropy,
+                               "resumed_from": self.resumed_from})
+
+    def timed_step(self) -> dict:
+        cuda = self.mesh.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.mesh.device)
+        t0 = time.perf_counter()
+        out = self.tr.train_step()
+        if cuda:
+            torch.cuda.synchronize(self.mesh.device)
+        dt = time.perf_counter() - t0
+        self.window_time += dt
+        self.window_steps += 1
+        self.times.append(dt)
+        if self.profiler:
+            self.profiler.step()
+        return out
+
+    def log(self, out: dict) -> None:
+        """One metrics record over the steps since the last one (throughput, MFU, bytes sent)."""
+        tr, mesh, n = self.tr, self.mesh, self.window_steps
+        loss = tr.engine.global_loss(out["local_loss"])
+        tps = self.tokens_per_step * n / self.window_time
+        moved = mesh.ledger.since(self.snap)
+        rec = {"kind": "train", "step": tr.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
+               "tokens_per_s": tps, "step_time_s": self.window_time / n,
+               "mfu": self.fpt * tps / self.total_peak if self.total_peak else None,
+               "comm_bytes_per_step": sum(e.bytes_sent for e in moved.values()) / n,
+               "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "loss_scale": tr.scaler.scale,
+               "skipped_steps": tr.scaler.skipped}
+        if self.cfg.model.n_experts:  # tokens per expert, dropped fraction (last step), all-to-all bytes
+            from ..parallel.expert import moe_metrics
+            moe = moe_metrics(tr.engine.model, moved)
+            moe["moe/all_to_all_bytes"] = moe.get("moe/all_to_all_bytes", 0) / n
+            rec.update(moe)
+        self.window_time, self.window_steps = 0.0, 0
+        self.last["loss"] = loss
+        if self.writer:
+            self.writer.write(rec)
+        if self.bar:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+
+    def evaluate(self) -> None:
+        self.last["val_loss"], self.last["accuracy"] = self.tr.evaluate(self.val_batches), self.tr.accuracy()
+        if self.writer:
+            self.writer.write({"kind": "val", "step": self.tr.step, "val_loss": self.last["val_loss"],
+                               "accuracy": self.last["accuracy"]})
+
+    def after_step(self) -> None:
+        if self.window_steps == 0:  # a record was written: count bytes after eval/checkpoint traffic
+            self.snap = self.mesh.ledger.snapshot()
+        if self.bar:
+            self.bar.update(1)
+
+    def finish(self) -> dict:
+        if self.bar:
+            self.bar.close()
+        if self.profiler:
+            self.profiler.stop()
+        tr, mesh, cfg = self.tr, self.mesh, self.cfg
+        steady = self.times[len(self.times) // 5:] or self.times
+        mean_dt = sum(steady) / len(steady) if steady else float("nan")
+        summary = {"steps": tr.step, "task": tr.task, "loss": self.last["loss"], "val_loss": self.last["val_loss"],
+                   "accuracy": self.last["accuracy"], "unigram_baseline": self.data.unigram_entropy,
+                   "tokens_per_s": self.tokens_per_step / mean_dt,
+                   "mfu": self.fpt * self.tokens_per_step / mean_dt / self.total_peak if self.total_peak else None,
+                   "peak_label": self.peak_label, "params": tr.n_params, "layout": mesh.topology.describe(),
+                   "run_dir": str(self.run_dir), "checkpoint_dir": str(self.ck_dir) if cfg.checkpoint.save else None,
+                   "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "resumed_from": self.resumed_from,
+                   "ledger": mesh.ledger.as_dict()}
+        if self.writer:
+            self.writer.write(dict(summary, kind="summary", step=tr.step, ledger=None))
+            self.writer.close()
+        return summary
+
+
+def _peak(cfg: Config, mesh: Mesh) -> tuple[float | None, str]:
+    """(peak FLOP/s of the whole job, label): configured, the device table, or a CPU matmul probe."""
+    peak, label = peak_flops(mesh.device, cfg.train.precision)
+    if cfg.logging.peak_flops:
+        peak, label = cfg.logging.peak_flops, "configured"
     elif peak is None and mesh.device.type == "cpu":
         probe = torch.tensor(cpu_probe_flops(), dtype=torch.float64)
         peak = float(mesh.comm("world").all_reduce(probe)) / mesh.world_size  # per-rank mean
-        peak_label = "cpu matmul probe (measured, not a datasheet peak)"
-    total_peak = peak * mesh.world_size if peak else None
-    val_batches = tr.loader.val_batches(t.eval_batches)
-    bar = None
-    if is_main and log.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=t.steps, initial=tr.step, desc="train", dynamic_ncols=True, leave=True)
-    if writer:
-        writer.write({"kind": "start", "step": tr.step, "params": tr.n_params, "layout": mesh.topology.describe(),
-                      "world_size": mesh.world_size, "flops_per_token": fpt, "peak_flops": total_peak,
-                      "peak_label": peak_label, "unigram_baseline": data.unigram_entropy,
-                      "resumed_from": resumed_from})
-    profiler = _profiler(log.profile_steps, run_dir, mesh.rank, mesh.device) if log.profile_steps else None
-    tokens_per_step = t.global_batch * tr.loader.tokens_per_sample  # classify: images per step
-    window_time, window_steps, times = 0.0, 0, []
-    last = {"loss": float("nan"), "val_loss": float("nan"), "accuracy": None}
-    snap = mesh.ledger.snapshot()
-    while tr.step < t.steps:
-        if mesh.device.type == "cuda":
-            torch.cuda.synchronize(mesh.device)
-        t0 = time.perf_counter()
-        out = tr.train_step()
-        if mesh.device.type == "cuda":
-            torch.cuda.synchronize(mesh.device)
-        dt = time.perf_counter() - t0
-        window_time += dt
-        window_steps += 1
-        times.append(dt)
-        if profiler:
-            profiler.step()
-        step = tr.step
-        if step % log.log_every == 0 or step == t.steps:
-            loss = tr.engine.global_loss(out["local_loss"])
-            tps = tokens_per_step * window_steps / window_time
-            moved = mesh.ledger.since(snap)
-            rec = {"kind": "train", "step": step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
-                   "tokens_per_s": tps, "step_time_s": window_time / window_steps,
-                   "mfu": fpt * tps / total_peak if total_peak else None,
-                   "comm_bytes_per_step": sum(e.bytes_sent for e in moved.values()) / window_steps,
-                   "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "loss_scale": tr.scaler.scale,
-                   "skipped_steps": tr.scaler.skipped}
-            if cfg.model.n_experts:  # tokens per expert, dropped fraction (last step), all-to-all bytes
-                from ..parallel.expert import moe_metrics
-                moe = moe_metrics(tr.engine.model, moved)
-                moe["moe/all_to_all_bytes"] = moe.get("moe/all_to_all_bytes", 0) / window_steps
-                rec.update(moe)
-            window_time, window_steps = 0.0, 0
-            last["loss"] = loss
-            if writer:
-                writer.write(rec)
-            if bar:
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-            last["val_loss"], last["accuracy"] = tr.evaluate(val_batches), tr.accuracy()
-            if writer:
-                writer.write({"kind": "val", "step": step, "val_loss": last["val_loss"], "accuracy": last["accuracy"]})
-        if cfg.checkpoint.save and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
-            tr.save_checkpoint(ck_dir)
-        if window_steps == 0:  # a record was written: start counting bytes after eval/checkpoint traffic
-            snap = mesh.ledger.snapshot()
-        if bar:
-            bar.update(1)
-    if bar:
-        bar.close()
-    if profiler:
-        profiler.stop()
-    steady = times[len(times) // 5:] or times
-    mean_dt = sum(steady) / len(steady) if steady else float("nan")
-    summary = {"steps": tr.step, "task": tr.task, "loss": last["loss"], "val_loss": last["val_loss"],
-               "accuracy": last["accuracy"],
-               "unigram_baseline": data.unigram_entropy, "tokens_per_s": tokens_per_step / mean_dt,
-               "mfu": fpt * tokens_per_step / mean_dt / total_peak if total_peak else None,
-               "peak_label": peak_label, "params": tr.n_params, "layout": mesh.topology.describe(),
-               "run_dir": str(run_dir), "checkpoint_dir": str(ck_dir) if cfg.checkpoint.save else None,
-               "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "resumed_from": resumed_from,
-               "ledger": mesh.ledger.as_dict()}
-    if writer:
-        writer.write(dict(summary, kind="summary", step=tr.step, ledger=None))
-        writer.close()
-    return summary
+        label = "cpu matmul probe (measured, not a datasheet peak)"
+    return (peak * mesh.world_size if peak else None), label
 
 
 def _profiler(steps: int, run_dir: Path, rank: int, device: torch.device):

@@ -184,3 +184,35 @@ def test_launch_stops_the_job_when_a_rank_fails(tmp_path):
     script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(5)\ntime.sleep(60)\n")
     r = _run_launch(script)
     assert r.returncode == 5 and "rank 1 failed (exit code 5)" in r.stderr
+
+
+def _fp16_worker(ctx):
+    torch.manual_seed(0)
+    model = MLP()  # float32 weights, fp16 autocast
+    cfg = {"parallel": {"zero_stage": 2}, "train": {"precision": "fp16", "loss_scale_init": 2.0 ** 40,
+                                                    "lr": LR, "device": "cpu", "warmup_steps": 0}}
+    engine = shardlab.initialize(model, cfg)
+    before = {k: v.clone() for k, v in engine.full_state_dict(everywhere=True).items()}
+    history = []
+    for s in range(30):
+        x, y = data(s)
+        rows = slice(ctx.rank * G // 2, (ctx.rank + 1) * G // 2)
+        engine.backward(((engine(x[rows].float()) - y[rows].float()) ** 2).mean())
+        engine.step()
+        history.append((engine.scaler.scale, engine.scaler.skipped))
+        if s == 0:
+            after_first = engine.full_state_dict(everywhere=True)
+    return before, after_first, history, engine.full_state_dict(everywhere=True)
+
+
+def test_fp16_dynamic_loss_scale_skips_overflowed_steps():
+    """fp16 through initialize: a loss scale of 2^40 overflows the fp16 backward; those steps are
+    skipped (weights unchanged) and the scale halves until the steps go through."""
+    before, after_first, history, final = launch.run(_fp16_worker, 2, timeout_s=60)[0]
+    assert all(torch.equal(before[k], after_first[k]) for k in before)  # first step skipped
+    scales = [s for s, _ in history]
+    assert scales[0] == 2.0 ** 39 and scales[-1] < 2.0 ** 20  # halved on every overflow
+    skipped = history[-1][1]
+    assert 0 < skipped < 30
+    assert any(not torch.equal(before[k], final[k]) for k in before)  # later steps updated weights
+    assert all(torch.isfinite(v).all() for v in final.values())

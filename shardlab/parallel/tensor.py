@@ -82,38 +82,48 @@ class _SumOverCopies(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T with A split by output features (rows of ``weight``): rank r computes
-    Y_r = X A_r^T, a slice of Y's last dim.
+    """Y = X A^T + b with A split by output features (rows of ``weight``) and b with them:
+    rank r computes Y_r = X A_r^T + b_r, a slice of Y's last dim.
 
     ``input_op``: None when the caller already applied f / the all-gather once for several
     column layers (see ``gather_input``), else "copy" (f) or "gather" (SP all-gather).
     ``copies``: (comm, slot, n_slots) when several tp ranks hold the same rows."""
 
-    def __init__(self, weight: torch.Tensor, comm, input_op: str | None = None, copies=None):
+    def __init__(self, weight: torch.Tensor, comm, input_op: str | None = None, copies=None, bias=None):
         super().__init__()
         self.weight = _param(weight)
+        self.bias = None if bias is None else _param(bias)
         self.comm, self.input_op, self.copies = comm, input_op, copies
 
     def forward(self, x):
         if self.input_op is not None:
             x = enter_region(x, self.comm, self.input_op == "gather")
-        w = self.weight if self.copies is None else _SumOverCopies.apply(self.weight, *self.copies)
-        return F.linear(x, w)
+        w, b = self.weight, self.bias
+        if self.copies is not None:
+            w = _SumOverCopies.apply(w, *self.copies)
+            b = None if b is None else _SumOverCopies.apply(b, *self.copies)
+        return F.linear(x, w, b)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A^T with A split by input features (columns of ``weight``): rank r holds the
+    """Y = X A^T + b with A split by input features (columns of ``weight``): rank r holds the
     matching slice X_r of the input (the output of a column-parallel layer) and computes the
     partial sum X_r A_r^T; g (all-reduce) or, with SP, a reduce-scatter along the sequence
-    adds the partial sums."""
+    adds the partial sums. The bias is replicated and added once, after the reduction; with SP
+    each rank adds it to its S/tp tokens only, so its gradient is a partial sum over the
+    sequence: f on the bias sums it over tp in backward (as for the norm weights)."""
 
-    def __init__(self, weight: torch.Tensor, comm, sequence_parallel: bool = False):
+    def __init__(self, weight: torch.Tensor, comm, sequence_parallel: bool = False, bias=None):
         super().__init__()
         self.weight = _param(weight)
+        self.bias = None if bias is None else _param(bias)
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, x):
-        return leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        out = leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        if self.bias is None:
+            return out
+        return out + (dc.copy_to_region(self.bias, self.comm) if self.sequence_parallel else self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -200,6 +210,23 @@ class SequenceParallelNorm(nn.Module):
         return torch.func.functional_call(self._norm[0], params, (x,))
 
 
+class SequenceParallelPositionEmbedding(nn.Module):
+    """A learned position embedding under sequence parallel: the token embedding's reduce-scatter
+    left this rank S/tp tokens of the sequence (chunk ``rank``), so the lookup of the (local)
+    ``positions`` is narrowed to the same chunk. The table is replicated; each rank's gradient
+    covers only its chunk's rows, so f on the weight sums it over tp in backward."""
+
+    def __init__(self, weight: torch.Tensor, comm):
+        super().__init__()
+        self.weight = _param(weight)
+        self.comm = comm
+
+    def forward(self, positions):
+        out = F.embedding(positions, dc.copy_to_region(self.weight, self.comm))
+        n = out.shape[-2] // self.comm.size
+        return out.narrow(-2, self.comm.rank * n, n)
+
+
 # ---------------------------------------------------------------------------------------------
 # Applying the plan
 # ---------------------------------------------------------------------------------------------
@@ -272,10 +299,18 @@ def _vocab_rows(ctx: _Ctx) -> int:
     return -(-ctx.cfg.model.vocab_size // ctx.tp)  # ceil(V / tp)
 
 
+def _bias_shard(ctx, name, mod, start, rows, copies=1):
+    """A column layer's bias, split like its weight's rows (None without bias)."""
+    if getattr(mod, "bias", None) is None:
+        return None
+    return ctx.shard(ctx.full(mod.bias, f"{name}.bias"), f"{name}.bias", 0, start, rows, copies)
+
+
 def _colwise(ctx, name, mod):
     full = ctx.full(mod.weight, f"{name}.weight")
     n = full.shape[0] // ctx.tp
-    return ColumnParallelLinear(ctx.shard(full, f"{name}.weight", 0, ctx.rank * n, n), ctx.comm)
+    return ColumnParallelLinear(ctx.shard(full, f"{name}.weight", 0, ctx.rank * n, n), ctx.comm,
+                                bias=_bias_shard(ctx, name, mod, ctx.rank * n, n))
 
 
 def _colwise_kv(ctx, name, mod):
@@ -286,13 +321,15 @@ def _colwise_kv(ctx, name, mod):
     slot = ctx.rank // copies
     full = ctx.full(mod.weight, f"{name}.weight")
     w = ctx.shard(full, f"{name}.weight", 0, slot * hd, hd, copies)
-    return ColumnParallelLinear(w, ctx.comm, copies=(ctx.comm, slot, kv))
+    return ColumnParallelLinear(w, ctx.comm, copies=(ctx.comm, slot, kv),
+                                bias=_bias_shard(ctx, name, mod, slot * hd, hd, copies))
 
 
 def _rowwise(ctx, name, mod):
     full = ctx.full(mod.weight, f"{name}.weight")
     n = full.shape[1] // ctx.tp
-    return RowParallelLinear(ctx.shard(full, f"{name}.weight", 1, ctx.rank * n, n), ctx.comm, ctx.sp)
+    return RowParallelLinear(ctx.shard(full, f"{name}.weight", 1, ctx.rank * n, n), ctx.comm, ctx.sp,
+                             bias=getattr(mod, "bias", None))  # replicated
 
 
 def _vocab_embedding(ctx, name, mod):
@@ -328,6 +365,11 @@ def _sequence_parallel_norm(ctx, name, mod):
     return SequenceParallelNorm(mod, ctx.comm) if ctx.sp else None
 
 
+def _position_embedding(ctx, name, mod):
+    """Without SP the lookup is replicated like the hidden state: nothing to do."""
+    return SequenceParallelPositionEmbedding(mod.weight, ctx.comm) if ctx.sp else None
+
+
 def _gather_input(ctx, name, mod):
     comm, sp = ctx.comm, ctx.sp
 
@@ -341,7 +383,7 @@ def _gather_input(ctx, name, mod):
 STYLES = {"colwise": _colwise, "colwise_kv": _colwise_kv, "rowwise": _rowwise,
           "vocab_embedding": _vocab_embedding, "vocab_output": _vocab_output,
           "vocab_parallel_loss": _vocab_parallel_loss, "sequence_parallel_norm": _sequence_parallel_norm,
-          "gather_input": _gather_input}
+          "position_embedding": _position_embedding, "gather_input": _gather_input}
 
 
 def apply(model: nn.Module, mesh, cfg, plan: dict[str, str]) -> nn.Module:

@@ -159,14 +159,33 @@ def reference_key(cfg: C.Config) -> tuple:
     return repr(cfg.model), repr(cfg.train)
 
 
+def _compare(row: dict, out: list, ref: tuple) -> dict:
+    """Fill ``row`` from the ranks' results ``out`` against the reference (losses, params)."""
+    ref_losses, ref_params = ref
+    losses, params, _ = out[0]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    missing = sorted(set(ref_params) - set(params))
+    param_diff = max(((params[k] - v).abs().max().item() for k, v in ref_params.items() if k in params),
+                     default=math.inf)
+    row.update(loss_diff=loss_diff, param_diff=param_diff if not missing else math.inf,
+               bytes_per_step=sum(o[2] for o in out),
+               ok=loss_diff <= TOL and param_diff <= TOL and not missing,
+               error=f"missing {missing[:2]}" if missing else "")
+    return row
+
+
+def _reference_for(cfg: C.Config, data_dir: str, steps: int, ref_cache: dict) -> tuple:
+    key = reference_key(cfg)
+    if key not in ref_cache:
+        ref_cache[key] = reference(cfg, data_dir, steps)
+    return ref_cache[key]
+
+
 def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = "llama",
                extra: dict | None = None) -> dict:
     """One layout vs the reference (computed once per distinct model/train config, in ``ref_cache``)."""
     cfg = layout_config(name, nproc, steps, arch, extra)
-    key = reference_key(cfg)
-    if key not in ref_cache:
-        ref_cache[key] = reference(cfg, data_dir, steps)
-    ref_losses, ref_params = ref_cache[key]
+    ref = _reference_for(cfg, data_dir, steps, ref_cache)
     t0 = time.time()
     row = {"layout": name, "ranks": nproc, "detail": describe(cfg)}
     try:
@@ -175,13 +194,23 @@ def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict
         first = str(e).strip().splitlines()
         row.update(ok=False, error=" ".join(first[:2])[:160], seconds=time.time() - t0)
         return row
-    losses, params, _ = out[0]
-    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    missing = sorted(set(ref_params) - set(params))
-    param_diff = max(((params[k] - v).abs().max().item() for k, v in ref_params.items() if k in params),
-                     default=math.inf)
-    row.update(loss_diff=loss_diff, param_diff=param_diff if not missing else math.inf,
-               bytes_per_step=sum(o[2] for o in out), seconds=time.time() - t0,
-               ok=loss_diff <= TOL and param_diff <= TOL and not missing,
-               error=f"missing {missing[:2]}" if missing else "")
-    return row
+    return _compare(row, out, ref) | {"seconds": time.time() - t0}
+
+
+def _many_worker(ctx, cfgs: list, data_dir: str, steps: int):
+    return [_worker(ctx, cfg, data_dir, steps) for cfg in cfgs]
+
+
+def run_layouts(names: list[str], nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = "llama",
+                extra: dict | None = None) -> list[dict]:
+    """Several layouts (all fitting ``nproc``) in one spawn of ``nproc`` ranks, each against its
+    reference: the rows of :func:`run_layout`, without a process start per layout (tests).
+    A failing rank fails the whole call (launch.WorkerError)."""
+    cfgs = [layout_config(n, nproc, steps, arch, extra) for n in names]
+    unfit = [n for n, c in zip(names, cfgs) if c is None]
+    if unfit:
+        raise ValueError(f"layouts {unfit} do not fit {nproc} ranks for {arch}")
+    refs = [_reference_for(c, data_dir, steps, ref_cache) for c in cfgs]
+    out = launch.run(_many_worker, nproc, cfgs, data_dir, steps, timeout_s=300)
+    return [_compare({"layout": n, "ranks": nproc, "detail": describe(c)}, [o[i] for o in out], ref)
+            for i, (n, c, ref) in enumerate(zip(names, cfgs, refs))]

@@ -337,12 +337,13 @@ def _vocab_embedding(ctx, name, mod):
     w = ctx.shard(ctx.full(mod.weight, f"{name}.weight"), f"{name}.weight", 0, ctx.rank * rows, rows)
     valid = max(0, min(rows, ctx.cfg.model.vocab_size - ctx.rank * rows))
     ctx.embedding = VocabParallelEmbedding(w, ctx.rank * rows, valid, ctx.comm, ctx.sp)
-    ctx.embedding.original = mod.weight  # to recognise a head tied to it
+    # to recognise a head tied to it; a tuple, so the full table is not registered as a parameter
+    ctx.embedding.original = (mod.weight,)
     return ctx.embedding
 
 
 def _tied(weight, emb) -> bool:
-    return weight is getattr(emb, "original", None)
+    return weight is getattr(emb, "original", (None,))[0]
 
 
 def _vocab_output(ctx, name, mod):

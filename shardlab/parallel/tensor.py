@@ -13,7 +13,13 @@ split along the sequence (dim 1 of (B, S, H)); f becomes an all-gather along the
 (its backward a reduce-scatter) and g a reduce-scatter (backward an all-gather): the same
 bytes, but norms and residual adds run on S/tp tokens and keep S/tp of their activations.
 The norm weights are then replicated but see different tokens on each rank: their gradient
-is summed over tp inside backward (f applied to the weight).
+is summed over tp inside backward (f applied to the weight; parallel/sequence.py).
+
+Biases: a column-parallel bias is split with its output features; a row-parallel bias is
+replicated and added once after the reduction (with SP to S/tp tokens per rank, its gradient
+summed over tp like the norm weights). A learned position embedding (``position_embedding``) is
+replicated; with SP it returns this rank's sequence chunk, matching the token embedding's
+reduce-scatter.
 
 The vocabulary is split into tp contiguous ranges of ceil(V/tp) rows (the last range padded
 with zero rows that no token selects and whose logits are masked out of the softmax); the
@@ -37,6 +43,7 @@ from ..errors import ConfigError
 from ..distributed import autograd as dc
 from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE
+from .sequence import SequenceParallelNorm, SequenceParallelPositionEmbedding, _param
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
@@ -55,11 +62,6 @@ def leave_region(x: torch.Tensor, comm, sequence_parallel: bool) -> torch.Tensor
     """Sum the partial outputs of the ranks: g = reduce_from_region, or the sequence
     reduce-scatter (each rank keeps S/tp tokens of the sum)."""
     return dc.reduce_scatter(x, comm, SEQ_DIM) if sequence_parallel else dc.reduce_from_region(x, comm)
-
-
-def _param(w: torch.Tensor) -> nn.Parameter:
-    """Keep an existing Parameter (and its Placement); wrap a plain tensor."""
-    return w if isinstance(w, nn.Parameter) else nn.Parameter(w)
 
 
 class _SumOverCopies(torch.autograd.Function):
@@ -190,41 +192,6 @@ class VocabParallelCrossEntropy(nn.Module):
     def forward(self, logits, targets):
         return _VocabParallelCE.apply(logits.flatten(0, -2), targets.flatten(), self.start,
                                       self.valid, self.comm)
-
-
-class SequenceParallelNorm(nn.Module):
-    """Any norm (RMSNorm, LayerNorm) on a sequence shard: its parameters are replicated, but each
-    rank sees S/tp tokens, so their gradients are partial sums; f on each parameter sums them
-    over tp inside backward. The norm's parameters are registered here under their own names
-    (checkpoint keys unchanged) and the norm runs with them through ``functional_call``."""
-
-    def __init__(self, norm: nn.Module, comm):
-        super().__init__()
-        for key, p in norm.named_parameters(recurse=False):
-            self.register_parameter(key, p)
-        self._norm = (norm,)  # a tuple: not a submodule, its parameters are this module's
-        self.comm = comm
-
-    def forward(self, x):
-        params = {k: dc.copy_to_region(p, self.comm) for k, p in self.named_parameters(recurse=False)}
-        return torch.func.functional_call(self._norm[0], params, (x,))
-
-
-class SequenceParallelPositionEmbedding(nn.Module):
-    """A learned position embedding under sequence parallel: the token embedding's reduce-scatter
-    left this rank S/tp tokens of the sequence (chunk ``rank``), so the lookup of the (local)
-    ``positions`` is narrowed to the same chunk. The table is replicated; each rank's gradient
-    covers only its chunk's rows, so f on the weight sums it over tp in backward."""
-
-    def __init__(self, weight: torch.Tensor, comm):
-        super().__init__()
-        self.weight = _param(weight)
-        self.comm = comm
-
-    def forward(self, positions):
-        out = F.embedding(positions, dc.copy_to_region(self.weight, self.comm))
-        n = out.shape[-2] // self.comm.size
-        return out.narrow(-2, self.comm.rank * n, n)
 
 
 # ---------------------------------------------------------------------------------------------

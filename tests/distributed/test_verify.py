@@ -2,6 +2,7 @@
 reference to 1e-10, and a wrong engine is caught (the check can fail)."""
 from shardlab.analysis import verify
 from shardlab.cli import main as cli_main
+from shardlab.train.data import prepare
 
 
 def test_verify_subset_passes(capsys):
@@ -14,13 +15,13 @@ def test_verify_subset_passes(capsys):
 def test_verify_can_fail():
     """A layout passes against the true reference and fails against a reference perturbed by
     1e-6 in one parameter: the comparison is real."""
-    row = verify.run_layout("dp", 1, str(verify.prepare(verify.layout_config("dp", 1).data)), 2, {})
+    row = verify.run_layout("dp", 1, str(prepare(verify.layout_config("dp", 1).data)), 2, {})
     assert row["ok"], row
     cfg = verify.layout_config("dp", 1, 2)
-    losses, params = verify.reference(cfg, str(verify.prepare(cfg.data)), 2)
+    losses, params = verify.reference(cfg, str(prepare(cfg.data)), 2)
     key = next(iter(params))
     params[key] = params[key] + 1e-6
-    row = verify.run_layout("dp", 1, str(verify.prepare(cfg.data)), 2, {verify.reference_key(cfg): (losses, params)})
+    row = verify.run_layout("dp", 1, str(prepare(cfg.data)), 2, {verify.reference_key(cfg): (losses, params)})
     assert not row["ok"] and row["param_diff"] >= 1e-6
 
 

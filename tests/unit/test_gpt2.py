@@ -145,3 +145,16 @@ def test_config_checks_name_the_field():
     cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.n_experts = 4, 0, 4
     with pytest.raises(C.ConfigError, match="model.n_experts"):
         cfg.validate(1)
+
+
+def test_verify_layouts_per_architecture(capsys):
+    from shardlab.analysis import verify
+    from shardlab.cli import main as cli_main
+    names = verify.layouts("gpt2")
+    assert "ep2" not in names and {"tp2-sp", "pp2-1f1b", "cp2", "fsdp", "dp2-tp2-pp2"} <= set(names)
+    assert "ep2" in verify.layouts("llama")
+    cfg = verify.layout_config("pp2-1f1b", 2, arch="gpt2")
+    assert cfg.model.arch == "gpt2" and not cfg.model.tie_embeddings and cfg.model.kv_heads == cfg.model.n_heads
+    assert verify.layout_config("tp2", 2, arch="gpt2").model.tie_embeddings
+    assert cli_main(["verify", "--arch", "gpt2", "--layouts", "ep2"]) == 2
+    assert "unknown layout 'ep2' for --arch gpt2" in capsys.readouterr().err

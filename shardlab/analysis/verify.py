@@ -1,7 +1,8 @@
 """``shardlab verify [--arch A] [--nproc N] [--layouts a,b,...] [--steps K]``: the parity matrix.
 
-For a tiny model of architecture A (default llama; ``BASE`` with the spec's ``verify_model``
-overrides), and a tiny MoE for the expert layouts when the spec has MoE, in float64 on CPU gloo, run an
+For a tiny model of architecture A (default: the default ``model.arch``; ``BASE`` with the spec's
+``verify_model`` overrides), and a tiny MoE for the expert layouts when the spec has MoE, in
+float64 on CPU gloo, run an
 independent single-process reference (plain model + torch AdamW on the whole global batch; no
 shardlab engine), then every layout that fits N ranks for K optimizer steps, and print: layout,
 max |loss diff| over the steps, max |param diff| after the steps (global tensors assembled from
@@ -26,6 +27,7 @@ from ..train.data import Loader, TokenData
 from ..train.optim import lr_at
 
 TOL = 1e-10
+DEFAULT_ARCH = C.ModelConfig().arch
 BASE = {"model": {"vocab_size": 256, "d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 32},
         "train": {"seq_len": 32, "global_batch": 16, "precision": "fp64", "warmup_steps": 1, "lr": 1e-2,
@@ -69,7 +71,7 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
 }
 
 
-def layouts(arch: str = "llama") -> list[str]:
+def layouts(arch: str = DEFAULT_ARCH) -> list[str]:
     """The layouts of ``arch``: all of LAYOUTS, the MoE ones only when its spec has MoE blocks."""
     spec = get_spec(arch)
     return [n for n, (_, model, _) in LAYOUTS.items() if spec.moe or not model.get("n_experts")]
@@ -80,7 +82,7 @@ def _merge(base: dict, extra: dict) -> dict:
             for k in {**base, **extra}}
 
 
-def layout_config(name: str, nproc: int, steps: int = 3, arch: str = "llama",
+def layout_config(name: str, nproc: int, steps: int = 3, arch: str = DEFAULT_ARCH,
                   extra: dict | None = None) -> C.Config | None:
     """The config of layout ``name`` on ``nproc`` ranks for ``arch``, or None when it does not fit.
     ``extra``: {section: {key: value}} applied on top (e.g. a shorter train.seq_len in tests)."""
@@ -181,7 +183,7 @@ def _reference_for(cfg: C.Config, data_dir: str, steps: int, ref_cache: dict) ->
     return ref_cache[key]
 
 
-def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = "llama",
+def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = DEFAULT_ARCH,
                extra: dict | None = None) -> dict:
     """One layout vs the reference (computed once per distinct model/train config, in ``ref_cache``)."""
     cfg = layout_config(name, nproc, steps, arch, extra)
@@ -201,7 +203,7 @@ def _many_worker(ctx, cfgs: list, data_dir: str, steps: int):
     return [_worker(ctx, cfg, data_dir, steps) for cfg in cfgs]
 
 
-def run_layouts(names: list[str], nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = "llama",
+def run_layouts(names: list[str], nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = DEFAULT_ARCH,
                 extra: dict | None = None) -> list[dict]:
     """Several layouts (all fitting ``nproc``) in one spawn of ``nproc`` ranks, each against its
     reference: the rows of :func:`run_layout`, without a process start per layout (tests).

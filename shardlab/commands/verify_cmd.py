@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from .. import config as C
-from ..analysis.verify import LAYOUTS, TOL, layout_config, layouts, run_layout
+from ..analysis.verify import DEFAULT_ARCH, LAYOUTS, TOL, layout_config, layouts, run_layout
 from ..models.spec import get_spec, specs
 from ..train.data import prepare
 
 
 def configure(parser):
-    parser.add_argument("--arch", default="llama", help=f"architecture (model.arch): {', '.join(sorted(specs()))}")
+    parser.add_argument("--arch", default=DEFAULT_ARCH,
+                        help=f"architecture (model.arch, default {DEFAULT_ARCH}): {', '.join(sorted(specs()))}")
     parser.add_argument("--nproc", type=int, default=4, help="ranks per layout (default 4)")
     parser.add_argument("--layouts", default=None, help=f"comma-separated subset of: {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")

@@ -1,6 +1,8 @@
-"""``shardlab verify [--nproc N] [--layouts a,b,...] [--steps K]``: the parity matrix.
+"""``shardlab verify [--arch A] [--nproc N] [--layouts a,b,...] [--steps K]``: the parity matrix.
 
-For a tiny Llama (and a tiny MoE for the expert layouts) in float64 on CPU gloo, run an
+For a tiny model of architecture A (default: the default ``model.arch``; ``BASE`` with the spec's
+``verify_model`` overrides), and a tiny MoE for the expert layouts when the spec has MoE, in
+float64 on CPU gloo, run an
 independent single-process reference (plain model + torch AdamW on the whole global batch; no
 shardlab engine), then every layout that fits N ranks for K optimizer steps, and print: layout,
 max |loss diff| over the steps, max |param diff| after the steps (global tensors assembled from
@@ -20,18 +22,21 @@ from .. import config as C
 from .. import launch
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
-from ..models.spec import build_model
+from ..models.spec import build_model, get_spec
 from ..train.data import Loader, TokenData
 from ..train.optim import lr_at
 
 TOL = 1e-10
+DEFAULT_ARCH = C.ModelConfig().arch
 BASE = {"model": {"vocab_size": 256, "d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 32},
         "train": {"seq_len": 32, "global_batch": 16, "precision": "fp64", "warmup_steps": 1, "lr": 1e-2,
                   "grad_clip": 0.5, "eval_batches": 1},
+        "parallel": {},
         "logging": {"progress": False, "tensorboard": False}}
 MOE = {"n_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}
 
+UNTIED = {"tie_embeddings": False}  # pipeline stages cannot share the embedding with the head
 # name -> (parallel degrees/options, model overrides, data-parallel fill axis)
 LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "dp": ({}, {}, "dp_replicate"),
@@ -47,15 +52,17 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "tp2-fsdp": ({"tp": 2, "zero_stage": 3}, {}, "dp_shard"),
     "tp2-ac-selective": ({"tp": 2, "activation_checkpointing": "selective"}, {}, "dp_replicate"),
     "fsdp-ac-full": ({"zero_stage": 3, "activation_checkpointing": "full"}, {}, "dp_shard"),
-    "pp2-gpipe": ({"pp": 2, "pp_schedule": "gpipe", "microbatches": 4}, {}, "dp_replicate"),
-    "pp2-1f1b": ({"pp": 2, "pp_schedule": "1f1b", "microbatches": 4}, {}, "dp_replicate"),
-    "pp2-interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 4}, {},
+    "pp2-gpipe": ({"pp": 2, "pp_schedule": "gpipe", "microbatches": 4}, UNTIED, "dp_replicate"),
+    "pp2-1f1b": ({"pp": 2, "pp_schedule": "1f1b", "microbatches": 4}, UNTIED, "dp_replicate"),
+    "pp2-interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 4}, UNTIED,
                         "dp_replicate"),
-    "pp2-zb": ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 4}, {}, "dp_replicate"),
-    "pp2-tp2": ({"pp": 2, "tp": 2, "microbatches": 2}, {}, "dp_replicate"),
+    "pp2-zb": ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 4}, UNTIED, "dp_replicate"),
+    "pp2-tp2": ({"pp": 2, "tp": 2, "microbatches": 2}, UNTIED, "dp_replicate"),
     "cp2": ({"cp": 2}, {}, "dp_replicate"),
-    "pp2-cp2": ({"pp": 2, "cp": 2, "microbatches": 2}, {}, "dp_replicate"),
+    "pp2-cp2": ({"pp": 2, "cp": 2, "microbatches": 2}, UNTIED, "dp_replicate"),
     "cp2-tp2": ({"cp": 2, "tp": 2}, {}, "dp_replicate"),
+    "dp2-tp2-pp2": ({"dp_replicate": 2, "tp": 2, "pp": 2, "microbatches": 2}, UNTIED, "dp_replicate"),
+    "tp2-sp-pp2": ({"tp": 2, "sequence_parallel": True, "pp": 2, "microbatches": 2}, UNTIED, "dp_replicate"),
     "ep2": ({"ep": 2, "dp_shard": 2}, MOE, "dp_replicate"),
     "ep4": ({"ep": 4, "dp_shard": 4}, MOE, "dp_replicate"),
     "moe-dp": ({}, MOE, "dp_replicate"),
@@ -64,11 +71,25 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
 }
 
 
-def layout_config(name: str, nproc: int, steps: int = 3) -> C.Config | None:
-    """The config of layout ``name`` on ``nproc`` ranks, or None when it does not fit."""
+def layouts(arch: str = DEFAULT_ARCH) -> list[str]:
+    """The layouts of ``arch``: all of LAYOUTS, the MoE ones only when its spec has MoE blocks."""
+    spec = get_spec(arch)
+    return [n for n, (_, model, _) in LAYOUTS.items() if spec.moe or not model.get("n_experts")]
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    return {k: ({**base.get(k, {}), **extra[k]} if isinstance(extra.get(k), dict) else extra.get(k, base.get(k)))
+            for k in {**base, **extra}}
+
+
+def layout_config(name: str, nproc: int, steps: int = 3, arch: str = DEFAULT_ARCH,
+                  extra: dict | None = None) -> C.Config | None:
+    """The config of layout ``name`` on ``nproc`` ranks for ``arch``, or None when it does not fit.
+    ``extra``: {section: {key: value}} applied on top (e.g. a shorter train.seq_len in tests)."""
     par, model, fill = LAYOUTS[name]
-    cfg = C.from_dict({**BASE, "model": {**BASE["model"], **model}, "train": {**BASE["train"], "steps": steps},
-                       "parallel": dict(par)})
+    base = _merge(BASE, {"model": {**get_spec(arch).verify_model, "arch": arch, **model},
+                         "train": {"steps": steps}, "parallel": dict(par)})
+    cfg = C.from_dict(_merge(base, extra or {}))
     used = cfg.parallel.world_size
     if nproc % used:
         return None
@@ -135,12 +156,38 @@ def _worker(ctx, cfg: C.Config, data_dir: str, steps: int):
     return losses, params, sent
 
 
-def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict) -> dict:
-    cfg = layout_config(name, nproc, steps)
-    key = (cfg.model.n_experts,)
+def reference_key(cfg: C.Config) -> tuple:
+    """Layouts whose model and train sections agree share one reference run."""
+    return repr(cfg.model), repr(cfg.train)
+
+
+def _compare(row: dict, out: list, ref: tuple) -> dict:
+    """Fill ``row`` from the ranks' results ``out`` against the reference (losses, params)."""
+    ref_losses, ref_params = ref
+    losses, params, _ = out[0]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    missing = sorted(set(ref_params) - set(params))
+    param_diff = max(((params[k] - v).abs().max().item() for k, v in ref_params.items() if k in params),
+                     default=math.inf)
+    row.update(loss_diff=loss_diff, param_diff=param_diff if not missing else math.inf,
+               bytes_per_step=sum(o[2] for o in out),
+               ok=loss_diff <= TOL and param_diff <= TOL and not missing,
+               error=f"missing {missing[:2]}" if missing else "")
+    return row
+
+
+def _reference_for(cfg: C.Config, data_dir: str, steps: int, ref_cache: dict) -> tuple:
+    key = reference_key(cfg)
     if key not in ref_cache:
         ref_cache[key] = reference(cfg, data_dir, steps)
-    ref_losses, ref_params = ref_cache[key]
+    return ref_cache[key]
+
+
+def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = DEFAULT_ARCH,
+               extra: dict | None = None) -> dict:
+    """One layout vs the reference (computed once per distinct model/train config, in ``ref_cache``)."""
+    cfg = layout_config(name, nproc, steps, arch, extra)
+    ref = _reference_for(cfg, data_dir, steps, ref_cache)
     t0 = time.time()
     row = {"layout": name, "ranks": nproc, "detail": describe(cfg)}
     try:
@@ -149,13 +196,23 @@ def run_layout(name: str, nproc: int, data_dir: str, steps: int, ref_cache: dict
         first = str(e).strip().splitlines()
         row.update(ok=False, error=" ".join(first[:2])[:160], seconds=time.time() - t0)
         return row
-    losses, params, _ = out[0]
-    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    missing = sorted(set(ref_params) - set(params))
-    param_diff = max(((params[k] - v).abs().max().item() for k, v in ref_params.items() if k in params),
-                     default=math.inf)
-    row.update(loss_diff=loss_diff, param_diff=param_diff if not missing else math.inf,
-               bytes_per_step=sum(o[2] for o in out), seconds=time.time() - t0,
-               ok=loss_diff <= TOL and param_diff <= TOL and not missing,
-               error=f"missing {missing[:2]}" if missing else "")
-    return row
+    return _compare(row, out, ref) | {"seconds": time.time() - t0}
+
+
+def _many_worker(ctx, cfgs: list, data_dir: str, steps: int):
+    return [_worker(ctx, cfg, data_dir, steps) for cfg in cfgs]
+
+
+def run_layouts(names: list[str], nproc: int, data_dir: str, steps: int, ref_cache: dict, arch: str = DEFAULT_ARCH,
+                extra: dict | None = None) -> list[dict]:
+    """Several layouts (all fitting ``nproc``) in one spawn of ``nproc`` ranks, each against its
+    reference: the rows of :func:`run_layout`, without a process start per layout (tests).
+    A failing rank fails the whole call (launch.WorkerError)."""
+    cfgs = [layout_config(n, nproc, steps, arch, extra) for n in names]
+    unfit = [n for n, c in zip(names, cfgs) if c is None]
+    if unfit:
+        raise ValueError(f"layouts {unfit} do not fit {nproc} ranks for {arch}")
+    refs = [_reference_for(c, data_dir, steps, ref_cache) for c in cfgs]
+    out = launch.run(_many_worker, nproc, cfgs, data_dir, steps, timeout_s=300)
+    return [_compare({"layout": n, "ranks": nproc, "detail": describe(c)}, [o[i] for o in out], ref)
+            for i, (n, c, ref) in enumerate(zip(names, cfgs, refs))]

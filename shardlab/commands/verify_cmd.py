@@ -1,32 +1,40 @@
-"""``shardlab verify [--nproc N] [--layouts a,b] [--steps K]``: the parity matrix (analysis/verify.py)."""
+"""``shardlab verify [--arch A] [--nproc N] [--layouts a,b] [--steps K]``: the parity matrix (analysis/verify.py)."""
 from __future__ import annotations
 
 from .. import config as C
-from ..analysis.verify import LAYOUTS, TOL, layout_config, run_layout
+from ..analysis.verify import DEFAULT_ARCH, LAYOUTS, TOL, layout_config, layouts, run_layout
+from ..models.spec import get_spec, specs
 from ..train.data import prepare
 
 
 def configure(parser):
+    parser.add_argument("--arch", default=DEFAULT_ARCH,
+                        help=f"architecture (model.arch, default {DEFAULT_ARCH}): {', '.join(sorted(specs()))}")
     parser.add_argument("--nproc", type=int, default=4, help="ranks per layout (default 4)")
     parser.add_argument("--layouts", default=None, help=f"comma-separated subset of: {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
 
 
 def main(args) -> int:
-    names = args.layouts.split(",") if args.layouts else list(LAYOUTS)
-    unknown = [n for n in names if n not in LAYOUTS]
+    arch = args.arch
+    if get_spec(arch).task != "lm":
+        raise C.ConfigError("--arch", f"the parity matrix trains language models; {arch} is not one")
+    allowed = layouts(arch)
+    names = args.layouts.split(",") if args.layouts else allowed
+    unknown = [n for n in names if n not in allowed]
     if unknown:
-        raise C.ConfigError("--layouts", f"unknown layout {unknown[0]!r}; choose from {', '.join(LAYOUTS)}")
-    fitting = [n for n in names if layout_config(n, args.nproc, args.steps) is not None]
+        raise C.ConfigError("--layouts", f"unknown layout {unknown[0]!r} for --arch {arch}; "
+                                         f"choose from {', '.join(allowed)}")
+    fitting = [n for n in names if layout_config(n, args.nproc, args.steps, arch) is not None]
     skipped = [n for n in names if n not in fitting]
-    data_dir = str(prepare(layout_config(fitting[0], args.nproc).data if fitting else C.Config().data))
-    print(f"shardlab verify: {len(fitting)} layouts on {args.nproc} ranks, {args.steps} steps, float64, "
-          f"tolerance {TOL:g}" + (f" (not fitting {args.nproc} ranks: {', '.join(skipped)})" if skipped else ""))
+    data_dir = str(prepare(layout_config(fitting[0], args.nproc, arch=arch).data if fitting else C.Config().data))
+    print(f"shardlab verify --arch {arch}: {len(fitting)} layouts on {args.nproc} ranks, {args.steps} steps, "
+          f"float64, tolerance {TOL:g}" + (f" (not fitting {args.nproc} ranks: {', '.join(skipped)})" if skipped else ""))
     print("| layout | degrees | max abs loss diff | max abs param diff | bytes sent/step (all ranks) | result |")
     print("|---|---|---|---|---|---|")
     cache, failures = {}, 0
     for name in fitting:
-        r = run_layout(name, args.nproc, data_dir, args.steps, cache)
+        r = run_layout(name, args.nproc, data_dir, args.steps, cache, arch)
         failures += not r["ok"]
         if "loss_diff" in r:
             print(f"| {name} | {r['detail']} | {r['loss_diff']:.2e} | {r['param_diff']:.2e} | "

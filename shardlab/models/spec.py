@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -65,6 +65,9 @@ class ModelSpec:
     """Supports Mixture-of-Experts blocks (``model.n_experts > 0``, expert parallel)."""
     check: Callable[..., None] | None = None
     """``check(cfg)``: the architecture's own constraints; raise ConfigError naming the field."""
+    verify_model: dict = field(default_factory=dict)
+    """Overrides of the tiny float64 model of the parity matrix (``analysis/verify.BASE["model"]``)
+    that this architecture needs (e.g. ``{"n_kv_heads": 0}`` without grouped-query attention)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

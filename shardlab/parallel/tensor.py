@@ -13,7 +13,13 @@ split along the sequence (dim 1 of (B, S, H)); f becomes an all-gather along the
 (its backward a reduce-scatter) and g a reduce-scatter (backward an all-gather): the same
 bytes, but norms and residual adds run on S/tp tokens and keep S/tp of their activations.
 The norm weights are then replicated but see different tokens on each rank: their gradient
-is summed over tp inside backward (f applied to the weight).
+is summed over tp inside backward (f applied to the weight; parallel/sequence.py).
+
+Biases: a column-parallel bias is split with its output features; a row-parallel bias is
+replicated and added once after the reduction (with SP to S/tp tokens per rank, its gradient
+summed over tp like the norm weights). A learned position embedding (``position_embedding``) is
+replicated; with SP it returns this rank's sequence chunk, matching the token embedding's
+reduce-scatter.
 
 The vocabulary is split into tp contiguous ranges of ceil(V/tp) rows (the last range padded
 with zero rows that no token selects and whose logits are masked out of the softmax); the
@@ -37,6 +43,7 @@ from ..errors import ConfigError
 from ..distributed import autograd as dc
 from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE
+from .sequence import SequenceParallelNorm, SequenceParallelPositionEmbedding, _param
 
 SEQ_DIM = 1  # activations are (batch, sequence, hidden)
 
@@ -55,11 +62,6 @@ def leave_region(x: torch.Tensor, comm, sequence_parallel: bool) -> torch.Tensor
     """Sum the partial outputs of the ranks: g = reduce_from_region, or the sequence
     reduce-scatter (each rank keeps S/tp tokens of the sum)."""
     return dc.reduce_scatter(x, comm, SEQ_DIM) if sequence_parallel else dc.reduce_from_region(x, comm)
-
-
-def _param(w: torch.Tensor) -> nn.Parameter:
-    """Keep an existing Parameter (and its Placement); wrap a plain tensor."""
-    return w if isinstance(w, nn.Parameter) else nn.Parameter(w)
 
 
 class _SumOverCopies(torch.autograd.Function):
@@ -82,38 +84,48 @@ class _SumOverCopies(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T with A split by output features (rows of ``weight``): rank r computes
-    Y_r = X A_r^T, a slice of Y's last dim.
+    """Y = X A^T + b with A split by output features (rows of ``weight``) and b with them:
+    rank r computes Y_r = X A_r^T + b_r, a slice of Y's last dim.
 
     ``input_op``: None when the caller already applied f / the all-gather once for several
     column layers (see ``gather_input``), else "copy" (f) or "gather" (SP all-gather).
     ``copies``: (comm, slot, n_slots) when several tp ranks hold the same rows."""
 
-    def __init__(self, weight: torch.Tensor, comm, input_op: str | None = None, copies=None):
+    def __init__(self, weight: torch.Tensor, comm, input_op: str | None = None, copies=None, bias=None):
         super().__init__()
         self.weight = _param(weight)
+        self.bias = None if bias is None else _param(bias)
         self.comm, self.input_op, self.copies = comm, input_op, copies
 
     def forward(self, x):
         if self.input_op is not None:
             x = enter_region(x, self.comm, self.input_op == "gather")
-        w = self.weight if self.copies is None else _SumOverCopies.apply(self.weight, *self.copies)
-        return F.linear(x, w)
+        w, b = self.weight, self.bias
+        if self.copies is not None:
+            w = _SumOverCopies.apply(w, *self.copies)
+            b = None if b is None else _SumOverCopies.apply(b, *self.copies)
+        return F.linear(x, w, b)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A^T with A split by input features (columns of ``weight``): rank r holds the
+    """Y = X A^T + b with A split by input features (columns of ``weight``): rank r holds the
     matching slice X_r of the input (the output of a column-parallel layer) and computes the
     partial sum X_r A_r^T; g (all-reduce) or, with SP, a reduce-scatter along the sequence
-    adds the partial sums."""
+    adds the partial sums. The bias is replicated and added once, after the reduction; with SP
+    each rank adds it to its S/tp tokens only, so its gradient is a partial sum over the
+    sequence: f on the bias sums it over tp in backward (as for the norm weights)."""
 
-    def __init__(self, weight: torch.Tensor, comm, sequence_parallel: bool = False):
+    def __init__(self, weight: torch.Tensor, comm, sequence_parallel: bool = False, bias=None):
         super().__init__()
         self.weight = _param(weight)
+        self.bias = None if bias is None else _param(bias)
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, x):
-        return leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        out = leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        if self.bias is None:
+            return out
+        return out + (dc.copy_to_region(self.bias, self.comm) if self.sequence_parallel else self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -180,24 +192,6 @@ class VocabParallelCrossEntropy(nn.Module):
     def forward(self, logits, targets):
         return _VocabParallelCE.apply(logits.flatten(0, -2), targets.flatten(), self.start,
                                       self.valid, self.comm)
-
-
-class SequenceParallelNorm(nn.Module):
-    """Any norm (RMSNorm, LayerNorm) on a sequence shard: its parameters are replicated, but each
-    rank sees S/tp tokens, so their gradients are partial sums; f on each parameter sums them
-    over tp inside backward. The norm's parameters are registered here under their own names
-    (checkpoint keys unchanged) and the norm runs with them through ``functional_call``."""
-
-    def __init__(self, norm: nn.Module, comm):
-        super().__init__()
-        for key, p in norm.named_parameters(recurse=False):
-            self.register_parameter(key, p)
-        self._norm = (norm,)  # a tuple: not a submodule, its parameters are this module's
-        self.comm = comm
-
-    def forward(self, x):
-        params = {k: dc.copy_to_region(p, self.comm) for k, p in self.named_parameters(recurse=False)}
-        return torch.func.functional_call(self._norm[0], params, (x,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,10 +266,18 @@ def _vocab_rows(ctx: _Ctx) -> int:
     return -(-ctx.cfg.model.vocab_size // ctx.tp)  # ceil(V / tp)
 
 
+def _bias_shard(ctx, name, mod, start, rows, copies=1):
+    """A column layer's bias, split like its weight's rows (None without bias)."""
+    if getattr(mod, "bias", None) is None:
+        return None
+    return ctx.shard(ctx.full(mod.bias, f"{name}.bias"), f"{name}.bias", 0, start, rows, copies)
+
+
 def _colwise(ctx, name, mod):
     full = ctx.full(mod.weight, f"{name}.weight")
     n = full.shape[0] // ctx.tp
-    return ColumnParallelLinear(ctx.shard(full, f"{name}.weight", 0, ctx.rank * n, n), ctx.comm)
+    return ColumnParallelLinear(ctx.shard(full, f"{name}.weight", 0, ctx.rank * n, n), ctx.comm,
+                                bias=_bias_shard(ctx, name, mod, ctx.rank * n, n))
 
 
 def _colwise_kv(ctx, name, mod):
@@ -286,13 +288,15 @@ def _colwise_kv(ctx, name, mod):
     slot = ctx.rank // copies
     full = ctx.full(mod.weight, f"{name}.weight")
     w = ctx.shard(full, f"{name}.weight", 0, slot * hd, hd, copies)
-    return ColumnParallelLinear(w, ctx.comm, copies=(ctx.comm, slot, kv))
+    return ColumnParallelLinear(w, ctx.comm, copies=(ctx.comm, slot, kv),
+                                bias=_bias_shard(ctx, name, mod, slot * hd, hd, copies))
 
 
 def _rowwise(ctx, name, mod):
     full = ctx.full(mod.weight, f"{name}.weight")
     n = full.shape[1] // ctx.tp
-    return RowParallelLinear(ctx.shard(full, f"{name}.weight", 1, ctx.rank * n, n), ctx.comm, ctx.sp)
+    return RowParallelLinear(ctx.shard(full, f"{name}.weight", 1, ctx.rank * n, n), ctx.comm, ctx.sp,
+                             bias=getattr(mod, "bias", None))  # replicated
 
 
 def _vocab_embedding(ctx, name, mod):
@@ -324,6 +328,11 @@ def _sequence_parallel_norm(ctx, name, mod):
     return SequenceParallelNorm(mod, ctx.comm) if ctx.sp else None
 
 
+def _position_embedding(ctx, name, mod):
+    """Without SP the lookup is replicated like the hidden state: nothing to do."""
+    return SequenceParallelPositionEmbedding(mod.weight, ctx.comm) if ctx.sp else None
+
+
 def _gather_input(ctx, name, mod):
     comm, sp = ctx.comm, ctx.sp
 
@@ -337,7 +346,7 @@ def _gather_input(ctx, name, mod):
 STYLES = {"colwise": _colwise, "colwise_kv": _colwise_kv, "rowwise": _rowwise,
           "vocab_embedding": _vocab_embedding, "vocab_output": _vocab_output,
           "vocab_parallel_loss": _vocab_parallel_loss, "sequence_parallel_norm": _sequence_parallel_norm,
-          "gather_input": _gather_input}
+          "position_embedding": _position_embedding, "gather_input": _gather_input}
 
 
 def apply(model: nn.Module, mesh, cfg, plan: dict[str, str]) -> nn.Module:

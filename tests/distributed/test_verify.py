@@ -21,7 +21,7 @@ def test_verify_can_fail():
     losses, params = verify.reference(cfg, str(prepare(cfg.data)), 2)
     key = next(iter(params))
     params[key] = params[key] + 1e-6
-    row = verify.run_layout("dp", 1, str(prepare(cfg.data)), 2, {(0,): (losses, params)})
+    row = verify.run_layout("dp", 1, str(prepare(cfg.data)), 2, {verify.reference_key(cfg): (losses, params)})
     assert not row["ok"] and row["param_diff"] >= 1e-6
 
 

@@ -172,8 +172,9 @@ def _run_launch(script, nproc=2):
 
 def test_launch_starts_ranks_with_the_torchrun_env(tmp_path):
     script = tmp_path / "ranks.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'],\n"
-                      "      os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']) > 0)\n")
+    script.write_text("import os\ne = os.environ\nline = f\"rank {e['RANK']} of {e['WORLD_SIZE']} {e['LOCAL_RANK']} "
+                      "{e['MASTER_ADDR']} {int(e['MASTER_PORT']) > 0}\\n\"\n"
+                      "os.write(1, line.encode())  # one write per rank: lines of two ranks never interleave\n")
     r = _run_launch(script)
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == [f"rank {k} of 2 {k} 127.0.0.1 True" for k in range(2)]

@@ -27,7 +27,7 @@ def test_plugin_must_be_a_model_spec():
 
 def test_every_registered_arch_validates_its_defaults():
     for name, spec in specs().items():
-        assert spec.name == name
+        assert spec.name == name or ":" in name  # plug-ins are registered by import path
         cfg = C.Config()
         cfg.model.arch = name
         if spec.task == "classify":

@@ -23,6 +23,7 @@ from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model, count_params, get_spec
+from shardlab.models.spec import sample_batch
 from shardlab.parallelize import parallelize
 
 LR = 1e-3
@@ -46,12 +47,7 @@ def make_cfg(arch: str, n: int, zero_stage: int) -> Config:
 
 
 def _batch(cfg, rank, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    micro = SHAPES[cfg.model.arch][1]
-    if get_spec(cfg.model).task == "classify":
-        return torch.randn(micro, 1, 28, 28, generator=g), torch.randint(0, cfg.model.n_classes, (micro,), generator=g)
-    tok = torch.randint(0, cfg.model.vocab_size, (micro, SEQ + 1), generator=g)
-    return tok[:, :-1], tok[:, 1:]
+    return sample_batch(cfg, SHAPES[cfg.model.arch][1], torch.Generator().manual_seed(1000 * step + rank))
 
 
 def own(cfg):

@@ -84,6 +84,7 @@ def _measure_worker(ctx, cfg):
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
     from ..models import build_model
+    from ..models.spec import sample_batch
     from ..parallelize import parallelize
     from ..train.optim import autocast_factory
 
@@ -94,8 +95,7 @@ def _measure_worker(ctx, cfg):
     opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
     b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)
     g = torch.Generator().manual_seed(cfg.train.seed + mesh.rank)
-    tok = torch.randint(0, cfg.model.vocab_size, (b, cfg.train.seq_len + 1), generator=g)
-    engine.forward_backward([(tok[:, :-1], tok[:, 1:])] * cfg.parallel.microbatches, 1.0, autocast)
+    engine.forward_backward([sample_batch(cfg, b, g)] * cfg.parallel.microbatches, 1.0, autocast)
     opt.step()
     got = measure(engine, opt)
     return (got.params, got.grads, got.optim)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..analysis.memory import STAGES, activation_estimate, formula, measure_run
+from ..models.spec import get_spec
 
 
 def configure(p: argparse.ArgumentParser):
@@ -38,8 +39,11 @@ def main(args) -> int:
             print(f"{STAGES[s]:<8}{prec:<10}{f.params / mib:>12.3f}{f.grads / mib:>12.3f}{f.optim / mib:>12.3f}"
                   f"{f.total / mib:>12.3f}{mark}")
     b = max(1, cfg.train.global_batch // cfg.parallel.dp // cfg.parallel.microbatches)
-    act = activation_estimate(cfg, b, 4)
-    print(f"activations (estimate, fp32, micro-batch {b} x {cfg.train.seq_len}): {act / mib:.3f} MiB per rank")
+    if get_spec(cfg.model).task == "lm":  # the estimate is the transformer formula (analysis/memory.py)
+        act = activation_estimate(cfg, b, 4)
+        print(f"activations (estimate, fp32, micro-batch {b} x {cfg.train.seq_len}): {act / mib:.3f} MiB per rank")
+    else:
+        print(f"activations: no estimate for model.arch={cfg.model.arch} (the formula is the transformer's)")
     if args.no_run:
         return 0
     low = cfg.train.param_dtype in ("bf16", "fp16")

@@ -65,6 +65,9 @@ class ModelSpec:
     """Supports Mixture-of-Experts blocks (``model.n_experts > 0``, expert parallel)."""
     check: Callable[..., None] | None = None
     """``check(cfg)``: the architecture's own constraints; raise ConfigError naming the field."""
+    sample_batch: Callable[..., tuple] | None = None
+    """``sample_batch(cfg, batch, generator) -> (inputs, targets)``: random inputs of the model's kind
+    (memory measurement, benchmarks); None = ``batch`` random token sequences of ``train.seq_len``."""
     verify_model: dict = field(default_factory=dict)
     """Overrides of the tiny float64 model of the parity matrix (``analysis/verify.BASE["model"]``)
     that this architecture needs (e.g. ``{"n_kv_heads": 0}`` without grouped-query attention)."""
@@ -165,6 +168,15 @@ def build_model(cfg, seed: int, device="cpu", dtype=torch.float32) -> nn.Module:
 def count_params(model: nn.Module) -> int:
     """Parameters, each shared tensor counted once."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def sample_batch(cfg, batch: int, generator: torch.Generator) -> tuple:
+    """Random (inputs, targets) for the configured architecture (see ``ModelSpec.sample_batch``)."""
+    spec = get_spec(cfg.model)
+    if spec.sample_batch is not None:
+        return spec.sample_batch(cfg, batch, generator)
+    tok = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len + 1), generator=generator)
+    return tok[:, :-1], tok[:, 1:]
 
 
 def layer_blocks(model: nn.Module) -> dict[str, nn.Module]:

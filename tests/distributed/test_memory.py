@@ -31,3 +31,14 @@ def test_measured_model_state_matches_zero_formula():
             for what, got, exp in (("params", params, want.params), ("grads", grads, want.grads),
                                    ("optim", optim, want.optim)):
                 assert abs(got - exp) <= 0.02 * exp, f"rank {rank} stage {stage} {what}: {got} vs {exp}"
+
+
+def test_memory_command_measures_a_non_transformer(capsys):
+    """`shardlab memory` on the CNN: real images through every stage's engine (ModelSpec.sample_batch),
+    measured bytes equal the formula; no transformer activation estimate is printed for it."""
+    from shardlab.cli import main
+    for stage in (0, 3):
+        assert main(["memory", "configs/cnn-fashion-mnist.toml", "--nproc", "2",
+                     f"--parallel.zero_stage={stage}"]) == 0
+        out = capsys.readouterr().out
+        assert "no estimate for model.arch=cnn" in out and out.count("ratio 1.000") == 2, out

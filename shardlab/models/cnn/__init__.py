@@ -49,8 +49,15 @@ def check(cfg) -> None:
     require(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
 
 
+def sample_batch(cfg, batch: int, generator):
+    """Random normalised 28x28 images and labels."""
+    import torch
+    return (torch.randn(batch, 1, 28, 28, generator=generator),
+            torch.randint(0, cfg.model.n_classes, (batch,), generator=generator))
+
+
 SPEC = register(ModelSpec(
     name="cnn", build=CNN, init_std=init_std, flops_per_token=flops_per_token, blocks=blocks,
-    task="classify", tp_plan=None, attention=None, pp_first=None, check=check))
+    task="classify", tp_plan=None, attention=None, pp_first=None, check=check, sample_batch=sample_batch))
 
 __all__ = ["CNN", "SPEC", "forward_macs"]

@@ -158,7 +158,7 @@ def _torch_style(ctx, n, ref):
     opt = adamw(cfg)([{"params": [p for k, p in named if p.ndim >= 2 and "norm" not in k],
                        "weight_decay": cfg.train.weight_decay},
                       {"params": [p for k, p in named if p.ndim < 2 or "norm" in k], "weight_decay": 0.0}])
-    losses, per = [], cfg.train.global_batch // n
+    per = cfg.train.global_batch // n
     for x, y in batches(cfg):
         x, y = x[ctx.rank * per:(ctx.rank + 1) * per], y[ctx.rank * per:(ctx.rank + 1) * per]
         with model.no_sync():  # first half accumulates locally, second half synchronises

@@ -3,7 +3,6 @@
 matrix: data parallel, ZeRO-2, FSDP, tensor + sequence parallel and the pipeline all equal an
 independent single-process float64 run of it. Parallelisms its spec leaves out are refused."""
 import pytest
-import torch
 import torch.nn.functional as F
 from torch import nn
 

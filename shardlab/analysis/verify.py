@@ -120,6 +120,28 @@ def reference_adamw(model, t) -> torch.optim.AdamW:
                               {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
 
+def plain_run(cfg: C.Config, batches) -> tuple[list, list, dict]:
+    """One process, whole global batches, plain torch (no shardlab engine): the model of ``cfg``
+    in float64 trained by torch AdamW with clipping on ``batches`` (an iterable of (x, y)).
+    Returns (losses, gradient norms, {model.<name>, optim.<name>.exp_avg(_sq): tensors})."""
+    model = build_model(cfg.model, cfg.train.seed, dtype=torch.float64)
+    opt = reference_adamw(model, cfg.train)
+    losses, norms = [], []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            state[f"optim.{names[id(p)]}.{k}"] = st[k].clone()
+    return losses, norms, state
+
+
 def reference(cfg: C.Config, data_dir: str, steps: int):
     """Independent single-process run: plain model, torch AdamW, whole global batch."""
     t = cfg.train

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlab.analysis.verify import reference_adamw
+from shardlab.analysis.verify import plain_run
 from shardlab.config import Config
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
@@ -37,22 +37,8 @@ def batches():
 
 
 def reference(cfg: Config):
-    model = build_model(cfg.model, cfg.train.seed, dtype=torch.float64)
-    opt = reference_adamw(model, cfg.train)
-    losses, norms = [], []
-    for x, y in batches():
-        loss = model(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for k in ("exp_avg", "exp_avg_sq"):
-            state[f"optim.{names[id(p)]}.{k}"] = st[k].clone()
-    return losses, norms, state
+    """One process, the whole batch, plain torch: losses, norms, final params and Adam state."""
+    return plain_run(cfg, batches())
 
 
 def _variant(cfg: Config, ref) -> float:

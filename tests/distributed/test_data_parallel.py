@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardlab.analysis.verify import plain_run
 from shardlab.config import Config
 from shardlab.distributed.ledger import ring_bytes
 from shardlab.distributed.mesh import Mesh
@@ -50,25 +51,7 @@ def adamw(cfg):
 
 def reference(cfg: Config):
     """One process, the whole batch, plain torch: losses, norms, final params and Adam state."""
-    model = build_model(cfg.model, cfg.train.seed, dtype=torch.float64)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
-    opt = adamw(cfg)([{"params": decay, "weight_decay": cfg.train.weight_decay},
-                      {"params": rest, "weight_decay": 0.0}])
-    losses, norms = [], []
-    for x, y in batches(cfg):
-        loss = model(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for k in ("exp_avg", "exp_avg_sq"):
-            state[f"optim.{names[id(p)]}.{k}"] = st[k].clone()
-    return losses, norms, state
+    return plain_run(cfg, batches(cfg))
 
 
 def train(ctx, cfg: Config):

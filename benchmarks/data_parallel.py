@@ -23,7 +23,7 @@ from shardlab.config import Config
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models import build_model, count_params
+from shardlab.models import build_model, count_params, get_spec
 from shardlab.parallelize import parallelize
 
 MICRO, SEQ, LR = 2, 64, 1e-3
@@ -96,7 +96,7 @@ def torch_fsdp2(cfg):
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = build_model(cfg.model, 0)
-    for block in model.layers.values():
+    for block in get_spec(cfg.model).blocks(model).values():  # the architecture's blocks, as own FSDP
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return _plain_step(model, torch.optim.AdamW(model.parameters(), lr=LR), cfg), None

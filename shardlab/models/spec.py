@@ -131,7 +131,8 @@ def init_tensor(name: str, shape, cfg, seed: int, dtype=torch.float32, offsets=N
                 device="cpu") -> torch.Tensor:
     """The global initial value of parameter ``name`` (same on every rank, under every layout), or
     only its box ``[offsets, offsets + sizes)``, drawn without building the rest (models/init.py)."""
-    std = get_spec(cfg).init_std(name, tuple(shape), cfg)
+    from . import lora
+    std = lora.init_std(name, tuple(shape)) if lora.is_adapter(name) else get_spec(cfg).init_std(name, tuple(shape), cfg)
     return init_box(name, shape, std, seed, offsets, sizes, dtype, device)
 
 
@@ -158,6 +159,17 @@ def init_weights(model: nn.Module, cfg, seed: int) -> nn.Module:
         else:
             p.copy_(init_tensor(name, p.shape, cfg, seed, torch.float32).to(p.dtype))
     return model
+
+
+def add_adapters(model: nn.Module, train_cfg) -> list[str]:
+    """LoRA adapters per ``train.lora_*`` (models/lora.py); ConfigError when no linear matches."""
+    from . import lora
+    wrapped = lora.apply(model, train_cfg.lora_rank, train_cfg.lora_alpha, train_cfg.lora_dropout,
+                         train_cfg.lora_targets)
+    if not wrapped:
+        raise ConfigError("train.lora_targets", f"{train_cfg.lora_targets} match no nn.Linear of the model; "
+                                                "use module-name patterns such as layers.*")
+    return wrapped
 
 
 def build_model(cfg, seed: int, device="cpu", dtype=torch.float32) -> nn.Module:

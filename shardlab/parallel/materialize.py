@@ -61,13 +61,14 @@ def init_flat_range(init_fn, name: str, p: torch.Tensor, lo: int, hi: int, devic
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, init_fn, device, init: bool = True) -> nn.Module:
+def materialize(model: nn.Module, init_fn, device, init: bool = True, frozen_only: bool = False) -> nn.Module:
     """Replace every meta parameter by a real one holding this rank's box (placement kept).
-    ``init_fn(name, global_shape, offsets, sizes, dtype, device)`` draws a box of a global tensor."""
+    ``init_fn(name, global_shape, offsets, sizes, dtype, device)`` draws a box of a global tensor.
+    ``frozen_only``: only parameters that do not require gradients (FSDP shards the others itself)."""
     sites = _sites(model)
     done: set[int] = set()
     for name, p in list(model.named_parameters(remove_duplicate=False)):
-        if not p.is_meta or id(p) in done:
+        if not p.is_meta or id(p) in done or (frozen_only and p.requires_grad):
             continue
         done.add(id(p))
         new = nn.Parameter(local_value(init_fn, name, p, device, init=init), requires_grad=p.requires_grad)

@@ -184,7 +184,12 @@ class ShardedEngine(Engine):
             for pl, (a, b) in zip(f.placements, f.own_ranges()):
                 if a < b and writes_piece(pl, self.mesh, self._replicate_groups()):
                     out += [Piece(f"optim.{pl.name}.{k}", (), (), v.detach()) for k, v in scalars.items()]
-        return out
+        return out + state.param_pieces(self.frozen(), None, self.mesh, self.replicate_groups)
+
+    def frozen(self) -> list:
+        """(global name, parameter) of the parameters that take no gradient (a LoRA base): kept
+        whole on every rank outside the flat buffers, saved and loaded like replicated tensors."""
+        return [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
 
     def _param_targets(self, f: FlatParam) -> list[tuple[torch.Tensor, int, int]]:
         """Where loaded parameter values go: (buffer, lo, hi) of each flat range it holds."""
@@ -194,6 +199,7 @@ class ShardedEngine(Engine):
     def load_pieces(self, reader, optimizer) -> None:
         """Read this rank's ranges of every flat buffer (parameters and Adam states) from
         ``reader``, saved under any layout. No communication."""
+        state.load_param_pieces(self.frozen(), reader, None)
         for f in self.flats:
             for target, lo, hi in self._param_targets(f):
                 state.load_flat_range(f, reader, "model", target, lo, hi)

@@ -18,7 +18,7 @@ import torch
 from ..config import Config
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
-from ..models.spec import count_params, get_spec, meta_model
+from ..models.spec import add_adapters, count_params, get_spec, meta_model
 from ..parallelize import parallelize
 from . import checkpoint as ckpt
 from . import images
@@ -49,6 +49,8 @@ class Trainer:
         self.device = mesh.device
         # Built on the meta device: each rank materialises only what its layout gives it.
         model = meta_model(cfg.model, dtype=param_dtype(t.precision))
+        if t.lora_rank:  # freeze the base, adapters on the targeted linears (models/lora.py)
+            add_adapters(model, t)
         self.n_params = count_params(model)
         self.engine = parallelize(model, mesh, cfg, init=init)
         self.optimizer = self.engine.make_optimizer(build_adamw(t, self.device))

@@ -63,8 +63,8 @@ def validate(cfg, world_size: int | None = None) -> None:
             f"{t.global_batch} is not divisible by dp*microbatches = {p.dp}*{p.microbatches} = {per_step}; "
             f"use a multiple of {per_step}")
     require(t.lora_rank >= 0, "train.lora_rank", "must be >= 0 (0 = no adapters)")
-    require(t.lora_rank == 0 or p.tp == 1, "train.lora_rank",
-            "LoRA under tensor parallel is not implemented yet; use parallel.tp = 1 (DDP, ZeRO, FSDP, PP work)")
+    require(t.lora_dropout == 0 or p.tp == 1, "train.lora_dropout",
+            "adapter dropout under tensor parallel would draw different masks per tp rank; set it to 0")
     require(t.lora_rank == 0 or bool(t.lora_targets), "train.lora_targets", "name at least one pattern, e.g. layers.*")
     require(t.steps >= 1, "train.steps", "must be >= 1")
     require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")

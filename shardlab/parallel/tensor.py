@@ -96,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(weight)
         self.bias = None if bias is None else _param(bias)
         self.comm, self.input_op, self.copies = comm, input_op, copies
+        self.lora_A = self.lora_B = None  # LoRA adapters (models/lora.py), set by attach_lora
 
     def forward(self, x):
         if self.input_op is not None:
@@ -104,7 +105,11 @@ class ColumnParallelLinear(nn.Module):
         if self.copies is not None:
             w = _SumOverCopies.apply(w, *self.copies)
             b = None if b is None else _SumOverCopies.apply(b, *self.copies)
-        return F.linear(x, w, b)
+        y = F.linear(x, w, b)
+        if self.lora_B is not None:  # LoRA: A replicated (its gradient summed over tp by f), B split like w
+            lb = self.lora_B if self.copies is None else _SumOverCopies.apply(self.lora_B, *self.copies)
+            y = y + F.linear(F.linear(x, dc.copy_to_region(self.lora_A, self.comm)), lb) * self.lora_scale
+        return y
 
 
 class RowParallelLinear(nn.Module):
@@ -120,9 +125,13 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(weight)
         self.bias = None if bias is None else _param(bias)
         self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.lora_A = self.lora_B = None  # LoRA adapters (models/lora.py), set by attach_lora
 
     def forward(self, x):
-        out = leave_region(F.linear(x, self.weight), self.comm, self.sequence_parallel)
+        z = F.linear(x, self.weight)
+        if self.lora_A is not None:  # LoRA: A split like w; the rank's partial x_r A_r^T B^T joins the sum
+            z = z + F.linear(F.linear(x, self.lora_A), dc.copy_to_region(self.lora_B, self.comm)) * self.lora_scale
+        out = leave_region(z, self.comm, self.sequence_parallel)
         if self.bias is None:
             return out
         return out + (dc.copy_to_region(self.bias, self.comm) if self.sequence_parallel else self.bias)
@@ -273,11 +282,27 @@ def _bias_shard(ctx, name, mod, start, rows, copies=1):
     return ctx.shard(ctx.full(mod.bias, f"{name}.bias"), f"{name}.bias", 0, start, rows, copies)
 
 
+def attach_lora(ctx, name, mod, new, dim: int, start: int, n: int, copies: int = 1):
+    """Give the TP layer ``new`` the LoRA adapters of ``mod`` (a models/lora.py LoRALinear), split
+    consistently with its weight: column layers (``dim`` 0) split B's rows and keep A whole, row
+    layers (``dim`` 1) split A's columns and keep B whole."""
+    if getattr(mod, "lora_A", None) is None:
+        return new
+    a, b = ctx.full(mod.lora_A, f"{name}.lora_A"), ctx.full(mod.lora_B, f"{name}.lora_B")
+    if dim == 0:
+        new.lora_A, new.lora_B = _param(a.clone()), ctx.shard(b, f"{name}.lora_B", 0, start, n, copies)
+    else:
+        new.lora_A, new.lora_B = ctx.shard(a, f"{name}.lora_A", 1, start, n), _param(b.clone())
+    new.lora_scale = mod.scale
+    return new
+
+
 def _colwise(ctx, name, mod):
     full = ctx.full(mod.weight, f"{name}.weight")
     n = full.shape[0] // ctx.tp
-    return ColumnParallelLinear(ctx.shard(full, f"{name}.weight", 0, ctx.rank * n, n), ctx.comm,
-                                bias=_bias_shard(ctx, name, mod, ctx.rank * n, n))
+    new = ColumnParallelLinear(ctx.shard(full, f"{name}.weight", 0, ctx.rank * n, n), ctx.comm,
+                               bias=_bias_shard(ctx, name, mod, ctx.rank * n, n))
+    return attach_lora(ctx, name, mod, new, 0, ctx.rank * n, n)
 
 
 def _colwise_kv(ctx, name, mod):
@@ -288,15 +313,17 @@ def _colwise_kv(ctx, name, mod):
     slot = ctx.rank // copies
     full = ctx.full(mod.weight, f"{name}.weight")
     w = ctx.shard(full, f"{name}.weight", 0, slot * hd, hd, copies)
-    return ColumnParallelLinear(w, ctx.comm, copies=(ctx.comm, slot, kv),
-                                bias=_bias_shard(ctx, name, mod, slot * hd, hd, copies))
+    new = ColumnParallelLinear(w, ctx.comm, copies=(ctx.comm, slot, kv),
+                               bias=_bias_shard(ctx, name, mod, slot * hd, hd, copies))
+    return attach_lora(ctx, name, mod, new, 0, slot * hd, hd, copies)
 
 
 def _rowwise(ctx, name, mod):
     full = ctx.full(mod.weight, f"{name}.weight")
     n = full.shape[1] // ctx.tp
-    return RowParallelLinear(ctx.shard(full, f"{name}.weight", 1, ctx.rank * n, n), ctx.comm, ctx.sp,
-                             bias=getattr(mod, "bias", None))  # replicated
+    new = RowParallelLinear(ctx.shard(full, f"{name}.weight", 1, ctx.rank * n, n), ctx.comm, ctx.sp,
+                            bias=getattr(mod, "bias", None))  # replicated
+    return attach_lora(ctx, name, mod, new, 1, ctx.rank * n, n)
 
 
 def _vocab_embedding(ctx, name, mod):
@@ -367,5 +394,9 @@ def apply(model: nn.Module, mesh, cfg, plan: dict[str, str]) -> nn.Module:
             if name and fnmatchcase(name, pattern) and not any(name == m or name.startswith(m + ".") for m in moe):
                 new = STYLES[style](ctx, name, mod)
                 if new is not None:
+                    for key, q in new.named_parameters(recurse=False):  # frozen stays frozen (a LoRA base)
+                        old = getattr(mod, key, None)
+                        if isinstance(old, torch.Tensor):
+                            q.requires_grad_(old.requires_grad)
                     _replace(model, name, new)
     return model

@@ -1,6 +1,6 @@
-"""LoRA under data parallel, ZeRO-1/2/3 and the pipeline equals one process (float64): the base
-weights stay frozen (bit-equal to their initial values), only adapters train and hold optimizer
-state, checkpoints under ZeRO/FSDP keep the frozen base; TP is refused for now."""
+"""LoRA under data parallel, ZeRO-1/2/3, the pipeline and tensor (+ sequence) parallel equals one
+process (float64): the base weights stay frozen (bit-equal to their initial values), only adapters
+train and hold optimizer state, checkpoints under ZeRO/FSDP keep the frozen base."""
 import pytest
 import torch
 
@@ -10,8 +10,9 @@ from shardlab.errors import ConfigError
 from shardlab.models import lora
 from shardlab.train.data import prepare
 
-LORA = {"train": {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": ["layers.*.attention.wq", "layers.*.feed_forward.*"]}}
-LAYOUTS = ["dp", "zero1", "zero2", "fsdp", "pp2-1f1b"]
+LORA = {"train": {"lora_rank": 4, "lora_alpha": 8.0,
+                  "lora_targets": ["layers.*.attention.wq", "layers.*.attention.wo", "layers.*.feed_forward.*"]}}
+LAYOUTS = ["dp", "zero1", "zero2", "fsdp", "pp2-1f1b", "tp2", "tp2-sp"]  # TP: column and row adapters
 
 
 def test_lora_layouts_match_one_process():
@@ -53,8 +54,8 @@ def test_bad_lora_settings_name_the_field(override, field):
     assert e.value.field == field
 
 
-def test_lora_with_tensor_parallel_is_refused():
-    cfg = C.from_dict({"train": {"lora_rank": 4}, "parallel": {"tp": 2}})
+def test_adapter_dropout_with_tensor_parallel_is_refused():
+    cfg = C.from_dict({"train": {"lora_rank": 4, "lora_dropout": 0.1}, "parallel": {"tp": 2}})
     with pytest.raises(ConfigError) as e:
         cfg.validate(2)
-    assert e.value.field == "train.lora_rank"
+    assert e.value.field == "train.lora_dropout"

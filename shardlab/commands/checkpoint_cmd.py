@@ -144,8 +144,9 @@ def main(args) -> int:
     if args.action == "import":
         if out is None:
             raise ConfigError("--to", "import needs a checkpoint directory, e.g. --to runs/ft/checkpoints")
-        if (out / f"{ckpt.PREFIX}00000000").exists() and not args.force:
-            raise ConfigError("--to", f"{out} already holds step_00000000; pass --force to replace it")
+        if ckpt.list_checkpoints(out) and not args.force:  # resume would pick the newest, not the import
+            raise ConfigError("--to", f"{out} already holds checkpoints; import into an empty directory, or "
+                                      "pass --force to add step_00000000 anyway")
         path, mcfg = _import(args.dir, out)
         flags = " ".join(f"--model.{k}={v}" for k, v in model_config_dict_short(mcfg).items())
         print(f"wrote {path} ({len(ckpt.Reader(path).keys())} tensors); train from it with "

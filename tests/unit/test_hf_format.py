@@ -152,3 +152,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert cli_main(["checkpoint", "import", str(tmp_path / "bert"), "--to", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err.strip()
     assert "model_type" in err and "'bert' is not supported" in err and len(err.splitlines()) == 1
+
+
+def test_import_refuses_a_directory_with_checkpoints(tmp_path, capsys):
+    _, d = _save("gpt2", tmp_path)
+    assert cli_main(["checkpoint", "import", str(d), "--to", str(tmp_path / "ck")]) == 0
+    assert cli_main(["checkpoint", "import", str(d), "--to", str(tmp_path / "ck")]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err

@@ -15,8 +15,8 @@ COMMANDS = {
     "config": ("shardlab.commands.config_cmd", "show the resolved config: shardlab config show CONFIG"),
     "bench": ("shardlab.commands.bench_comm", "time collectives, own vs backend: shardlab bench comm --nproc N"),
     "verify": ("shardlab.commands.verify_cmd", "parity matrix: every layout that fits N ranks vs one process (float64)"),
-    "checkpoint": ("shardlab.commands.checkpoint_cmd", "inspect, verify or export a sharded checkpoint: "
-                   "shardlab checkpoint inspect|verify|export DIR [--to model.safetensors]"),
+    "checkpoint": ("shardlab.commands.checkpoint_cmd", "inspect, verify, export or import a sharded checkpoint: "
+                   "shardlab checkpoint inspect|verify|export|import DIR [--to PATH] [--format hf]"),
     "plot": ("shardlab.commands.plot_cmd", "draw loss curves of a run: shardlab plot RUN_DIR"),
     "schedule": ("shardlab.commands.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
     "launch": ("shardlab.commands.launch_cmd", "run a script as N local ranks with torchrun's environment: "

@@ -1,9 +1,13 @@
-"""``shardlab checkpoint inspect|verify|export DIR [--to model.safetensors] [--force]``.
+"""``shardlab checkpoint inspect|verify|export|import DIR [--to PATH] [--format safetensors|hf] [--force]``.
 
 DIR is one checkpoint (``.../step_00000100``) or a checkpoint directory (the newest valid one
 is used). ``inspect`` reads only index.json and the shard headers; ``verify`` reads every piece
 and checks its crc32; ``export`` writes the ``model.*`` tensors as one safetensors file, one
 tensor (in slices of at most ``--chunk-mib``) at a time, never the whole model in memory.
+``export --format hf --to OUT_DIR`` writes a Hugging Face directory (model.safetensors +
+config.json) instead; ``import HF_DIR --to CKPT_DIR`` writes a one-rank checkpoint
+``CKPT_DIR/step_00000000`` of the model.* tensors (no optimizer state, streamed one tensor at a
+time) that ``shardlab train --resume`` loads under any layout (models/hf.py, docs/pretrained.md).
 A damaged checkpoint is refused with the file named (exit 2). Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -38,9 +42,14 @@ def _resolve(path: str) -> Path:
 
 
 def configure(parser):
-    parser.add_argument("action", choices=["inspect", "verify", "export"])
-    parser.add_argument("dir", help="a checkpoint (step_XXXXXXXX) or a directory of checkpoints")
-    parser.add_argument("--to", default=None, help="export: output .safetensors path (consolidated weights)")
+    parser.add_argument("action", choices=["inspect", "verify", "export", "import"])
+    parser.add_argument("dir", help="a checkpoint (step_XXXXXXXX) or a directory of checkpoints; "
+                                    "import: a Hugging Face model directory")
+    parser.add_argument("--to", default=None, help="export: output .safetensors path (consolidated weights), or "
+                                                   "the output directory with --format hf; import: the "
+                                                   "checkpoint directory to create")
+    parser.add_argument("--format", default="safetensors", choices=["safetensors", "hf"],
+                        help="export: one safetensors file of shardlab names, or a Hugging Face directory")
     parser.add_argument("--force", action="store_true", help="export: overwrite an existing output file")
     parser.add_argument("--chunk-mib", type=float, default=64.0,
                         help="export: read and write each tensor in slices of at most this many MiB")
@@ -94,8 +103,68 @@ def _export(reader: ckpt.Reader, out: Path, chunk_bytes: int) -> tuple[int, int]
     return len(specs), sum(volume(s) for _, _, s in specs)
 
 
+def _model_config(reader: ckpt.Reader):
+    from ..config import ModelConfig
+    fields = reader.meta.get("config", {}).get("model")
+    if not isinstance(fields, dict):
+        raise ConfigError("DIR", f"{reader.path}: index.json has no model config (meta.config.model); "
+                                 "export a checkpoint saved by shardlab train or the API")
+    known = set(ModelConfig.__dataclass_fields__)
+    return ModelConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+def model_config_dict_short(mcfg) -> dict:
+    """The ModelConfig fields that differ from the defaults (the --model.* flags to train with)."""
+    from ..config import ModelConfig
+    from ..models.hf import model_config_dict
+    base = model_config_dict(ModelConfig())
+    return {k: v for k, v in model_config_dict(mcfg).items() if base.get(k) != v}
+
+
+def _import(hf_dir: str, out: Path) -> tuple[Path, object]:
+    """Stream an HF directory into a one-rank checkpoint ``out/step_00000000``."""
+    from ..models.hf import HFReader, model_config_dict
+    reader = HFReader(hf_dir)
+    pieces = []
+    for key in reader.keys():
+        shape = reader.global_shape(key)
+        pieces.append(ckpt.Piece(key, shape, (0,) * len(shape),
+                                 ckpt.Deferred(shape, reader.dtype(key), lambda k=key: reader.read(k))))
+    staging = ckpt.prepare(out, 0)
+    ckpt.write_rank(staging, 0, pieces, {})
+    meta = {"layout": "imported", "world_size": 1, "source": f"hf:{Path(hf_dir).resolve()}",
+            "config": {"model": model_config_dict(reader.cfg)}}
+    path = ckpt.commit(out, 0, 1, meta)
+    reader.close()
+    return path, reader.cfg
+
+
 def main(args) -> int:
     out = Path(args.to) if args.to else None
+    if args.action == "import":
+        if out is None:
+            raise ConfigError("--to", "import needs a checkpoint directory, e.g. --to runs/ft/checkpoints")
+        if ckpt.list_checkpoints(out) and not args.force:  # resume would pick the newest, not the import
+            raise ConfigError("--to", f"{out} already holds checkpoints; import into an empty directory, or "
+                                      "pass --force to add step_00000000 anyway")
+        path, mcfg = _import(args.dir, out)
+        flags = " ".join(f"--model.{k}={v}" for k, v in model_config_dict_short(mcfg).items())
+        print(f"wrote {path} ({len(ckpt.Reader(path).keys())} tensors); train from it with "
+              f"--checkpoint.dir={out} --resume {flags}")
+        return 0
+    if args.action == "export" and args.format == "hf":
+        if out is None:
+            raise ConfigError("--to", "export --format hf needs an output directory, e.g. --to hf_model")
+        if (out / "model.safetensors").exists() and not args.force:
+            raise ConfigError("--to", f"{out}/model.safetensors exists; pass --force to overwrite it")
+        from ..models.hf import export_hf
+        try:
+            reader = ckpt.Reader(_resolve(args.dir))
+        except ckpt.CheckpointError as e:
+            raise ConfigError("DIR", f"refused: {e}") from None
+        n, numel = export_hf(reader, _model_config(reader), out)
+        print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out} (Hugging Face format)")
+        return 0
     if args.action == "export":
         if out is None:
             raise ConfigError("--to", "export needs an output path, e.g. --to model.safetensors")

@@ -27,13 +27,15 @@ import re
 import shutil
 from pathlib import Path
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from .ckpt_format import (CheckpointError, Piece, SafetensorsWriter, dtype_name, flat_boxes, fsync_path,
                           plan_cover)
 from .ckpt_reader import Reader
 
-__all__ = ["CheckpointError", "Piece", "PREFIX", "staging_dir", "prepare", "write_rank", "commit",
+__all__ = ["CheckpointError", "Deferred", "Piece", "PREFIX", "staging_dir", "prepare", "write_rank", "commit",
            "list_checkpoints", "latest_valid", "Reader", "flat_boxes", "rng_tensors", "restore_rng"]
 
 PREFIX = "step_"
@@ -86,10 +88,21 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+class Deferred(NamedTuple):
+    """A piece's tensor produced only when it is written (a streaming import holds one at a time)."""
+    shape: tuple
+    """The box's sizes."""
+    dtype: torch.dtype
+    """The tensor's dtype."""
+    load: Callable[[], torch.Tensor]
+    """Returns the tensor (``shape``, ``dtype``)."""
+
+
 def write_rank(staging: Path, rank: int, pieces: list[Piece], extra: dict[str, torch.Tensor]) -> None:
     """Every rank: write ``rank_NNNNN.safetensors`` (pieces + extra tensors) and ``rank_NNNNN.json``
     (written after the data is fsynced, so its presence means this rank finished). Tensors may
-    be on any device; they are copied to the host one at a time. No collective."""
+    be on any device; they are copied to the host one at a time. A piece's tensor may be a
+    :class:`Deferred`, loaded when written. No collective."""
     staging = Path(staging)
     specs, entries = [], []
     for i, p in enumerate(pieces):
@@ -112,7 +125,11 @@ def write_rank(staging: Path, rank: int, pieces: list[Piece], extra: dict[str, t
     writer = SafetensorsWriter(path, specs, {"format": FORMAT, "rank": rank})
     try:
         for p, e in zip(pieces, entries):
-            e["crc32"] = writer.write(e["name"], p.tensor)
+            t = p.tensor.load() if isinstance(p.tensor, Deferred) else p.tensor
+            if tuple(t.shape) != tuple(e["sizes"]) or t.dtype != p.tensor.dtype:
+                raise ValueError(f"checkpoint piece {p.key}: deferred tensor is {t.dtype} {tuple(t.shape)}, "
+                                 f"declared {p.tensor.dtype} {tuple(e['sizes'])}")
+            e["crc32"] = writer.write(e["name"], t)
         extras = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "crc32": writer.write(name, t)}
                   for name, t in extra.items()}
         size = writer.close()

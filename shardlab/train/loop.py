@@ -127,12 +127,16 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Read this rank's boxes (saved under any layout and world size), the data cursor, the
-        loss scale and, when the world size is unchanged, this rank's RNG states."""
+        loss scale and, when the world size is unchanged, this rank's RNG states. A checkpoint
+        without optimizer state, data cursor or loss scale (``shardlab checkpoint import``) starts
+        those fresh."""
         reader = ckpt.Reader(path)
         self.engine.load_pieces(reader, self.optimizer)
         meta = reader.meta
-        self.loader.load_state_dict(meta["data"])
-        self.scaler.load_state_dict(meta["scaler"])
+        if "data" in meta:  # absent from an imported checkpoint (checkpoint import): data from the start
+            self.loader.load_state_dict(meta["data"])
+        if "scaler" in meta:
+            self.scaler.load_state_dict(meta["scaler"])
         if reader.world_size == self.mesh.world_size:
             ckpt.restore_rng({k: v for k in ("rng.cpu", "rng.cuda")
                               if (v := reader.extra(self.rank, k)) is not None}, self.device)

@@ -17,18 +17,18 @@ from shardlab.models import build_model  # noqa: E402
 from shardlab.models.hf import HFReader, load_model  # noqa: E402
 from shardlab.train import checkpoint as ckpt  # noqa: E402
 
-TOL = 2e-5  # float32: transformers and shardlab order some reductions differently
+TOL = 1e-5  # float32 (the bar of the issue); transformers and shardlab order some reductions differently
 
 
 def _llama(tie: bool):
-    c = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+    c = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
                                  tie_word_embeddings=tie, max_position_embeddings=64, rms_norm_eps=1e-5)
     return transformers.LlamaForCausalLM(c)
 
 
 def _gpt2(tie: bool = True):
-    c = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=tie,
+    c = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=tie,
                                 bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(c)
 

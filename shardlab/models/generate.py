@@ -138,7 +138,7 @@ def load_pretrained(source: str, dtype=torch.float32):
     """``(model, cfg, tokenizer)`` of a pretrained source (a .gguf path or a packaged word)."""
     from .llama.gguf import model_from_gguf, reader
     from .tokenizer import from_gguf_reader
-    path = resolve_source(source)
-    tok = from_gguf_reader(reader(path))
-    model, cfg = model_from_gguf(path, dtype)
+    r = reader(resolve_source(source))
+    tok = from_gguf_reader(r)
+    model, cfg = model_from_gguf(r, dtype)
     return model, cfg, tok

@@ -85,8 +85,9 @@ def dequantize(t) -> torch.Tensor:
 
 
 def load_gguf(path):
-    """``(ModelConfig, {shardlab name: float32 tensor})`` of a Llama GGUF."""
-    r = reader(path)
+    """``(ModelConfig, {shardlab name: float32 tensor})`` of a Llama GGUF (a path, or an open
+    GGUFReader: parsing the metadata of a 49k-token vocabulary takes seconds, so callers reuse it)."""
+    r = reader(path) if isinstance(path, (str, Path)) else path
     cfg = model_config(r)
     tensors = {shardlab_name(t.name): dequantize(t) for t in r.tensors}
     if cfg.tie_embeddings:
@@ -96,7 +97,8 @@ def load_gguf(path):
 
 @torch.no_grad()
 def model_from_gguf(path, dtype=torch.float32):
-    """``(model, cfg)``: the shardlab Llama with the GGUF's weights (tied embeddings shared)."""
+    """``(model, cfg)``: the shardlab Llama with the GGUF's weights (tied embeddings shared);
+    ``path`` may be an open GGUFReader."""
     from torch import nn
 
     from ..spec import meta_model

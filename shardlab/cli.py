@@ -21,6 +21,8 @@ COMMANDS = {
     "schedule": ("shardlab.commands.schedule_cmd", "simulate and draw a pipeline schedule: shardlab schedule --pp 4 --microbatches 8 --schedule 1f1b"),
     "launch": ("shardlab.commands.launch_cmd", "run a script as N local ranks with torchrun's environment: "
                "shardlab launch --nproc N script.py [args ...]"),
+    "generate": ("shardlab.commands.generate_cmd", "text from a pretrained model: shardlab generate "
+                 "SOURCE.gguf|smollm2 --prompt TEXT [--chat --max-new-tokens N --temperature T --top-k K --seed S]"),
     "memory": ("shardlab.commands.memory_cmd", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
 }
 

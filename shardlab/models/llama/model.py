@@ -64,7 +64,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.core = SDPA()
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, cache=None):
+        """``cache`` (generation only): a per-layer cache with ``update(k, v) -> (k_all, v_all)``
+        over (B, H, S, D) tensors (models/generate.py); training passes none."""
         b, s, _ = x.shape
         # Head counts are read from the projection sizes so that a tensor-parallel shard
         # (fewer local heads) runs this same code.
@@ -72,8 +74,29 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
+        if cache is not None:
+            return self.wo(self._cached(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache))
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+    def _cached(self, q, k, v, cache):
+        """Attention of s new queries over the cached keys/values plus their own: causal with the
+        query block aligned to the end of the keys. Returns (B, s, Hq * D)."""
+        b, _, s, _ = q.shape
+        k, v = cache.update(k, v)
+        past = k.shape[2] - s
+        if past == 0:
+            out = self.core(q, k, v, causal=True)
+        elif s == 1:
+            out = self.core(q, k, v, causal=False)  # one new token sees every key
+        else:
+            if k.shape[1] != q.shape[1]:
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class FeedForward(nn.Module):
@@ -102,8 +125,9 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_dim)
 
-    def forward(self, x, positions):
-        x = x + self.attention(self.attention_norm(x), positions)
+    def forward(self, x, positions, cache=None):
+        a = self.attention_norm(x)
+        x = x + (self.attention(a, positions) if cache is None else self.attention(a, positions, cache))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -127,13 +151,18 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.criterion = CrossEntropy()
 
-    def forward(self, tokens, targets=None, positions=None):
-        """tokens: (B, S) int64. Returns logits (B, S, V), or the mean loss if targets are given."""
+    def forward(self, tokens, targets=None, positions=None, cache=None):
+        """tokens: (B, S) int64. Returns logits (B, S, V), or the mean loss if targets are given.
+        ``cache`` (generation, models/generate.KVCache): keys/values of the ``cache.length`` tokens
+        already seen; ``tokens`` continue them (positions start at ``cache.length``)."""
+        past = 0 if cache is None else cache.length
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = torch.arange(past, past + tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, positions)
+        for key, layer in self.layers.items():
+            h = layer(h, positions) if cache is None else layer(h, positions, cache.layer(key))
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if self.norm is None:  # a pipeline stage that ends before the head
             return h
         logits = self.output(self.norm(h))

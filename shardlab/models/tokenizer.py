@@ -1,0 +1,85 @@
+"""Tokenizer and chat template stored in a GGUF file (``tokenizer.ggml.*`` metadata) as a
+``tokenizers.Tokenizer``: byte-level BPE (GPT-2 style, ``tokenizer.ggml.model = gpt2``) built from
+the vocabulary and merges, special tokens (control tokens) matched whole. Nothing downloads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+CONTROL = 3  # llama.cpp's token type of control (special) tokens
+
+
+@dataclass
+class GGUFTokenizer:
+    """A ``tokenizers.Tokenizer`` plus the ids and chat template the GGUF names."""
+
+    tokenizer: object
+    bos_id: int | None
+    eos_id: int | None
+    chat_template: str | None = None
+    stop_ids: set = field(default_factory=set)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+
+    def chat(self, user: str, system: str | None = None) -> str:
+        """The prompt of one user turn followed by the assistant's turn (ChatML, the template of
+        SmolLM2-Instruct and most im_start/im_end models; its default system line when the
+        template has one)."""
+        if not self.chat_template or "<|im_start|>" not in self.chat_template:
+            raise ConfigError("--chat", "the GGUF has no ChatML chat template (tokenizer.chat_template)")
+        if system is None:
+            system = _default_system(self.chat_template)
+        head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+        return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _default_system(template: str) -> str | None:
+    """The system message a ChatML template inserts when the conversation has none."""
+    start = template.find("<|im_start|>system\n")
+    if start < 0:
+        return None
+    end = template.find("<|im_end|>", start)
+    return template[start + len("<|im_start|>system\n"):end] if end > 0 else None
+
+
+def from_gguf_reader(r) -> GGUFTokenizer:
+    """Build the tokenizer of an open ``gguf.GGUFReader``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    def get(key, default=None):
+        f = r.fields.get(key)
+        return default if f is None else f.contents()
+
+    kind = get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ConfigError("source", f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
+    tokens = get("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
+    types = get("tokenizer.ggml.token_type", [1] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact"):  # digits split one by one first
+        pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(pre) if len(pre) > 1 else pre[0]
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == CONTROL]
+    tok.add_special_tokens(special)
+    bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
+    stop = {int(eos)} if eos is not None else set()
+    if "<|im_end|>" in vocab:
+        stop.add(vocab["<|im_end|>"])
+    return GGUFTokenizer(tok, None if bos is None else int(bos), None if eos is None else int(eos),
+                         get("tokenizer.chat_template"), stop)
+
+
+def tokenizer_from_gguf(path) -> GGUFTokenizer:
+    """The tokenizer stored in the GGUF file ``path``."""
+    from .llama.gguf import reader
+    return from_gguf_reader(reader(path))

@@ -44,6 +44,37 @@ class DictReader:
         return t.to(dtype) if dtype is not None else t
 
 
+class WithInitial:
+    """A reader that supplies the initial values of parameters the checkpoint lacks, for the
+    names in ``shapes`` ({global name: global shape}, e.g. LoRA adapters added on top of a base
+    checkpoint); everything else reads through to ``reader``. ``init_fn(name, global_shape,
+    offsets, sizes, dtype, device)`` draws a box (parallel/materialize.py)."""
+
+    def __init__(self, reader, init_fn, shapes: dict[str, tuple]):
+        self.reader, self.init_fn = reader, init_fn
+        self.initial = {f"model.{n}": tuple(sh) for n, sh in shapes.items() if not reader.has(f"model.{n}")}
+
+    def __getattr__(self, name):  # meta, step, world_size, ... of the wrapped reader
+        return getattr(self.reader, name)
+
+    def keys(self):
+        return list(self.reader.keys()) + list(self.initial)
+
+    def has(self, key: str) -> bool:
+        return key in self.initial or self.reader.has(key)
+
+    def global_shape(self, key: str) -> tuple:
+        return self.initial[key] if key in self.initial else self.reader.global_shape(key)
+
+    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor:
+        if key not in self.initial:
+            return self.reader.read(key, offsets, sizes, dtype)
+        shape = self.initial[key]
+        offsets = (0,) * len(shape) if offsets is None else offsets
+        sizes = shape if sizes is None else sizes
+        return self.init_fn(key[len("model."):], shape, offsets, sizes, dtype or torch.float32, "cpu")
+
+
 def _check(reader, key: str, global_shape) -> None:
     if not reader.has(key):
         raise RuntimeError(f"checkpoint has no tensor {key} (saved from another model?)")
@@ -105,7 +136,7 @@ def load_param_pieces(named, reader, optimizer) -> None:
         key = f"model.{pl.name}"
         _check(reader, key, pl.global_shape)
         p.copy_(_read_local(reader, key, pl, p.shape, p.dtype, p.device))
-        if optimizer is None:
+        if optimizer is None or not p.requires_grad:  # a frozen parameter has no optimizer state
             continue
         st, old = {}, optimizer.state.get(p, {})
         for k in optim_keys(reader, pl.name):

@@ -19,6 +19,8 @@ from ..config import Config
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
 from ..models.spec import add_adapters, count_params, get_spec, meta_model
+from ..parallel.materialize import model_init_fn
+from ..parallel.state import WithInitial
 from ..parallelize import parallelize
 from . import checkpoint as ckpt
 from . import images
@@ -49,8 +51,10 @@ class Trainer:
         self.device = mesh.device
         # Built on the meta device: each rank materialises only what its layout gives it.
         model = meta_model(cfg.model, dtype=param_dtype(t.precision))
+        self.adapter_shapes = {}
         if t.lora_rank:  # freeze the base, adapters on the targeted linears (models/lora.py)
             add_adapters(model, t)
+            self.adapter_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
         self.n_params = count_params(model)
         self.engine = parallelize(model, mesh, cfg, init=init)
         self.optimizer = self.engine.make_optimizer(build_adamw(t, self.device))
@@ -131,6 +135,8 @@ class Trainer:
         without optimizer state, data cursor or loss scale (``shardlab checkpoint import``) starts
         those fresh."""
         reader = ckpt.Reader(path)
+        if self.adapter_shapes:  # adapters on a base checkpoint without them: their initial values
+            reader = WithInitial(reader, model_init_fn(self.cfg.model, self.cfg.train.seed), self.adapter_shapes)
         self.engine.load_pieces(reader, self.optimizer)
         meta = reader.meta
         if "data" in meta:  # absent from an imported checkpoint (checkpoint import): data from the start

@@ -59,3 +59,51 @@ def test_adapter_dropout_with_tensor_parallel_is_refused():
     with pytest.raises(ConfigError) as e:
         cfg.validate(2)
     assert e.value.field == "train.lora_dropout"
+
+
+def _base_then_lora(ctx, base_cfg, lora_cfg, directory):
+    """Train the base 1 step and save; a LoRA trainer resumes from that base checkpoint (no adapter
+    keys in it) and runs 1 step. Returns what the test compares."""
+    from pathlib import Path
+    from shardlab.distributed.mesh import Mesh
+    from shardlab.distributed.topology import Topology
+    from shardlab.models.spec import init_tensor
+    from shardlab.train.data import TokenData
+    from shardlab.train.loop import Trainer
+    data = TokenData(directory["data"])
+    mesh = Mesh.build(Topology.from_config(base_cfg.parallel))
+    base = Trainer(base_cfg, mesh, data)
+    base.train_step()
+    from shardlab.train.checkpoint import latest_valid
+    base.save_checkpoint(Path(directory["ckpt"]))
+    path = latest_valid(Path(directory["ckpt"]))  # every rank (save returns the path on rank 0 only)
+    base_state = base.engine.full_state(base.optimizer, everywhere=True)
+    base_eval = base.evaluate([base.loader.val_batches(1)[0]])
+    mesh2 = Mesh.build(Topology.from_config(lora_cfg.parallel))
+    tr = Trainer(lora_cfg, mesh2, data, init=False)
+    tr.load_checkpoint(path)
+    start = tr.engine.full_state(tr.optimizer, everywhere=True)
+    lora_eval = tr.evaluate([tr.loader.val_batches(1)[0]])
+    name = next(n for n in tr.adapter_shapes if n.endswith("lora_A"))
+    drawn = init_tensor(name, tr.adapter_shapes[name], lora_cfg.model, lora_cfg.train.seed, torch.float64)
+    tr.train_step()
+    end = tr.engine.full_state(tr.optimizer, everywhere=True)
+    return base_state, base_eval, start, lora_eval, name, drawn, end, tr.step
+
+
+@pytest.mark.parametrize("layout", ["dp", "fsdp"])
+def test_lora_on_a_base_checkpoint_without_adapters(tmp_path, layout):
+    """Adapters added on top of a base checkpoint start from their seeded initial values (B = 0:
+    the same function, the same loss), the base weights come from the checkpoint and stay frozen."""
+    from shardlab import launch
+    base_cfg = verify.layout_config(layout, 2, 3)
+    lora_cfg = verify.layout_config(layout, 2, 3, extra=LORA)
+    directory = {"data": str(prepare(base_cfg.data)), "ckpt": str(tmp_path / "ck")}
+    base_state, base_eval, start, lora_eval, name, drawn, end, step = \
+        launch.run(_base_then_lora, 2, base_cfg, lora_cfg, directory, timeout_s=120)[0]
+    assert step == 2 and lora_eval == base_eval
+    for k, v in base_state.items():
+        if k.startswith("model."):
+            assert torch.equal(start[k], v) and torch.equal(end[k], v), k  # loaded, then frozen
+    assert torch.equal(start[f"model.{name}"], drawn)
+    assert not torch.equal(end[f"model.{name}"], drawn)  # the adapter trained

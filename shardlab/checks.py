@@ -66,6 +66,9 @@ def validate(cfg, world_size: int | None = None) -> None:
     require(t.lora_dropout == 0 or p.tp == 1, "train.lora_dropout",
             "adapter dropout under tensor parallel would draw different masks per tp rank; set it to 0")
     require(t.lora_rank == 0 or bool(t.lora_targets), "train.lora_targets", "name at least one pattern, e.g. layers.*")
+    if t.lora_rank:  # targets that match no linear: found on the meta model, before any rank starts
+        from .models.spec import add_adapters, meta_model
+        add_adapters(meta_model(m), t)
     require(t.steps >= 1, "train.steps", "must be >= 1")
     require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
     require(t.lr > 0, "train.lr", "must be > 0")

@@ -288,27 +288,18 @@ class ModelEngine:
     def save_checkpoint(self, directory, keep: int | None = None) -> Path | None:
         """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (train/checkpoint.py): every rank
         writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective."""
-        world = self.mesh.comm("world")
         if self.micro_steps:
             raise RuntimeError(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
                                f"{self.accumulation} micro-batches): save after engine.step()")
-        if self.mesh.rank == 0:
-            ckpt.prepare(directory, self.global_steps)
-        world.barrier()
-        pieces = self.engine.state_pieces(self.optimizer) + self._buffer_pieces()
-        ckpt.write_rank(ckpt.staging_dir(directory, self.global_steps), self.mesh.rank, pieces,
-                        ckpt.rng_tensors(self.device))
-        world.barrier()
-        path = None
-        if self.mesh.rank == 0:
-            meta = {"api": {"global_steps": self.global_steps, "scaler": self.scaler.state_dict(),
+
+        def meta():
+            return {"api": {"global_steps": self.global_steps, "scaler": self.scaler.state_dict(),
                             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
-            path = ckpt.commit(directory, self.global_steps, self.mesh.world_size, meta,
-                               keep=keep or self.cfg.checkpoint.keep)
-        world.barrier()
-        return path
+        return ckpt.save(directory, self.global_steps, self.mesh,
+                         lambda: self.engine.state_pieces(self.optimizer) + self._buffer_pieces(), meta,
+                         self.device, keep=keep or self.cfg.checkpoint.keep)
 
     def load_checkpoint(self, directory) -> Path | None:
         """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one

@@ -199,6 +199,22 @@ def commit(directory, step: int, world_size: int, meta: dict, keep: int = 3) -> 
     return final
 
 
+def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[[], dict], device,
+         keep: int = 3) -> Path | None:
+    """The whole save protocol, collective over ``mesh``'s world: rank 0 prepares the staging
+    directory, every rank writes its ``pieces()`` and RNG states, rank 0 writes the index with
+    ``meta()`` and commits atomically. Only barriers synchronise. Returns the path on rank 0."""
+    world = mesh.comm("world")
+    if mesh.rank == 0:
+        prepare(directory, step)
+    world.barrier()
+    write_rank(staging_dir(directory, step), mesh.rank, pieces(), rng_tensors(device))
+    world.barrier()
+    path = commit(directory, step, mesh.world_size, meta(), keep=keep) if mesh.rank == 0 else None
+    world.barrier()
+    return path
+
+
 def list_checkpoints(directory) -> list[Path]:
     """Published checkpoints (``step_NNNNNNNN``; staging dirs excluded), oldest first."""
     root = Path(directory)

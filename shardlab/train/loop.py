@@ -111,23 +111,14 @@ class Trainer:
 
     # -- checkpoints (train/checkpoint.py: each rank writes and reads its own boxes) ----------
     def save_checkpoint(self, directory: Path) -> Path | None:
-        """Every rank writes its own pieces (no gather); rank 0 writes the index last and commits.
-        Only barriers synchronise (they run on the mesh's device), so nothing else is collective."""
-        world = self.mesh.comm("world")
-        if self.rank == 0:
-            ckpt.prepare(directory, self.step)
-        world.barrier()
-        ckpt.write_rank(ckpt.staging_dir(directory, self.step), self.rank,
-                        self.engine.state_pieces(self.optimizer), ckpt.rng_tensors(self.device))
-        world.barrier()
-        path = None
-        if self.rank == 0:
-            meta = {"data": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
+        """Every rank writes its own pieces (no gather); rank 0 writes the index last and commits
+        (train/checkpoint.save). Only barriers synchronise, so nothing else is collective."""
+        def meta():
+            return {"data": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
-            path = ckpt.commit(directory, self.step, self.mesh.world_size, meta, keep=self.cfg.checkpoint.keep)
-        world.barrier()
-        return path
+        return ckpt.save(directory, self.step, self.mesh, lambda: self.engine.state_pieces(self.optimizer), meta,
+                         self.device, keep=self.cfg.checkpoint.keep)
 
     def load_checkpoint(self, path: Path) -> None:
         """Read this rank's boxes (saved under any layout and world size), the data cursor, the

@@ -47,7 +47,11 @@ def _batch(cfg, rank, step):
 
 
 def _timed(step_fn, cfg, rank, s) -> float:
-    x, y = _batch(cfg, rank, s)
+    return time_step(step_fn, *_batch(cfg, rank, s))
+
+
+def time_step(step_fn, x, y) -> float:
+    """Seconds of one ``step_fn(x, y)`` on the slowest rank (barrier before, max after)."""
     dist.barrier()
     t0 = time.perf_counter()
     step_fn(x, y)

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 from shardlab.config import Config
 from shardlab.launch import run
 from shardlab.models import build_model, count_params, get_spec
 from shardlab.models.spec import sample_batch
-from data_parallel import own, torch_ddp, torch_fsdp2  # the same contenders as the Llama benchmark
+from data_parallel import own, time_step, torch_ddp, torch_fsdp2  # the same contenders and timer as the Llama benchmark
 
 SHAPES = {  # arch -> (model fields, per-rank micro-batch)
     "gpt2": (dict(vocab_size=256, d_model=256, n_layers=4, n_heads=8, max_seq_len=64), 2),
@@ -47,16 +45,6 @@ def _batch(cfg, rank, step):
     return sample_batch(cfg, SHAPES[cfg.model.arch][1], torch.Generator().manual_seed(1000 * step + rank))
 
 
-def _timed(step, cfg, rank, s) -> float:
-    x, y = _batch(cfg, rank, s)
-    dist.barrier()
-    t0 = time.perf_counter()
-    step(x, y)
-    t = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _bench(ctx, archs, n, warmup, steps):
     rows = []
     for arch in archs:
@@ -67,7 +55,7 @@ def _bench(ctx, archs, n, warmup, steps):
             times = {name: [] for name, _ in built}
             for s in range(warmup + steps):
                 for name, step in built[s % 2:] + built[:s % 2]:  # rotate who goes first
-                    t = _timed(step, cfg, ctx.rank, s)
+                    t = time_step(step, *_batch(cfg, ctx.rank, s))
                     if s >= warmup:
                         times[name].append(t)
             rows.append((arch, group, {k: statistics.median(v) for k, v in times.items()}))

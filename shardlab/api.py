@@ -322,8 +322,6 @@ class ModelEngine:
                 self.scaler.load_state_dict(meta["scaler"])
             if self.lr_scheduler is not None and meta.get("lr_scheduler"):
                 self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-            if reader.world_size == self.mesh.world_size:
-                ckpt.restore_rng({k: v for k in ("rng.cpu", "rng.cuda")
-                                  if (v := reader.extra(self.mesh.rank, k)) is not None}, self.device)
+            ckpt.restore_rank_rng(reader, self.mesh.rank, self.mesh.world_size, self.device)
         self.micro_steps = 0
         return path

@@ -254,3 +254,11 @@ def restore_rng(tensors: dict[str, torch.Tensor | None], device: torch.device) -
     if torch.device(device).type == "cuda" and tensors.get("rng.cuda") is not None:
         torch.cuda.set_rng_state(tensors["rng.cuda"], device)
     return True
+
+
+def restore_rank_rng(reader, rank: int, world_size: int, device: torch.device) -> bool:
+    """This rank's saved RNG states, restored when the checkpoint was written by as many ranks
+    (another world size: each rank keeps its fresh generators). Returns whether it restored."""
+    if reader.world_size != world_size:
+        return False
+    return restore_rng({k: v for k in ("rng.cpu", "rng.cuda") if (v := reader.extra(rank, k)) is not None}, device)

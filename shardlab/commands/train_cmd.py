@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import config as C
 from .. import launch
 from ..models.spec import get_spec
-from ..train import data, images
+from ..train import finetune, images
 from ..train.loop import train_rank
 
 
@@ -28,8 +28,10 @@ def configure(parser):
     parser.add_argument("--run-dir", default=None, help="override logging.run_dir")
 
 
-def resolve(args) -> tuple[C.Config, int]:
+def resolve(args) -> tuple[C.Config, int, object]:
+    """The validated config, the world size and the opened ``checkpoint.base`` (or None)."""
     cfg = C.load(args.config, args.overrides)
+    base = finetune.resolve_base(cfg)  # the model section comes from the base
     if args.resume:
         cfg.checkpoint.resume = True
     if args.profile is not None:
@@ -42,7 +44,7 @@ def resolve(args) -> tuple[C.Config, int]:
     if nproc != cfg.parallel.world_size and cfg.parallel.world_size == 1:
         cfg.parallel.dp_replicate = nproc  # degrees not given: plain data parallel over all ranks
     cfg.validate(world_size=nproc)
-    return cfg, nproc
+    return cfg, nproc, base
 
 
 def check_resume(cfg: C.Config) -> None:
@@ -65,10 +67,13 @@ def check_resume(cfg: C.Config) -> None:
 
 
 def main(args) -> int:
-    cfg, nproc = resolve(args)
+    cfg, nproc, base = resolve(args)
     if not launch.under_torchrun() or launch.torchrun_rank() == 0:
         check_resume(cfg)
-    data_dir = (images if get_spec(cfg.model).task == "classify" else data).prepare(cfg.data)
+    if get_spec(cfg.model).task == "classify":
+        data_dir = images.prepare(cfg.data)
+    else:
+        data_dir = finetune.prepare_tokens(cfg, base)
     if not launch.under_torchrun():
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)

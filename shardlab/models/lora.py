@@ -68,5 +68,7 @@ def apply(model: nn.Module, rank: int, alpha: float, dropout: float, targets: li
 
 @torch.no_grad()
 def merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """The dense weight with the adapter folded in: ``W + scale * B A``."""
-    return weight + scale * (lora_b.to(torch.float32) @ lora_a.to(torch.float32)).to(weight.dtype)
+    """The dense weight with the adapter folded in: ``W + scale * B A`` (the product in at least
+    float32, float64 for float64 weights)."""
+    dt = torch.promote_types(weight.dtype, torch.float32)
+    return (weight.to(dt) + scale * (lora_b.to(dt) @ lora_a.to(dt))).to(weight.dtype)

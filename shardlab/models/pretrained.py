@@ -113,6 +113,12 @@ class Layered:
                 r.close()
 
 
+def with_base(reader):
+    """A checkpoint reader, layered over its base when it is adapter-only (meta ``base``)."""
+    base = reader.meta.get("base")
+    return Layered(reader, open_source(base["source"]).reader()) if base else reader
+
+
 @dataclass
 class Pretrained:
     """An opened source: its kind, location, model config and how to read weights and tokenizer."""
@@ -135,9 +141,7 @@ class Pretrained:
             from .hf import HFReader
             return HFReader(self.path, self.cfg)
         from ..train.checkpoint import Reader
-        r = Reader(self.path)
-        base = r.meta.get("base")
-        return Layered(r, open_source(base["source"]).reader()) if base else r
+        return with_base(Reader(self.path))
 
     def _gguf_reader(self):
         if self._gguf is None:

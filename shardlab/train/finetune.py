@@ -1,0 +1,97 @@
+"""Fine-tuning from pretrained weights (``checkpoint.base``), resolved once before any rank starts.
+
+* The model section comes from the base (models/pretrained.py reads a GGUF's metadata, an HF
+  config.json or a checkpoint's index). A model field the user set to something else than both
+  the default and the base's value is refused (one line), so a mistyped shape never silently
+  loads wrong weights; ``model.dropout`` is the user's.
+* ``data.tokenizer``: ``auto``/``base`` tokenise the corpus with the base's tokenizer (its
+  vocabulary must fit the model's), ``bytes`` keeps byte-level tokens.
+* On every rank, :func:`base_reader` is what the engine loads instead of drawing initial values;
+  a LoRA run on a base writes adapter-only checkpoints (:func:`adapter_only`) that record the
+  base (meta ``base``), and resuming them reads the base for every frozen weight.
+
+Docs: docs/finetune.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config import Config, ConfigError, ModelConfig
+from ..models.lora import is_adapter
+
+
+def resolve_base(cfg: Config):
+    """Apply ``checkpoint.base`` to ``cfg.model``; return the opened source (or None)."""
+    if not cfg.checkpoint.base:
+        if cfg.data.tokenizer == "base":
+            raise ConfigError("data.tokenizer", "'base' needs checkpoint.base (a pretrained model); "
+                                                "use bytes, or set checkpoint.base")
+        return None
+    from ..models.pretrained import open_source
+    try:
+        src = open_source(cfg.checkpoint.base)
+    except ConfigError as e:
+        raise ConfigError("checkpoint.base", str(e).split(": ", 2)[-1]) from None
+    default = ModelConfig()
+    for f in dataclasses.fields(ModelConfig):
+        if f.name == "dropout":
+            continue
+        mine, theirs = getattr(cfg.model, f.name), getattr(src.cfg, f.name)
+        if mine != getattr(default, f.name) and mine != theirs:
+            raise ConfigError(f"model.{f.name}", f"= {mine!r} disagrees with checkpoint.base ({theirs!r}); "
+                                                 "drop it: the model comes from the base")
+    cfg.model = dataclasses.replace(src.cfg, dropout=cfg.model.dropout)
+    return src
+
+
+def prepare_tokens(cfg: Config, src) -> Path:
+    """Tokenise the corpus with the tokenizer ``data.tokenizer`` picks; the prepared directory."""
+    from . import data
+    choice = cfg.data.tokenizer
+    if choice not in ("auto", "base", "bytes"):
+        raise ConfigError("data.tokenizer", f"{choice!r} is not one of auto, base, bytes")
+    tok = src.tokenizer() if src is not None and choice != "bytes" else None
+    if tok is None:
+        if choice == "base":
+            raise ConfigError("data.tokenizer", f"checkpoint.base {cfg.checkpoint.base!r} has no tokenizer; "
+                                                "use bytes")
+        if cfg.model.vocab_size < 256:
+            raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} < 256 byte-level tokens")
+        return data.prepare(cfg.data)
+    n = data.vocab_size(tok)
+    if n > cfg.model.vocab_size:
+        raise ConfigError("data.tokenizer", f"the base's tokenizer has {n} ids but the model only "
+                                            f"{cfg.model.vocab_size} rows; use bytes")
+    return data.prepare(cfg.data, tok, src.ref())
+
+
+def base_reader(cfg: Config):
+    """The reader of ``checkpoint.base`` (opened on this rank: it reads only its own boxes)."""
+    from ..models.pretrained import open_source
+    return open_source(cfg.checkpoint.base).reader()
+
+
+def adapter_only(cfg: Config) -> bool:
+    """Checkpoints of this run hold the adapters only (a LoRA run on a base)."""
+    return bool(cfg.checkpoint.base and cfg.train.lora_rank)
+
+
+def drop_frozen(pieces):
+    """The pieces an adapter-only checkpoint writes: adapters and their optimizer state."""
+    return [p for p in pieces if not p.key.startswith("model.") or is_adapter(p.key)]
+
+
+def checkpoint_meta(cfg: Config, data_meta: dict) -> dict:
+    """What a checkpoint of a fine-tuning run adds to its meta: ``base`` (adapter-only: where the
+    frozen weights are), ``base_source`` (provenance) and ``tokenizer_source``."""
+    if not cfg.checkpoint.base:
+        return {}
+    from ..models.pretrained import open_source
+    ref = open_source(cfg.checkpoint.base).ref()
+    out = {"base_source": ref}
+    if adapter_only(cfg):
+        out["base"] = ref
+    if isinstance(data_meta.get("tokenizer"), dict):
+        out["tokenizer_source"] = data_meta["tokenizer"]
+    return out

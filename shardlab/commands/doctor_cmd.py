@@ -183,7 +183,8 @@ def limits(shm: str = "/dev/shm") -> list[Check]:
     show = lambda n: "unlimited" if n == resource.RLIM_INFINITY else str(n)  # noqa: E731
     low = soft != resource.RLIM_INFINITY and soft < MIN_NOFILE
     out.append(Check("limits", "open files", "warn" if low else "ok",
-                     f"soft {show(soft)}, hard {show(hard)}" + (f"; below {MIN_NOFILE}: raise with ulimit -n" if low else "")))
+                     f"soft {show(soft)}, hard {show(hard)}"
+                     + (f"; below {MIN_NOFILE}: raise with ulimit -n" if low else "")))
     return out
 
 

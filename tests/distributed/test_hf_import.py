@@ -1,7 +1,8 @@
 """An imported Hugging Face Llama (GQA, tied and untied) under tensor parallel (tp=2) and FSDP
-(dp_shard=2, ZeRO-3), and untied under a 2-stage 1f1b pipeline (pp=2): each rank loads only its slices -- straight from the HF directory
-(``engine.load_pieces(HFReader(dir), None)``) or from the checkpoint ``shardlab checkpoint
-import`` wrote -- and the loss equals the loss computed from transformers' own logits."""
+(dp_shard=2, ZeRO-3), and untied under a 2-stage 1f1b pipeline (pp=2): each rank loads only its
+slices -- straight from the HF directory (``engine.load_pieces(HFReader(dir), None)``) or from
+the checkpoint ``shardlab checkpoint import`` wrote -- and the loss equals the loss computed from
+transformers' own logits."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -23,6 +23,8 @@ COMMANDS = {
                "shardlab launch --nproc N script.py [args ...]"),
     "generate": ("shardlab.commands.generate_cmd", "text from a pretrained model: shardlab generate "
                  "SOURCE.gguf|smollm2 --prompt TEXT [--chat --max-new-tokens N --temperature T --top-k K --seed S]"),
+    "doctor": ("shardlab.commands.doctor_cmd", "what this machine can run (versions, devices, backends, a 2-rank probe): "
+               "shardlab doctor [--json]"),
     "memory": ("shardlab.commands.memory_cmd", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
 }
 

@@ -1,7 +1,8 @@
 """An imported Hugging Face Llama (GQA, tied and untied) under tensor parallel (tp=2) and FSDP
-(dp_shard=2, ZeRO-3): each rank loads only its slices -- straight from the HF directory
-(``engine.load_pieces(HFReader(dir), None)``) or from the checkpoint ``shardlab checkpoint
-import`` wrote -- and the loss equals the loss computed from transformers' own logits."""
+(dp_shard=2, ZeRO-3), and untied under a 2-stage 1f1b pipeline (pp=2): each rank loads only its
+slices -- straight from the HF directory (``engine.load_pieces(HFReader(dir), None)``) or from
+the checkpoint ``shardlab checkpoint import`` wrote -- and the loss equals the loss computed from
+transformers' own logits."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,3 +77,52 @@ def test_imported_llama_loss_equals_transformers(tmp_path, layout, tie):
         wq = [s for k, s in got["hf_boxes"] if k == "model.layers.0.attention.wq.weight"]
         if layout == "tp2":  # each rank read its half of the query heads, no more
             assert wq == [(16, 32)], wq
+
+
+def _rank_pp(ctx, hf_dir, ck_dir):
+    """pp=2 (1f1b, 2 micro-batches) from the imported checkpoint: the step-0 loss (forward_backward,
+    before any update) and the keys this rank read."""
+    reader = ckpt.Reader(f"{ck_dir}/step_00000000")
+    cfg = Config()
+    cfg.model = HFReader(hf_dir).cfg
+    cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.microbatches = 2, "1f1b", 2
+    cfg.train.seq_len, cfg.train.global_batch = 16, 2
+    cfg.validate(2)
+    mesh = Mesh.build(Topology.from_config(cfg.parallel))
+    engine = parallelize(meta_model(cfg.model), mesh, cfg, init=False)
+    keys, read = [], reader.read
+
+    def spy(key, offsets=None, sizes=None, dtype=None):
+        keys.append(key)
+        return read(key, offsets, sizes, dtype)
+    reader.read = spy
+    engine.load_pieces(reader, None)
+    x, y = _batch()
+    loss = engine.global_loss(engine.forward_backward(list(zip(x.chunk(2), y.chunk(2)))))
+    return dict(loss=loss, keys=sorted(set(keys)), stage=mesh.coords["pp"])
+
+
+def test_imported_llama_pp2_1f1b_step0_loss_equals_transformers(tmp_path):
+    """An imported untied GQA Llama under a 2-stage 1f1b pipeline: the step-0 loss equals
+    transformers' on the same batch (fp32, 1e-5) and each rank read only its stage's tensors."""
+    torch.manual_seed(1)
+    c = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                                 tie_word_embeddings=False, max_position_embeddings=64, rms_norm_eps=1e-5)
+    hf = transformers.LlamaForCausalLM(c).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3 if p.dim() == 1 else 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    assert cli_main(["checkpoint", "import", str(tmp_path / "hf"), "--to", str(tmp_path / "ck")]) == 0
+    x, y = _batch()
+    with torch.no_grad():
+        want = float(F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()))
+    got = launch.run(_rank_pp, 2, str(tmp_path / "hf"), str(tmp_path / "ck"), timeout_s=120)
+    for r in got:
+        assert abs(r["loss"] - want) <= 1e-5, (r["loss"], want)
+    first, last = sorted(got, key=lambda r: r["stage"])
+    assert "model.tok_embeddings.weight" in first["keys"] and "model.layers.0.attention.wq.weight" in first["keys"]
+    assert not any(k.startswith(("model.layers.1.", "model.output.", "model.norm.")) for k in first["keys"]), first
+    assert "model.output.weight" in last["keys"] and "model.layers.1.attention.wq.weight" in last["keys"]
+    assert not any(k.startswith(("model.layers.0.", "model.tok_embeddings.")) for k in last["keys"]), last

@@ -107,3 +107,16 @@ def test_lora_on_a_base_checkpoint_without_adapters(tmp_path, layout):
             assert torch.equal(start[k], v) and torch.equal(end[k], v), k  # loaded, then frozen
     assert torch.equal(start[f"model.{name}"], drawn)
     assert not torch.equal(end[f"model.{name}"], drawn)  # the adapter trained
+
+
+def test_cli_lora_targets_matching_nothing_is_one_line_exit_2(tmp_path, capsys):
+    """``shardlab train configs/tiny.toml --train.lora_targets=nothing.*``: one stderr line naming
+    the field, exit 2, no traceback, nothing trained."""
+    from pathlib import Path
+    from shardlab.cli import main
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
+    assert main(["train", tiny, "--train.lora_rank=4", "--train.lora_targets=nothing.*", "--train.steps=1",
+                 f"--logging.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.lora_targets" in err and "nothing.*" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err

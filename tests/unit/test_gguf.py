@@ -178,3 +178,48 @@ def test_greedy_32_tokens_equal_transformers_generate(loaded, hf_reference):
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert ours == out[0, len(ids):].tolist()
+
+
+def _unreadable_type():
+    """A GGML tensor type gguf-python cannot dequantise here (Q8_1, Q8_K, F64, the integer
+    types ... as of gguf 0.19)."""
+    from shardlab.models.llama.gguf import readable_types
+    pytest.importorskip("gguf")
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    for q in GGMLQuantizationType:
+        if q in GGML_QUANT_SIZES and q.name not in readable_types():
+            return q
+    pytest.skip("this gguf-python dequantises every type it knows")
+
+
+def _write_gguf(path, qtype):
+    """A tiny Llama GGUF (metadata only matters) whose one tensor has type ``qtype``: raw bytes."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGUFWriter
+    w = GGUFWriter(str(path), "llama")
+    for k, v in {"embedding_length": 32, "block_count": 1, "feed_forward_length": 64,
+                 "attention.head_count": 4, "context_length": 64, "vocab_size": 96}.items():
+        w.add_uint32(f"llama.{k}", v)
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    n = 256 if block <= 256 else block  # elements per row: a whole number of blocks
+    raw = np.zeros((4, n // block * nbytes), dtype=np.uint8)
+    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=qtype)  # shape: bytes per row
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_quantisation_one_line_at_open(tmp_path, capsys):
+    """A tensor type gguf-python cannot dequantise: ConfigError naming the type and the supported
+    ones when the file is opened (nothing half-loaded); ``generate`` exits 2 with one stderr line."""
+    from shardlab.cli import main
+    from shardlab.models.pretrained import open_source
+    q = _unreadable_type()
+    path = tmp_path / "odd.gguf"
+    _write_gguf(path, q)
+    with pytest.raises(ConfigError, match=rf"blk\.0\.attn_q\.weight has quantisation {q.name}, .*supported: .*Q4_1"):
+        open_source(str(path))
+    assert main(["generate", str(path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err and q.name in err and "odd.gguf" in err, err

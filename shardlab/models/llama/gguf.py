@@ -8,6 +8,7 @@ parity against transformers in tests/unit/test_gguf.py). Nothing here downloads.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -52,12 +53,44 @@ def shardlab_name(gguf_name: str) -> str:
     raise ConfigError("source", f"GGUF tensor {gguf_name!r} has no Llama counterpart in shardlab")
 
 
+@lru_cache(maxsize=None)
+def readable_types() -> tuple[str, ...]:
+    """Names of the GGML tensor types gguf-python can dequantise here, found by dequantising one
+    zero block of each (its list of implemented types is private and grows between versions)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as deq
+    names = []
+    for q in GGMLQuantizationType:
+        if q not in GGML_QUANT_SIZES:
+            continue
+        try:
+            deq(np.zeros((1, GGML_QUANT_SIZES[q][1]), dtype=np.uint8), q)
+        except Exception:  # NotImplementedError for the types it lacks
+            continue
+        names.append(q.name)
+    return tuple(names)
+
+
+def check_types(r) -> None:
+    """ConfigError (one line) naming the first tensor whose type cannot be dequantised -- checked
+    when the file is opened, so nothing is half-loaded."""
+    ok = readable_types()
+    for t in r.tensors:
+        name = getattr(t.tensor_type, "name", str(t.tensor_type))
+        if name not in ok:
+            where = getattr(getattr(r, "data", None), "filename", None) or "GGUF"
+            raise ConfigError("source", f"{where}: tensor {t.name} has quantisation {name}, which shardlab "
+                                        f"cannot read; supported: {', '.join(ok)}")
+
+
 def model_config(r):
-    """The shardlab ModelConfig of a GGUF's ``llama.*`` metadata."""
+    """The shardlab ModelConfig of a GGUF's ``llama.*`` metadata; ConfigError for another
+    architecture or a tensor type that cannot be dequantised."""
     from ...config import ModelConfig
     arch = field(r, "general.architecture")
     if arch != "llama":
         raise ConfigError("source", f"GGUF architecture {arch!r} is not supported (only Llama-family GGUFs)")
+    check_types(r)
     names = {t.name for t in r.tensors}
     vocab = field(r, "llama.vocab_size") or len(field(r, "tokenizer.ggml.tokens", []))
     d_model, n_heads = int(field(r, "llama.embedding_length")), int(field(r, "llama.attention.head_count"))

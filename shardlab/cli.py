@@ -22,7 +22,8 @@ COMMANDS = {
     "launch": ("shardlab.commands.launch_cmd", "run a script as N local ranks with torchrun's environment: "
                "shardlab launch --nproc N script.py [args ...]"),
     "generate": ("shardlab.commands.generate_cmd", "text from a pretrained model: shardlab generate "
-                 "SOURCE.gguf|smollm2 --prompt TEXT [--chat --max-new-tokens N --temperature T --top-k K --seed S]"),
+                 "smollm2|MODEL.gguf|HF_DIR|CHECKPOINT --prompt TEXT [--tp N --chat --max-new-tokens N "
+                 "--temperature T --top-k K --seed S]"),
     "doctor": ("shardlab.commands.doctor_cmd", "what this machine can run (versions, devices, backends, a 2-rank probe): "
                "shardlab doctor [--json]"),
     "memory": ("shardlab.commands.memory_cmd", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),

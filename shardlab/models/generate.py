@@ -2,7 +2,14 @@
 (B, S, V): greedy or sampled (temperature, top-k, seeded), stopping at an end-of-sequence id.
 With ``use_cache`` the prompt is run once and every new token attends to the cached keys/values
 (:class:`KVCache`); without it the whole sequence is recomputed for every token (the reference the
-cache is tested against)."""
+cache is tested against).
+
+Under tensor parallel every rank runs this same loop on its shard (commands/generate_cmd.py builds
+it): each rank's attention caches the keys/values of its local heads only, and the vocab-parallel
+head returns this rank's slice of the logits (padded to ceil(V / tp) rows). ``comm`` (the tp group)
+all-gathers the last position's slices and cuts the padding (``vocab_size``), so every rank holds
+the same bytes of the full logits and, with the same seeded generator, picks the same token: no
+broadcast of the choice is needed."""
 from __future__ import annotations
 
 import time
@@ -48,6 +55,8 @@ class Generation:
     prefill_seconds: float = 0.0
     stopped: bool = False
     per_token: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    """With ``keep_logits``: the full (V,) logits each token was picked from (tests compare them)."""
 
     @property
     def ms_per_token(self) -> float:
@@ -69,10 +78,22 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def full_logits(local: torch.Tensor, comm=None, vocab_size: int | None = None) -> torch.Tensor:
+    """The (V,) logits of one position: ``local`` itself, or under tensor parallel the tp ranks'
+    vocab slices gathered in rank order with the padding rows of the last slice cut off."""
+    if comm is None or comm.size == 1:
+        return local
+    full = comm.all_gather(local.contiguous(), dim=0)
+    return full[:vocab_size] if vocab_size is not None else full
+
+
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0, stop_ids=(), use_cache: bool = True, max_len: int | None = None) -> Generation:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops after emitting a ``stop_ids`` token."""
+             seed: int = 0, stop_ids=(), use_cache: bool = True, max_len: int | None = None,
+             comm=None, vocab_size: int | None = None, keep_logits: bool = False) -> Generation:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; stops after emitting a ``stop_ids`` token.
+    ``comm``/``vocab_size``: the tp group and the true vocabulary size of a tensor-parallel shard
+    (module doc); every rank of the group must call this with the same arguments."""
     if not prompt_ids:
         raise ConfigError("--prompt", "the prompt encodes to no tokens")
     device = next(model.parameters()).device
@@ -88,7 +109,10 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
         t0 = time.perf_counter()
         x = torch.tensor([feed], dtype=torch.long, device=device)
         logits = model(x, cache=cache) if use_cache else model(x)
-        nxt = pick(logits[0, -1].cpu(), temperature, top_k, gen)
+        last = full_logits(logits[0, -1], comm, vocab_size).cpu()
+        if keep_logits:
+            out.logits.append(last.clone())
+        nxt = pick(last, temperature, top_k, gen)
         out.per_token.append(time.perf_counter() - t0)
         out.tokens.append(nxt)
         seq.append(nxt)

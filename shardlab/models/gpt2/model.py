@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..llama.model import SDPA, CrossEntropy
+from ..llama.model import SDPA, CrossEntropy, cached_attention
 
 
 class Attention(nn.Module):
@@ -33,12 +33,15 @@ class Attention(nn.Module):
         self.core = SDPA()
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
+        """``cache`` (generation only): this layer's cache of keys/values (models/generate.py)."""
         b, s, _ = x.shape
         # Head counts come from the projection sizes: a tensor-parallel shard runs this same code.
         q = self.c_q(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            return self.drop(self.c_proj(cached_attention(self.core, q, k, v, cache)))
         out = self.core(q, k, v, causal=True)
         return self.drop(self.c_proj(out.transpose(1, 2).reshape(b, s, -1)))
 
@@ -64,8 +67,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.ffn_hidden or 4 * cfg.d_model, cfg.dropout)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache=None):
+        x = x + (self.attn(self.ln_1(x)) if cache is None else self.attn(self.ln_1(x), cache))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -83,18 +86,22 @@ class GPT2(nn.Module):
             self.lm_head.weight = self.wte.weight
         self.criterion = CrossEntropy()
 
-    def forward(self, tokens, targets=None, positions=None):
+    def forward(self, tokens, targets=None, positions=None, cache=None):
         """tokens: (B, S) int64 (hidden states (B, S, d) in a pipeline stage without ``wte``).
         Returns logits (B, S, V), the mean loss if targets are given, or hidden states in a
-        pipeline stage without ``ln_f``."""
+        pipeline stage without ``ln_f``. ``cache`` (generation, models/generate.KVCache): keys/values
+        of the ``cache.length`` tokens already seen; ``tokens`` continue them."""
+        past = 0 if cache is None else cache.length
         if self.wte is not None:
             if positions is None:
-                positions = torch.arange(tokens.shape[1], device=tokens.device)
+                positions = torch.arange(past, past + tokens.shape[1], device=tokens.device)
             h = self.drop(self.wte(tokens) + self.wpe(positions))
         else:
             h = tokens
-        for layer in self.layers.values():
-            h = layer(h)
+        for key, layer in self.layers.items():
+            h = layer(h) if cache is None else layer(h, cache.layer(key))
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if self.ln_f is None:  # a pipeline stage that ends before the head
             return h
         logits = self.lm_head(self.ln_f(h))

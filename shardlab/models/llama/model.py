@@ -53,6 +53,27 @@ class SDPA(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def cached_attention(core, q, k, v, cache):
+    """Attention of s new queries (B, Hq, s, D) over a layer cache's keys/values plus their own
+    (``cache.update(k, v) -> (k_all, v_all)``, models/generate.py): causal with the query block
+    aligned to the end of the keys. Head counts are read from the tensors, so a tensor-parallel
+    shard (local query and kv heads) runs the same code. Returns (B, s, Hq * D)."""
+    b, _, s, _ = q.shape
+    k, v = cache.update(k, v)
+    past = k.shape[2] - s
+    if past == 0:
+        out = core(q, k, v, causal=True)
+    elif s == 1:
+        out = core(q, k, v, causal=False)  # one new token sees every key
+    else:
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -75,28 +96,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
         if cache is not None:
-            return self.wo(self._cached(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache))
+            return self.wo(cached_attention(self.core, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            cache))
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-    def _cached(self, q, k, v, cache):
-        """Attention of s new queries over the cached keys/values plus their own: causal with the
-        query block aligned to the end of the keys. Returns (B, s, Hq * D)."""
-        b, _, s, _ = q.shape
-        k, v = cache.update(k, v)
-        past = k.shape[2] - s
-        if past == 0:
-            out = self.core(q, k, v, causal=True)
-        elif s == 1:
-            out = self.core(q, k, v, causal=False)  # one new token sees every key
-        else:
-            if k.shape[1] != q.shape[1]:
-                rep = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class FeedForward(nn.Module):

@@ -117,9 +117,11 @@ def _optimizer(ds: dict, out: dict, unsupported: list):
     params.pop("adam_w_mode", None)
     params.pop("torch_adam", None)  # a DeepSpeed implementation choice, not a setting
     t = out["train"]
-    for key, dest in (("lr", "lr"), ("eps", "eps"), ("weight_decay", "weight_decay")):
+    for key in ("lr", "eps", "weight_decay"):  # checked even where a scheduler's warmup_max_lr sets the lr
         if key in params and (v := _num(params.pop(key), f"optimizer.params.{key}")) is not None:
-            t[dest] = v
+            if v < 0 or (v == 0 and key != "weight_decay"):
+                raise ConfigError(f"optimizer.params.{key}", f"got {v:g}; must be {'>= 0' if key == 'weight_decay' else '> 0'}")
+            t[key] = v
     if "betas" in params:
         betas = params.pop("betas")
         if betas != AUTO:

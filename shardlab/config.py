@@ -313,8 +313,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         cfg = from_dict(data, cfg)
     if overrides:
         cfg = from_dict(parse_overrides(overrides) if isinstance(overrides, list) else overrides, cfg)
-    check_ranges(cfg)
-    return cfg
+    return cfg  # types are checked here; ranges and cross-field rules by validate()
 
 
 def _read_file(p: Path) -> dict:

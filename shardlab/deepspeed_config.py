@@ -7,9 +7,19 @@ inconsistent batch sizes raise ConfigError before any process starts.
 Batch sizes follow DeepSpeed: train_batch_size = micro_batch_per_gpu * gradient_accumulation
 * data-parallel ranks, so the three numbers fix the data-parallel degree (``parallel.dp_shard``;
 run it with ``--nproc`` equal to it).
+
+Every section read is type-checked (one ConfigError line naming it). ``"auto"`` follows the Hugging
+Face integration: an ``"auto"`` value is filled from shardlab's own config, i.e. the key is treated
+as absent: a batch key is derived from the others (train_batch_size = micro * accumulation * dp
+ranks; with the world size in ``shardlab.initialize``), all three ``"auto"`` keep train.global_batch
+and parallel.microbatches; ``fp16/bf16.enabled: "auto"`` keeps train.precision (fp32 unless set,
+e.g. ``--train.precision=bf16``); ``"auto"`` optimizer/scheduler params and gradient_clipping keep
+shardlab's values. ``autotp_size`` is parallel.tp; a ``model`` section is shardlab's model section.
 """
 from __future__ import annotations
 
+import json
+import math
 import warnings
 
 from .errors import ConfigError
@@ -17,15 +27,49 @@ from .errors import ConfigError
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "overlap_comm", "offload_optimizer", "offload_param"}
 _TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "gradient_clipping",
-             "activation_checkpointing", "steps_per_print"}
+             "activation_checkpointing", "steps_per_print", "autotp_size", "model"}
+AUTO = "auto"
 
 
-def _positive_int(ds: dict, key: str):
+def _positive_int(ds: dict, key: str, name: str | None = None):
+    """A positive int, None when absent or "auto"."""
+    v = ds.get(key)
+    if v is None or v == AUTO:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(name or key, f"must be a positive integer or \"auto\", got {json.dumps(v)[:40]}")
+    return v
+
+
+def _dict(ds: dict, key: str, example: str) -> dict:
+    """A section that must be a JSON object ({} when absent or null)."""
     v = ds.get(key)
     if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(key, f"must be a JSON object, got {json.dumps(v)[:40]}; write e.g. \"{key}\": {example}")
+    return v
+
+
+def _num(v, name: str, auto_ok: bool = True):
+    """A finite number, None for "auto"."""
+    if auto_ok and v == AUTO:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(key, f"must be a positive integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        alt = ' or "auto"' if auto_ok else ""
+        raise ConfigError(name, f"must be a finite number{alt}, got {json.dumps(v)[:40]}")
+    return float(v)
+
+
+def _flag(section: dict, key: str, name: str):
+    """A JSON bool, None for "auto" (or absent)."""
+    v = section.get(key)
+    if v is None or v == AUTO:
+        return None
+    if not isinstance(v, bool):
+        raise ConfigError(name, f"must be true, false or \"auto\", got {json.dumps(v)[:40]}")
     return v
 
 
@@ -58,11 +102,13 @@ def _batch(ds: dict, out: dict):
 
 
 def _optimizer(ds: dict, out: dict, unsupported: list):
-    opt = ds.get("optimizer")
+    opt = _dict(ds, "optimizer", '{"type": "AdamW", "params": {"lr": 1e-3}}')
     if not opt:
         return
-    kind = str(opt.get("type", "AdamW"))
-    params = dict(opt.get("params", {}))
+    kind = opt.get("type", "AdamW")
+    if not isinstance(kind, str):
+        raise ConfigError("optimizer.type", f"must be a string (Adam or AdamW), got {json.dumps(kind)[:40]}")
+    params = dict(_dict(opt, "params", '{"lr": 1e-3}') and opt["params"])
     if kind.lower() not in ("adam", "adamw"):
         raise ConfigError("optimizer.type", f"{kind!r} is not supported; use Adam or AdamW (shardlab's "
                                             "optimizer is AdamW), or pass optimizer= to shardlab.initialize")
@@ -71,14 +117,18 @@ def _optimizer(ds: dict, out: dict, unsupported: list):
     params.pop("adam_w_mode", None)
     params.pop("torch_adam", None)  # a DeepSpeed implementation choice, not a setting
     t = out["train"]
-    if "lr" in params:
-        t["lr"] = float(params.pop("lr"))
+    for key in ("lr", "eps", "weight_decay"):  # checked even where a scheduler's warmup_max_lr sets the lr
+        if key in params and (v := _num(params.pop(key), f"optimizer.params.{key}")) is not None:
+            if v < 0 or (v == 0 and key != "weight_decay"):
+                raise ConfigError(f"optimizer.params.{key}", f"got {v:g}; must be {'>= 0' if key == 'weight_decay' else '> 0'}")
+            t[key] = v
     if "betas" in params:
-        t["beta1"], t["beta2"] = (float(b) for b in params.pop("betas"))
-    if "eps" in params:
-        t["eps"] = float(params.pop("eps"))
-    if "weight_decay" in params:
-        t["weight_decay"] = float(params.pop("weight_decay"))
+        betas = params.pop("betas")
+        if betas != AUTO:
+            if not isinstance(betas, list) or len(betas) != 2:
+                raise ConfigError("optimizer.params.betas", f"must be a list of two numbers, e.g. [0.9, 0.999], "
+                                                            f"got {json.dumps(betas)[:40]}")
+            t["beta1"], t["beta2"] = (_num(b, "optimizer.params.betas", False) for b in betas)
     unsupported += [f"optimizer.params.{k}" for k in params]
 
 
@@ -86,18 +136,22 @@ _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 def _scheduler(ds: dict, out: dict, unsupported: list):
-    sch = ds.get("scheduler")
+    sch = _dict(ds, "scheduler", '{"type": "WarmupLR", "params": {"warmup_num_steps": 10}}')
     if not sch:  # DeepSpeed without a scheduler: the optimizer's constant learning rate
         out["train"].update(warmup_steps=0, min_lr_ratio=1.0)
         return
-    kind, params = sch.get("type"), dict(sch.get("params", {}))
+    kind = sch.get("type")
+    params = {k: v for k, v in _dict(sch, "params", '{"warmup_num_steps": 10}').items() if v != AUTO}
+    for k, v in params.items():
+        if k != "warmup_type":
+            _num(v, f"scheduler.params.{k}")
     t = out["train"]
     if kind not in _SCHEDULERS:
         raise ConfigError("scheduler.type", f"{kind!r} is not supported; use one of {', '.join(_SCHEDULERS)} "
                                             "or drop the scheduler block (constant learning rate)")
     if kind == "WarmupCosineLR":  # warm-up to the optimizer's lr, cosine to lr * cos_min_ratio
-        t["warmup_steps"] = int(params.pop("warmup_num_steps", 0))
-        t["steps"] = int(params.pop("total_num_steps", t.get("steps", 1)))
+        t["warmup_steps"] = params.pop("warmup_num_steps", 0)
+        t["steps"] = params.pop("total_num_steps", t.get("steps", 1))
         t["min_lr_ratio"] = float(params.pop("cos_min_ratio", 0.0001))
         if float(params.pop("warmup_min_ratio", 0.0)):
             unsupported.append("scheduler.params.warmup_min_ratio (warm-up starts from 0)")
@@ -106,7 +160,7 @@ def _scheduler(ds: dict, out: dict, unsupported: list):
         unsupported += [f"scheduler.params.{k}" for k in params]
         return
     if "warmup_num_steps" in params:
-        t["warmup_steps"] = int(params.pop("warmup_num_steps"))
+        t["warmup_steps"] = params.pop("warmup_num_steps")
     if "warmup_max_lr" in params:
         t["lr"] = float(params.pop("warmup_max_lr"))
     if params.pop("warmup_type", "linear") != "linear":
@@ -118,47 +172,58 @@ def _scheduler(ds: dict, out: dict, unsupported: list):
         t["min_lr_ratio"] = 1.0  # constant after warm-up
     else:
         if "total_num_steps" in params:
-            t["steps"] = int(params.pop("total_num_steps"))
+            t["steps"] = params.pop("total_num_steps")
         t["min_lr_ratio"] = 0.0
         unsupported.append("scheduler WarmupDecayLR's linear decay (shardlab decays with a cosine to 0)")
     unsupported += [f"scheduler.params.{k}" for k in params]
 
 
 def _precision(ds: dict, out: dict, unsupported: list):
-    fp16, bf16 = ds.get("fp16", {}) or {}, ds.get("bf16", {}) or {}
-    if fp16.get("enabled") and bf16.get("enabled"):
+    for key in ("fp16", "bf16"):
+        if isinstance(ds.get(key), bool):
+            raise ConfigError(key, f"must be a JSON object, got {json.dumps(ds[key])}; write "
+                                   f"\"{key}\": {{\"enabled\": {json.dumps(ds[key])}}}")
+    fp16, bf16 = _dict(ds, "fp16", '{"enabled": true}'), _dict(ds, "bf16", '{"enabled": true}')
+    fp16_on, bf16_on = _flag(fp16, "enabled", "fp16.enabled"), _flag(bf16, "enabled", "bf16.enabled")
+    if fp16_on and bf16_on:
         raise ConfigError("fp16.enabled", "fp16 and bf16 are both enabled; enable one")
+    for k in ("initial_scale_power", "loss_scale_window", "loss_scale"):
+        if k in fp16 and fp16[k] != AUTO:
+            _num(fp16[k], f"fp16.{k}")
     t = out["train"]
-    if bf16.get("enabled"):
+    if bf16_on:
         t["precision"] = "bf16"
     unsupported += [f"bf16.{k}" for k in bf16 if k != "enabled"]
-    if fp16.get("enabled"):
+    if fp16_on:
         t["precision"] = "fp16"
-        if fp16.get("loss_scale", 0):
+        if fp16.get("loss_scale", 0) not in (0, AUTO):
             unsupported.append("fp16.loss_scale (static loss scale; shardlab scales dynamically)")
-        if "initial_scale_power" in fp16:
-            t["loss_scale_init"] = float(2 ** int(fp16["initial_scale_power"]))
-        if "loss_scale_window" in fp16:
-            t["loss_scale_window"] = int(fp16["loss_scale_window"])
+        if fp16.get("initial_scale_power", AUTO) != AUTO:
+            power = fp16["initial_scale_power"]
+            if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power <= 64:
+                raise ConfigError("fp16.initial_scale_power", f"must be an integer in 0..64, got {json.dumps(power)}")
+            t["loss_scale_init"] = float(2 ** power)
+        if fp16.get("loss_scale_window", AUTO) != AUTO:
+            t["loss_scale_window"] = fp16["loss_scale_window"]
     unsupported += [f"fp16.{k}" for k in fp16
                     if k not in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window")]
 
 
 def _zero(ds: dict, out: dict, unsupported: list):
-    z = ds.get("zero_optimization")
+    z = _dict(ds, "zero_optimization", '{"stage": 2}')
     if not z:
         return
     p = out["parallel"]
     stage = z.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage!r}")
     p["zero_stage"] = stage
-    if "reduce_bucket_size" in z:  # DeepSpeed counts elements; shardlab MiB (of fp32 gradients)
-        p["bucket_cap_mb"] = float(z["reduce_bucket_size"]) * 4 / 2**20
-    if "overlap_comm" in z:
-        p["overlap_comm"] = bool(z["overlap_comm"])
+    if z.get("reduce_bucket_size", AUTO) != AUTO:  # DeepSpeed counts elements; shardlab MiB (of fp32 gradients)
+        p["bucket_cap_mb"] = _num(z["reduce_bucket_size"], "zero_optimization.reduce_bucket_size") * 4 / 2**20
+    if (overlap := _flag(z, "overlap_comm", "zero_optimization.overlap_comm")) is not None:
+        p["overlap_comm"] = overlap
     offload = [k for k in ("offload_optimizer", "offload_param")
-               if (z.get(k) or {}).get("device", "none") not in ("none", None)]
+               if _dict(z, k, '{"device": "cpu"}').get("device", "none") not in ("none", None)]
     if offload and stage == 3:
         p["offload"] = True
     elif offload:
@@ -170,7 +235,8 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
     """DeepSpeed's rule when ``gradient_accumulation_steps`` is absent: train_batch_size /
     (train_micro_batch_size_per_gpu * world size). Returns a copy with the three numbers consistent
     with ``world_size`` (for ``shardlab.initialize``, where the world size is known)."""
-    ds = dict(ds)
+    ds = _top(ds)
+    world_size = world_size // (_positive_int(ds, "autotp_size") or 1)  # the data-parallel ranks
     tbs = _positive_int(ds, "train_batch_size")
     mb = _positive_int(ds, "train_micro_batch_size_per_gpu")
     ga = _positive_int(ds, "gradient_accumulation_steps")
@@ -184,23 +250,36 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
     return ds
 
 
+def _top(ds) -> dict:
+    """The top-level object with its "auto" batch keys dropped (derived as if absent)."""
+    if not isinstance(ds, dict):
+        raise ConfigError("DeepSpeed config", f"the top level must be a JSON object, got {json.dumps(ds)[:40]}")
+    batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    return {k: v for k, v in ds.items() if not (k in batch and v == AUTO)}
+
+
 def translate(ds: dict) -> dict:
     """A DeepSpeed config dict -> shardlab config sections (``config.from_dict`` input)."""
+    ds = _top(ds)
     out: dict = {"train": {}, "parallel": {}, "logging": {}}
     unsupported: list[str] = []
+    if "model" in ds:
+        out["model"] = _dict(ds, "model", '{"d_model": 128}')
+    if (tp := _positive_int(ds, "autotp_size")) is not None:
+        out["parallel"]["tp"] = tp
     _batch(ds, out)
     _optimizer(ds, out, unsupported)
     _scheduler(ds, out, unsupported)
     _precision(ds, out, unsupported)
     _zero(ds, out, unsupported)
-    if "gradient_clipping" in ds:
-        out["train"]["grad_clip"] = float(ds["gradient_clipping"])
-    ac = ds.get("activation_checkpointing")
+    if ds.get("gradient_clipping", AUTO) != AUTO:
+        out["train"]["grad_clip"] = _num(ds["gradient_clipping"], "gradient_clipping")
+    ac = _dict(ds, "activation_checkpointing", '{"partition_activations": false}')
     if ac:
         out["parallel"]["activation_checkpointing"] = "full"
         unsupported += [f"activation_checkpointing.{k}" for k in ac if ac[k] not in (False, None)]
     if "steps_per_print" in ds:
-        out["logging"]["log_every"] = int(ds["steps_per_print"])
+        out["logging"]["log_every"] = _positive_int(ds, "steps_per_print") or 10
     unsupported += [k for k in ds if k not in _TOP_KEYS]
     if unsupported:
         warnings.warn("DeepSpeed config: not supported by shardlab, ignored: " + ", ".join(unsupported),

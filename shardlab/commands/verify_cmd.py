@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import config as C
-from ..analysis.verify import DEFAULT_ARCH, LAYOUTS, TOL, layout_config, layouts, run_layout
+from ..analysis.verify import BASE, DEFAULT_ARCH, _merge, LAYOUTS, TOL, layout_config, layouts, run_layout
 from ..models.spec import get_spec, specs
 from ..train.data import prepare
 
@@ -15,7 +15,23 @@ def configure(parser):
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
 
 
+def overrides(args) -> dict:
+    """``--model.*`` / ``--train.*`` / ``--data.*`` overrides applied to every layout (and the reference);
+    ``--parallel.*`` is refused (each layout sets its own degrees), as are the other sections."""
+    extra = C.parse_overrides(list(getattr(args, "overrides", None) or []))
+    for section, values in extra.items():
+        if section not in ("model", "train", "data"):
+            key = f"{section}.{next(iter(values))}"
+            raise C.ConfigError(key, "shardlab verify takes --model.*, --train.* and --data.* overrides; "
+                                     "each layout sets its own parallel degrees (use --layouts/--nproc)")
+    if "arch" in extra.get("model", {}):
+        args.arch = extra["model"].pop("arch")
+    C.check_ranges(C.load(None, extra))  # each value's type and range, one line naming the field
+    return extra
+
+
 def main(args) -> int:
+    extra = overrides(args)
     arch = args.arch
     if get_spec(arch).task != "lm":
         raise C.ConfigError("--arch", f"the parity matrix trains language models; {arch} is not one")
@@ -25,16 +41,21 @@ def main(args) -> int:
     if unknown:
         raise C.ConfigError("--layouts", f"unknown layout {unknown[0]!r} for --arch {arch}; "
                                          f"choose from {', '.join(allowed)}")
-    fitting = [n for n in names if layout_config(n, args.nproc, args.steps, arch) is not None]
+    if extra:  # an override that breaks the model for every layout is an error, not "nothing fits"
+        base = _merge(BASE, {"model": {**get_spec(arch).verify_model, "arch": arch}, "train": {"steps": args.steps}})
+        C.from_dict(_merge(base, extra)).validate(1)
+    fitting = [n for n in names if layout_config(n, args.nproc, args.steps, arch, extra) is not None]
     skipped = [n for n in names if n not in fitting]
-    data_dir = str(prepare(layout_config(fitting[0], args.nproc, arch=arch).data if fitting else C.Config().data))
-    print(f"shardlab verify --arch {arch}: {len(fitting)} layouts on {args.nproc} ranks, {args.steps} steps, "
+    first = layout_config(fitting[0], args.nproc, arch=arch, extra=extra) if fitting else None
+    data_dir = str(prepare(first.data if first else C.Config().data))
+    shown = " ".join(f"--{s}.{k}={v}" for s, kv in extra.items() for k, v in kv.items())
+    print(f"shardlab verify --arch {arch}{' ' + shown if shown else ''}: {len(fitting)} layouts on {args.nproc} ranks, {args.steps} steps, "
           f"float64, tolerance {TOL:g}" + (f" (not fitting {args.nproc} ranks: {', '.join(skipped)})" if skipped else ""))
     print("| layout | degrees | max abs loss diff | max abs param diff | bytes sent/step (all ranks) | result |")
     print("|---|---|---|---|---|---|")
     cache, failures = {}, 0
     for name in fitting:
-        r = run_layout(name, args.nproc, data_dir, args.steps, cache, arch)
+        r = run_layout(name, args.nproc, data_dir, args.steps, cache, arch, extra)
         failures += not r["ok"]
         if "loss_diff" in r:
             print(f"| {name} | {r['detail']} | {r['loss_diff']:.2e} | {r['param_diff']:.2e} | "

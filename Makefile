@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast bench finetune clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,16 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -q tests/unit
+
+# LoRA fine-tune of the packaged SmolLM2-135M on Shakespeare (configs/smollm2-lora.toml), with a
+# generation from the base before and from the fine-tuned adapters after (docs/finetune.md).
+PROMPT ?= KING RICHARD:
+finetune: venv
+	@echo "--- before (the base model) ---"
+	$(BIN)/shardlab generate smollm2 --prompt "$(PROMPT)" --max-new-tokens 48 --threads 2
+	$(BIN)/shardlab train configs/smollm2-lora.toml --nproc $(NPROC)
+	@echo "--- after (base + LoRA adapters) ---"
+	$(BIN)/shardlab generate runs/smollm2-lora/checkpoints --prompt "$(PROMPT)" --max-new-tokens 48 --threads 2
 
 bench: venv
 	$(BIN)/python benchmarks/single_device.py

@@ -108,14 +108,6 @@ def _export(reader: ckpt.Reader, out: Path, chunk_bytes: int) -> tuple[int, int]
     return len(specs), sum(volume(s) for _, _, s in specs)
 
 
-def model_config_dict_short(mcfg) -> dict:
-    """The ModelConfig fields that differ from the defaults (the --model.* flags to train with)."""
-    from ..config import ModelConfig
-    from ..models.hf import model_config_dict
-    base = model_config_dict(ModelConfig())
-    return {k: v for k, v in model_config_dict(mcfg).items() if base.get(k) != v}
-
-
 def _import(source: str, out: Path) -> tuple[Path, object]:
     """Stream a pretrained source into a one-rank checkpoint ``out/step_00000000``."""
     from ..models.hf import model_config_dict
@@ -175,10 +167,9 @@ def main(args) -> int:
         if ckpt.list_checkpoints(out) and not args.force:  # resume would pick the newest, not the import
             raise ConfigError("--to", f"{out} already holds checkpoints; import into an empty directory, or "
                                       "pass --force to add step_00000000 anyway")
-        path, mcfg = _import(args.dir, out)
-        flags = " ".join(f"--model.{k}={v}" for k, v in model_config_dict_short(mcfg).items())
-        print(f"wrote {path} ({len(ckpt.Reader(path).keys())} tensors); train from it with "
-              f"--checkpoint.dir={out} --resume {flags}")
+        path, _ = _import(args.dir, out)
+        print(f"wrote {path} ({len(ckpt.Reader(path).keys())} tensors); fine-tune it with "
+              f"--checkpoint.base={out} (the model section comes from it; docs/finetune.md)")
         return 0
     if args.action == "export" and args.format == "hf":
         if out is None:

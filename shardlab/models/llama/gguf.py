@@ -116,14 +116,3 @@ def dequantize(t) -> torch.Tensor:
     shape = tuple(int(n) for n in reversed(list(t.shape)))
     return torch.from_numpy(arr.reshape(shape).copy())
 
-
-def load_gguf(path):
-    """``(ModelConfig, {shardlab name: float32 tensor})`` of a Llama GGUF (a path, or an open
-    GGUFReader: parsing the metadata of a 49k-token vocabulary takes seconds, so callers reuse it)."""
-    r = reader(path) if isinstance(path, (str, Path)) else path
-    cfg = model_config(r)
-    tensors = {shardlab_name(t.name): dequantize(t) for t in r.tensors}
-    if cfg.tie_embeddings:
-        tensors["output.weight"] = tensors["tok_embeddings.weight"]
-    return cfg, tensors
-

@@ -126,7 +126,7 @@ class TrainConfig:
     eps: float = f(1e-8, "AdamW epsilon.", gt=0, le=1)
     grad_clip: float = f(1.0, "Clip the global gradient norm to this value; 0 = no clipping.", ge=0)
     precision: str = f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling); fp64 for parity tests.", choices=('fp32', 'fp64', 'bf16', 'fp16'))
-    loss_scale_init: float = f(2.0**16, "fp16: initial dynamic loss scale.", gt=0, le=2.0**64)
+    loss_scale_init: float = f(2.0**16, "fp16: initial dynamic loss scale.", gt=0, le=1e38)
     param_dtype: str = f("", "Low-precision parameter storage: '' = none (fp32 parameters; FSDP gathers in the "
                              "autocast dtype); bf16/fp16: ZeRO-1/2 keep the model's parameters and gradient "
                              "buffers in this dtype with fp32 master slices for the optimizer, FSDP all-gathers "

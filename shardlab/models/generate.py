@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConfigError
 
+
 class LayerCache:
     """Keys and values of one attention layer, (B, H, S, D), grown along S."""
 

@@ -55,12 +55,12 @@ def _rank(ctx, hf_dir, ck_dir, layout):
     return out
 
 
-@pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_imported_llama_loss_equals_transformers(tmp_path, layout, tie):
-    torch.manual_seed(0)
+def _saved_and_imported(tmp_path, seed: int, rope_theta: float, tie: bool) -> float:
+    """A tiny random GQA Llama saved by transformers to tmp_path/hf and imported to tmp_path/ck;
+    returns transformers' loss on :func:`_batch`."""
+    torch.manual_seed(seed)
     c = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                                 num_attention_heads=4, num_key_value_heads=2, rope_theta=rope_theta,
                                  tie_word_embeddings=tie, max_position_embeddings=64, rms_norm_eps=1e-5)
     hf = transformers.LlamaForCausalLM(c).eval()
     with torch.no_grad():
@@ -70,7 +70,13 @@ def test_imported_llama_loss_equals_transformers(tmp_path, layout, tie):
     assert cli_main(["checkpoint", "import", str(tmp_path / "hf"), "--to", str(tmp_path / "ck")]) == 0
     x, y = _batch()
     with torch.no_grad():
-        want = float(F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()))
+        return float(F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_imported_llama_loss_equals_transformers(tmp_path, layout, tie):
+    want = _saved_and_imported(tmp_path, seed=0, rope_theta=500000.0, tie=tie)
     for rank, got in enumerate(launch.run(_rank, 2, str(tmp_path / "hf"), str(tmp_path / "ck"), layout,
                                           timeout_s=120)):
         assert abs(got["hf"] - want) <= TOL and abs(got["ckpt"] - want) <= TOL, (rank, got["hf"], got["ckpt"], want)
@@ -105,19 +111,7 @@ def _rank_pp(ctx, hf_dir, ck_dir):
 def test_imported_llama_pp2_1f1b_step0_loss_equals_transformers(tmp_path):
     """An imported untied GQA Llama under a 2-stage 1f1b pipeline: the step-0 loss equals
     transformers' on the same batch (fp32, 1e-5) and each rank read only its stage's tensors."""
-    torch.manual_seed(1)
-    c = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                                 tie_word_embeddings=False, max_position_embeddings=64, rms_norm_eps=1e-5)
-    hf = transformers.LlamaForCausalLM(c).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.3 if p.dim() == 1 else 0.1)
-    hf.save_pretrained(tmp_path / "hf")
-    assert cli_main(["checkpoint", "import", str(tmp_path / "hf"), "--to", str(tmp_path / "ck")]) == 0
-    x, y = _batch()
-    with torch.no_grad():
-        want = float(F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()))
+    want = _saved_and_imported(tmp_path, seed=1, rope_theta=10000.0, tie=False)
     got = launch.run(_rank_pp, 2, str(tmp_path / "hf"), str(tmp_path / "ck"), timeout_s=120)
     for r in got:
         assert abs(r["loss"] - want) <= 1e-5, (r["loss"], want)

@@ -75,6 +75,8 @@ def _main(argv: list[str] | None) -> int:
         parse_overrides(extra)  # whatever argparse did not know must be a --section.key=value override
         return int(importlib.import_module(args._module).main(args) or 0)
     except ConfigError as e:
+        if isinstance(e.__context__, BrokenPipeError):  # a command's OSError handler caught the pipe
+            raise e.__context__ from None
         print(str(e), file=sys.stderr)
         return 2
     except WorkerError as e:

@@ -189,3 +189,12 @@ def test_no_leak_warning_and_no_traceback_into_head(tmp_path, cache):
         os.close(w)
     _, err = closed.communicate(timeout=60)
     assert closed.returncode == 141 and err == b"", err.decode()
+    r, w = os.pipe()  # a command that turns OSError into a one-line error (checkpoint inspect)
+    os.close(r)
+    ck = next((tmp_path / "run" / "checkpoints").glob("step_*"))
+    try:
+        closed = _shardlab(["checkpoint", "inspect", str(ck)], stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    _, err = closed.communicate(timeout=60)
+    assert closed.returncode == 141 and err == b"", err.decode()

@@ -42,6 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Output piped into a reader that stops early (``| head``)
+    ends the command quietly (status 141, as if killed by SIGPIPE), without a traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        import os
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):  # nothing more may reach the closed pipe at exit
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError):
+                pass
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     from .config import ConfigError, parse_overrides
     from .launch import WorkerError
 
@@ -57,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         parse_overrides(extra)  # whatever argparse did not know must be a --section.key=value override
         return int(importlib.import_module(args._module).main(args) or 0)
     except ConfigError as e:
+        if isinstance(e.__context__, BrokenPipeError):  # a command's OSError handler caught the pipe
+            raise e.__context__ from None
         print(str(e), file=sys.stderr)
         return 2
     except WorkerError as e:

@@ -134,6 +134,9 @@ class TrainConfig:
     reduce_dtype: str = f("", "Gradient reduction dtype: FSDP reduce-scatters in it ('' = the fp32 shards' dtype); "
                               "DDP (zero_stage 0, plain data parallel) stores its gradient buckets in it and "
                               "all-reduces them (bf16: 2 bytes/param). Needs zero_stage 0 or 3.", choices=('', 'fp32', 'bf16', 'fp16'))
+    nonfinite: str = f("stop", "fp32/bf16/fp64: a step whose loss or gradients are inf/nan is never applied; stop = "
+                               "end the run with one line naming the step (exit 1), skip = drop the step and go on "
+                               "(fp16 always skips through its loss scaler).", choices=('stop', 'skip'))
     loss_scale_window: int = f(1000, "fp16: overflow-free steps before the loss scale doubles.", ge=1, le=10**12)
     seed: int = f(1234, "Seed for initialisation, data order and dropout.", ge=0, le=2**63 - 1)
     eval_every: int = f(50, "Validation loss every N steps (and at the end); 0 = only at the end.", ge=0, le=10**12)

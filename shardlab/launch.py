@@ -9,12 +9,15 @@ carries the failing rank's traceback: never a hang. Under torchrun (``RANK`` and
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
 import queue as queue_mod
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -80,7 +83,43 @@ def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, 
     return RankContext(rank, world, local_rank, dev, backend)
 
 
-def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results):
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_pdeathsig() -> bool:
+    """Linux: ask the kernel to SIGKILL this process when its parent dies. False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
+    """In a rank process, first thing: never outlive the launcher ``parent_pid`` (killed by an OOM
+    killer or a scheduler with SIGKILL, it cannot stop its ranks itself). Linux: PR_SET_PDEATHSIG,
+    then a check that the parent did not die before it was set; elsewhere a daemon thread polls
+    ``os.getppid()`` (a reparented process has another parent). Returns the mechanism used."""
+    if _set_pdeathsig():
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        return "pdeathsig"
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="shardlab-parent-watchdog", daemon=True).start()
+    return "watchdog"
+
+
+def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None):
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     try:
         ctx = _init(rank, world, rank, world, init_method, device, timeout_s, threads)
         out = fn(ctx, *args)
@@ -124,13 +163,21 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     os.unlink(store)  # FileStore creates it; a fresh name avoids port races between jobs
     init_method = f"file://{store}"
     procs = [ctx.Process(target=_worker, daemon=False,
-                         args=(r, nproc, init_method, device, timeout_s, threads, fn, args, results))
+                         args=(r, nproc, init_method, device, timeout_s, threads, fn, args, results, os.getpid()))
              for r in range(nproc)]
     for p in procs:
         p.start()
+    ok = False
     try:
-        return _collect(procs, results, nproc)
+        out = _collect(procs, results, nproc)
+        ok = True
+        return out
     finally:
+        # After a success, let the ranks exit by themselves: a rank terminated while it shuts down
+        # skips its exit finalizers and leaks its semaphores (tqdm's lock) to the resource tracker.
+        deadline = time.time() + (10 if ok else 0)
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.time()))
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -249,12 +296,18 @@ def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None)
     (SIGTERM, then SIGKILL after 5 s) and its exit code is returned, the rank named through
     ``report`` (default: stderr). Never waits on a dead job."""
     import subprocess
-    import sys
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     report = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, *argv], env=torchrun_env(r, nproc, port)) for r in range(nproc)]
+    parent = os.getpid()
+
+    def child_setup():  # in each rank between fork and exec: die with this launcher (Linux)
+        if _set_pdeathsig() and os.getppid() != parent:
+            os._exit(1)
+    setup = child_setup if sys.platform.startswith("linux") else None
+    procs = [subprocess.Popen([sys.executable, *argv], env=torchrun_env(r, nproc, port), preexec_fn=setup)
+             for r in range(nproc)]
     failed = None
     try:
         while failed is None and any(p.poll() is None for p in procs):

@@ -47,16 +47,21 @@ def resolve(args) -> tuple[C.Config, int, object]:
     return cfg, nproc, base
 
 
-def check_resume(cfg: C.Config) -> None:
-    """With ``--resume``: checkpoints exist but none is usable -> refuse (exit 2) instead of
-    silently starting over and overwriting them. No checkpoint at all: a fresh start."""
+def check_resume(cfg: C.Config):
+    """With ``--resume``: the newest valid checkpoint (None: a fresh start, the directory exists
+    but holds no checkpoint yet). Refuses (exit 2) instead of silently starting over: when the
+    checkpoint directory does not exist (a mistyped path), or checkpoints exist but none is usable."""
     from ..train.checkpoint import CheckpointError, Reader, list_checkpoints, latest_valid
     from ..train.loop import checkpoint_dir
     if not cfg.checkpoint.resume:
-        return
+        return None
     directory = checkpoint_dir(cfg)
+    if not directory.is_dir():
+        raise C.ConfigError("--resume", f"checkpoint directory {directory} does not exist (check "
+                                        "checkpoint.dir / logging.run_dir); drop --resume for a fresh start")
     found = list_checkpoints(directory)
-    if found and latest_valid(directory, warn=lambda *_: None) is None:
+    latest = latest_valid(directory, warn=lambda *_: None)
+    if found and latest is None:
         try:
             Reader(found[-1]).close()
             why = "damaged"
@@ -64,12 +69,48 @@ def check_resume(cfg: C.Config) -> None:
             why = str(e)
         raise C.ConfigError("--resume", f"no usable checkpoint in {directory} (newest: {why}); restore or "
                                         "remove the damaged checkpoints, or run without --resume")
+    return latest
+
+
+def clean_interrupted(cfg: C.Config) -> None:
+    """Before training (rank 0): remove what interrupted saves left in the checkpoint directory,
+    with one line saying so (train/checkpoint.remove_interrupted)."""
+    from ..train.checkpoint import remove_interrupted
+    from ..train.loop import checkpoint_dir
+    removed = remove_interrupted(checkpoint_dir(cfg))
+    if removed:
+        print(f"shardlab: removed {len(removed)} unfinished checkpoint save(s) of an interrupted run: "
+              + ", ".join(str(p) for p in removed), file=sys.stderr)
+
+
+def _finished(cfg: C.Config, latest, quiet: bool = False) -> bool:
+    """--resume of a run whose newest checkpoint is already at train.steps: say so in one line."""
+    from ..train.checkpoint import Reader
+    if latest is None:
+        return False
+    reader = Reader(latest)
+    step = int(reader.step)
+    reader.close()
+    if step < cfg.train.steps:
+        return False
+    if not quiet:
+        print(f"shardlab: nothing to do: the run already finished ({latest} is at step {step}, train.steps = "
+              f"{cfg.train.steps}); raise --train.steps to train further")
+    return True
 
 
 def main(args) -> int:
     cfg, nproc, base = resolve(args)
-    if not launch.under_torchrun() or launch.torchrun_rank() == 0:
-        check_resume(cfg)
+    main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
+    if main_rank:
+        latest = check_resume(cfg)
+        clean_interrupted(cfg)
+    else:  # under torchrun every rank must agree on a finished run
+        from ..train.checkpoint import latest_valid
+        from ..train.loop import checkpoint_dir
+        latest = latest_valid(checkpoint_dir(cfg), warn=lambda *_: None) if cfg.checkpoint.resume else None
+    if _finished(cfg, latest, quiet=not main_rank):
+        return 0
     if get_spec(cfg.model).task == "classify":
         data_dir = images.prepare(cfg.data)
     else:
@@ -82,6 +123,9 @@ def main(args) -> int:
     summary = results[0]
     if summary is None or (launch.under_torchrun() and launch.torchrun_rank() != 0):
         return 0
+    if summary.get("stopped"):
+        print(f"shardlab: {summary['stopped']}", file=sys.stderr)
+        return 1
     _report(cfg, summary)
     return 0
 

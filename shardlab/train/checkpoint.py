@@ -36,6 +36,7 @@ from .ckpt_format import (CheckpointError, Piece, SafetensorsWriter, dtype_name,
 from .ckpt_reader import Reader
 
 __all__ = ["CheckpointError", "Deferred", "Piece", "PREFIX", "staging_dir", "prepare", "write_rank", "commit",
+           "remove_interrupted",
            "list_checkpoints", "latest_valid", "Reader", "flat_boxes", "rng_tensors", "restore_rng"]
 
 PREFIX = "step_"
@@ -64,6 +65,30 @@ def prepare(directory, step: int) -> Path:
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     return staging
+
+
+def remove_interrupted(directory) -> list[Path]:
+    """Before a run starts (rank 0): clean up after saves that were interrupted (a killed job).
+    Staging directories (``.tmp-step_*``) are removed; a ``.old-step_*`` left by a crash in the
+    middle of re-saving a step is removed when its step directory exists, else renamed back
+    (it is then the only copy). Returns the removed paths."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    removed = []
+    for old in sorted(root.glob(f".old-{PREFIX}*")):
+        final = root / old.name[len(".old-"):]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(old)
+        else:
+            os.replace(old, final)
+    for staging in sorted(root.glob(f".tmp-{PREFIX}*")):
+        shutil.rmtree(staging, ignore_errors=True)
+        removed.append(staging)
+    if removed:
+        fsync_path(root)
+    return removed
 
 
 def _dumps(obj: dict) -> str:

@@ -10,6 +10,7 @@ The architecture's ``task`` (models/spec.py) picks the data: ``lm`` token window
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -83,14 +84,19 @@ class Trainer:
         # fp16: unscale exactly the gradient tensors this rank owns (flat shards, buckets, TP/EP
         # shards, its pipeline stage), before clipping; one world all-reduce of the overflow flag.
         overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
-        gnorm = float("nan")
+        gnorm, nonfinite = float("nan"), False
         if not overflow:
             gnorm = self.engine.clip_grads(t.grad_clip)
-            self.optimizer.step()
+            # fp32/bf16: a non-finite global gradient norm (same on every rank) means the loss or
+            # the gradients are inf/nan: never step on it (train.nonfinite: stop or skip)
+            nonfinite = not math.isfinite(gnorm)
+            if not nonfinite:
+                self.optimizer.step()
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"local_loss": local, "lr": lr, "grad_norm": gnorm, "skipped": overflow}
+        return {"local_loss": local, "lr": lr, "grad_norm": gnorm, "skipped": overflow or nonfinite,
+                "nonfinite": nonfinite}
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
@@ -163,6 +169,11 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
     while run.tr.step < cfg.train.steps:
         out = run.timed_step()
         step = run.tr.step
+        if out["nonfinite"] and cfg.train.nonfinite == "stop":
+            run.stopped = (f"stopped at step {step}: the loss or the gradients are not finite (gradient norm "
+                           f"{out['grad_norm']}); the step was not applied. Lower train.lr, or set "
+                           "train.nonfinite = \"skip\" to skip such steps")
+            break
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             run.log(out)
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
@@ -208,6 +219,7 @@ class _Run:
         self.tokens_per_step = t.global_batch * self.tr.loader.tokens_per_sample  # classify: images per step
         self.window_time, self.window_steps, self.times = 0.0, 0, []
         self.last = {"loss": float("nan"), "val_loss": float("nan"), "accuracy": None}
+        self.stopped = None  # why training stopped early (a non-finite loss), else None
         self.snap = mesh.ledger.snapshot()
 
     def start(self) -> None:
@@ -286,6 +298,7 @@ class _Run:
                    "peak_label": self.peak_label, "params": tr.n_params, "layout": mesh.topology.describe(),
                    "run_dir": str(self.run_dir), "checkpoint_dir": str(self.ck_dir) if cfg.checkpoint.save else None,
                    "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "resumed_from": self.resumed_from,
+                   "stopped": self.stopped,
                    "ledger": mesh.ledger.as_dict()}
         if self.writer:
             self.writer.write(dict(summary, kind="summary", step=tr.step, ledger=None))

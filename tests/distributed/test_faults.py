@@ -1,0 +1,200 @@
+"""Faults (docs/faults.md): ranks never outlive a killed launcher, --resume never destroys or
+silently starts over, interrupted saves are cleaned up, a finished run says so, a non-finite
+loss stops the run in one line (or is skipped), ``| head`` and the end of a run print no noise."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardlab import config as C
+from shardlab import launch
+from shardlab.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.max_seq_len=16", "--train.seq_len=16", "--train.global_batch=4", "--train.warmup_steps=0",
+        "--logging.progress=false", "--logging.tensorboard=false", "--train.eval_batches=1", "--train.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def _shardlab(args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "shardlab.cli", *args], cwd=ROOT, env=env, **kw)
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(x) for x in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for k in kids:
+                if k not in out:
+                    out.add(k)
+                    todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited (nobody reaped it yet)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_die_with_a_killed_launcher(tmp_path, cache):
+    run = tmp_path / "run"
+    proc = _shardlab(["train", "configs/tiny.toml", "--nproc", "2", *TINY, "--train.steps=100000",
+                      "--checkpoint.every=1", "--logging.log_every=1", f"--logging.run_dir={run}",
+                      f"--data.cache_dir={cache}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                     start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not list((run / "checkpoints").glob("step_*")):  # training and saving every step
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        ranks = _descendants(proc.pid)
+        assert len(ranks) >= 2, ranks
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 5
+    while any(_alive(p) for p in ranks) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in ranks if _alive(p)], "rank processes outlived the killed launcher"
+
+
+def _die_worker(ctx):
+    return launch.die_with_parent(os.getppid())
+
+
+def test_die_with_parent_uses_pdeathsig_on_linux():
+    mech, = launch.run(_die_worker, 1)
+    assert mech == ("pdeathsig" if sys.platform.startswith("linux") else "watchdog")
+
+
+def _train(tmp, *extra):
+    return cli_main(["train", "--nproc", "1", *TINY, f"--data.cache_dir={tmp}/cache",
+                     f"--logging.run_dir={tmp}/run", *extra])
+
+
+def test_resume_of_a_missing_directory_refuses(tmp_path, capsys):
+    assert _train(tmp_path, "--train.steps=2", "--resume") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / "run" / "checkpoints") in err[0] and "drop --resume" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_interrupted_save_is_removed_and_finished_run_says_so(tmp_path, capsys):
+    assert _train(tmp_path, "--train.steps=2", "--checkpoint.every=1") == 0
+    ck = tmp_path / "run" / "checkpoints"
+    (ck / ".tmp-step_00000003").mkdir()  # what a launcher killed during a save leaves
+    (ck / ".tmp-step_00000003" / "rank_00000.safetensors").write_bytes(b"x" * 10)
+    capsys.readouterr()
+    assert _train(tmp_path, "--train.steps=2", "--resume") == 0
+    cap = capsys.readouterr()
+    removed = [x for x in cap.err.splitlines() if "unfinished checkpoint save" in x]
+    assert len(removed) == 1 and ".tmp-step_00000003" in removed[0], cap.err
+    assert not (ck / ".tmp-step_00000003").exists()
+    out = cap.out.strip().splitlines()
+    assert len(out) == 1 and "already finished" in out[0] and "step 2" in out[0], out
+    assert "nan" not in cap.out
+
+
+def test_old_copy_of_a_resaved_step_is_restored(tmp_path):
+    from shardlab.train.checkpoint import remove_interrupted
+    ck = tmp_path / "ck"
+    (ck / ".old-step_00000004").mkdir(parents=True)  # crash between the two renames of commit()
+    (ck / ".old-step_00000002").mkdir()
+    (ck / "step_00000002").mkdir()
+    assert remove_interrupted(ck) == [ck / ".old-step_00000002"]
+    assert sorted(p.name for p in ck.iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_nonfinite_loss_stops_in_one_line(tmp_path, capsys):
+    code = _train(tmp_path, "--train.steps=30", "--train.lr=10", "--train.grad_clip=0", "--train.weight_decay=0",
+                  "--checkpoint.save=false")
+    cap = capsys.readouterr()
+    err = [x for x in cap.err.strip().splitlines() if not x.startswith("shardlab: training ")]
+    assert code == 1 and len(err) == 1 and "stopped at step" in err[0] and "nonfinite" in err[0], cap.err
+    assert "Traceback" not in cap.err and "nan" not in cap.out
+
+
+def _skip_worker(ctx, cfg, data_dir):
+    from shardlab.distributed.mesh import Mesh
+    from shardlab.distributed.topology import Topology
+    from shardlab.train.data import TokenData
+    from shardlab.train.loop import Trainer
+    tr = Trainer(cfg, Mesh.build(Topology.from_config(cfg.parallel), ctx.device), TokenData(data_dir))
+    fb = tr.engine.forward_backward
+
+    def poisoned(*a, **k):  # step 1's gradients are nan
+        out = fb(*a, **k)
+        if tr.step == 1:
+            for g in tr.engine.grads():
+                g.fill_(float("nan"))
+        return out
+    tr.engine.forward_backward = poisoned
+    outs, params = [], []
+    for _ in range(3):
+        outs.append(tr.train_step())
+        params.append([p.detach().clone() for p in tr.engine.parameters()])
+    return [(o["skipped"], o["nonfinite"]) for o in outs], params
+
+
+def test_nonfinite_skip_leaves_the_parameters(tmp_path):
+    from shardlab.train.data import prepare
+    cfg = C.load(None, TINY + [f"--data.cache_dir={tmp_path}/cache", f"--logging.run_dir={tmp_path}/run",
+                               "--train.nonfinite=skip"])
+    (flags, params), = launch.run(_skip_worker, 1, cfg, str(prepare(cfg.data)))
+    assert flags == [(False, False), (True, True), (False, False)]
+    assert all(torch.equal(a, b) for a, b in zip(params[0], params[1]))  # the skipped step changed nothing
+    assert all(bool(torch.isfinite(p).all()) for p in params[2])
+    assert not all(torch.equal(a, b) for a, b in zip(params[1], params[2]))
+
+
+def test_nonfinite_choices_are_checked():
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, ["--train.nonfinite=ignore"]).validate(1)
+    assert e.value.field == "train.nonfinite" and "stop" in str(e.value)
+
+
+def test_no_leak_warning_and_no_traceback_into_head(tmp_path, cache):
+    proc = _shardlab(["train", "--nproc", "2", *TINY, "--train.steps=2", "--logging.progress=true",
+                      f"--logging.run_dir={tmp_path}/run", f"--data.cache_dir={cache}"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"leaked" not in err and b"Traceback" not in err, err.decode()[-2000:]
+    # `shardlab config show | head -1`: the reader has closed the pipe before the output is written
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        closed = _shardlab(["config", "show", "configs/tiny.toml"], stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    _, err = closed.communicate(timeout=60)
+    assert closed.returncode == 141 and err == b"", err.decode()
+    r, w = os.pipe()  # a command that turns OSError into a one-line error (checkpoint inspect)
+    os.close(r)
+    ck = next((tmp_path / "run" / "checkpoints").glob("step_*"))
+    try:
+        closed = _shardlab(["checkpoint", "inspect", str(ck)], stdout=w, stderr=subprocess.PIPE)
+    finally:
+        os.close(w)
+    _, err = closed.communicate(timeout=60)
+    assert closed.returncode == 141 and err == b"", err.decode()

@@ -177,7 +177,7 @@ def _measure(ctx, stages):
     from shardlab.analysis.memory import _measure_worker
     out = []
     for stage in stages:
-        cfg = make_cfg("", {"dp_shard": 2, "zero_stage": stage, "bucket_cap_mb": 0.05}, {}, "bf16", low=True)
+        cfg = make_cfg(".cache/shardlab", {"dp_shard": 2, "zero_stage": stage, "bucket_cap_mb": 0.05}, {}, "bf16", low=True)
         out.append(_measure_worker(ctx, cfg))
     return out
 
@@ -189,7 +189,7 @@ def test_low_precision_storage_is_the_mixed_formula():
     DDP with train.reduce_dtype = bf16: fp32 parameters (the master) 4 + bf16 buckets 2 + Adam 8."""
     from shardlab.analysis.memory import formula
     from shardlab.models import count_params
-    psi = count_params(build_model(make_cfg("", {}, {}, "bf16").model, 0))
+    psi = count_params(build_model(make_cfg(".cache/shardlab", {}, {}, "bf16").model, 0))
     for rank, stages in enumerate(run(_measure, 2, [0, 1, 2, 3], threads=1, timeout_s=120)):
         for stage, (params, grads, optim) in zip([0, 1, 2, 3], stages):
             want = formula(psi, 2, stage, "mixed")

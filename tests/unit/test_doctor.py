@@ -5,7 +5,6 @@ import importlib.util
 import json
 import re
 
-
 from shardlab.cli import main
 from shardlab.commands import doctor_cmd as D
 

@@ -9,6 +9,8 @@ Formula, Psi parameters, Adam, N ranks: bytes/param = P (params) + G (grads) + K
   mixed precision (ZeRO paper): P=2 (bf16), G=2, K=12 (fp32 master + m + v)
   fp32 (what CPU runs hold):    P=4, G=4, K=8 (m + v; the parameters are the master)
   DDP  P+G+K     ZeRO-1  P+G+K/N     ZeRO-2  P+(G+K)/N     ZeRO-3  (P+G+K)/N
+With LoRA (``train.lora_rank``) only the trainable adapters take G and K; the frozen base costs P
+on every rank whatever the stage.
 
 With ``train.param_dtype = bf16`` ZeRO-1/2 store exactly the mixed layout (bf16 parameters and
 gradients, fp32 master slices + m + v) and the measurement is compared with the mixed formula; an
@@ -37,11 +39,14 @@ class StateBytes:
         return self.params + self.grads + self.optim
 
 
-def formula(psi: int, n: int, stage: int, precision: str = "mixed") -> StateBytes:
-    """Per-rank bytes of model state for ``psi`` parameters over ``n`` data-parallel ranks."""
+def formula(psi: int, n: int, stage: int, precision: str = "mixed", trainable: int | None = None) -> StateBytes:
+    """Per-rank bytes of model state for ``psi`` parameters over ``n`` data-parallel ranks, of
+    which ``trainable`` (default all) take gradients and optimizer state. Frozen parameters (a LoRA
+    base) stay whole on every rank under every stage; only trainable ones are sharded."""
     p, g, k = PRECISIONS[precision]
-    return StateBytes(psi * p / (n if stage >= 3 else 1), psi * g / (n if stage >= 2 else 1),
-                      psi * k / (n if stage >= 1 else 1))
+    t = psi if trainable is None else trainable
+    return StateBytes((psi - t) * p + t * p / (n if stage >= 3 else 1), t * g / (n if stage >= 2 else 1),
+                      t * k / (n if stage >= 1 else 1))
 
 
 def activation_estimate(cfg, micro_batch: int, bytes_per_elem: int = 2) -> float:
@@ -83,14 +88,15 @@ def measure(engine, optimizer) -> StateBytes:
 def _measure_worker(ctx, cfg):
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
-    from ..models import build_model
-    from ..models.spec import sample_batch
+    from ..models.spec import add_adapters, meta_model, sample_batch
     from ..parallelize import parallelize
     from ..train.optim import autocast_factory
 
     mesh = Mesh.build(Topology.from_config(cfg.parallel))
-    model = build_model(cfg.model, cfg.train.seed, dtype=torch.float32)
-    engine = parallelize(model, mesh, cfg)
+    model = meta_model(cfg.model, dtype=torch.float32)
+    if cfg.train.lora_rank:
+        add_adapters(model, cfg.train)
+    engine = parallelize(model, mesh, cfg)  # each rank draws its boxes of the initial values
     autocast = autocast_factory(cfg.train.precision, mesh.device)
     opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
     b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)

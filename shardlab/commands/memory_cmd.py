@@ -24,17 +24,23 @@ def resolve(config_path, overrides, nproc: int):
 
 def main(args) -> int:
     from ..models import count_params, meta_model
+    from ..models.spec import add_adapters
 
     cfg = resolve(args.config, args.overrides, args.nproc)
-    psi = count_params(meta_model(cfg.model))
+    model = meta_model(cfg.model)
+    if cfg.train.lora_rank:
+        add_adapters(model, cfg.train)
+    psi = count_params(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n = cfg.parallel.dp_shard * cfg.parallel.cp if cfg.parallel.zero_stage == 3 else cfg.parallel.dp * cfg.parallel.cp
     stage = cfg.parallel.zero_stage
     mib = 2**20
-    print(f"model: {psi:,} parameters; {n} data-parallel ranks sharding state; configured: {STAGES[stage]}")
+    print(f"model: {psi:,} parameters ({trainable:,} trainable: gradients and optimizer state); {n} "
+          f"data-parallel ranks sharding state; configured: {STAGES[stage]}")
     print(f"{'stage':<8}{'formula':<10}{'params MiB':>12}{'grads MiB':>12}{'optim MiB':>12}{'total MiB':>12}")
     for s in STAGES:
         for prec in ("mixed", "fp32"):
-            f = formula(psi, n, s, prec)
+            f = formula(psi, n, s, prec, trainable)
             mark = " <" if s == stage else ""
             print(f"{STAGES[s]:<8}{prec:<10}{f.params / mib:>12.3f}{f.grads / mib:>12.3f}{f.optim / mib:>12.3f}"
                   f"{f.total / mib:>12.3f}{mark}")
@@ -50,7 +56,7 @@ def main(args) -> int:
     prec = "mixed" if low else "fp32"
     print(f"measured after one AdamW step with {args.nproc} ranks ({STAGES[stage]}, precision "
           f"{cfg.train.precision}, param_dtype {cfg.train.param_dtype or 'fp32'}):")
-    expect = formula(psi, n, stage, prec)
+    expect = formula(psi, n, stage, prec, trainable)
     for r, got in enumerate(measure_run(cfg, args.nproc)):
         print(f"  rank {r}: params {got.params / mib:.3f}  grads {got.grads / mib:.3f}  optim {got.optim / mib:.3f}"
               f"  total {got.total / mib:.3f} MiB  (formula {prec} {expect.params / mib:.3f} + "

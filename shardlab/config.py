@@ -100,6 +100,10 @@ class ParallelConfig:
     wrap_policy: str = f("blocks", "ZeRO-3/FSDP units: blocks (the architecture's blocks), size:<N> (outermost "
                                    "modules with >= N parameters) or class:<Name>[,<Name>] (modules of those classes).", nonempty=True)
     comm_algorithm: str = f("backend", "Collective algorithm: backend, ring, tree, rhd or auto.", choices=('backend', 'ring', 'tree', 'rhd', 'auto'))
+    check_collectives: bool = f(False, "Before each collective, all-gather a fingerprint (op, seq, shapes, dtypes, reduce "
+                                       "op) over the group and fail at the first mismatch, naming both ranks; p2p "
+                                       "messages carry it as a header (docs/faults.md, Hangs and desyncs). Costs one "
+                                       "small all-gather per collective.")
 
     @property
     def world_size(self) -> int:

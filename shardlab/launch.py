@@ -162,8 +162,11 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     os.close(fd)
     os.unlink(store)  # FileStore creates it; a fresh name avoids port races between jobs
     init_method = f"file://{store}"
+    from .distributed import flight
+    dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here at the end
     procs = [ctx.Process(target=_worker, daemon=False,
-                         args=(r, nproc, init_method, device, timeout_s, threads, fn, args, results, os.getpid()))
+                         args=(r, nproc, init_method, device, timeout_s, threads, flight.wrap(fn, dump_dir),
+                               args, results, os.getpid()))
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -172,6 +175,9 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         out = _collect(procs, results, nproc)
         ok = True
         return out
+    except WorkerError as err:
+        _diagnose_failure(err, dump_dir, procs)
+        raise
     finally:
         # After a success, let the ranks exit by themselves: a rank terminated while it shuts down
         # skips its exit finalizers and leaks its semaphores (tqdm's lock) to the resource tracker.
@@ -190,6 +196,23 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         results.join_thread()
         if os.path.exists(store):
             os.unlink(store)
+        if ok:
+            import shutil
+            shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def _diagnose_failure(err: WorkerError, dump_dir: str, procs) -> None:
+    """On a failed run: read the ranks' flight-recorder dumps (waiting briefly for ranks still
+    alive), print each rank's last operation and the ranks missing from / disagreeing about a
+    collective (docs/faults.md, Hangs and desyncs) and append it to ``err``."""
+    from .distributed import flight
+    try:
+        text = flight.report(dump_dir, len(procs), alive=lambda r: procs[r].is_alive())
+    except Exception as e:  # diagnosis must never hide the failure itself
+        text = f"flight recorder: could not read the dumps in {dump_dir}: {type(e).__name__}: {e}"
+    if text:
+        print(text, file=sys.stderr, flush=True)
+        err.args = (f"{err.args[0]}\n{text}",)
 
 
 _SECONDARY = ("Connection closed by peer", "remote worker", "Connection reset", "Timed out", "timed out")

@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import functools
+
 from . import algorithms as algos
+from . import flight as fl
 from .ledger import Ledger, ring_bytes
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -27,16 +30,80 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _recorded(op: str, args):
+    """Record the call in the Comm's flight recorder (``args(*a, **k)`` -> (tensors, extra)), run
+    the fingerprint check in check mode, dump the recorder if the call raises (flight.py)."""
+    def deco(method):
+        @functools.wraps(method)
+        def wrapper(self, *a, **k):
+            if self._inside:
+                return method(self, *a, **k)
+            tensors, extra = args(*a, **k)
+            entry = self.flight.enter(self, op, tensors, extra)
+            self._inside = True
+            try:
+                if self.flight.check and self.size > 1:
+                    fl.check_collective(self, entry, tensors[0].device if tensors else self._fp_device())
+                out = method(self, *a, **k)
+            except Exception as e:
+                fl.dump_all(f"{self.name} {op}: {type(e).__name__}: {e}".splitlines()[0][:300])
+                raise
+            finally:
+                self._inside = False
+            if isinstance(out, Pending):
+                out.entry = entry
+            else:
+                entry[-1] = True
+            return out
+        return wrapper
+    return deco
+
+
+def _t_op(t, op="sum", *a, **k):
+    return (t,), op
+
+
+def _t_dim(t, dim=0, *a, **k):
+    return (t,), (f"dim={dim}" if dim else None)
+
+
+def _t_rs(t, dim=0, op="sum", *a, **k):
+    return (t,), (f"{op}, dim={dim}" if dim else op)
+
+
+def _t_a2a(t, in_splits=None, out_splits=None, *a, **k):
+    n = len(in_splits) if in_splits is not None else None
+    return (t,), {"in": list(in_splits) if in_splits is not None else None,
+                  "out": list(out_splits if out_splits is not None else in_splits) if n else None,
+                  "row": str(t.dtype).replace("torch.", "") + str(list(t.shape[1:]))}
+
+
+def _t_src(t, src=0, *a, **k):
+    return (t,), f"src={src}"
+
+
+def _t_out(t, out=None, *a, **k):
+    return (t,), None
+
+
 class Pending:
     """The handle of an asynchronous collective (``Comm.*_async``): ``wait()`` blocks until it is
     done, applies any finishing step (the division of ``op="avg"``) and returns the result."""
+
+    entry = None  # its flight-recorder entry, marked done by wait()
 
     def __init__(self, work, result: torch.Tensor, finish=None):
         self.work, self.result, self.finish = work, result, finish
 
     def wait(self) -> torch.Tensor:
+        if self.entry is not None:
+            self.entry[-1] = True
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except Exception as e:
+                fl.dump_all(f"wait: {type(e).__name__}: {e}".splitlines()[0][:300])
+                raise
             self.work = None
             if self.finish is not None:
                 self.finish(self.result)
@@ -47,8 +114,10 @@ class Comm:
     """A process group with a name, its member ranks, the rank's ledger and an algorithm choice."""
 
     def __init__(self, name: str, group, ranks: list[int], rank: int, ledger: Ledger,
-                 algorithm: str = "backend"):
+                 algorithm: str = "backend", flight: fl.Recorder | None = None):
         self.name, self.group, self.ranks, self.ledger = name, group, list(ranks), ledger
+        self.flight = flight if flight is not None else fl.Recorder(rank)
+        self._inside = False
         self.algorithm = algorithm
         self.size = len(self.ranks)
         self.rank = self.ranks.index(rank)  # index inside the group
@@ -56,6 +125,11 @@ class Comm:
 
     def __repr__(self):
         return f"Comm({self.name!r}, size={self.size}, rank={self.rank})"
+
+    def _fp_device(self):
+        """Where check mode's fingerprints live: the current GPU under NCCL, else the CPU."""
+        nccl = self.group is not None and str(dist.get_backend(self.group)) == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _count(self, op: str, nbytes: int):
         sent = ring_bytes(op, nbytes, self.size)
@@ -91,6 +165,7 @@ class Comm:
         return t
 
     # -- collectives (in place where torch is) -----------------------------------------------
+    @_recorded("all_reduce", _t_op)
     def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
         if op == "avg" and not (t.is_floating_point() or t.is_complex()):
@@ -109,6 +184,7 @@ class Comm:
             t.div_(self.size)
         return t
 
+    @_recorded("all_gather", _t_dim)
     def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
         if self.size == 1:
@@ -133,6 +209,7 @@ class Comm:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    @_recorded("reduce_scatter", _t_rs)
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
                        algorithm: str | None = None) -> torch.Tensor:
         """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
@@ -165,6 +242,7 @@ class Comm:
             out.div_(self.size)
         return out if dim == 0 else out.movedim(0, dim).contiguous()
 
+    @_recorded("all_to_all", _t_a2a)
     def all_to_all(self, t: torch.Tensor, in_splits: list[int] | None = None,
                    out_splits: list[int] | None = None, algorithm: str | None = None) -> torch.Tensor:
         """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
@@ -192,6 +270,7 @@ class Comm:
         dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
+    @_recorded("broadcast", _t_src)
     def broadcast(self, t: torch.Tensor, src: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """In place from group rank ``src``."""
         if self.size == 1:
@@ -211,6 +290,7 @@ class Comm:
     def _sync_instead(self, algorithm) -> bool:
         return self.size == 1 or (algorithm or self.algorithm) != "backend"
 
+    @_recorded("all_reduce", _t_op)
     def all_reduce_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
         """Start ``all_reduce(t, op)`` in place; ``.wait()`` returns ``t``."""
         if self._sync_instead(algorithm):
@@ -219,6 +299,7 @@ class Comm:
         work = dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group, async_op=True)
         return Pending(work, t, (lambda r: r.div_(self.size)) if op == "avg" else None)
 
+    @_recorded("all_gather", _t_out)
     def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
                          algorithm: str | None = None) -> Pending:
         """Start a dim-0 all-gather of ``t`` into ``out`` (allocated if None); ``.wait()`` returns it."""
@@ -231,6 +312,7 @@ class Comm:
         work = _all_gather_single(out, t.contiguous(), group=self.group, async_op=True)
         return Pending(work, out)
 
+    @_recorded("reduce_scatter", _t_op)
     def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
         """Start a dim-0 reduce-scatter; ``.wait()`` returns this rank's slice."""
         if self._sync_instead(algorithm):
@@ -248,16 +330,27 @@ class Comm:
     # in which they are issued, so every caller must issue, per (sender, receiver) pair, its
     # sends and the peer's matching receives in the same order (docs/collectives.md). Without a
     # tag argument gloo runs the same matching as NCCL, so the CPU tests check that order too.
+    # Check mode sends a fingerprint header just before each message on the same channel; the
+    # receive's wait() compares it with what it expects (flight.CheckedRecv).
     def isend(self, t: torch.Tensor, peer: int):
         """Non-blocking send to group rank ``peer``. The peer's receives from this rank match
         this rank's sends to it in issue order (never by tag)."""
         self.ledger.record("send", self.name, _nbytes(t), 0)
+        entry = self.flight.enter(self, "send", (t,), None, peer)
+        if self.flight.check:
+            head = dist.isend(fl.send_header(self, entry, t.device), dst=self.ranks[peer], group=self.group)
+            return fl.Works([head, dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group)], entry)
         return dist.isend(t.contiguous(), dst=self.ranks[peer], group=self.group)
 
     def irecv(self, t: torch.Tensor, peer: int):
         """Non-blocking receive into ``t`` (contiguous) from group rank ``peer``: it gets the
         earliest message from ``peer`` that no earlier-issued receive has taken."""
         self.ledger.record("recv", self.name, 0, _nbytes(t))
+        entry = self.flight.enter(self, "recv", (t,), None, peer)
+        if self.flight.check:
+            head = torch.empty(fl.FP_BYTES, dtype=torch.uint8, device=t.device)
+            hw = dist.irecv(head, src=self.ranks[peer], group=self.group)
+            return fl.CheckedRecv(self, entry, head, hw, dist.irecv(t, src=self.ranks[peer], group=self.group))
         return dist.irecv(t, src=self.ranks[peer], group=self.group)
 
     def exchange(self, sends=(), recvs=()) -> list:
@@ -265,17 +358,33 @@ class Comm:
         in its order (one ``batch_isend_irecv``: NCCL runs it as one group, so two ranks that send
         to each other cannot block on each other's send). Returns the works to wait for; sent
         tensors must stay unchanged until then. Counted like ``isend`` / ``irecv``."""
-        ops = []
+        ops, heads, check = [], [], self.flight.check
         for t, peer in recvs:
             if not t.is_contiguous():
                 raise ValueError("exchange: a receive buffer must be contiguous")
             self.ledger.record("recv", self.name, 0, _nbytes(t))
             ops.append(dist.P2POp(dist.irecv, t, self.ranks[peer], self.group))
+            e = self.flight.enter(self, "recv", (t,), None, peer)
+            if check:
+                heads.append((e, torch.empty(fl.FP_BYTES, dtype=torch.uint8, device=t.device), peer))
         for t, peer in sends:
             self.ledger.record("send", self.name, _nbytes(t), 0)
             ops.append(dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.group))
-        return dist.batch_isend_irecv(ops) if ops else []
+            e = self.flight.enter(self, "send", (t,), None, peer)
+            if check:
+                heads.append((e, fl.send_header(self, e, t.device), peer))
+        if not ops:
+            return []
+        if not check:
+            return dist.batch_isend_irecv(ops)
+        head_ops = [dist.P2POp(dist.irecv if e[2] == "recv" else dist.isend, h, self.ranks[p], self.group)
+                    for e, h, p in heads]
+        works = dist.batch_isend_irecv(head_ops + ops)
+        n = len(heads)
+        return [fl.CheckedRecv(self, e, h, works[i], works[n + i]) if e[2] == "recv"
+                else fl.Works([works[i], works[n + i]], e) for i, (e, h, _) in enumerate(heads)]
 
+    @_recorded("barrier", lambda: ((), None))
     def barrier(self):
         if self.size > 1:
             dist.barrier(group=self.group)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Comm
+from .flight import Recorder
 from .ledger import Ledger
 from .topology import GROUPS, Topology
 
@@ -29,18 +30,23 @@ class Mesh:
     members: dict = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)
     algorithm: str = "backend"
+    flight: Recorder | None = None
+    """The rank's flight recorder (flight.py); ``mesh.flight.check = True``: check mode."""
     _comms: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, topology: Topology, device: torch.device | str = "cpu", algorithm: str = "backend") -> "Mesh":
+    def build(cls, topology: Topology, device: torch.device | str = "cpu", algorithm: str = "backend",
+              check_collectives: bool = False) -> "Mesh":
         """Create every named group (collectively: all ranks must call this, in the same order).
-        ``algorithm``: the collectives' default (``parallel.comm_algorithm``; see algorithms.py)."""
+        ``algorithm``: the collectives' default (``parallel.comm_algorithm``; see algorithms.py).
+        ``check_collectives``: fingerprint every collective first (``parallel.check_collectives``)."""
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build needs torch.distributed initialised (use shardlab.launch)")
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != topology.world_size:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, world has {world}")
         mesh = cls(topology, rank, torch.device(device), algorithm=algorithm)
+        mesh.flight.check = check_collectives
         seen: dict[tuple, object] = {}
         for name in ALL_GROUPS:
             for ranks in topology.groups(name):
@@ -58,6 +64,10 @@ class Mesh:
         topo = Topology()
         return cls(topo, 0, torch.device(device), {}, {name: [0] for name in ALL_GROUPS})
 
+    def __post_init__(self):
+        if self.flight is None:
+            self.flight = Recorder(self.rank)
+
     def group(self, name: str):
         """The process group of ``name`` (None in a single-process Mesh)."""
         if name not in self.members:
@@ -68,7 +78,7 @@ class Mesh:
         """The counted collectives handle of group ``name`` (see collectives.py)."""
         if name not in self._comms:
             self._comms[name] = Comm(name, self.group(name), self.members[name], self.rank,
-                                     self.ledger, self.algorithm)
+                                     self.ledger, self.algorithm, self.flight)
         return self._comms[name]
 
     def size(self, name: str) -> int:

@@ -1,0 +1,158 @@
+"""Hang and desync diagnosis (docs/faults.md, Hangs and desyncs): seeded communication bugs on 2
+ranks, each run through ``launch.run`` with a 4 s collective timeout.
+
+* without check mode every run fails within the timeout and the launcher's flight-recorder
+  report names the rank and the operation (the bugs where gloo silently computes something are
+  the check-mode cases below);
+* with ``check_collectives`` the mismatches raise CollectiveMismatch at once, one line naming
+  both sides, long before the timeout.
+
+The runs are independent, so they go through a thread pool (each waits mostly on a timeout)."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from shardlab import launch
+from shardlab.distributed import flight
+from shardlab.distributed.mesh import Mesh
+from shardlab.distributed.topology import Topology
+
+TIMEOUT = 3.0
+
+
+def _mesh(check):
+    return Mesh.build(Topology(tp=2), "cpu", check_collectives=check)
+
+
+def _bug(ctx, name, check):
+    mesh = _mesh(check)
+    tp, r = mesh.comm("tp"), ctx.rank
+    x = torch.ones(4)
+    t0 = time.perf_counter()
+    try:
+        tp.all_reduce(torch.ones(2))  # one good collective first: seq 1
+        if name == "skip":
+            if r == 0:
+                tp.all_reduce(x)
+        elif name == "shapes":
+            tp.all_reduce(torch.ones(4 if r == 0 else 8))
+        elif name == "order":
+            if r == 0:
+                tp.all_reduce(x), tp.all_gather(x)
+            else:
+                tp.all_gather(x), tp.all_reduce(x)
+        elif name == "dtypes":
+            tp.all_reduce(torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64))
+        elif name == "send_no_recv":
+            if r == 0:
+                tp.isend(x, 1).wait()
+            tp.all_gather(x)   # the send stays unmatched: its data desynchronises what follows
+            tp.barrier()
+        elif name == "recv_no_send":
+            if r == 1:
+                tp.irecv(torch.empty(4), 0).wait()
+        elif name == "barrier":
+            if r == 0:
+                tp.barrier()
+        elif name == "wrong_group":
+            mesh.comm("tp" if r == 0 else "dp").all_reduce(x)
+            tp.barrier()
+        elif name == "reduce_op":
+            tp.all_reduce(x, op="sum" if r == 0 else "max")
+        elif name == "extra":
+            tp.all_reduce(x)
+            if r == 0:
+                tp.all_reduce(x)
+        elif name == "a2a_splits":
+            t = torch.ones(4, 3)
+            tp.all_to_all(t, [1, 3] if r == 0 else [2, 2], [1, 2] if r == 0 else [2, 2])
+        elif name == "p2p_shapes":
+            if r == 0:
+                tp.isend(torch.ones(4), 1).wait()
+            else:
+                tp.irecv(torch.empty(6), 0).wait()
+        else:
+            raise ValueError(name)
+    except flight.CollectiveMismatch as e:
+        if check:
+            return "caught", str(e), time.perf_counter() - t0
+        raise
+    return "ran", [o[2] for o in mesh.flight.entries], time.perf_counter() - t0
+
+
+def _run(name, check):
+    t0 = time.perf_counter()
+    try:
+        out = launch.run(_bug, 2, name, check, timeout_s=TIMEOUT)
+    except launch.WorkerError as e:
+        return "error", str(e), time.perf_counter() - t0
+    return "ok", out, time.perf_counter() - t0
+
+
+# name -> what the launcher's report must say (no check mode)
+HANGS = {
+    "skip": ["rank(s) [1] missing from all_reduce seq 2"],
+    "order": ["ranks disagree at seq 2: rank 0 all_reduce(float32[4], sum)", "rank 1 all_gather(float32[4])"],
+    "send_no_recv": ["rank 1 is missing recv #1 from rank 0"],
+    "recv_no_send": ["rank 0 is missing send #1 to rank 1", "rank 1: last op tp recv(float32[4]) from rank 0"],
+    "barrier": ["rank(s) [1] missing from barrier seq 2"],
+    "wrong_group": ["ranks disagree at seq 2: rank 0 all_reduce(float32[4], sum)", "rank 1 barrier()"],
+    "extra": ["rank(s) [1] missing from all_reduce seq 3"],
+}
+# name -> (one-line check-mode message parts)
+MISMATCHES = {
+    "shapes": "rank 1 all_reduce(float32[8], sum) seq 2 at test_diagnosis.py",
+    "order": "rank 1 all_gather(float32[4]) seq 2",
+    "dtypes": "rank 1 all_reduce(float64[4], sum) seq 2",
+    "reduce_op": "rank 1 all_reduce(float32[4], max) seq 2",
+    "a2a_splits": "rank 0 all_to_all(float32[4, 3]",
+    "p2p_shapes": "rank 1 recv(float32[6]) #1 from rank 0",
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    jobs = [(n, False) for n in HANGS] + [(n, True) for n in MISMATCHES]
+    with ThreadPoolExecutor(7) as pool:
+        res = list(pool.map(lambda j: _run(*j), jobs))
+    return dict(zip(jobs, res))
+
+
+@pytest.mark.parametrize("name", list(HANGS))
+def test_hang_is_diagnosed(runs, name):
+    status, text, elapsed = runs[(name, False)]
+    assert status == "error", (name, text)
+    assert "communication at the failure (flight recorder)" in text and "full dumps: " in text, text
+    for part in HANGS[name]:
+        assert part in text, (part, text)
+    assert elapsed < 75, elapsed  # 14 ranks spawned at once on 2 cores
+
+
+@pytest.mark.parametrize("name", list(MISMATCHES))
+def test_check_mode_catches_mismatch_at_once(runs, name):
+    status, out, elapsed = runs[(name, True)]
+    assert status == "ok", out
+    caught = [o for o in out if o[0] == "caught"]
+    assert caught, out
+    for _, msg, dt in caught:
+        assert "\n" not in msg and "mismatch" in msg, msg
+        assert MISMATCHES[name] in msg, msg
+        assert dt < TIMEOUT / 4, dt
+
+
+def test_report_of_dumps(tmp_path):
+    """diagnose() on hand-made dumps: a rank behind in a group, a disagreement, a lost message."""
+    def op(seq, g, o, t, done=True, **kw):
+        return dict(seq=seq, group=g, members=[0, 1], op=o, tensors=t, site="x.py:1 in f", time=0, done=done, **kw)
+    dumps = {
+        0: {"rank": 0, "groups": {"tp": [0, 1]}, "seq": {"tp": 2, "tp:0->1": 1},
+            "ops": [op(1, "tp", "all_reduce", ["float32[2]"]), op(1, "tp", "send", ["float32[4]"], peer=1),
+                    op(2, "tp", "all_reduce", ["float32[4]"], done=False)]},
+        1: {"rank": 1, "groups": {"tp": [0, 1]}, "seq": {"tp": 1}, "ops": [op(1, "tp", "all_reduce", ["float32[2]"])]},
+    }
+    lines = "\n".join(flight.diagnose(dumps, 2))
+    assert "rank 0: last op tp all_reduce(float32[4]) seq 2 at x.py:1 in f (did not return)" in lines
+    assert "rank(s) [1] missing from all_reduce seq 2" in lines
+    assert "rank 1 is missing recv #1 from rank 0" in lines

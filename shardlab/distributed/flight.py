@@ -97,10 +97,11 @@ class Recorder:
         seqs = {g if isinstance(g, str) else f"{g[0]}:{g[1]}->{g[2]}": n for g, n in self.seq.items()}
         return {"rank": self.rank, "groups": self.groups, "seq": seqs, "ops": ops}
 
-    def dump(self, directory: str | None = None, reason: str = "") -> list[str]:
-        """Write ``rank<R>.json`` into ``directory``, the launcher's dump dir and ``run_dir``."""
+    def dump(self, directory: str | None = None, reason: str = "", keep: bool = True) -> list[str]:
+        """Write ``rank<R>.json`` into ``directory``, the launcher's dump dir and (``keep``: a
+        failure worth keeping) ``run_dir``."""
         paths = []
-        for d in {x for x in (directory, _DUMP_DIR, self.run_dir) if x}:
+        for d in {x for x in (directory, _DUMP_DIR, self.run_dir if keep else None) if x}:
             os.makedirs(d, exist_ok=True)
             path = os.path.join(d, f"rank{self.rank}.json")
             data = self.to_json()
@@ -116,12 +117,13 @@ _LIVE: list = []          # this process's recorders (rank processes build one o
 _DUMP_DIR: str | None = None
 
 
-def dump_all(reason: str = "") -> None:
-    """Dump the most recent recorder with entries (launcher hook and Comm errors)."""
+def dump_all(reason: str = "", keep: bool = True) -> None:
+    """Dump the most recent recorder with entries (launcher hook and Comm errors); ``keep=False``
+    (a rank that returned): only into the launcher's temporary dump dir, not the run dir."""
     for rec in reversed(_LIVE):
         if rec.entries:
             try:
-                rec.dump(reason=reason)
+                rec.dump(reason=reason, keep=keep)
             except OSError:
                 pass
             return
@@ -135,7 +137,7 @@ def _rank_main(dump_dir, fn, ctx, *args):
     except BaseException as e:
         dump_all(f"{type(e).__name__}: {e}".splitlines()[0][:300])
         raise
-    dump_all("returned")
+    dump_all("returned", keep=False)
     return out
 
 

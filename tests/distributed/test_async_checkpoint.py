@@ -160,3 +160,14 @@ def test_error_is_raised_at_the_next_save_and_nothing_is_published(tmp_path, mon
     saver.settle(mesh)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001", "step_00000003"]
     assert not ckpt.staging_dir(tmp_path, 2).exists()  # removed by the next commit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_snapshot_is_pinned_and_taken_at_the_step(tmp_path):
+    saver, mesh, w = async_save.AsyncSaver(), _Mesh(), torch.zeros(256, 256, device="cuda")
+    saver.save(tmp_path, 1, mesh, _pieces(w), dict, "cuda")
+    w.add_(1.0)  # queued after the copy on the same stream
+    saver.settle(mesh)
+    assert all(h.is_pinned() for h in saver._host)
+    with ckpt.Reader(tmp_path / "step_00000001") as r:
+        assert torch.equal(r.read("model.w"), torch.zeros(256, 256))

@@ -2,7 +2,6 @@
 the same files as a blocking save, exact resume, a failed or killed background write keeps the
 previous checkpoint, at most one save in flight."""
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ def reference(tmp_path_factory, cache):
     return run / "checkpoints"
 
 
-def test_async_save_writes_the_same_files_and_resumes_exactly(tmp_path, cache, reference):
+def test_async_save_writes_the_same_files_as_a_blocking_save(tmp_path, cache, reference):
     run = tmp_path / "run"
     assert _train(run, cache, "--checkpoint.async_save=true") == 0
     ck = run / "checkpoints"
@@ -71,10 +70,7 @@ def test_async_save_writes_the_same_files_and_resumes_exactly(tmp_path, cache, r
         assert _files(ck / name) == _files(reference / name), name
     cfg = json.loads((ck / "step_00000004" / "index.json").read_text())["meta"]["config"]
     assert cfg["checkpoint"]["async_save"] is True
-    # resume from the asynchronous step-2 checkpoint: step 4 is bit for bit the uninterrupted one
-    shutil.rmtree(ck / "step_00000004")
-    assert _train(run, cache, "--checkpoint.async_save=true", "--resume") == 0
-    _same_state(ck / "step_00000004", reference / "step_00000004")
+    # resuming from an asynchronous checkpoint: test_failed_background_write_...[exit]
 
 
 @pytest.mark.parametrize("kind", ["raise", "exit"])

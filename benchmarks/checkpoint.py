@@ -2,6 +2,10 @@
 
     PYTHONPATH=. python benchmarks/checkpoint.py --config configs/llama-350m.toml \\
         --nproc-list 1 2 4 --out benchmarks/results/checkpoint.md
+    PYTHONPATH=. python benchmarks/checkpoint.py --mode blocking --nproc-list 2 --rounds 3
+
+``--mode blocking``: how long the training loop is blocked per save, blocking saves vs
+``checkpoint.async_save`` (``_blocking_worker``), on the same state in the same ranks.
 
 For each N: N fresh spawned ranks build the model (meta build) under FSDP (zero_stage 3,
 dp_shard = N), run one training step (micro-batch 1 x ``--seq`` tokens, AdamW: the Adam state
@@ -143,6 +147,63 @@ def _worker(ctx, cfg, root: str, seq: int) -> dict:
     return out
 
 
+def _blocking_worker(ctx, cfg, root: str, seq: int, rounds: int) -> dict:
+    """Blocking time per save, sync vs async, the Trainer's call (``ckpt.save``) on the same state:
+    each round saves blocking, then asynchronously (timed until ``save`` returns), then waits
+    for the background write (``finish_saves``, timed apart), then one training step."""
+    from shardlab.train import checkpoint as ckpt
+
+    mesh, engine, opt = _ranks.build_engine(cfg, ctx.device, "meta")
+    _ranks.train_step(cfg, mesh, engine, opt, 1, seq)
+    pieces = lambda: engine.state_pieces(opt)  # noqa: E731
+    meta = lambda: {"world_size": ctx.world_size}  # noqa: E731
+    out = {"sync": [], "async": [], "background": [], "rss": []}
+    for i in range(rounds):
+        step = i + 1
+        out["sync"].append(_ranks.timed(lambda: ckpt.save(Path(root) / "sync", step, mesh, pieces, meta,
+                                                          ctx.device, keep=1)))
+        out["async"].append(_ranks.timed(lambda: ckpt.save(Path(root) / "async", step, mesh, pieces, meta,
+                                                           ctx.device, keep=1, async_save=True)))
+        out["background"].append(_ranks.timed(lambda: ckpt.finish_saves(mesh)))
+        out["rss"].append(_ranks.max_over_ranks(_ranks.rss_mib()))
+        _ranks.train_step(cfg, mesh, engine, opt, 1, seq, step=step)
+    out["state MiB"] = _ranks.max_over_ranks(sum(p.tensor.numel() * p.tensor.element_size()
+                                                 for p in pieces()) / MiB)
+    a, b = (Path(root) / d / f"step_{rounds:08d}" for d in ("sync", "async"))
+    same = all((a / f.name).read_bytes() == f.read_bytes() for f in b.iterdir() if f.suffix == ".safetensors")
+    ok = torch.tensor([int(same)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    out["same files"] = bool(ok)
+    return out
+
+
+def blocking(args, overrides, head: str) -> None:
+    """--mode blocking: the table of blocking time per save, sync vs async."""
+    n = args.nproc_list[0]
+    cfg = fsdp_cfg(args.config, overrides, n, args.seq)
+    root = Path(tempfile.mkdtemp(prefix="shardlab-ckpt-bench-", dir="/tmp"))
+    try:
+        res = run(_blocking_worker, n, cfg, str(root), args.seq, args.rounds, threads=1, timeout_s=args.timeout)[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    lines = [f"N = {n} ranks, state per rank {res['state MiB']:.0f} MiB; blocking = wall time of the save call "
+             "on the slowest rank (barriers around it); background = the rest of the async save (finish_saves)",
+             "| save | sync blocking s | async blocking s | async / sync | async background s | RSS after, max rank MiB |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for i, (s, a, b, r) in enumerate(zip(res["sync"], res["async"], res["background"], res["rss"])):
+        lines.append(f"| {i + 1}{' (first: host buffers allocated)' if i == 0 else ''} | {s:.2f} | {a:.2f} | "
+                     f"{a / s:.1%} | {b:.2f} | {r:.0f} |")
+    later = slice(1, None) if len(res["sync"]) > 1 else slice(None)
+    ms, ma = (sum(res[k][later]) / len(res[k][later]) for k in ("sync", "async"))
+    lines.append(f"| mean{' of saves 2..' if len(res['sync']) > 1 else ''} | {ms:.2f} | {ma:.2f} | {ma / ms:.1%} | | |")
+    lines.append("")
+    lines.append(f"last checkpoint's data files byte-identical sync vs async: {'yes' if res['same files'] else 'NO'}")
+    table = "\n".join(lines)
+    print()
+    print(table)
+    _ranks.write_table(args.out, head, table)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -154,8 +215,15 @@ def main():
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence of the one training step")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per launch, seconds")
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    ap.add_argument("--mode", choices=("formats", "blocking"), default="formats",
+                    help="formats: shardlab vs DCP save/load; blocking: blocking time per save, sync vs "
+                         "checkpoint.async_save (first of --nproc-list ranks, --rounds saves)")
+    ap.add_argument("--rounds", type=int, default=3, help="--mode blocking: saves of each kind")
     args, overrides = ap.parse_known_args()
     psi = count_params(meta_model(load(args.config, overrides).model))
+    if args.mode == "blocking":
+        return blocking(args, overrides, f"model: {args.config} {' '.join(overrides)}: {psi:,} parameters; FSDP "
+                        f"(zero_stage 3) after one AdamW step; fp32 state = {12 * psi / MiB:.0f} MiB in all")
     head = (f"model: {args.config} {' '.join(overrides)}: {psi:,} parameters; FSDP (zero_stage 3, dp_shard = N) "
             f"after one AdamW step (micro-batch 1 x {args.seq}); fp32 state = params + exp_avg + exp_avg_sq "
             f"= {12 * psi / MiB:.0f} MiB")

@@ -300,7 +300,13 @@ class ModelEngine:
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
         return ckpt.save(directory, self.global_steps, self.mesh,
                          lambda: self.engine.state_pieces(self.optimizer) + self._buffer_pieces(), meta,
-                         self.device, keep=keep or self.cfg.checkpoint.keep)
+                         self.device, keep=keep or self.cfg.checkpoint.keep,
+                         async_save=self.cfg.checkpoint.async_save)
+
+    def wait_checkpoint(self) -> None:
+        """With ``checkpoint.async_save``: wait for the save in flight and raise (on every rank)
+        if it failed. Collective; call it before the end of the program."""
+        ckpt.finish_saves(self.mesh)
 
     def load_checkpoint(self, directory) -> Path | None:
         """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one

@@ -180,6 +180,11 @@ class CheckpointConfig:
     keep: int = f(3, "Keep the last N checkpoints.", ge=1, le=10**6)
     resume: bool = f(False, "Resume from the newest valid checkpoint in dir.")
     save: bool = f(True, "Write checkpoints at all.")
+    async_save: bool = f(False, "Asynchronous saves: the step waits only for a copy of this rank's state in host "
+                                "memory (pinned on CUDA; as much host memory again as the rank's state), a "
+                                "background thread writes the files and rank 0 commits once every rank has "
+                                "written. At most one save in flight; a failed save keeps the previous checkpoint "
+                                "and is raised at the next save or at the end (docs/checkpoints.md).")
     base: str = f("", "Pretrained weights to fine-tune: smollm2 (the packaged SmolLM2-135M GGUF), a .gguf file, a "
                       "Hugging Face directory or a shardlab checkpoint. The model section is taken from it, the run "
                       "starts at step 0 with fresh optimizer state, and with train.lora_rank > 0 checkpoints hold "

@@ -36,7 +36,7 @@ from .ckpt_format import (CheckpointError, Piece, SafetensorsWriter, dtype_name,
 from .ckpt_reader import Reader
 
 __all__ = ["CheckpointError", "Deferred", "Piece", "PREFIX", "staging_dir", "prepare", "write_rank", "commit",
-           "remove_interrupted",
+           "remove_interrupted", "finish_saves",
            "list_checkpoints", "latest_valid", "Reader", "flat_boxes", "rng_tensors", "restore_rng"]
 
 PREFIX = "step_"
@@ -225,10 +225,16 @@ def commit(directory, step: int, world_size: int, meta: dict, keep: int = 3) -> 
 
 
 def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[[], dict], device,
-         keep: int = 3) -> Path | None:
+         keep: int = 3, async_save: bool = False) -> Path | None:
     """The whole save protocol, collective over ``mesh``'s world: rank 0 prepares the staging
     directory, every rank writes its ``pieces()`` and RNG states, rank 0 writes the index with
-    ``meta()`` and commits atomically. Only barriers synchronise. Returns the path on rank 0."""
+    ``meta()`` and commits atomically. Only barriers synchronise. Returns the path on rank 0.
+    ``async_save``: return once this rank's pieces are copied to host memory; a background
+    thread writes and rank 0's commits (train/async_save.py); call :func:`finish_saves` at the end."""
+    if async_save:
+        from . import async_save as _async
+        return _async.save(directory, step, mesh, pieces, meta, device, keep=keep)
+    finish_saves(mesh)  # an asynchronous save still in flight (async_save switched off mid-run)
     world = mesh.comm("world")
     if mesh.rank == 0:
         prepare(directory, step)
@@ -238,6 +244,13 @@ def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[
     path = commit(directory, step, mesh.world_size, meta(), keep=keep) if mesh.rank == 0 else None
     world.barrier()
     return path
+
+
+def finish_saves(mesh) -> None:
+    """Collective, at the end of training: wait for the asynchronous save in flight and raise
+    (on every rank) if it failed on any. A no-op where no asynchronous save was started."""
+    from . import async_save as _async
+    _async.finish(mesh)
 
 
 def list_checkpoints(directory) -> list[Path]:

@@ -128,7 +128,8 @@ class Trainer:
         def pieces():  # a LoRA run on a base: adapters only, the base stays where it is
             out = self.engine.state_pieces(self.optimizer)
             return finetune.drop_frozen(out) if finetune.adapter_only(self.cfg) else out
-        return ckpt.save(directory, self.step, self.mesh, pieces, meta, self.device, keep=self.cfg.checkpoint.keep)
+        return ckpt.save(directory, self.step, self.mesh, pieces, meta, self.device, keep=self.cfg.checkpoint.keep,
+                         async_save=self.cfg.checkpoint.async_save)
 
     def _with_adapters(self, reader):
         """Adapters a reader lacks (a base without them) read as their seeded initial values."""
@@ -182,6 +183,7 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
         if cfg.checkpoint.save and ((every and step % every == 0) or step == cfg.train.steps):
             run.tr.save_checkpoint(run.ck_dir)
         run.after_step()
+    ckpt.finish_saves(run.mesh)  # an asynchronous save in flight: wait, raise if it failed
     return run.finish()
 
 

@@ -121,6 +121,7 @@ def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, resu
     if parent_pid is not None:
         die_with_parent(parent_pid)
     try:
+        _arm_test_hooks(rank)
         ctx = _init(rank, world, rank, world, init_method, device, timeout_s, threads)
         out = fn(ctx, *args)
         # Plain pickle: tensors travel by value (torch's queue reducers would pass shared-memory
@@ -135,6 +136,36 @@ def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, resu
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+# -- TEST-ONLY fault injection (tests/distributed/test_restart.py) --------------------------------
+# Never set these in real runs. SHARDLAB_TEST_KILL_AT_STEP="RANK:STEP:ONCE_FILE": rank RANK SIGKILLs
+# itself after step STEP (before that step's checkpoint) if ONCE_FILE does not exist yet, creating it
+# first (so it happens once). SHARDLAB_TEST_REFUSE_RANK="RANK:FLAG_FILE": while FLAG_FILE exists, rank
+# RANK fails at start (a rank that "cannot come back"). Read only here, in the spawned rank.
+_TEST_KILL: tuple[int, str] | None = None
+
+
+def _arm_test_hooks(rank: int) -> None:
+    global _TEST_KILL
+    spec = os.environ.get("SHARDLAB_TEST_KILL_AT_STEP")
+    if spec:
+        r, step, once = spec.split(":", 2)
+        if int(r) == rank:
+            _TEST_KILL = (int(step), once)
+    spec = os.environ.get("SHARDLAB_TEST_REFUSE_RANK")
+    if spec:
+        r, flag = spec.split(":", 1)
+        if int(r) == rank and os.path.exists(flag):
+            raise RuntimeError(f"rank {rank} cannot come back (test hook SHARDLAB_TEST_REFUSE_RANK)")
+
+
+def injected_fault_point(step: int) -> None:
+    """TEST-ONLY: called by the training loop after each step; see SHARDLAB_TEST_KILL_AT_STEP."""
+    if _TEST_KILL is None or _TEST_KILL[0] != step or os.path.exists(_TEST_KILL[1]):
+        return
+    open(_TEST_KILL[1], "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def under_torchrun() -> bool:

@@ -321,11 +321,13 @@ def torchrun_env(rank: int, nproc: int, port: int, base: dict | None = None) -> 
     return env
 
 
-def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None) -> int:
+def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None,
+                 restart_count: int = 0, max_restarts: int = 0) -> int:
     """``shardlab launch``: run ``python argv...`` as ``nproc`` local ranks with torchrun's
     environment. Returns 0 when every rank exits 0; when one fails, the others are terminated
     (SIGTERM, then SIGKILL after 5 s) and its exit code is returned, the rank named through
-    ``report`` (default: stderr). Never waits on a dead job."""
+    ``report`` (default: stderr). Never waits on a dead job. Like torchrun, the ranks see
+    ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_MAX_RESTARTS`` (``shardlab launch --max-restarts``)."""
     import subprocess
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -337,7 +339,9 @@ def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None)
         if _set_pdeathsig() and os.getppid() != parent:
             os._exit(1)
     setup = child_setup if sys.platform.startswith("linux") else None
-    procs = [subprocess.Popen([sys.executable, *argv], env=torchrun_env(r, nproc, port), preexec_fn=setup)
+    elastic_env = dict(TORCHELASTIC_RESTART_COUNT=str(restart_count), TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
+    procs = [subprocess.Popen([sys.executable, *argv], env=dict(torchrun_env(r, nproc, port), **elastic_env),
+                              preexec_fn=setup)
              for r in range(nproc)]
     failed = None
     try:

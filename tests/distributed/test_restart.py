@@ -96,3 +96,17 @@ def test_elastic_arguments_are_checked():
         restart.check_elastic(cfg, 2, (1, 2))
     assert "plain data parallel" in str(e.value)
     assert restart.resized(C.load(None, ["--train.global_batch=4"]), 2).parallel.dp_replicate == 2
+
+
+def test_launch_restarts_a_failed_script(tmp_path, capsys):
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import os, sys\n"
+        "count = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        f"open(r'{tmp_path}/seen-' + os.environ['RANK'] + '-' + str(count), 'w').close()\n"
+        "sys.exit(3 if count == 0 and os.environ['RANK'] == '1' else 0)\n")
+    assert cli_main(["launch", "--nproc", "2", "--max-restarts", "2", str(script)]) == 0
+    err = capsys.readouterr().err
+    assert "rank 1 failed (exit code 3)" in err and err.count("shardlab launch: restart 1/2") == 1, err
+    assert {p.name for p in tmp_path.glob("seen-*-1")} == {"seen-0-1", "seen-1-1"}
+    assert cli_main(["launch", "--nproc", "2", str(script)]) == 3  # no restarts: the failure stands

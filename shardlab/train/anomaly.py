@@ -1,12 +1,13 @@
 """Finding the first non-finite value: ``train.detect_anomaly = "first_module"``.
 
-A forward hook on every module checks its outputs, and a full backward hook
-(``register_full_backward_hook``) checks the gradients it hands to its inputs, for inf/nan. The
-first module that produced one -- non-finite out of finite in (forward: inputs -> output;
-backward: output gradient -> input gradient), a child's hook running before its parent's, so an
-inf made by a plain operation between submodules is blamed on the innermost module around it --
-is noted in one line: the module's qualified name, forward or
-backward, the rank and the step. The hooks note rather than raise, so that no rank leaves the
+A forward hook on every module checks its outputs, a full backward hook
+(``register_full_backward_hook``) the gradients it hands to its inputs, and a tensor hook on each
+parameter that parameter's gradient, for inf/nan. The first module that produced one --
+non-finite out of finite in (forward: inputs -> output; backward: output gradient -> input
+gradient), a child's hook running before its parent's, so an inf made by a plain operation
+between submodules is blamed on the innermost module around it; or a non-finite parameter
+gradient -- is noted in one line: the module's qualified name, forward or backward, the rank and
+the step. The hooks note rather than raise, so that no rank leaves the
 step's collectives half done: after backward, :meth:`Detector.agree` (one all-reduce of a flag
 per step, plus an all-gather of the lines when something was found) gives every rank the note
 of the lowest rank that found one, and the training loop treats the step as non-finite:
@@ -49,7 +50,7 @@ class Detector:
     """Hooks on every module of ``model``; ``first`` is the note of the first non-finite value."""
 
     def __init__(self, model: torch.nn.Module, rank: int):
-        self.rank, self.step, self.first = rank, 0, None
+        self.rank, self.step, self.first, self.tainted = rank, 0, None, set()
         self.handles = []
         # modules fed only integer ids (embeddings, the root) see output gradients only: expected
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
@@ -58,6 +59,10 @@ class Detector:
             qual = name or type(module).__name__  # the root has no name of its own
             self.handles.append(module.register_forward_hook(self._forward(qual)))
             self.handles.append(module.register_full_backward_hook(self._backward(qual)))
+            self.handles.append(module.register_full_backward_pre_hook(self._taint(module)))
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad:  # before accumulation, so before the engines' post-accumulate hooks
+                    self.handles.append(p.register_hook(self._param(module, qual, pname)))
 
     def _note(self, name: str, where: str, kind: str) -> None:
         self.first = (f"non-finite value ({kind}) first produced by module '{name}' in {where} "
@@ -79,9 +84,23 @@ class Detector:
                     self._note(name, "backward (the gradient of its input)", kind)
         return hook
 
+    def _taint(self, module):
+        def hook(module_, grad_output):  # handed a non-finite gradient: its parameters' are no news
+            if self.first is None and _bad(grad_output):
+                self.tainted.add(id(module))
+        return hook
+
+    def _param(self, module, name, pname):
+        def hook(grad):
+            if self.first is None and id(module) not in self.tainted:
+                kind = _bad(grad)
+                if kind:
+                    self._note(name, f"backward (the gradient of its parameter '{pname}')", kind)
+        return hook
+
     def begin(self, step: int) -> None:
         """Before the forward pass of training step ``step`` (1-based, as the loop reports it)."""
-        self.step, self.first = step, None
+        self.step, self.first, self.tainted = step, None, set()
 
     def agree(self, device: torch.device) -> str | None:
         """Collective over the default group (every rank calls it once per step): the note of the

@@ -183,7 +183,9 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
         if out["nonfinite"] and cfg.train.nonfinite == "stop":
             run.stopped = (f"stopped at step {step}: the loss or the gradients are not finite (gradient norm "
                            f"{out['grad_norm']}); the step was not applied. Lower train.lr, or set "
-                           "train.nonfinite = \"skip\" to skip such steps")
+                           "train.nonfinite = \"skip\" to skip such steps"
+                           + ("" if cfg.train.detect_anomaly == "off" else " (train.detect_anomaly: no module made an inf/nan "
+                              "out of finite values; the loss, the norm or the reduction across ranks did)"))
             break
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             run.log(out)

@@ -14,7 +14,9 @@ of the lowest rank that found one, and the training loop treats the step as non-
 ``train.nonfinite = "stop"`` ends the run with that line, ``"skip"`` drops the step and logs it
 (a ``{"kind": "anomaly"}`` metrics record and one line on stderr).
 
-Each hook syncs with the device (``isfinite(...).all()``): a diagnosis mode, not for speed.
+Each hook syncs with the device (``isfinite(...).all()``): a diagnosis mode, not for speed. Nor
+bit-exact: the full backward hooks change the autograd graph, and with it (most likely) the order
+of some gradient sums, so values differ from a run without hooks at rounding level.
 """
 from __future__ import annotations
 

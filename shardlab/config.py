@@ -141,6 +141,10 @@ class TrainConfig:
     nonfinite: str = f("stop", "fp32/bf16/fp64: a step whose loss or gradients are inf/nan is never applied; stop = "
                                "end the run with one line naming the step (exit 1), skip = drop the step and go on "
                                "(fp16 always skips through its loss scaler).", choices=('stop', 'skip'))
+    detect_anomaly: str = f("off", "first_module = hooks on every module find the first one whose forward output, "
+                                   "input gradient or parameter gradient is inf/nan and name it (module, forward/backward, rank, step) in "
+                                   "the train.nonfinite stop line or skip record; slow (a device sync per module).",
+                            choices=('off', 'first_module'))
     loss_scale_window: int = f(1000, "fp16: overflow-free steps before the loss scale doubles.", ge=1, le=10**12)
     seed: int = f(1234, "Seed for initialisation, data order and dropout.", ge=0, le=2**63 - 1)
     eval_every: int = f(50, "Validation loss every N steps (and at the end); 0 = only at the end.", ge=0, le=10**12)

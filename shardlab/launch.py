@@ -121,6 +121,7 @@ def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, resu
     if parent_pid is not None:
         die_with_parent(parent_pid)
     try:
+        _arm_test_hooks(rank)
         ctx = _init(rank, world, rank, world, init_method, device, timeout_s, threads)
         out = fn(ctx, *args)
         # Plain pickle: tensors travel by value (torch's queue reducers would pass shared-memory
@@ -135,6 +136,36 @@ def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, resu
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+# -- TEST-ONLY fault injection (tests/distributed/test_restart.py) --------------------------------
+# Never set these in real runs. SHARDLAB_TEST_KILL_AT_STEP="RANK:STEP:ONCE_FILE": rank RANK SIGKILLs
+# itself after step STEP (before that step's checkpoint) if ONCE_FILE does not exist yet, creating it
+# first (so it happens once). SHARDLAB_TEST_REFUSE_RANK="RANK:FLAG_FILE": while FLAG_FILE exists, rank
+# RANK fails at start (a rank that "cannot come back"). Read only here, in the spawned rank.
+_TEST_KILL: tuple[int, str] | None = None
+
+
+def _arm_test_hooks(rank: int) -> None:
+    global _TEST_KILL
+    spec = os.environ.get("SHARDLAB_TEST_KILL_AT_STEP")
+    if spec:
+        r, step, once = spec.split(":", 2)
+        if int(r) == rank:
+            _TEST_KILL = (int(step), once)
+    spec = os.environ.get("SHARDLAB_TEST_REFUSE_RANK")
+    if spec:
+        r, flag = spec.split(":", 1)
+        if int(r) == rank and os.path.exists(flag):
+            raise RuntimeError(f"rank {rank} cannot come back (test hook SHARDLAB_TEST_REFUSE_RANK)")
+
+
+def injected_fault_point(step: int) -> None:
+    """TEST-ONLY: called by the training loop after each step; see SHARDLAB_TEST_KILL_AT_STEP."""
+    if _TEST_KILL is None or _TEST_KILL[0] != step or os.path.exists(_TEST_KILL[1]):
+        return
+    open(_TEST_KILL[1], "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def under_torchrun() -> bool:
@@ -313,11 +344,13 @@ def torchrun_env(rank: int, nproc: int, port: int, base: dict | None = None) -> 
     return env
 
 
-def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None) -> int:
+def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None,
+                 restart_count: int = 0, max_restarts: int = 0) -> int:
     """``shardlab launch``: run ``python argv...`` as ``nproc`` local ranks with torchrun's
     environment. Returns 0 when every rank exits 0; when one fails, the others are terminated
     (SIGTERM, then SIGKILL after 5 s) and its exit code is returned, the rank named through
-    ``report`` (default: stderr). Never waits on a dead job."""
+    ``report`` (default: stderr). Never waits on a dead job. Like torchrun, the ranks see
+    ``TORCHELASTIC_RESTART_COUNT`` and ``TORCHELASTIC_MAX_RESTARTS`` (``shardlab launch --max-restarts``)."""
     import subprocess
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -329,7 +362,9 @@ def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None)
         if _set_pdeathsig() and os.getppid() != parent:
             os._exit(1)
     setup = child_setup if sys.platform.startswith("linux") else None
-    procs = [subprocess.Popen([sys.executable, *argv], env=torchrun_env(r, nproc, port), preexec_fn=setup)
+    elastic_env = dict(TORCHELASTIC_RESTART_COUNT=str(restart_count), TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
+    procs = [subprocess.Popen([sys.executable, *argv], env=dict(torchrun_env(r, nproc, port), **elastic_env),
+                              preexec_fn=setup)
              for r in range(nproc)]
     failed = None
     try:

@@ -4,10 +4,13 @@ Each rank is ``python script.py args...`` with torchrun's environment (RANK, WOR
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port), so a script
 written for torchrun or ``shardlab.initialize`` runs unchanged. When a rank fails, the others are
 stopped and its exit code is returned, the rank named (launch.spawn_script): no hang.
+``--max-restarts K``: after a failure all ranks are started again, at most K times; each sees
+``TORCHELASTIC_RESTART_COUNT`` (as under torchrun) and resumes from its own checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .. import launch
@@ -16,6 +19,8 @@ from ..errors import ConfigError
 
 def configure(parser):
     parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="after a rank failure, start all ranks again, at most K times")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -25,4 +30,13 @@ def main(args) -> int:
         raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}")
     if not Path(args.script).is_file():
         raise ConfigError("script", f"{args.script} is not a file; write shardlab launch --nproc N script.py [args]")
-    return launch.spawn_script(args.nproc, [args.script, *args.script_args, *args.overrides])
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    argv = [args.script, *args.script_args, *args.overrides]
+    for attempt in range(args.max_restarts + 1):
+        code = launch.spawn_script(args.nproc, argv, restart_count=attempt, max_restarts=args.max_restarts)
+        if code == 0 or attempt == args.max_restarts:
+            return code
+        print(f"shardlab launch: restart {attempt + 1}/{args.max_restarts}: starting {args.nproc} rank(s) again "
+              f"(TORCHELASTIC_RESTART_COUNT={attempt + 1})", file=sys.stderr, flush=True)
+    return code

@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import config as C
 from .. import launch
 from ..models.spec import get_spec
-from ..train import finetune, images
+from ..train import finetune, images, restart
 from ..train.loop import train_rank
 
 
@@ -26,6 +26,11 @@ def configure(parser):
                         help="write a torch.profiler Chrome trace per rank for N steps")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override train.device")
     parser.add_argument("--run-dir", default=None, help="override logging.run_dir")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="after a rank failure, restart from the newest valid checkpoint, at most K times")
+    parser.add_argument("--elastic", default=None, metavar="MIN:MAX",
+                        help="plain data parallel: when a restart fails again at start, go on with fewer "
+                             "ranks, down to MIN (docs/faults.md)")
 
 
 def resolve(args) -> tuple[C.Config, int, object]:
@@ -101,6 +106,7 @@ def _finished(cfg: C.Config, latest, quiet: bool = False) -> bool:
 
 def main(args) -> int:
     cfg, nproc, base = resolve(args)
+    restarts, elastic = _restart_args(args, cfg, nproc)
     main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
     if main_rank:
         latest = check_resume(cfg)
@@ -118,8 +124,14 @@ def main(args) -> int:
     if not launch.under_torchrun():
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)
-    results = launch.run(train_rank, nproc, cfg, str(data_dir), device=cfg.train.device,
-                         timeout_s=cfg.train.timeout_s, threads=cfg.train.threads)
+
+    def start(c, n):
+        return launch.run(train_rank, n, c, str(data_dir), device=c.train.device,
+                          timeout_s=c.train.timeout_s, threads=c.train.threads)
+    if restarts or elastic:
+        results = restart.run_with_restarts(cfg, nproc, start, restarts, elastic)
+    else:
+        results = start(cfg, nproc)
     summary = results[0]
     if summary is None or (launch.under_torchrun() and launch.torchrun_rank() != 0):
         return 0
@@ -128,6 +140,19 @@ def main(args) -> int:
         return 1
     _report(cfg, summary)
     return 0
+
+
+def _restart_args(args, cfg, nproc) -> tuple[int, tuple[int, int] | None]:
+    """(--max-restarts, --elastic range or None), checked before anything starts."""
+    if args.max_restarts < 0:
+        raise C.ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    elastic = restart.parse_elastic(args.elastic) if args.elastic else None
+    if (args.max_restarts or elastic) and launch.under_torchrun():
+        raise C.ConfigError("--max-restarts", "under torchrun, restarts are torchrun's (--max-restarts there)")
+    if elastic and not args.max_restarts:
+        raise C.ConfigError("--elastic", "needs --max-restarts K >= 1 (a smaller world is a restart)")
+    restart.check_elastic(cfg, nproc, elastic)
+    return args.max_restarts, elastic
 
 
 def _layout(cfg) -> str:

@@ -23,6 +23,8 @@ from ..models.spec import add_adapters, count_params, get_spec, meta_model
 from ..parallel.materialize import model_init_fn
 from ..parallel.state import WithInitial
 from ..parallelize import parallelize
+from .. import launch
+from . import anomaly
 from . import checkpoint as ckpt
 from . import finetune, images
 from .data import Loader, TokenData
@@ -72,6 +74,7 @@ class Trainer:
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.autocast = autocast_factory(t.precision, self.device)
         self.step = 0
+        self.anomaly = anomaly.attach(cfg, self.engine.model, mesh.rank)  # train.detect_anomaly
 
     # -- one optimizer step ----------------------------------------------------------------
     def train_step(self) -> dict:
@@ -80,23 +83,26 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         micro = self.loader.next_batch()
+        if self.anomaly:
+            self.anomaly.begin(self.step + 1)
         local = self.engine.forward_backward(micro, self.scaler.scale, self.autocast)
         # fp16: unscale exactly the gradient tensors this rank owns (flat shards, buckets, TP/EP
         # shards, its pipeline stage), before clipping; one world all-reduce of the overflow flag.
         overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
-        gnorm, nonfinite = float("nan"), False
+        gnorm, nonfinite, found = float("nan"), False, None
         if not overflow:
             gnorm = self.engine.clip_grads(t.grad_clip)
             # fp32/bf16: a non-finite global gradient norm (same on every rank) means the loss or
             # the gradients are inf/nan: never step on it (train.nonfinite: stop or skip)
-            nonfinite = not math.isfinite(gnorm)
+            found = self.anomaly.agree(self.device) if self.anomaly else None  # first non-finite module
+            nonfinite = not math.isfinite(gnorm) or found is not None
             if not nonfinite:
                 self.optimizer.step()
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"local_loss": local, "lr": lr, "grad_norm": gnorm, "skipped": overflow or nonfinite,
-                "nonfinite": nonfinite}
+                "nonfinite": nonfinite, "anomaly": found}
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
@@ -170,15 +176,23 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
     while run.tr.step < cfg.train.steps:
         out = run.timed_step()
         step = run.tr.step
+        if out["anomaly"] and cfg.train.nonfinite == "stop":
+            run.stopped = f"stopped at step {step}: {out['anomaly']}; the step was not applied"
+            break
+        if out["anomaly"]:
+            anomaly.report_skipped(run.writer, step, out["anomaly"])
         if out["nonfinite"] and cfg.train.nonfinite == "stop":
             run.stopped = (f"stopped at step {step}: the loss or the gradients are not finite (gradient norm "
                            f"{out['grad_norm']}); the step was not applied. Lower train.lr, or set "
-                           "train.nonfinite = \"skip\" to skip such steps")
+                           "train.nonfinite = \"skip\" to skip such steps"
+                           + ("" if cfg.train.detect_anomaly == "off" else " (train.detect_anomaly: no module made an inf/nan "
+                              "out of finite values; the loss, the norm or the reduction across ranks did)"))
             break
         if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
             run.log(out)
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
             run.evaluate()
+        launch.injected_fault_point(step)  # TEST-ONLY fault injection (a no-op unless launch armed it)
         every = cfg.checkpoint.every
         if cfg.checkpoint.save and ((every and step % every == 0) or step == cfg.train.steps):
             run.tr.save_checkpoint(run.ck_dir)

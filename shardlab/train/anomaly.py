@@ -1,0 +1,137 @@
+"""Finding the first non-finite value: ``train.detect_anomaly = "first_module"``.
+
+A forward hook on every module checks its outputs, a full backward hook
+(``register_full_backward_hook``) the gradients it hands to its inputs, and a tensor hook on each
+parameter that parameter's gradient, for inf/nan. The first module that produced one --
+non-finite out of finite in (forward: inputs -> output; backward: output gradient -> input
+gradient), a child's hook running before its parent's, so an inf made by a plain operation
+between submodules is blamed on the innermost module around it; or a non-finite parameter
+gradient -- is noted in one line: the module's qualified name, forward or backward, the rank and
+the step. The hooks note rather than raise, so that no rank leaves the
+step's collectives half done: after backward, :meth:`Detector.agree` (one all-reduce of a flag
+per step, plus an all-gather of the lines when something was found) gives every rank the note
+of the lowest rank that found one, and the training loop treats the step as non-finite:
+``train.nonfinite = "stop"`` ends the run with that line, ``"skip"`` drops the step and logs it
+(a ``{"kind": "anomaly"}`` metrics record and one line on stderr).
+
+Each hook syncs with the device (``isfinite(...).all()``): a diagnosis mode, not for speed. Nor
+bit-exact: the full backward hooks change the autograd graph, and with it (most likely) the order
+of some gradient sums, so values differ from a run without hooks at rounding level.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _bad(x) -> str | None:
+    """'nan' or 'inf' for the first floating tensor in ``x`` holding one, else None."""
+    for t in _tensors(x):
+        if t.is_floating_point() or t.is_complex():
+            t = t.detach()
+            if not bool(torch.isfinite(t).all()):
+                return "nan" if bool(torch.isnan(t).any()) else "inf"
+    return None
+
+
+class Detector:
+    """Hooks on every module of ``model``; ``first`` is the note of the first non-finite value."""
+
+    def __init__(self, model: torch.nn.Module, rank: int):
+        self.rank, self.step, self.first, self.tainted = rank, 0, None, set()
+        self.handles = []
+        # modules fed only integer ids (embeddings, the root) see output gradients only: expected
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                                  "respect to module outputs since no inputs require gradients")
+        for name, module in model.named_modules():
+            qual = name or type(module).__name__  # the root has no name of its own
+            self.handles.append(module.register_forward_hook(self._forward(qual)))
+            self.handles.append(module.register_full_backward_hook(self._backward(qual)))
+            self.handles.append(module.register_full_backward_pre_hook(self._taint(module)))
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad:  # before accumulation, so before the engines' post-accumulate hooks
+                    self.handles.append(p.register_hook(self._param(module, qual, pname)))
+
+    def _note(self, name: str, where: str, kind: str) -> None:
+        self.first = (f"non-finite value ({kind}) first produced by module '{name}' in {where} "
+                      f"on rank {self.rank} at step {self.step}")
+
+    def _forward(self, name):
+        def hook(module, inputs, output):
+            if self.first is None:
+                kind = _bad(output)
+                if kind and _bad(inputs) is None:  # fed a non-finite input: produced before it
+                    self._note(name, "forward (its output)", kind)
+        return hook
+
+    def _backward(self, name):
+        def hook(module, grad_input, grad_output):
+            if self.first is None:
+                kind = _bad(grad_input)
+                if kind and _bad(grad_output) is None:  # handed a non-finite gradient: produced after it
+                    self._note(name, "backward (the gradient of its input)", kind)
+        return hook
+
+    def _taint(self, module):
+        def hook(module_, grad_output):  # handed a non-finite gradient: its parameters' are no news
+            if self.first is None and _bad(grad_output):
+                self.tainted.add(id(module))
+        return hook
+
+    def _param(self, module, name, pname):
+        def hook(grad):
+            if self.first is None and id(module) not in self.tainted:
+                kind = _bad(grad)
+                if kind:
+                    self._note(name, f"backward (the gradient of its parameter '{pname}')", kind)
+        return hook
+
+    def begin(self, step: int) -> None:
+        """Before the forward pass of training step ``step`` (1-based, as the loop reports it)."""
+        self.step, self.first, self.tainted = step, None, set()
+
+    def agree(self, device: torch.device) -> str | None:
+        """Collective over the default group (every rank calls it once per step): the note of the
+        lowest rank that found a non-finite value, the same on every rank, or None."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.first
+        flag = torch.tensor([0.0 if self.first is None else 1.0],
+                            device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        notes = [None] * dist.get_world_size()
+        dist.all_gather_object(notes, self.first)
+        return next(n for n in notes if n is not None)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def attach(cfg, model: torch.nn.Module, rank: int) -> Detector | None:
+    """The detector ``train.detect_anomaly`` asks for, or None (``off``)."""
+    return Detector(model, rank) if cfg.train.detect_anomaly == "first_module" else None
+
+
+def report_skipped(writer, step: int, note: str) -> None:
+    """``train.nonfinite = "skip"``: one line and a metrics record (rank 0; ``writer`` may be None)."""
+    if writer is None:
+        return
+    print(f"shardlab: skipped step {step}: {note}", file=sys.stderr, flush=True)
+    writer.write({"kind": "anomaly", "step": step, "message": note})

@@ -30,6 +30,10 @@ COMMANDS = {
 }
 
 
+TAKES_OVERRIDES = {"train", "config", "verify", "memory", "launch"}
+"""Commands that read ``--section.key=value`` config overrides (launch passes them to the script)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardlab", description="Every parallelism of large-model "
                                      "training, from torch.distributed primitives.")
@@ -73,6 +77,9 @@ def _main(argv: list[str] | None) -> int:
     args.overrides = extra
     try:
         parse_overrides(extra)  # whatever argparse did not know must be a --section.key=value override
+        if extra and args.command not in TAKES_OVERRIDES:  # never silently ignored
+            raise ConfigError(extra[0].split("=")[0], f"shardlab {args.command} takes no --section.key=value "
+                                                      f"overrides (only {', '.join(sorted(TAKES_OVERRIDES))} do)")
         return int(importlib.import_module(args._module).main(args) or 0)
     except ConfigError as e:
         if isinstance(e.__context__, BrokenPipeError):  # a command's OSError handler caught the pipe

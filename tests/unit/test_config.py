@@ -68,3 +68,14 @@ def test_presets_validate():
     assert presets
     for p in presets:
         C.load(p).validate()
+
+
+@pytest.mark.parametrize("argv", [["plot", "runs/none", "--model.d_model=64"],
+                                  ["schedule", "--pp", "2", "--microbatches", "4", "--train.lr=1"],
+                                  ["checkpoint", "inspect", "runs/none", "--parallel.tp=2"]])
+def test_commands_without_a_config_refuse_overrides(argv, capsys):
+    """A --section.key=value a command would ignore is refused in one line naming it (exit 2)."""
+    from shardlab.cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and argv[-1].split("=")[0] in err and "takes no" in err

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from .config import ConfigError, parse_overrides
-    from .launch import WorkerError
+    from .launch import BAD_INPUT, WorkerError
 
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -88,7 +88,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except WorkerError as e:
         first = str(e).split("\n")[1] if "\n" in str(e) else ""
-        if first.startswith(("CheckpointError:", "ConfigError:")):  # bad input found by a rank
+        if first.startswith(BAD_INPUT):  # bad input found by a rank
             print(f"shardlab: rank {e.rank}: {first.split(': ', 1)[1]}", file=sys.stderr)
             return 2
         print(f"shardlab: {e}", file=sys.stderr)

@@ -27,6 +27,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+BAD_INPUT = ("CheckpointError:", "ConfigError:")
+"""How a rank's root error starts when it found bad input (reported in one line, exit 2)."""
+
+
 class WorkerError(RuntimeError):
     """A rank failed; ``rank`` is the first failing rank and ``str(err)`` holds its error."""
 
@@ -237,6 +241,9 @@ def _diagnose_failure(err: WorkerError, dump_dir: str, procs) -> None:
     alive), print each rank's last operation and the ranks missing from / disagreeing about a
     collective (docs/faults.md, Hangs and desyncs) and append it to ``err``."""
     from .distributed import flight
+    root = str(err).split("\n")[1] if "\n" in str(err) else ""
+    if root.startswith(BAD_INPUT):  # bad input found by a rank: one line, no communication report
+        return
     try:
         text = flight.report(dump_dir, len(procs), alive=lambda r: procs[r].is_alive())
     except Exception as e:  # diagnosis must never hide the failure itself

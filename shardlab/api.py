@@ -74,6 +74,8 @@ def resolve_config(config, world_size: int) -> C.Config:
                               f"{mb * ga * world_size} or drop it (DeepSpeed derives it)")
     else:
         cfg = data
+    from .config_checks import check_ranges
+    check_ranges(cfg)  # every field within its declared range (config.py), as validate() does
     p = cfg.parallel
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(p, name) > 1:

@@ -79,3 +79,11 @@ def test_commands_without_a_config_refuse_overrides(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and argv[-1].split("=")[0] in err and "takes no" in err
+
+
+def test_initialize_checks_the_declared_ranges():
+    """shardlab.initialize's config path refuses out-of-range fields like validate() does."""
+    from shardlab.api import resolve_config
+    with pytest.raises(C.ConfigError) as e:
+        resolve_config({"train": {"lr": -1.0}}, 2)
+    assert e.value.field == "train.lr" and "must be > 0" in str(e.value)

@@ -59,8 +59,9 @@ class Detector:
                                                   "respect to module outputs since no inputs require gradients")
         for name, module in model.named_modules():
             qual = name or type(module).__name__  # the root has no name of its own
-            self.handles.append(module.register_forward_hook(self._forward(qual)))
-            self.handles.append(module.register_full_backward_hook(self._backward(qual)))
+            self.handles.append(module.register_forward_hook(self._edge(qual, "forward (its output)", True)))
+            self.handles.append(module.register_full_backward_hook(
+                self._edge(qual, "backward (the gradient of its input)", False)))
             self.handles.append(module.register_full_backward_pre_hook(self._taint(module)))
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:  # before accumulation, so before the engines' post-accumulate hooks
@@ -70,20 +71,16 @@ class Detector:
         self.first = (f"non-finite value ({kind}) first produced by module '{name}' in {where} "
                       f"on rank {self.rank} at step {self.step}")
 
-    def _forward(self, name):
-        def hook(module, inputs, output):
+    def _edge(self, name, where: str, produced_second: bool):
+        """A module hook ``hook(module, a, b)`` that notes ``name`` when the module turned finite
+        values into non-finite ones: forward ``(inputs, output)`` produces the second, backward
+        ``(grad_input, grad_output)`` the first. Fed a non-finite value, it is not the origin."""
+        def hook(module, a, b):
             if self.first is None:
-                kind = _bad(output)
-                if kind and _bad(inputs) is None:  # fed a non-finite input: produced before it
-                    self._note(name, "forward (its output)", kind)
-        return hook
-
-    def _backward(self, name):
-        def hook(module, grad_input, grad_output):
-            if self.first is None:
-                kind = _bad(grad_input)
-                if kind and _bad(grad_output) is None:  # handed a non-finite gradient: produced after it
-                    self._note(name, "backward (the gradient of its input)", kind)
+                produced, consumed = (b, a) if produced_second else (a, b)
+                kind = _bad(produced)
+                if kind and _bad(consumed) is None:
+                    self._note(name, where, kind)
         return hook
 
     def _taint(self, module):

@@ -164,6 +164,11 @@ def _arm_test_hooks(rank: int) -> None:
             raise RuntimeError(f"rank {rank} cannot come back (test hook SHARDLAB_TEST_REFUSE_RANK)")
 
 
+def test_hook(name: str) -> str:
+    """TEST-ONLY: the value of the ``SHARDLAB_TEST_*`` variable ``name`` ('' when unset)."""
+    return os.environ.get(name, "") if name.startswith("SHARDLAB_TEST_") else ""
+
+
 def injected_fault_point(step: int) -> None:
     """TEST-ONLY: called by the training loop after each step; see SHARDLAB_TEST_KILL_AT_STEP."""
     if _TEST_KILL is None or _TEST_KILL[0] != step or os.path.exists(_TEST_KILL[1]):

@@ -216,7 +216,8 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         ok = True
         return out
     except WorkerError as err:
-        _diagnose_failure(err, dump_dir, procs)
+        from .distributed.flight import diagnose_failure
+        diagnose_failure(err, dump_dir, procs)
         raise
     finally:
         # After a success, let the ranks exit by themselves: a rank terminated while it shuts down
@@ -239,23 +240,6 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         if ok:
             import shutil
             shutil.rmtree(dump_dir, ignore_errors=True)
-
-
-def _diagnose_failure(err: WorkerError, dump_dir: str, procs) -> None:
-    """On a failed run: read the ranks' flight-recorder dumps (waiting briefly for ranks still
-    alive), print each rank's last operation and the ranks missing from / disagreeing about a
-    collective (docs/faults.md, Hangs and desyncs) and append it to ``err``."""
-    from .distributed import flight
-    root = str(err).split("\n")[1] if "\n" in str(err) else ""
-    if root.startswith(BAD_INPUT):  # bad input found by a rank: one line, no communication report
-        return
-    try:
-        text = flight.report(dump_dir, len(procs), alive=lambda r: procs[r].is_alive())
-    except Exception as e:  # diagnosis must never hide the failure itself
-        text = f"flight recorder: could not read the dumps in {dump_dir}: {type(e).__name__}: {e}"
-    if text:
-        print(text, file=sys.stderr, flush=True)
-        err.args = (f"{err.args[0]}\n{text}",)
 
 
 _SECONDARY = ("Connection closed by peer", "remote worker", "Connection reset", "Timed out", "timed out")

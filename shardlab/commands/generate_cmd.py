@@ -101,7 +101,7 @@ def main(args) -> int:
         if args.threads > 0:
             torch.set_num_threads(args.threads)
         device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-        model, cfg, _ = load_model(args.source, torch.float32, device)
+        model, cfg, _ = load_model(src, torch.float32, device)  # the source opened above, its tokenizer kept
         out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                        stop_ids=tok.stop_ids, use_cache=not args.no_cache, max_len=cfg.max_seq_len)
         threads = torch.get_num_threads()

@@ -132,6 +132,7 @@ class Pretrained:
     cfg: object
     """The shardlab ModelConfig of the weights."""
     _gguf: object = None
+    _tok: tuple | None = None
 
     def reader(self):
         """A checkpoint reader of ``model.<name>`` tensors (opened on every call)."""
@@ -150,7 +151,13 @@ class Pretrained:
         return self._gguf
 
     def tokenizer(self):
-        """The source's tokenizer, or None (a checkpoint: its base's or the one it was trained with)."""
+        """The source's tokenizer, or None (a checkpoint: its base's or the one it was trained with);
+        built once (a GGUF's 49k-token vocabulary takes about a second)."""
+        if self._tok is None:
+            self._tok = (self._make_tokenizer(),)
+        return self._tok[0]
+
+    def _make_tokenizer(self):
         from . import tokenizer as T
         if self.kind == "gguf":
             return T.from_gguf_reader(self._gguf_reader())
@@ -208,31 +215,28 @@ def checkpoint_model_config(reader):
 
 
 @torch.no_grad()
-def load_model(source: str, dtype=torch.float32, device="cpu"):
-    """``(model, cfg, tokenizer)``: a single-process shardlab model with the source's weights (built
-    on the meta device, each parameter read once; tied holders share it). LoRA adapters of a
-    checkpoint are folded into the weights they adapt."""
-    from torch import nn
-
+def load_model(source, dtype=torch.float32, device="cpu"):
+    """``(model, cfg, tokenizer)``: a single-process shardlab model with the weights of ``source``
+    (a source string, or an already opened :class:`Pretrained`), built on the meta device and
+    materialised from the reader (parallel/materialize.py: each parameter read once, tied holders
+    share it). LoRA adapters of a checkpoint are folded into the weights they adapt."""
+    from ..parallel.materialize import materialize
     from .spec import meta_model
-    src = open_source(source)
+    src = source if isinstance(source, Pretrained) else open_source(source)
     reader = merged_reader(src.reader())
     model = meta_model(src.cfg, dtype)
-    sites: dict[int, list] = {}
-    for mod in model.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                sites.setdefault(id(p), []).append((mod, attr))
-    for name, p in list(model.named_parameters()):
+    for name, p in model.named_parameters():
         key = f"model.{name}"
         if not reader.has(key):
-            raise ConfigError("source", f"{source}: no tensor {key} (saved from another model?)")
+            raise ConfigError("source", f"{src.source}: no tensor {key} (saved from another model?)")
         if tuple(reader.global_shape(key)) != tuple(p.shape):
-            raise ConfigError("source", f"{source}: {key} has shape {tuple(reader.global_shape(key))}, "
+            raise ConfigError("source", f"{src.source}: {key} has shape {tuple(reader.global_shape(key))}, "
                                         f"the model expects {tuple(p.shape)}")
-        new = nn.Parameter(reader.read(key, dtype=dtype).to(device), requires_grad=False)
-        for mod, attr in sites[id(p)]:
-            mod._parameters[attr] = new
+
+    def read(name, global_shape, offsets, sizes, dtype_, device_):
+        return reader.read(f"model.{name}", offsets, sizes, dtype_).to(device_)
+    materialize(model, read, torch.device(device))
+    model.requires_grad_(False)
     if hasattr(reader, "close"):
         reader.close()
     return model.eval(), src.cfg, src.tokenizer()

@@ -15,6 +15,7 @@ Docs: docs/finetune.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from ..config import Config, ConfigError, ModelConfig
@@ -82,13 +83,20 @@ def drop_frozen(pieces):
     return [p for p in pieces if not p.key.startswith("model.") or is_adapter(p.key)]
 
 
+@functools.lru_cache(maxsize=4)
+def _ref(source: str) -> dict:
+    """The record of a base, opened once per process (not at every save: a GGUF's metadata takes
+    seconds to parse)."""
+    from ..models.pretrained import open_source
+    return open_source(source).ref()
+
+
 def checkpoint_meta(cfg: Config, data_meta: dict) -> dict:
     """What a checkpoint of a fine-tuning run adds to its meta: ``base`` (adapter-only: where the
     frozen weights are), ``base_source`` (provenance) and ``tokenizer_source``."""
     if not cfg.checkpoint.base:
         return {}
-    from ..models.pretrained import open_source
-    ref = open_source(cfg.checkpoint.base).ref()
+    ref = dict(_ref(cfg.checkpoint.base))  # a copy: the cached record is never handed out
     out = {"base_source": ref}
     if adapter_only(cfg):
         out["base"] = ref

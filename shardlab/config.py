@@ -84,6 +84,12 @@ class ParallelConfig:
     tp: int = f(1, "Tensor-parallel degree (Megatron column/row split).", ge=1, le=2**16)
     pp: int = f(1, "Pipeline-parallel stages.", ge=1, le=2**16)
     cp: int = f(1, "Context-parallel degree (ring attention over the sequence).", ge=1, le=2**16)
+    cp_impl: str = f("ring", "Context parallel: ring (K/V blocks around a ring), ulysses (all-to-all from a sequence "
+                             "shard with all heads to all tokens with a head shard, over cp) or unified (Ulysses "
+                             "over parallel.cp_ulysses ranks, ring across cp/cp_ulysses groups).",
+                     choices=("ring", "ulysses", "unified"))
+    cp_ulysses: int = f(1, "cp_impl=unified: the Ulysses (all-to-all) degree inside cp; must divide cp and the "
+                           "attention heads per tp rank. cp/cp_ulysses ranks form each ring.", ge=1, le=2**16)
     ep: int = f(1, "Expert-parallel degree; borrows ranks from dp_shard*cp (must divide it).", ge=1, le=2**16)
     zero_stage: int = f(0, "0 = DDP over all data-parallel ranks; 1/2 = ZeRO-1/2; 3 = ZeRO-3/FSDP over dp_shard.", choices=(0, 1, 2, 3))
     bucket_cap_mb: float = f(25.0, "DDP / ZeRO gradient bucket size in MiB.", gt=0, le=2**20)

@@ -11,8 +11,11 @@ all ranks' tensors on one GPU, gloo transport).
    Blocked time also contains skew between ranks (a peer that computes slower sends later), so
    on shared CPUs the hidden fraction is a lower bound.
 3. MoE layer under ep = 1, 2, 4: forward all-to-all dispatch + combine time vs expert compute.
+4. ``--parts ulysses``: ring vs Ulysses (and unified 2x2 at cp 4) context parallel on a tiny
+   Llama: fwd+bwd step time, bytes each rank sends per step (ledger), activation bytes saved.
 
     PYTHONPATH=. python benchmarks/context_expert.py [--seq 8192] [--device cpu]
+    PYTHONPATH=. python benchmarks/context_expert.py --parts ulysses --sizes 2 4
 
 Numbers on the shared 2-core machines are noisy (other jobs run beside them); ratios within
 one run are the meaningful part.
@@ -27,7 +30,7 @@ import time
 
 import torch
 
-from shardlab.config import ModelConfig
+from shardlab.config import Config, ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
@@ -214,6 +217,46 @@ def moe(mesh, dev, tokens=2048, iters=3):
             "a2a_MiB": sent / n / 2**20}
 
 
+def ulysses(n, seq, dev, iters=3):
+    """Ring vs Ulysses (and unified 2x2 at cp 4): the whole tiny model, fwd+bwd, per rank."""
+    cfg = Config()
+    cfg.model = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=seq)
+    cfg.train.seq_len = seq
+    data = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for impl, u in [("ring", 1), ("ulysses", n)] + ([("unified", 2)] if n == 4 else []):
+        cfg.parallel.cp, cfg.parallel.cp_impl, cfg.parallel.cp_ulysses = n, impl, (u if impl == "unified" else 1)
+        mesh = Mesh.build(Topology(cp=n, cp_ulysses=u))
+        model = build_model(cfg.model, seed=0, device=dev)
+        model = context.apply(model, mesh, cfg, get_spec(cfg.model).attention(model))
+        x, y = (context.shard_batch(data[:, :-1], data[:, 1:], mesh)[i].to(dev) for i in (0, 1))
+        times = []
+        for it in range(iters + 1):
+            mesh.comm("cp").barrier()
+            snap = mesh.ledger.snapshot()
+            t0 = time.perf_counter()
+            saved, loss = activation_bytes(model, lambda: model(x, y))
+            loss.backward()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+            sent = sum(e.bytes_sent for e in mesh.ledger.since(snap).values())
+        out[impl if impl != "unified" else "unified 2x2"] = {"step_s": statistics.median(times[1:]),
+                                                             "sent_MiB": sent / 2**20, "saved_MiB": saved / 2**20}
+    return out
+
+
+def _ulysses_table(res, seq, device):
+    print(f"\nRing vs Ulysses, tiny Llama (d 64, 2 layers, 4 heads, head_dim 16), seq {seq}, batch 1, fp32, "
+          f"device {device}; fwd+bwd of the whole model (median of 3 after a warm-up, max over ranks), "
+          "bytes each rank sends per step (ledger, max over ranks), activation bytes saved for backward")
+    print("| cp | impl | fwd+bwd (ms) | sent per rank per step (MiB) | activations saved (MiB) |")
+    print("|---|---|---|---|---|")
+    for n, rr in res.items():
+        for impl in rr[0].get("ulysses", {}):
+            g = {k: max(r["ulysses"][impl][k] for r in rr) for k in ("step_s", "sent_MiB", "saved_MiB")}
+            print(f"| {n} | {impl} | {1e3 * g['step_s']:.0f} | {g['sent_MiB']:.2f} | {g['saved_MiB']:.1f} |")
+
+
 def worker(ctx, n, seq, device, parts):
     dev = torch.device(device)
     _exact_rss()
@@ -223,6 +266,8 @@ def worker(ctx, n, seq, device, parts):
         out["memory"] = memory(mesh, seq, dev)
     if "ring" in parts and n > 1:
         out["ring"] = ring(mesh, seq, dev)
+    if "ulysses" in parts and n > 1:
+        out["ulysses"] = ulysses(n, seq, dev)
     if "moe" in parts:
         ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
         out["moe"] = moe(ep_mesh, dev)
@@ -235,7 +280,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default="")
-    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe")
+    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe ulysses")
     args = ap.parse_args()
     res = {}
     for n in args.sizes:
@@ -282,6 +327,8 @@ def main():
             e = statistics.mean(r["moe"]["experts_ms"] for r in rr)
             mib = statistics.mean(r["moe"]["a2a_MiB"] for r in rr)
             print(f"| {n} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
+    if "ulysses" in args.parts:
+        _ulysses_table(res, args.seq, args.device)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({str(k): v for k, v in res.items()}, fh, indent=1)

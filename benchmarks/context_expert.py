@@ -218,13 +218,16 @@ def moe(mesh, dev, tokens=2048, iters=3):
 
 
 def ulysses(n, seq, dev, iters=3):
-    """Ring vs Ulysses (and unified 2x2 at cp 4): the whole tiny model, fwd+bwd, per rank."""
+    """Ring (on the lse kernel, and on the hand-written fallback) vs Ulysses (and unified 2x2 at
+    cp 4): the whole tiny model, fwd+bwd, per rank."""
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=seq)
     cfg.train.seq_len = seq
     data = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(0))
     out = {}
-    for impl, u in [("ring", 1), ("ulysses", n)] + ([("unified", 2)] if n == 4 else []):
+    for name, impl, u in [("ring", "ring", 1), ("ring, hand-written pairs", "ring", 1), ("ulysses", "ulysses", n)] + (
+            [("unified 2x2", "unified", 2)] if n == 4 else []):
+        context.KERNEL = "manual" if "hand-written" in name else "auto"
         cfg.parallel.cp, cfg.parallel.cp_impl, cfg.parallel.cp_ulysses = n, impl, (u if impl == "unified" else 1)
         mesh = Mesh.build(Topology(cp=n, cp_ulysses=u))
         model = build_model(cfg.model, seed=0, device=dev)
@@ -240,8 +243,9 @@ def ulysses(n, seq, dev, iters=3):
             _sync(dev)
             times.append(time.perf_counter() - t0)
             sent = sum(e.bytes_sent for e in mesh.ledger.since(snap).values())
-        out[impl if impl != "unified" else "unified 2x2"] = {"step_s": statistics.median(times[1:]),
-                                                             "sent_MiB": sent / 2**20, "saved_MiB": saved / 2**20}
+        out[name] = {"step_s": statistics.median(times[1:]),
+                     "sent_MiB": sent / 2**20, "saved_MiB": saved / 2**20}
+    context.KERNEL = "auto"
     return out
 
 

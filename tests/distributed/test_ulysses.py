@@ -34,7 +34,9 @@ def _cfg(cp_impl="ring", **par):
     cfg.parallel.cp_impl = cp_impl
     for key, value in par.items():
         setattr(cfg.parallel, key, value)
-    return cfg
+    cfg.parallel.microbatches = cfg.parallel.pp
+    cfg.train.global_batch = 4
+    return cfg.validate(cfg.parallel.world_size)
 
 
 def _attention_check(mesh, cfg, hkv, results, tag):
@@ -85,7 +87,8 @@ def _train_step_check(mesh, cfg, results, tag):
     dp, dpi = mesh.size("dp"), mesh.local_rank("dp")
     b = tokens.shape[0] // dp
     x, y = tokens[dpi * b:(dpi + 1) * b], targets[dpi * b:(dpi + 1) * b]  # the engine cuts the cp shard
-    loss = engine.global_loss(engine.forward_backward([(x, y)]))
+    m = cfg.parallel.microbatches  # pp stages need >= pp micro-batches
+    loss = engine.global_loss(engine.forward_backward(list(zip(x.chunk(m), y.chunk(m)))))
     opt = torch.optim.AdamW([p for _, p in engine.named_parameters()], lr=1e-2)
     opt.step()
     ref_params = dict(ref.named_parameters())
@@ -130,8 +133,9 @@ def test_ulysses_cp2_attention_gqa_and_train_step():
         _check(res, 4)
 
 
-def test_ulysses_cp4_unified_2x2_with_tp_and_dp():
+def test_ulysses_cp4_unified_2x2_with_tp_dp_and_pp():
     cases = [(dict(cp=4), "ulysses", (2,)), (dict(cp=4, cp_ulysses=2), "unified", (2, 1)),
-             (dict(cp=2, tp=2), "ulysses", ()), (dict(cp=2, dp_shard=2), "ulysses", ())]
+             (dict(cp=2, tp=2), "ulysses", ()), (dict(cp=2, dp_shard=2), "ulysses", ()),
+             (dict(cp=2, pp=2), "ulysses", ())]
     for res in run(worker, 4, cases):
-        _check(res, 7)
+        _check(res, 8)

@@ -158,6 +158,8 @@ class Topology:
 
     def describe(self) -> str:
         parts = [f"{a}={getattr(self, a)}" for a in AXES + ("ep",) if getattr(self, a) > 1]
-        if 1 < self.cp_ulysses:
-            parts.append(f"cp_ulysses={self.cp_ulysses}")
+        if 1 < self.cp_ulysses:  # the cp entry says how it is split
+            i = parts.index(f"cp={self.cp}")
+            parts[i] += " (ulysses)" if self.cp_ulysses == self.cp else \
+                f" (ulysses {self.cp_ulysses} x ring {self.cp // self.cp_ulysses})"
         return " x ".join(parts) if parts else "single process"

@@ -70,11 +70,12 @@ def weight_grads(mod: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def held_bytes(saved: dict) -> int:
-    """Bytes of distinct storages held for deferred W: ``saved[key] = [(mod, z, x, g), ...]``."""
+    """Bytes of distinct storages held for deferred W: ``saved[key] = [(mod, z, x, g), ...]``
+    after B (entries of micro-batches still before their B are skipped)."""
     seen, total = set(), 0
     for entries in saved.values():
-        for _, _, x, g in entries:
-            for t in (x, g):
+        for entry in entries:
+            for t in entry[2:] if len(entry) == 4 else ():
                 if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()

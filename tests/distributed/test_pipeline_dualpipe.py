@@ -2,8 +2,6 @@
 CPU gloo, loss, every gradient and the global gradient norm equal an independent
 single-process computation (the plain model on the whole global batch) to <= 1e-10.
 One spawn of 4 ranks: pp = 4 (8 layers cut into 8 stages) and pp = 2 x dp 2 (4 stages)."""
-import torch
-
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run

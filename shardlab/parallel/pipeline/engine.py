@@ -93,7 +93,7 @@ class PipelineEngine(Engine):
         last = self.n_stages - 1
         inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
         losses = []
-        self.wgrad_peak_bytes = 0
+        self.wgrad_peak_bytes, held, held_now = 0, {}, 0
         timeline = []
         actions = sched.ranks[self.pp_rank]
         recvs, n_recv = [a for a in actions if a.kind.startswith("RECV")], 0
@@ -146,11 +146,14 @@ class PipelineEngine(Engine):
                     saved_z[key] = [(mod, z if inp is None else None, inp, g)
                                     for (mod, z, inp), g in zip(saved_z[key], grads)]
                     del zs, wrt, grads
-                    self.wgrad_peak_bytes = max(self.wgrad_peak_bytes, held_bytes(saved_z))
+                    held[key] = held_bytes(saved_z[key])
+                    held_now += held[key]
+                    self.wgrad_peak_bytes = max(self.wgrad_peak_bytes, held_now)
                 if a.stage > 0 and a.stage - 1 in self.chunks:  # previous stage on this rank
                     out_grads[(a.mb, a.stage - 1)] = in_grads.pop(key)
                 del out, grad, x  # nothing may keep this micro-batch's graph alive past W
             elif a.kind == "W":
+                held_now -= held.pop(key)
                 for mod, z, inp, g in saved_z.pop(key):
                     if g is None:
                         continue
@@ -190,6 +193,7 @@ class PipelineEngine(Engine):
         last, losses = self.n_stages - 1, []
         micro_batches = [self._local(x, y) for x, y in micro_batches]
         for j, (tokens, targets) in enumerate(micro_batches):
+            out = None
             for s in sorted(self.chunks):
                 if s == 0:
                     x = tokens

@@ -69,14 +69,13 @@ def weight_grads(mod: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
                 _accumulate(params[name], dp)
 
 
-def held_bytes(saved: dict) -> int:
-    """Bytes of distinct storages held for deferred W: ``saved[key] = [(mod, z, x, g), ...]``
-    after B (entries of micro-batches still before their B are skipped)."""
+def held_bytes(entries: list) -> int:
+    """Bytes of the distinct storages one micro-batch holds for its deferred W after B:
+    ``entries = [(mod, z, x, g), ...]`` (modules sharing an input, e.g. wq/wk/wv, count it once)."""
     seen, total = set(), 0
-    for entries in saved.values():
-        for entry in entries:
-            for t in entry[2:] if len(entry) == 4 else ():
-                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
+    for entry in entries:
+        for t in entry[2:]:
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
     return total

@@ -120,5 +120,5 @@ def dual_idle(name: str, p: int, f: float, b: float, w: float) -> float:
     B_full = b + w. DualPipeV: 2p chunks of half a share, (2p/2-1)(...) in half units."""
     fb, bfull = f + b + w, b + w
     if name == "dualpipe":
-        return (p / 2 - 1) * (fb + bfull - 3 * w)
-    return (p - 1) * (fb + bfull - 3 * w) / 2
+        return (p / 2 - 1) * max(fb + bfull - 3 * w, 0.0)
+    return (p - 1) * max(fb + bfull - 3 * w, 0.0) / 2

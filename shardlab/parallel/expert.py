@@ -66,7 +66,7 @@ class ExpertParallelMoE(MoE):
         E, ep = self.n_experts, self.ep.size
         self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
         src = moe.experts
-        self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1])
+        self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
             full = getattr(src, name)
             local = nn.Parameter(full.detach()[self.first:self.first + self.n_local].clone())
@@ -82,27 +82,26 @@ class ExpertParallelMoE(MoE):
         ep, n_local, tm = self.ep.size, self.n_local, self.timing
         t0 = time.perf_counter()
         if ep == 1:
-            out = self.experts(x, counts.tolist())
+            out = self.experts(x, counts)
             tm["experts_s"] += time.perf_counter() - t0
             tm["calls"] += 1
             return out
         send = counts.view(ep, n_local)
         recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
+        # the one host read of the layer: all-to-all needs its split sizes
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        rows = all_to_all(x, self.ep, in_splits, out_splits)          # dispatch
+        total, arrived = sum(in_splits), sum(out_splits)
+        rows = all_to_all(x[:total], self.ep, in_splits, out_splits)  # dispatch (dropped rows stay)
         # received: [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...] -> by expert
-        rc = recv.tolist()
-        start, offsets = 0, []
-        for s in range(ep):
-            offsets.append([])
-            for e in range(n_local):
-                offsets[s].append(start)
-                start += rc[s][e]
-        perm = torch.cat([torch.arange(offsets[s][e], offsets[s][e] + rc[s][e], device=x.device)
-                          for e in range(n_local) for s in range(ep)])
+        block = torch.arange(ep * n_local, device=x.device).view(ep, n_local)
+        key = (block % n_local) * ep + block // n_local             # (source s, expert e) -> e*ep + s
+        key = torch.repeat_interleave(key.flatten(), recv.flatten(), output_size=arrived)
+        perm = torch.argsort(key, stable=True)
         t1 = time.perf_counter()
-        y = self.experts(rows[perm], recv.sum(0).tolist())
-        y = y[torch.argsort(perm)]                                     # back to arrival order
+        y = self.experts(rows[perm], recv.sum(0))
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(arrived, device=x.device)
+        y = y[back]                                                    # back to arrival order
         t2 = time.perf_counter()
         out = all_to_all(y, self.ep, out_splits, in_splits)           # combine
         t3 = time.perf_counter()
@@ -110,7 +109,7 @@ class ExpertParallelMoE(MoE):
         tm["experts_s"] += t2 - t1
         tm["combine_s"] += t3 - t2
         tm["calls"] += 1
-        return out
+        return torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
 
 
 def moe_layers(model: nn.Module):

@@ -124,8 +124,6 @@ def check_config(cfg) -> None:
     require((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
             f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
     require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
-    require(p.zero_stage == 0 or p.ep == 1, "parallel.zero_stage",
-            "ZeRO/FSDP of expert-parallel weights is not implemented; use zero_stage = 0 (DDP) with ep > 1")
     if m.n_experts:
         require(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
         require(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")

@@ -65,11 +65,14 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _grouped_mm(x, counts, w1, w3, w2):
     offs = counts.cumsum(0).to(torch.int32)
+    # rows past the last offset are left unwritten by the kernel, forward and backward: ``where``
+    # (not a product: garbage may be NaN) zeroes their outputs and their input gradients
+    valid = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]
     mm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
+    x = torch.where(valid, x, 0)
     h = _ContiguousGrad.apply(F.silu(mm(x, w1)) * mm(x, w3))
     y = _ContiguousGrad.apply(mm(h, w2))
-    valid = torch.arange(x.shape[0], device=x.device) < offs[-1]       # rows past the groups: 0
-    return torch.where(valid[:, None], y, 0)
+    return torch.where(valid, y, 0)
 
 
 def _padded_bmm(x, counts, w1, w3, w2):

@@ -17,7 +17,9 @@ Bytes per rank and layer: dispatch and combine each send the rows bound for othe
 Gradients. The combine's backward brings every rank's loss gradient back to the expert that
 used it, so an expert's gradient already sums over the ep group; the Engine then sums it over
 ``edp`` (the ranks holding the same experts) and divides by the data-parallel size dp_cp.
-Non-expert parameters are averaged over dp_cp as usual.
+Non-expert parameters are averaged over dp_cp as usual. ZeRO-1/2 and FSDP shard the expert
+weights over ``edp`` and the others over the data-parallel ranks (zero.py, fsdp.py): the
+reduce-scatter over edp replaces the all-reduce, with the same divisor dp_cp.
 
 Batch-wide auxiliary losses. The Switch balance loss and the z-loss are means over the global
 batch: :meth:`batch_sum` all-reduces their statistics over dp_cp (backward: all-reduce of the

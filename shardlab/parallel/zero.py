@@ -242,6 +242,7 @@ class ZeroEngine(ShardedEngine):
     def __init__(self, model: nn.Module, mesh, cfg, stage: int):
         super().__init__(model, mesh, cfg)
         self.stage, self.name = stage, f"zero{stage}"
+        self.comm = mesh.comm(self.shard_group)  # the dense buffers' group (expert buffers: f.comm)
         cap = cfg.parallel.bucket_cap_mb * 2**20
         low = DTYPES.get(cfg.train.param_dtype)  # low-precision storage with fp32 master shards
         self.flats, self._where = [], {}

@@ -57,6 +57,7 @@ class ModelConfig:
     moe_aux_loss_coef: float = f(0.01, "Weight of the Switch load-balancing auxiliary loss.", ge=0, le=1000)
     moe_z_loss_coef: float = f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits).", ge=0, le=1000)
     moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).", ge=1, le=4096)
+    moe_impl: str = f("grouped", "Expert kernel: grouped (grouped GEMM / batched matmul over experts) or loop (one matmul per expert, the reference).", choices=("grouped", "loop"))
     dropout: float = f(0.0, "Dropout probability (gpt2, cnn); 0 for parity tests and modern pretraining.", ge=0, lt=1)
     n_classes: int = f(10, "cnn: number of classes of the image classifier.", ge=2, le=2**20)
 

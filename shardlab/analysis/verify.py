@@ -78,6 +78,10 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "moe-dp": ({}, MOE, "dp_replicate"),
     "ep2-tp2": ({"ep": 2, "dp_shard": 2, "tp": 2}, MOE, "dp_replicate"),
     "ep2-cp2": ({"ep": 2, "cp": 2}, MOE, "dp_replicate"),
+    "ep2-zero1": ({"ep": 2, "dp_shard": 2, "zero_stage": 1}, MOE, "dp_shard"),
+    "ep2-zero2": ({"ep": 2, "dp_shard": 2, "zero_stage": 2}, MOE, "dp_shard"),
+    "ep2-fsdp": ({"ep": 2, "dp_shard": 4, "zero_stage": 3}, MOE, "dp_shard"),
+    "ep2-hsdp": ({"ep": 2, "dp_shard": 2, "dp_replicate": 2, "zero_stage": 3}, MOE, "dp_replicate"),
 }
 
 

@@ -125,7 +125,8 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     import ray
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()  # rank 0's return value comes back through it
     loop_config = {"mailbox": mailbox, "fn": fn, "args": args, "threads": threads or default_threads(nproc), "use_gpu": use_gpu,
-                   "test_env": _test_env(), "report": report_checkpoints}
+                   "test_env": _test_env(), "report": report_checkpoints,
+                   "run_storage": str(Path(storage).resolve() / name)}
     trainer = TorchTrainer(
         _worker, train_loop_config=loop_config,
         torch_config=TorchConfig(backend=backend, timeout_s=int(timeout_s)),
@@ -185,6 +186,9 @@ def _worker(config: dict) -> None:
         device = torch.device("cpu")
     on_ckpt = _reporter(rank) if config["report"] else None
     restored = ray.train.get_checkpoint()
+    on_disk = _newest_reported(config["run_storage"])
+    if on_disk is not None and (restored is None or _step_of(on_disk) > _step_of(restored.path)):
+        restored = ray.train.Checkpoint.from_directory(str(on_disk))
     if restored is not None:
         with restored.as_directory() as path:  # local storage: the directory itself, else a download
             ctx = launch.RankContext(rank, world, local_rank, device, dist.get_backend(), str(path), on_ckpt)
@@ -207,6 +211,20 @@ class _Mailbox:
 
     def get(self) -> bytes:
         return self.value
+
+
+def _step_of(path) -> int:
+    return int(Path(path).name.rpartition("_")[2]) if Path(path).name.startswith("step_") else -1
+
+
+def _newest_reported(run_storage: str):
+    """The newest complete checkpoint the ranks reported, read from Ray Train's storage when this
+    node sees it. Ray registers a reported checkpoint when its controller next polls the workers:
+    a worker killed right after reporting can leave it uploaded but unregistered, and
+    ``get_checkpoint()`` then offers an older one (or none). The name is unique to this launch, so
+    every checkpoint there belongs to it; a partial upload fails validation and is skipped."""
+    from .train.checkpoint import latest_valid
+    return latest_valid(run_storage, warn=lambda *_: None) if Path(run_storage).is_dir() else None
 
 
 def _reporter(rank: int):

@@ -105,3 +105,32 @@ def test_launch_script_on_ray(ray_cluster, tmp_path, capsys):
         "dist.destroy_process_group()\n")
     assert cli_main(["launch", "--nproc", "2", "--launcher", "ray", str(script), str(tmp_path)]) == 0
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 3.0", "2 3.0"]
+
+
+def _example(name):
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_parameter_server_example_smoke(ray_cluster, capsys):
+    """A few steps: the sync server is DDP with SGD (same loss to float32 rounding); bytes are counted."""
+    rows = _example("ray_parameter_server").main(["--workers", "2", "--steps", "3", "--batch", "8"])
+    sync, asyn, ddp = rows
+    m = 4 * sum(p.numel() for p in _example("ray_parameter_server").make_model(0).parameters())
+    assert sync["bytes"] == 2 * 2 * m  # each of 2 workers pulls M and pushes M per step
+    assert asyn["bytes"] >= 2 * 2 * m
+    assert ddp["bytes"] == 2 * 2 * m * (2 - 1) / 2  # ring all-reduce 2M(N-1)/N per rank, 2 ranks
+    assert abs(sync["loss"] - ddp["loss"]) < 1e-5, (sync, ddp)
+    assert "| parameter server, async |" in capsys.readouterr().out
+
+
+def test_heterogeneous_example_smoke(ray_cluster, capsys):
+    """A few steps: the fed trainer trains on exactly the batches the inline one prepares itself."""
+    inline, fed = _example("ray_heterogeneous").main(["--steps", "3", "--batch", "2", "--seq", "16", "--d", "16",
+                                                      "--feeders", "1", "--window", "2"])
+    assert inline["loss"] == fed["loss"] and inline["tokens_per_s"] > 0 and fed["tokens_per_s"] > 0
+    assert "tokens/s" in capsys.readouterr().out

@@ -137,7 +137,7 @@ def run_ps(mode: str, args) -> dict:
 def _ddp_rank(ctx, args):
     import shardlab
     model = make_model(args.seed)
-    engine = shardlab.initialize(model, {"train": {"device": "cpu", "grad_clip": 0.0}},
+    engine = shardlab.initialize(model, {"train": {"device": "cpu", "grad_clip": 0.0, "weight_decay": 0.0}},
                                  optimizer=lambda groups: torch.optim.SGD(groups, lr=args.lr))
     snap = engine.mesh.ledger.snapshot()
     t0 = time.perf_counter()

@@ -169,6 +169,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--text", default=None, help="a text file instead of the Shakespeare plays")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if __name__ != "__main__":  # imported (the smoke test): Ray's workers get the classes by value
+        import sys
+        from ray import cloudpickle
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=a.feeders + 1, include_dashboard=False, object_store_memory=100 * 2 ** 20,

@@ -167,6 +167,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.staleness = args.workers - 1 if args.staleness is None else args.staleness
+    if __name__ != "__main__":  # imported (the smoke test): Ray's workers get the classes by value
+        import sys
+        from ray import cloudpickle
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=max(args.workers, 2), include_dashboard=False, object_store_memory=100 * 2 ** 20,

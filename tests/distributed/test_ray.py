@@ -65,16 +65,6 @@ def local_ddp(tmp_path_factory, cache):
     return run
 
 
-def test_ddp_bit_equal_to_local(ray_cluster, local_ddp, cache, tmp_path):
-    assert _train(tmp_path / "ray", cache, 2, "--train.steps=6", "--launcher", "ray") == 0
-    local, on_ray = _losses(local_ddp), _losses(tmp_path / "ray")
-    assert sorted(local) == sorted(on_ray) == list(range(1, 7))
-    assert on_ray == local  # bit-equal floats
-    _same_params(local_ddp, tmp_path / "ray", 6)
-    reported = sorted(p.name for p in (tmp_path / "ray" / "ray").glob("*/step_*"))
-    assert reported == ["step_00000004", "step_00000006"], reported  # Ray Train keeps the newest 2
-
-
 def test_2d_layout_bit_equal_to_local(ray_cluster, cache, tmp_path):
     layout = ["--parallel.tp=2", "--parallel.dp_replicate=2", "--train.steps=2", "--checkpoint.save=false"]
     assert _train(tmp_path / "local", cache, 4, *layout) == 0
@@ -82,7 +72,10 @@ def test_2d_layout_bit_equal_to_local(ray_cluster, cache, tmp_path):
     assert _losses(tmp_path / "ray") == _losses(tmp_path / "local") and len(_losses(tmp_path / "local")) == 2
 
 
-def test_killed_worker_restarts_from_reported_checkpoint(ray_cluster, local_ddp, cache, tmp_path, monkeypatch):
+def test_ddp_bit_equal_and_killed_worker_restarts(ray_cluster, local_ddp, cache, tmp_path, monkeypatch):
+    """DDP on 2 Ray workers, rank 1 killed after step 3 (checkpoints every 2 steps), --max-restarts 1:
+    the run ends by itself; every step's loss (steps 1-3 from the first group, 3-6 from the
+    restarted one) is bit-equal to the local launcher's, and so are the final tensors."""
     once = tmp_path / "killed-once"
     monkeypatch.setenv("SHARDLAB_TEST_KILL_AT_STEP", f"1:3:{once}")  # rank 1 SIGKILLs itself after step 3
     assert _train(tmp_path / "ray", cache, 2, "--train.steps=6", "--launcher", "ray", "--max-restarts", "1") == 0
@@ -90,8 +83,12 @@ def test_killed_worker_restarts_from_reported_checkpoint(ray_cluster, local_ddp,
     starts = [json.loads(x) for x in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     resumed = [r["resumed_from"] for r in starts if r["kind"] == "start"]
     assert resumed[0] is None and resumed[1].endswith("step_00000002") and "/ray/" in resumed[1], resumed
-    assert _losses(tmp_path / "ray") == _losses(local_ddp)
+    local, on_ray = _losses(local_ddp), _losses(tmp_path / "ray")
+    assert sorted(local) == sorted(on_ray) == list(range(1, 7))
+    assert on_ray == local  # bit-equal floats
     _same_params(local_ddp, tmp_path / "ray", 6)
+    reported = sorted(p.name for p in (tmp_path / "ray" / "ray").glob("*/step_*"))
+    assert reported == ["step_00000004", "step_00000006"], reported  # Ray Train keeps the newest 2
 
 
 def test_launch_script_on_ray(ray_cluster, tmp_path, capsys):
@@ -107,20 +104,19 @@ def test_launch_script_on_ray(ray_cluster, tmp_path, capsys):
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 3.0", "2 3.0"]
 
 
-def _example(name):
-    import importlib.util
-    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def examples(monkeypatch):
+    """Import an example as a module (importable by the ranks it spawns, which inherit sys.path)."""
+    import importlib
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    return importlib.import_module
 
 
-def test_parameter_server_example_smoke(ray_cluster, capsys):
+def test_parameter_server_example_smoke(ray_cluster, examples, capsys):
     """A few steps: the sync server is DDP with SGD (same loss to float32 rounding); bytes are counted."""
-    rows = _example("ray_parameter_server").main(["--workers", "2", "--steps", "3", "--batch", "8"])
+    rows = examples("ray_parameter_server").main(["--workers", "2", "--steps", "3", "--batch", "8"])
     sync, asyn, ddp = rows
-    m = 4 * sum(p.numel() for p in _example("ray_parameter_server").make_model(0).parameters())
+    m = 4 * sum(p.numel() for p in examples("ray_parameter_server").make_model(0).parameters())
     assert sync["bytes"] == 2 * 2 * m  # each of 2 workers pulls M and pushes M per step
     assert asyn["bytes"] >= 2 * 2 * m
     assert ddp["bytes"] == 2 * 2 * m * (2 - 1) / 2  # ring all-reduce 2M(N-1)/N per rank, 2 ranks
@@ -128,9 +124,9 @@ def test_parameter_server_example_smoke(ray_cluster, capsys):
     assert "| parameter server, async |" in capsys.readouterr().out
 
 
-def test_heterogeneous_example_smoke(ray_cluster, capsys):
+def test_heterogeneous_example_smoke(ray_cluster, examples, capsys):
     """A few steps: the fed trainer trains on exactly the batches the inline one prepares itself."""
-    inline, fed = _example("ray_heterogeneous").main(["--steps", "3", "--batch", "2", "--seq", "16", "--d", "16",
+    inline, fed = examples("ray_heterogeneous").main(["--steps", "3", "--batch", "2", "--seq", "16", "--d", "16",
                                                       "--feeders", "1", "--window", "2"])
     assert inline["loss"] == fed["loss"] and inline["tokens_per_s"] > 0 and fed["tokens_per_s"] > 0
     assert "tokens/s" in capsys.readouterr().out

@@ -88,7 +88,9 @@ def test_ddp_bit_equal_and_killed_worker_restarts(ray_cluster, local_ddp, cache,
     assert on_ray == local  # bit-equal floats
     _same_params(local_ddp, tmp_path / "ray", 6)
     reported = sorted(p.name for p in (tmp_path / "ray" / "ray").glob("*/step_*"))
-    assert reported == ["step_00000004", "step_00000006"], reported  # Ray Train keeps the newest 2
+    # every rank's files were reported and merged; Ray prunes the registered ones beyond the newest 2 (a
+    # checkpoint reported just before the kill may stay unregistered, hence unpruned: docs/ray.md)
+    assert reported[-2:] == ["step_00000004", "step_00000006"], reported
 
 
 def test_launch_script_on_ray(ray_cluster, tmp_path, capsys):

@@ -48,6 +48,11 @@ class RankContext:
     local_rank: int
     device: torch.device
     backend: str
+    resume_from: str | None = None
+    """A checkpoint the launcher hands over (Ray Train's restart from its latest checkpoint), else None."""
+    on_checkpoint: object = None
+    """Called by every rank as ``on_checkpoint(path, step)`` after each checkpoint save (Ray Train's
+    checkpoint reporting, shardlab/launch_ray.py), else None."""
 
 
 def choose_backend(device: str, nproc_local: int) -> tuple[str, str]:

@@ -6,6 +6,8 @@ written for torchrun or ``shardlab.initialize`` runs unchanged. When a rank fail
 stopped and its exit code is returned, the rank named (launch.spawn_script): no hang.
 ``--max-restarts K``: after a failure all ranks are started again, at most K times; each sees
 ``TORCHELASTIC_RESTART_COUNT`` (as under torchrun) and resumes from its own checkpoint.
+``--launcher ray``: each rank is a Ray Train worker that runs the script with the same environment
+(launch_ray.run_script); ``--max-restarts K`` is then Ray's ``FailureConfig(max_failures=K)``.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import launch
+from .. import launch, launch_ray
 from ..errors import ConfigError
 
 
@@ -21,6 +23,7 @@ def configure(parser):
     parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="after a rank failure, start all ranks again, at most K times")
+    launch_ray.add_flags(parser)
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -33,6 +36,10 @@ def main(args) -> int:
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
     argv = [args.script, *args.script_args, *args.overrides]
+    opts = launch_ray.options(args, args.max_restarts, None)
+    if opts:  # Ray Train workers, each running the script; restarts are Ray's FailureConfig
+        launch_ray.run(launch_ray.run_script, args.nproc, argv, opts=opts, timeout_s=1800)
+        return 0
     for attempt in range(args.max_restarts + 1):
         code = launch.spawn_script(args.nproc, argv, restart_count=attempt, max_restarts=args.max_restarts)
         if code == 0 or attempt == args.max_restarts:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .. import config as C
-from .. import launch
+from .. import launch, launch_ray
 from ..models.spec import get_spec
 from ..train import finetune, images, restart
 from ..train.loop import train_rank
@@ -31,6 +31,7 @@ def configure(parser):
     parser.add_argument("--elastic", default=None, metavar="MIN:MAX",
                         help="plain data parallel: when a restart fails again at start, go on with fewer "
                              "ranks, down to MIN (docs/faults.md)")
+    launch_ray.add_flags(parser)
 
 
 def resolve(args) -> tuple[C.Config, int, object]:
@@ -107,6 +108,7 @@ def _finished(cfg: C.Config, latest, quiet: bool = False) -> bool:
 def main(args) -> int:
     cfg, nproc, base = resolve(args)
     restarts, elastic = _restart_args(args, cfg, nproc)
+    ray_opts = _ray_options(args, cfg, restarts, elastic)
     main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
     if main_rank:
         latest = check_resume(cfg)
@@ -126,9 +128,12 @@ def main(args) -> int:
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)
 
     def start(c, n):
+        if ray_opts:  # Ray Train workers; restarts are Ray's (FailureConfig(max_failures=K))
+            return launch_ray.run(train_rank, n, c, str(data_dir), device=c.train.device, timeout_s=c.train.timeout_s,
+                                  threads=c.train.threads, opts=ray_opts, report_checkpoints=c.checkpoint.save)
         return launch.run(train_rank, n, c, str(data_dir), device=c.train.device,
                           timeout_s=c.train.timeout_s, threads=c.train.threads)
-    if restarts or elastic:
+    if (restarts or elastic) and not ray_opts:
         results = restart.run_with_restarts(cfg, nproc, start, restarts, elastic)
     else:
         results = start(cfg, nproc)
@@ -153,6 +158,19 @@ def _restart_args(args, cfg, nproc) -> tuple[int, tuple[int, int] | None]:
         raise C.ConfigError("--elastic", "needs --max-restarts K >= 1 (a smaller world is a restart)")
     restart.check_elastic(cfg, nproc, elastic)
     return args.max_restarts, elastic
+
+
+def _ray_options(args, cfg, restarts, elastic):
+    """--launcher ray: its options, checked before anything starts (None for the local launcher)."""
+    if args.launcher == "ray":
+        if launch.under_torchrun():
+            raise C.ConfigError("--launcher", "under torchrun the ranks are already started; drop --launcher ray")
+        if elastic:
+            raise C.ConfigError("--elastic", "not with --launcher ray (Ray Train restarts the same world size)")
+        if cfg.checkpoint.async_save:
+            raise C.ConfigError("checkpoint.async_save", "Ray Train's checkpoint reporting needs finished saves; "
+                                                        "set --checkpoint.async_save=false with --launcher ray")
+    return launch_ray.options(args, restarts, str(Path(cfg.logging.run_dir).resolve() / "ray"))
 
 
 def _layout(cfg) -> str:

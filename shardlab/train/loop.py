@@ -196,6 +196,8 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
         every = cfg.checkpoint.every
         if cfg.checkpoint.save and ((every and step % every == 0) or step == cfg.train.steps):
             run.tr.save_checkpoint(run.ck_dir)
+            if getattr(ctx, "on_checkpoint", None):  # Ray Train: every rank reports its own shard files
+                ctx.on_checkpoint(run.ck_dir / f"{ckpt.PREFIX}{step:08d}", step)
         run.after_step()
     ckpt.finish_saves(run.mesh)  # an asynchronous save in flight: wait, raise if it failed
     return run.finish()
@@ -215,7 +217,9 @@ class _Run:
         self.run_dir, self.ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
         is_main = mesh.rank == 0
         path = None
-        if cfg.checkpoint.resume:
+        if getattr(ctx, "resume_from", None):  # the launcher's restart checkpoint (Ray Train) comes first
+            path = Path(ctx.resume_from)
+        elif cfg.checkpoint.resume:
             path = ckpt.latest_valid(self.ck_dir, warn=print if is_main else (lambda *_: None))
         # resuming or fine-tuning: no initial values to draw, a checkpoint or the base is read next
         self.tr = Trainer(cfg, mesh, self.data, init=path is None and not cfg.checkpoint.base)

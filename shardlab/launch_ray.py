@@ -1,0 +1,306 @@
+"""The Ray launcher (``--launcher ray``): N ranks as Ray Train workers, gang-scheduled.
+
+``run(fn, nproc, *args, opts=RayOptions(...))`` starts a local Ray (``ray.init(num_cpus=...)``) or
+joins ``opts.address``, and runs ``fn(ctx, *args)`` on ``nproc`` workers of a ``TorchTrainer``:
+one placement group (strategy PACK or SPREAD) holding every worker's CPU or GPU, the process
+group set up by Ray Train (gloo on CPU, NCCL one GPU per rank). The function is the very one the
+local launcher runs (launch.run), so the same seeds and the same data order give the same losses.
+
+Checkpoints: after each save, every rank hands Ray Train *its own* shard files of the sharded
+checkpoint (rank 0 adds the index), ``ray.train.report(checkpoint=..., checkpoint_dir_name=
+"step_NNNNNNNN")``; Ray merges them into one directory under ``<run_dir>/ray/<name>/``, a valid
+shardlab checkpoint. No rank ever copies the whole model. With ``FailureConfig(max_failures=K)``
+a dead worker makes Ray stop the group, start it again and give every rank the latest reported
+checkpoint (``RankContext.resume_from``), which the training loop loads before its first step.
+
+Ray is an optional extra (``pip install 'shardlab[ray]'``), imported only here and only when
+``--launcher ray`` is used. With cli.py and launch.py, a module that reads environment variables
+(the TEST-ONLY ``SHARDLAB_TEST_*`` hooks are forwarded to the workers). Docs: docs/ray.md.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+INSTALL = "--launcher ray needs Ray, an optional extra: pip install 'shardlab[ray]'"
+
+
+@dataclass
+class RayOptions:
+    """How to start the Ray job (CLI: --ray-address, --ray-num-cpus, --ray-strategy, ...)."""
+
+    address: str | None = None       # join this cluster (host:port, ray://host:port, "auto"); None: start one
+    num_cpus: int = 0                # local Ray: logical CPUs (0: max(nproc * cpus_per_worker, os.cpu_count()))
+    cpus_per_worker: float = 1.0
+    strategy: str = "PACK"           # placement of the workers: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    max_failures: int = 0            # FailureConfig(max_failures=K): group restarts after a worker failure
+    storage_path: str | None = None  # where Ray Train keeps reported checkpoints (None: a temporary directory)
+    log_to_driver: bool = True
+
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def require_ray():
+    """The ``ray`` module, or ConfigError (one line, exit 2) saying how to install the extra."""
+    try:
+        import ray
+        import ray.train.torch  # noqa: F401  (the train extra)
+    except ImportError:
+        raise ConfigError("--launcher", INSTALL) from None
+    return ray
+
+
+def check_address(address: str | None, timeout_s: float = 3.0) -> None:
+    """Fail within seconds, naming the address, when nothing listens at ``--ray-address``
+    (``ray.init`` itself retries for a long time). ``auto`` and a missing port are left to Ray."""
+    if not address or address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("--ray-address", f"expected HOST:PORT or ray://HOST:PORT, got {address!r}")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ConfigError("--ray-address", f"no Ray cluster reachable at {address} ({e}); start one with "
+                                           "`ray start --head` or drop --ray-address for a local Ray") from None
+
+
+def check_options(opts: RayOptions, nproc: int) -> None:
+    if opts.strategy not in STRATEGIES:
+        raise ConfigError("--ray-strategy", f"must be one of {', '.join(STRATEGIES)}, got {opts.strategy!r}")
+    if opts.cpus_per_worker <= 0:
+        raise ConfigError("--ray-cpus-per-worker", f"must be > 0, got {opts.cpus_per_worker}")
+    if opts.max_failures < 0:
+        raise ConfigError("--max-restarts", f"must be >= 0, got {opts.max_failures}")
+    if nproc < 1:
+        raise ConfigError("--nproc", f"must be >= 1, got {nproc}")
+
+
+def ensure_ray(opts: RayOptions, nproc: int) -> bool:
+    """Connect to or start Ray; True when this call started it (the caller shuts it down)."""
+    ray = require_ray()
+    check_address(opts.address)
+    if ray.is_initialized():
+        return False
+    if opts.address:
+        ray.init(address=opts.address, log_to_driver=opts.log_to_driver)
+    else:
+        cpus = opts.num_cpus or max(int(nproc * opts.cpus_per_worker + 0.999), os.cpu_count() or 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=150 * 2 ** 20,
+                 log_to_driver=opts.log_to_driver)
+    return True
+
+
+def _test_env() -> dict:
+    """TEST-ONLY fault-injection variables (launch.py), forwarded to the Ray workers."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SHARDLAB_TEST_")}
+
+
+def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0,
+        opts: RayOptions | None = None, report_checkpoints: bool = False):
+    """Run ``fn(ctx, *args)`` on ``nproc`` Ray Train workers; rank 0's return value in a one-item list
+    (the other ranks' values stay on their workers). A worker's failure that Ray does not recover
+    from raises launch.WorkerError naming its rank."""
+    opts = opts or RayOptions()
+    check_options(opts, nproc)
+    started = ensure_ray(opts, nproc)
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from .launch import choose_backend, default_threads
+    use_gpu = choose_backend(device, 1)[1] == "cuda" if device != "auto" else _cluster_has_gpus()
+    backend = "nccl" if use_gpu else "gloo"
+    storage = opts.storage_path or tempfile.mkdtemp(prefix="shardlab-ray-")
+    name = f"shardlab-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    import ray
+    mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()  # rank 0's return value comes back through it
+    loop_config = {"mailbox": mailbox, "fn": fn, "args": args, "threads": threads or default_threads(nproc), "use_gpu": use_gpu,
+                   "test_env": _test_env(), "report": report_checkpoints,
+                   "run_storage": str(Path(storage).resolve() / name)}
+    trainer = TorchTrainer(
+        _worker, train_loop_config=loop_config,
+        torch_config=TorchConfig(backend=backend, timeout_s=int(timeout_s)),
+        scaling_config=ScalingConfig(num_workers=nproc, use_gpu=use_gpu, placement_strategy=opts.strategy,
+                                     resources_per_worker={"CPU": opts.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+        run_config=RunConfig(name=name, storage_path=str(Path(storage).resolve()),
+                             failure_config=FailureConfig(max_failures=opts.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    try:
+        trainer.fit()
+        return [pickle.loads(ray.get(mailbox.get.remote()))]
+    except Exception as e:
+        raise _as_worker_error(e) from None
+    finally:
+        ray.kill(mailbox)
+        if not opts.storage_path:
+            shutil.rmtree(storage, ignore_errors=True)
+        if started:
+            ray.shutdown()
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _as_worker_error(e: Exception):
+    """Ray's TrainingFailedError -> launch.WorkerError of the first failing rank, its root error
+    first (``ConfigError: ...`` stays one line through the CLI)."""
+    from .launch import WorkerError
+    failures = getattr(e, "worker_failures", None)
+    if not failures:
+        return WorkerError(0, f"{type(e).__name__}: {e}")
+    rank = min(failures)
+    err = failures[rank]
+    cause = getattr(err, "cause", None) or err
+    text = str(cause)
+    first = f"{type(cause).__name__}: {text}" if not text.startswith(type(cause).__name__) else text
+    return WorkerError(rank, first)
+
+
+def _worker(config: dict) -> None:
+    """One Ray Train worker: the rank's context from Ray Train, then the launcher's function."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+    from . import launch
+    tc = ray.train.get_context()
+    rank, world, local_rank = tc.get_world_rank(), tc.get_world_size(), tc.get_local_rank()
+    os.environ.update(config["test_env"])
+    launch._arm_test_hooks(rank)
+    torch.set_num_threads(config["threads"])
+    if config["use_gpu"]:
+        import ray.train.torch
+        device = ray.train.torch.get_device()
+    else:
+        device = torch.device("cpu")
+    on_ckpt = _reporter(rank) if config["report"] else None
+    restored = ray.train.get_checkpoint()
+    on_disk = _newest_reported(config["run_storage"])
+    if on_disk is not None and (restored is None or _step_of(on_disk) > _step_of(restored.path)):
+        restored = ray.train.Checkpoint.from_directory(str(on_disk))
+    if restored is not None:
+        with restored.as_directory() as path:  # local storage: the directory itself, else a download
+            ctx = launch.RankContext(rank, world, local_rank, device, dist.get_backend(), str(path), on_ckpt)
+            result = config["fn"](ctx, *config["args"])
+    else:
+        ctx = launch.RankContext(rank, world, local_rank, device, dist.get_backend(), None, on_ckpt)
+        result = config["fn"](ctx, *config["args"])
+    if rank == 0:
+        ray.get(config["mailbox"].put.remote(pickle.dumps(result)))
+
+
+class _Mailbox:
+    """A Ray actor holding rank 0's return value for the driver."""
+
+    def __init__(self):
+        self.value = pickle.dumps(None)
+
+    def put(self, value: bytes) -> None:
+        self.value = value
+
+    def get(self) -> bytes:
+        return self.value
+
+
+def _step_of(path) -> int:
+    return int(Path(path).name.rpartition("_")[2]) if Path(path).name.startswith("step_") else -1
+
+
+def _newest_reported(run_storage: str):
+    """The newest complete checkpoint the ranks reported, read from Ray Train's storage when this
+    node sees it. Ray registers a reported checkpoint when its controller next polls the workers:
+    a worker killed right after reporting can leave it uploaded but unregistered, and
+    ``get_checkpoint()`` then offers an older one (or none). The name is unique to this launch, so
+    every checkpoint there belongs to it; a partial upload fails validation and is skipped."""
+    from .train.checkpoint import latest_valid
+    return latest_valid(run_storage, warn=lambda *_: None) if Path(run_storage).is_dir() else None
+
+
+def _reporter(rank: int):
+    """``on_checkpoint(path, step)``: hand Ray Train this rank's files of checkpoint ``path``
+    (hard links in a scratch directory; rank 0 adds the index)."""
+    import ray.train
+
+    def report(path, step):
+        path = Path(path)
+        mine = [p for p in path.iterdir() if p.name.startswith(f"rank_{rank:05d}.")
+                or (rank == 0 and not p.name.startswith("rank_"))]
+        with tempfile.TemporaryDirectory(prefix=f"shardlab-ray-rank{rank}-") as scratch:
+            for p in mine:
+                try:
+                    os.link(p, Path(scratch) / p.name)
+                except OSError:  # another file system: copy this rank's own file
+                    shutil.copy2(p, Path(scratch) / p.name)
+            ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(scratch),
+                             checkpoint_dir_name=path.name)
+    return report
+
+
+# -- command line (shardlab train / shardlab launch) ----------------------------------------------
+
+def add_flags(parser) -> None:
+    parser.add_argument("--launcher", choices=["local", "ray"], default="local",
+                        help="local: spawn the ranks here; ray: run them as Ray Train workers (docs/ray.md)")
+    parser.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="with --launcher ray: join this Ray cluster (HOST:PORT, ray://HOST:PORT or auto) "
+                             "instead of starting a local Ray")
+    parser.add_argument("--ray-num-cpus", type=int, default=0, metavar="N",
+                        help="local Ray: logical CPUs (default: max(nproc * cpus per worker, CPU count))")
+    parser.add_argument("--ray-cpus-per-worker", type=float, default=1.0, metavar="C",
+                        help="CPUs reserved for each worker (default 1)")
+    parser.add_argument("--ray-strategy", default="PACK", choices=list(STRATEGIES),
+                        help="placement of the workers on the cluster's nodes (default PACK)")
+
+
+def options(args, max_failures: int, storage_path: str | None) -> RayOptions | None:
+    """The RayOptions of ``--launcher ray`` (None for the local launcher); checks that Ray is
+    installed and the address reachable before anything starts. Ray flags without it are refused."""
+    if args.launcher != "ray":
+        given = [f for f, v in (("--ray-address", args.ray_address), ("--ray-num-cpus", args.ray_num_cpus),
+                                ("--ray-cpus-per-worker", args.ray_cpus_per_worker != 1.0),
+                                ("--ray-strategy", args.ray_strategy != "PACK")) if v]
+        if given:
+            raise ConfigError(given[0], "applies only with --launcher ray")
+        return None
+    require_ray()
+    opts = RayOptions(address=args.ray_address, num_cpus=args.ray_num_cpus, cpus_per_worker=args.ray_cpus_per_worker,
+                      strategy=args.ray_strategy, max_failures=max_failures, storage_path=storage_path)
+    check_address(opts.address)
+    return opts
+
+
+# -- shardlab launch --launcher ray: a script as N Ray Train workers ------------------------------
+
+def run_script(ctx, argv: list[str]) -> int:
+    """In a Ray Train worker: ``python argv...`` with torchrun's environment for this rank (rank 0's
+    node address and a free port there, shared over Ray Train's process group). The child dies
+    with the worker (Linux). A non-zero exit raises, so Ray counts a worker failure."""
+    import subprocess
+    import sys
+    import torch.distributed as dist
+    from . import launch
+    addr = [None]
+    if ctx.rank == 0:
+        import ray.util
+        addr = [(ray.util.get_node_ip_address(), launch.free_port())]
+    dist.broadcast_object_list(addr, src=0)
+    host, port = addr[0]
+    env = launch.torchrun_env(ctx.rank, ctx.world_size, port)
+    env.update(MASTER_ADDR=host, LOCAL_RANK=str(ctx.local_rank))
+    setup = launch._set_pdeathsig if sys.platform.startswith("linux") else None
+    code = subprocess.call([sys.executable, *argv], env=env, preexec_fn=setup)
+    if code != 0:
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        raise RuntimeError(f"script {argv[0]} failed on rank {ctx.rank} ({how})")
+    return 0

@@ -6,8 +6,7 @@ Compute per micro-batch and rank (one pipeline stage):
               at peak x mm_eff; forward 1/3, backward 2/3; full recomputation repeats the
               blocks' forward, selective the attention's
   attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
-  elementwise ELEMENTWISE_PASSES x the bytes autograd saves (written in forward, read in backward,
-              and as many gradient bytes) at the HBM bandwidth
+  elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
 Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /
 reduce-scatter M(N-1)/N; time = 2 log2(N) alpha + wire / bus bandwidth, on NVLink when the group
 lies inside one node (the topology's axis order, tp fastest), else on the network.
@@ -21,7 +20,10 @@ from __future__ import annotations
 
 import math
 
-ELEMENTWISE_PASSES = 4.0
+ELEMENTWISE_PASSES = {"eager": 12.0, "fused": 4.0}
+"""Bytes moved by elementwise work per byte autograd saves: eager PyTorch runs each norm, rotary,
+activation and residual op as its own kernel (every one reads and writes its tensors); fused
+kernels (``parallel.compile``, or Megatron's hand-fused kernels) touch each tensor a few times."""
 
 
 def collective(kind: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
@@ -73,7 +75,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     t_mm, t_attn = mm / (peak * dev.mm_eff), attn / (peak * dev.attn_eff)
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
-    t_elem = ELEMENTWISE_PASSES * saved / dev.hbm_bw
+    t_elem = ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing

@@ -76,7 +76,7 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     p, t = cfg.parallel, cfg.train
     dev = with_nodes(get_device(device, probe), gpus_per_node)
     topo = Topology.from_config(p)
-    stages = {r: stage_memory(cfg, r, device) for r in range(p.pp)}
+    stages = _stages(cfg, device)
     ranks = []
     if per_rank:
         for rank in range(topo.world_size):
@@ -101,6 +101,26 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     elif flops:
         mfu = tps * flops / (topo.world_size * dev.peak_flops)  # of the probed matmul rate
     return Prediction(ranks, parts["step_s"], tps, mfu, parts, device, flops)
+
+
+def _stages(cfg, device: str) -> dict:
+    """stage_memory of every pipeline coordinate, computed once per distinct kind of rank: ranks
+    whose stages have the same layer counts, ends (first/last modules) and MoE pattern are alike."""
+    from .shadow import stage_ranges
+    p = cfg.parallel
+    if p.pp == 1:
+        return {0: stage_memory(cfg, 0, device)}
+    ranges = stage_ranges(cfg)
+    n = len(ranges)
+    every = cfg.model.moe_every if cfg.model.n_experts else 1
+    done, out = {}, {}
+    for r in range(p.pp):
+        sig = tuple((len(ranges[s]), s == 0, s == n - 1, tuple(i % every for i in ranges[s]))
+                    for s in range(r, n, p.pp))
+        if sig not in done:
+            done[sig] = stage_memory(cfg, r, device)
+        out[r] = done[sig]
+    return out
 
 
 def _no_ac(cfg):

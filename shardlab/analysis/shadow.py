@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -106,12 +107,19 @@ def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
 
 def stage_ranges(cfg) -> list[range]:
     """Layer ranges of the ``pp * pp_virtual`` stages, from the pipeline's own partition."""
-    from ..models.spec import get_spec, meta_model
-    from ..parallel.pipeline.stage import model_partition
     p = cfg.parallel
     if p.pp == 1:
         return [range(cfg.model.n_layers)]
-    return model_partition(meta_model(cfg.model), get_spec(cfg.model), p.pp * p.pp_virtual)
+    return list(_ranges(tuple(sorted(vars(cfg.model).items())), p.pp * p.pp_virtual))
+
+
+@functools.lru_cache(maxsize=64)
+def _ranges(model_items: tuple, n_stages: int) -> tuple:
+    from ..config import ModelConfig
+    from ..models.spec import get_spec, meta_model
+    from ..parallel.pipeline.stage import model_partition
+    mc = ModelConfig(**dict(model_items))
+    return tuple(model_partition(meta_model(mc), get_spec(mc), n_stages))
 
 
 # -- what autograd saves -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ whole on every rank and take no gradient or optimizer state.
 
 Activations: :func:`shadow.trace_saved` of one micro-batch at the rank's local sequence
 (seq_len / cp), per region; full recomputation keeps each block's input, selective frees what
-only the attention core saved and keeps the core's inputs. Pipeline ranks hold the schedule's
+only the attention core saved and keeps the core's inputs and (a fresh storage) its output. Pipeline ranks hold the schedule's
 peak number of micro-batches in flight (``simulate``: forward run, backward (B) not; ZB-H1:
 W not yet run), each for that rank's stage(s).
 """
@@ -82,7 +82,27 @@ def local_model_for(cfg, pp_rank: int):
     return _local_inventory(cfg_json, cfg_json, pp_rank)
 
 
+def _fast_key(cfg, *extra) -> tuple:
+    """A cheap hashable key of what the memory terms depend on (the planner evaluates thousands)."""
+    p, t = cfg.parallel, cfg.train
+    return (tuple(sorted(vars(cfg.model).items())), t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.precision,
+            t.param_dtype, t.reduce_dtype, t.weight_decay, t.seq_len, p.tp, p.pp, p.pp_virtual, p.ep, p.zero_stage,
+            p.dp_replicate, p.dp_shard, p.cp, p.bucket_cap_mb, p.wrap_policy, p.prefetch, p.sequence_parallel,
+            t.global_batch // p.dp // p.microbatches) + extra
+
+
+_STATE: dict = {}
+
+
 def model_state(cfg, pp_rank: int = 0) -> dict:
+    """Cached :func:`compute_model_state`."""
+    key = _fast_key(cfg, pp_rank)
+    if key not in _STATE:
+        _STATE[key] = compute_model_state(cfg, pp_rank)
+    return dict(_STATE[key])
+
+
+def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     """{params, grads, optim, buffers}: bytes of the rank's model state and its data-parallel
     engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket)."""
     from ..parallel.ddp import make_buckets
@@ -171,7 +191,18 @@ def micro_batch(cfg) -> int:
     return max(1, cfg.train.global_batch // p.dp // p.microbatches)
 
 
+_ACTS: dict = {}
+
+
 def chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
+    """Cached :func:`compute_chunk_activations`."""
+    key = _fast_key(cfg, pp_rank, device, cfg.parallel.activation_checkpointing, cfg.parallel.pp_schedule)
+    if key not in _ACTS:
+        _ACTS[key] = compute_chunk_activations(cfg, pp_rank, device)
+    return _ACTS[key]
+
+
+def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
     """{stage: bytes saved for one micro-batch by that stage (chunk) of this pipeline rank},
     plus "recompute" (the largest block's full activations, re-created in backward under full
     recomputation) and "logits" (the largest transient output)."""
@@ -189,7 +220,7 @@ def chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
         if mode == "full":
             return tr.block_input.get(name, 0)
         if mode == "selective":
-            return full - tr.core_only.get(name, 0) + tr.core_inputs.get(name, 0)
+            return full - tr.core_only.get(name, 0) + tr.core_inputs.get(name, 0) + tr.core_outputs.get(name, 0)
         return full
 
     per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))

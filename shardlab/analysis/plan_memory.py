@@ -244,13 +244,16 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
 
 
 def _small_cfg(cfg):
-    """The config with as few layers as the trace needs (two blocks, or two MoE periods): per-block
+    """The config with as few layers as the trace needs (two blocks): per-block
     bytes do not depend on the layer count; the pipeline degree is dropped (a stage's split is
     applied to the per-block figure) but first/last regions are kept."""
     import copy
     small = copy.deepcopy(cfg)
     m = small.model
-    m.n_layers = min(m.n_layers, 2 * (m.moe_every if m.n_experts else 1))
+    m.n_layers = min(m.n_layers, 2)
+    if m.n_experts:  # routing is data-dependent (no meta kernels): traced as a dense FFN of top_k x
+        m.ffn_hidden = m.ffn_dim * m.moe_top_k  # the expert size, every block MoE (an approximation)
+        m.n_experts, small.parallel.ep = 0, 1
     small.parallel.pp, small.parallel.pp_virtual, small.parallel.pp_schedule = 1, 1, "1f1b"
     small.parallel.activation_checkpointing = "none"
     return small

@@ -7,6 +7,7 @@ Compute per micro-batch and rank (one pipeline stage):
               blocks' forward, selective the attention's
   attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
+On a CPU host whose ranks outnumber its cores, compute is slowed by ranks / cores.
 Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /
 reduce-scatter M(N-1)/N; time = 2 log2(N) alpha + wire / bus bandwidth, on NVLink when the group
 lies inside one node (the topology's axis order, tp fastest), else on the network.
@@ -73,10 +74,11 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
     attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp)
     peak = dev.peak_flops
-    t_mm, t_attn = mm / (peak * dev.mm_eff), attn / (peak * dev.attn_eff)
+    over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
+    t_mm, t_attn = over * mm / (peak * dev.mm_eff), over * attn / (peak * dev.attn_eff)
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
-    t_elem = ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
+    t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing

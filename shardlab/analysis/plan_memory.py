@@ -118,6 +118,8 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
         out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el)
+        if p.dp * p.cp == 1 or p.pp > 1:  # p.grad kept as autograd made it: kv heads copied over tp
+            out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x
         if p.pp > 1:  # receive buffers posted ahead (engine.lookahead + 1 activations)
             b = t.global_batch // p.dp // p.microbatches
             out["buffers"] = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) \
@@ -172,6 +174,21 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     out["buffers"] = root + sum(rest[:in_flight])
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
     return out
+
+
+def _copied_grad_extra(train, el: int) -> float:
+    """Bytes beyond the parameters of gradients that are views into larger buffers: a weight whose
+    rows several tp ranks copy (parallel/tensor.py ``_SumOverCopies``) gets as gradient one slot of
+    an (n_slots, *shape) buffer, and the whole buffer stays alive."""
+    from ..distributed.placement import get_placement
+    extra = 0.0
+    for name, q in train:
+        pl = get_placement(q, name)
+        copies = getattr(pl, "copies", 1) or 1
+        if copies > 1 and "tp" in pl.sharded_over:
+            tp_slots = pl.global_shape[pl.dim] // max(1, pl.length or q.shape[pl.dim])
+            extra += (tp_slots - 1) * q.numel() * el
+    return extra
 
 
 # -- activations -----------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def layout_label(cfg) -> str:
     parts = []
     if p.dp_replicate > 1:
         parts.append(f"rep{p.dp_replicate}")
-    if p.dp_shard > 1:
+    if p.dp_shard > 1 or p.zero_stage:
         parts.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[p.zero_stage] + str(p.dp_shard))
     for name in ("tp", "cp", "ep"):
         if getattr(p, name) > 1:

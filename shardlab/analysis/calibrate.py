@@ -190,6 +190,19 @@ def measure_layout(cfg, nproc: int, warmup: int = 2, steps: int = 5, device: str
     return run(_worker, nproc, cfg, warmup, steps, device=device, threads=1, timeout_s=timeout_s)
 
 
+def _many_worker(ctx, cfgs, warmup: int, steps: int):
+    return [_worker(ctx, cfg, warmup, steps) for cfg in cfgs]
+
+
+def measure_layouts(cfgs, nproc: int, warmup: int = 1, steps: int = 0, device: str = "cpu",
+                    timeout_s: float = 300.0) -> list[list[Measured]]:
+    """Several configs on the same ``nproc`` ranks in one spawn (tests): per config, the ranks'
+    measurements in rank order."""
+    from ..launch import run
+    out = run(_many_worker, nproc, list(cfgs), warmup, steps, device=device, threads=1, timeout_s=timeout_s)
+    return [[per_rank[i] for per_rank in out] for i in range(len(cfgs))]
+
+
 # -- prediction next to measurement ---------------------------------------------------------------
 def _predict(cfg, device: str, probe):
     try:

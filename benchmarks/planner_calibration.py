@@ -123,6 +123,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cuda_table(rows: list[dict]) -> str:
+    """On CUDA: per rank, the predicted total vs torch.cuda.max_memory_allocated over the timed steps."""
+    lines = ["| layout | N | rank | pred total MiB | max allocated MiB | err |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        for r in row.get("ranks", []):
+            if r["meas"].max_alloc is not None:
+                p = r["pred"]
+                lines.append(f"| {row['layout']} | {row['nproc']} | {r['rank']} | {_mib(p.total if p else None)} "
+                             f"| {_mib(r['meas'].max_alloc)} | {_pct(r['alloc_err'])} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def summary(rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
     exact = [r["state_exact"] for r in ok if r["state_exact"] is not None]
@@ -167,16 +179,18 @@ def main(argv=None) -> None:
     def log(row):
         print(f"  {row['layout']}:{row['nproc']}  {row['seconds']:.1f} s", file=sys.stderr, flush=True)
     rows = cal.calibrate(layouts, a.device, probe, a.warmup, a.steps, log=log)
-    tab, summ = table(rows), summary(rows)
+    tab, summ, ctab = table(rows), summary(rows), cuda_table(rows)
     print(tab)
     print(summ)
+    if ctab:
+        print(ctab)
     if a.out:
         from _ranks import write_table
         notes = ("Model state: bytes after the first optimizer step (parameters, gradients, optimizer "
                  "states; every storage once). Activations: peak of the saved-tensor bytes held at once during "
                  "one step (all micro-batches), parameters/buffers/flat buffers excluded. Step: slowest rank's "
                  f"median of {a.steps} timed steps after {a.warmup} warm-up; device {a.device}, fp32, 1 thread/rank.")
-        write_table(a.out, "# Planner calibration", tab, summ, notes)
+        write_table(a.out, "# Planner calibration", tab, summ, *([ctab] if ctab else []), notes)
 
 
 if __name__ == "__main__":

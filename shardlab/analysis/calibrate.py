@@ -19,7 +19,9 @@ more step under saved-tensor hooks, and returns (``Measured``):
   hooks see only what autograd saves, the CPU allocator's own peak is not measured.
 * step time: per rank the median of the timed steps (forward_backward, clip, AdamW step,
   zero_grad on the same micro-batches); the layout's step is the slowest rank's median.
-* on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps (``max_alloc``; None on CPU).
+* on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps (``max_alloc``; None on CPU),
+  compared with the prediction's per-rank ``total``.
+* ``buffers``: the model's buffers (rotary tables, ...), each storage once.
 
 ``calibrate(layouts)`` runs the layouts one at a time and returns one row per layout with the
 per-rank measurement and, when the planner is importable, ``predict(cfg, device, probe)``.
@@ -116,6 +118,7 @@ class Measured:
     step_s: float
     step_times: list = field(default_factory=list)
     max_alloc: float | None = None
+    buffers: float = 0.0
 
     @property
     def model_state(self) -> float:
@@ -180,7 +183,14 @@ def _worker(ctx, cfg, warmup: int, steps: int):
     s = state[0]
     return Measured(mesh.rank, mesh.coords["pp"], float(s.params), float(s.grads), float(s.optim),
                     float(acts.peak), acts.total / cfg.parallel.microbatches,
-                    statistics.median(times) if times else float("nan"), times, max_alloc)
+                    statistics.median(times) if times else float("nan"), times, max_alloc, _buffer_bytes(engine))
+
+
+def _buffer_bytes(engine) -> float:
+    """Bytes of the model's buffers (rotary tables, ...), each storage once, parameters' excluded."""
+    params = {p.untyped_storage()._cdata for p in engine.model.parameters()}
+    seen = {b.untyped_storage()._cdata: b.untyped_storage().nbytes() for b in engine.model.buffers()}
+    return float(sum(n for k, n in seen.items() if k not in params))
 
 
 def measure_layout(cfg, nproc: int, warmup: int = 2, steps: int = 5, device: str = "cpu",
@@ -229,7 +239,8 @@ def compare(name: str, cfg, measured: list[Measured], pred) -> dict:
         ps = None if p is None else (p.params, p.grads, p.optim)
         ranks.append({"rank": m.rank, "stage": m.stage, "meas": m, "pred": p,
                       "state_exact": None if p is None else ps == (m.params, m.grads, m.optim),
-                      "act_err": None if p is None else rel_err(p.activations, m.act_peak)})
+                      "act_err": None if p is None else rel_err(p.activations, m.act_peak),
+                      "alloc_err": None if p is None or m.max_alloc is None else rel_err(p.total, m.max_alloc)})
     step_s = max(m.step_s for m in measured)
     pred_step = getattr(pred, "step_time_s", None)
     errs = [r["act_err"] for r in ranks if r["act_err"] is not None]

@@ -15,8 +15,10 @@ more step under saved-tensor hooks, and returns (``Measured``):
   micro-batches cost: 1F1B holds up to p, GPipe m); ``act_micro`` the bytes saved over the step
   divided by the micro-batches (the mean per micro-batch). Not counted: storages of parameters,
   buffers and FSDP's gathered flat buffers (model state, not activations); what recomputation
-  (activation checkpointing) rebuilds inside backward; gradients and communication buffers; the
-  hooks see only what autograd saves, the CPU allocator's own peak is not measured.
+  (activation checkpointing) rebuilds inside backward; gradients and communication buffers;
+  tensors an engine keeps by itself (a pipeline stage's output awaiting its gradient) unless
+  autograd saves them too. The hooks see only what autograd saves; the CPU allocator's peak is
+  not measured.
 * step time: per rank the median of the timed steps (forward_backward, clip, AdamW step,
   zero_grad on the same micro-batches); the layout's step is the slowest rank's median.
 * on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps (``max_alloc``; None on CPU),

@@ -142,6 +142,7 @@ def summary(rows: list[dict]) -> str:
     steps = [abs(r["step_err"]) for r in ok if r["step_err"] is not None]
     out = [f"layouts: {len(rows)} ({len(rows) - len(ok)} failed); ranks measured: "
            f"{sum(len(r['ranks']) for r in ok)}"]
+    out += [f"{r['layout']}:{r['nproc']}: {r['pred_error']}" for r in ok if r.get("pred_error")]
     if not exact:
         out.append("no prediction available (shardlab.analysis.predict not importable): measured side only")
         return "\n".join(f"- {s}" for s in out)
@@ -155,13 +156,17 @@ def summary(rows: list[dict]) -> str:
 
 
 def _probe(device: str):
-    """The planner's throughput probe when it offers one (measured once, before the layouts)."""
+    """The planner's CPU throughput probe (``analysis.devices.probe_cpu``), measured once before
+    the layouts run; None on other devices (their constants are tabulated)."""
+    if device != "cpu":
+        return None
     try:
-        from shardlab.analysis import predict as P
+        from shardlab.analysis.devices import probe_cpu
     except ImportError:
         return None
-    fn = getattr(P, "probe", None) or getattr(P, "run_probe", None)
-    return fn(device=device) if callable(fn) else None
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:  # measured now, under the same load as the layouts
+        return probe_cpu(cache_dir=tmp, refresh=True)
 
 
 def main(argv=None) -> None:

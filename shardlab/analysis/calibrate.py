@@ -265,7 +265,12 @@ def calibrate(layouts, device: str = "cpu", probe=None, warmup: int = 2, steps: 
         except WorkerError as e:
             rows.append({"layout": name, "nproc": nproc, "error": str(e).strip().splitlines()[0][:160]})
             continue
-        row = compare(name, cfg, measured, _predict(cfg, device, probe))
+        try:
+            pred, pred_error = _predict(cfg, device, probe), ""
+        except Exception as e:  # noqa: BLE001 - a planner failure is a finding, the measurement stays
+            pred, pred_error = None, f"predict failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        row = compare(name, cfg, measured, pred)
+        row["pred_error"] = pred_error
         row["seconds"] = time.time() - t0
         rows.append(row)
         if log:

@@ -18,6 +18,7 @@ from shardlab.models import build_model, count_params
 
 N = 2
 FP32 = {"train": {"precision": "fp32"}}
+PROBE = {"flops": 1e10, "alpha": 1e-4, "bw": 1e9, "mem_bw": 1e10}  # time constants: memory does not use them
 NAMES = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-gpipe"]
 
 
@@ -62,7 +63,7 @@ def test_predicted_memory_matches_measured(measured):
     predict = pytest.importorskip("shardlab.analysis.predict").predict
     for name in ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b"]:
         cfg, ranks = measured[name]
-        pred = predict(cfg, device="cpu")
+        pred = predict(cfg, device="cpu", probe=PROBE)
         for m in ranks:
             p = pred.ranks[m.rank]
             assert (p.params, p.grads, p.optim) == (m.params, m.grads, m.optim), (name, m.rank)

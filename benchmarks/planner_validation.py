@@ -1,0 +1,116 @@
+"""Planner vs published runs: predicted and published tokens/s/GPU (torchtitan) and TFLOP/s per
+GPU (Megatron-LM 2021 weak scaling), with the error of each row and the median absolute error.
+
+    PYTHONPATH=. python benchmarks/planner_validation.py [--markdown]
+
+Published figures (not measured here):
+  torchtitan, docs/performance.md (Llama 3.1, bf16, seq 8192, H100 96GB HBM2e at 500 W):
+    8B FSDP on 8 GPUs, local batch 2, selective AC: 5,762 tok/s/GPU (eager)
+    8B FSDP on 128 GPUs, local batch 2, selective AC: 5,605 (eager)
+    70B FSDP 32 x TP 8 on 256 GPUs, local batch 16, full AC: 829 (with torch.compile and Float8)
+  Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", Table 1 (GPT, seq 2048, vocabulary 51,200, A100 80GB, full recomputation):
+    TFLOP/s per GPU by their count 96 B s l h^2 (1 + s/6h + V/16lh) (recomputation included).
+The device constants are those of analysis/devices.py (docs/planner.md), the same for all rows.
+Assumed where the publications do not say: Megatron micro-batch 1, 1F1B, DDP, sequence parallel
+off (2021), its fused kernels modelled as ``parallel.compile``; torchtitan TP with sequence
+parallel. The 70B row ran with torch.compile and Float8 matmuls, which the model does not have:
+it is shown, and the median is also given without it.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from shardlab.analysis.predict import predict
+from shardlab.config import Config
+
+LLAMA = {"8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
+         "70b": dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672)}
+TITAN = [  # (label, model, gpus, dp_shard, tp, local batch, AC, published tok/s/GPU, note)
+    ("torchtitan Llama-3.1-8B FSDP 8", "8b", 8, 8, 1, 2, "selective", 5762, "eager"),
+    ("torchtitan Llama-3.1-8B FSDP 128", "8b", 128, 128, 1, 2, "selective", 5605, "eager"),
+    ("torchtitan Llama-3.1-70B FSDP 32 x TP 8", "70b", 256, 32, 8, 16, "full", 829, "compile + Float8"),
+]
+MEGATRON = [  # (params, hidden, heads, layers, tp, pp, gpus, batch, published TFLOP/s per GPU)
+    ("1.7B", 2304, 24, 24, 1, 1, 32, 512, 137),
+    ("18.4B", 6144, 48, 40, 8, 1, 256, 1024, 135),
+    ("39.1B", 8192, 64, 48, 8, 2, 512, 1536, 138),
+    ("76.1B", 10240, 80, 60, 8, 4, 1024, 1792, 140),
+    # 145.6B (tp8 pp8, 1536 GPUs, batch 2048, 148): 2048 does not divide among dp = 24 replicas here
+    ("310.1B", 16384, 128, 96, 8, 16, 1920, 2160, 155),
+    ("529.6B", 20480, 128, 105, 8, 35, 2520, 2520, 163),
+    ("1T", 25600, 160, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def titan_cfg(model, gpus, dp_shard, tp, local, ac, compiled=False):
+    cfg = Config()
+    for k, v in LLAMA[model].items():
+        setattr(cfg.model, k, v)
+    cfg.model.max_seq_len = cfg.train.seq_len = 8192
+    cfg.model.rope_theta = 500000.0
+    cfg.train.precision, cfg.train.global_batch = "bf16", local * dp_shard
+    p = cfg.parallel
+    p.dp_shard, p.tp, p.zero_stage, p.activation_checkpointing = dp_shard, tp, 3, ac
+    p.sequence_parallel, p.compile = tp > 1, compiled
+    return cfg.validate(gpus)
+
+
+def megatron_cfg(h, heads, layers, tp, pp, gpus, batch):
+    cfg = Config()
+    m = cfg.model
+    m.arch, m.vocab_size, m.d_model, m.n_heads, m.n_layers = "gpt2", 51200, h, heads, layers
+    m.max_seq_len = cfg.train.seq_len = 2048
+    cfg.train.precision, cfg.train.global_batch = "bf16", batch
+    p = cfg.parallel
+    p.tp, p.pp, p.dp_shard = tp, pp, gpus // (tp * pp)
+    p.microbatches = batch // p.dp_shard  # micro-batch of 1 sequence
+    p.activation_checkpointing = "full"
+    p.compile = True  # Megatron's fused kernels (bias-GeLU, scaled masked softmax, fused LayerNorm)
+    return cfg.validate(gpus)
+
+
+def megatron_flops(b, s, layers, h, vocab=51200):
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+def rows():
+    out = []
+    for label, model, gpus, dp, tp, local, ac, pub, note in TITAN:
+        pr = predict(titan_cfg(model, gpus, dp, tp, local, ac, "compile" in note), "h100-gt", per_rank=False)
+        got = pr.tokens_per_s / gpus
+        out.append((label, f"{gpus} H100", "tok/s/GPU", got, pub, pr.mfu, note))
+    for name, h, heads, layers, tp, pp, gpus, batch, pub in MEGATRON:
+        pr = predict(megatron_cfg(h, heads, layers, tp, pp, gpus, batch), "a100", per_rank=False)
+        tflops = megatron_flops(batch, 2048, layers, h) / pr.step_time_s / gpus / 1e12
+        out.append((f"Megatron-LM GPT {name} tp{tp} pp{pp}", f"{gpus} A100", "TFLOP/s/GPU", tflops, pub, pr.mfu,
+                    "recompute counted"))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.parse_args(argv)
+    t0 = time.perf_counter()
+    table = rows()
+    print("| run | GPUs | unit | predicted | published | error | predicted MFU | note |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    errs, eager = [], []
+    for label, gpus, unit, got, pub, mfu, note in table:
+        err = (got - pub) / pub
+        errs.append(abs(err))
+        if "Float8" not in note:
+            eager.append(abs(err))
+        print(f"| {label} | {gpus} | {unit} | {got:,.0f} | {pub:,} | {100 * err:+.1f}% | "
+              f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {note} |")
+    print(f"\nmedian absolute error: {100 * statistics.median(errs):.1f}% over {len(errs)} rows; "
+          f"{100 * statistics.median(eager):.1f}% without the compile + Float8 row "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

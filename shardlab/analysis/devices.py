@@ -1,0 +1,125 @@
+"""Device constants of the planner's time model (docs/planner.md), and the CPU probe.
+
+Each kind states its dense peak FLOP/s (vendor datasheets, the table of train/metrics.py), its
+memory, HBM bandwidth, and the links between devices: NVLink inside a node, the network between
+nodes (per GPU), each as an achievable bus bandwidth and a latency per collective step. The
+efficiency constants (fraction of peak a large matmul reaches, and the attention kernels) are
+stated per device kind, the same for every model and layout: they are not fitted per run. An
+unknown device is refused, never guessed.
+
+The CPU has no datasheet: :func:`probe_cpu` measures this machine's matmul FLOP/s and gloo's
+all-reduce latency and bandwidth (a few milliseconds-scale measurements), cached as JSON under
+``.cache/shardlab`` so that later predictions reuse them.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float          # dense bf16 (GPU) / measured fp32 matmul (CPU) FLOP/s
+    memory: float              # bytes usable by one rank
+    hbm_bw: float              # bytes/s, elementwise (memory-bound) work
+    mm_eff: float              # fraction of peak a large matmul reaches
+    attn_eff: float            # fraction of peak of the attention kernels (fused, causal half counted)
+    intra_bw: float            # bus bandwidth of a collective inside a node, bytes/s
+    intra_alpha: float         # latency per collective step inside a node, s
+    inter_bw: float            # bus bandwidth per GPU across nodes, bytes/s
+    inter_alpha: float         # latency per collective step across nodes, s
+    gpus_per_node: int = 8
+    note: str = ""
+
+
+GiB = 2**30
+DEVICES = {
+    "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.40, 360e9, 10e-6, 45e9, 20e-6, 8,
+                   "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU"),
+    "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.40, 360e9, 10e-6,
+                      45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU"),
+    "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.40, 360e9, 10e-6, 45e9, 20e-6, 8,
+                   "H100's compute with HBM3e"),
+    "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, 0.45, 230e9, 10e-6, 22e9, 20e-6, 8,
+                   "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU"),
+}
+
+
+def get_device(kind: str, probe: dict | None = None) -> Device:
+    """The constants of ``kind`` (h100, h100-gt, h200, a100, cpu). ``cpu`` needs the probe's numbers
+    (measured here when not given)."""
+    if kind == "cpu":
+        pr = probe or probe_cpu()
+        return Device("CPU (probe)", pr["flops"], pr.get("memory", 16e9), pr.get("mem_bw", 5e9), 1.0, 0.5,
+                      pr["bw"], pr["alpha"], pr["bw"], pr["alpha"], 1 << 20, "measured by probe_cpu")
+    if kind not in DEVICES:
+        raise ConfigError("--gpu", f"unknown device {kind!r}; known: {', '.join(sorted(DEVICES))}, cpu "
+                                   "(the planner never guesses a device's peak)")
+    return DEVICES[kind]
+
+
+def with_nodes(dev: Device, gpus_per_node: int | None) -> Device:
+    return dev if not gpus_per_node else replace(dev, gpus_per_node=gpus_per_node)
+
+
+# -- CPU probe ---------------------------------------------------------------------------------------
+
+def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2) -> dict:
+    """Measured {flops, alpha, bw, mem_bw}: one thread's fp32 matmul FLOP/s (train/metrics.py's
+    probe), gloo all-reduce of 4 bytes (latency per ring step) and of 4 MB over ``nproc`` ranks
+    (bus bandwidth), and a large copy's bandwidth. Cached in ``cache_dir/cpu_probe.json``."""
+    path = Path(cache_dir) / "cpu_probe.json"
+    if path.exists() and not refresh:
+        return json.loads(path.read_text())
+    import torch
+    from ..train.metrics import cpu_probe_flops
+    torch.set_num_threads(1)
+    flops = cpu_probe_flops(0.3, 256)
+    a = torch.empty(2**23)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    mem_bw = 2 * a.numel() * 4 * 5 / (time.perf_counter() - t0)
+    small, big = 4, 4 * 2**20
+    try:
+        from ..launch import run
+        times = run(_probe_comm, nproc, [small, big], threads=1, timeout_s=60)[0]
+        steps = 2 * (nproc - 1)
+        alpha = times[0] / steps
+        bw = 2 * big * (nproc - 1) / nproc / max(times[1] - times[0], 1e-9)
+    except Exception:  # no processes can be started: DESIGN's measured gloo figures (N=2)
+        alpha, bw = 0.3e-3 / 2, 2 * big * 0.5 / 4.7e-3
+    out = {"flops": flops, "alpha": alpha, "bw": bw, "mem_bw": mem_bw, "nproc": nproc,
+           "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _probe_comm(ctx, sizes):
+    import torch
+    from ..distributed.mesh import Mesh
+    from ..distributed.topology import Topology
+    mesh = Mesh.build(Topology(dp_shard=ctx.world_size))
+    comm = mesh.comm("world")
+    out = []
+    for n in sizes:
+        x = torch.zeros(max(1, n // 4))
+        for _ in range(2):
+            comm.all_reduce(x)
+        reps, t0 = 5, time.perf_counter()
+        for _ in range(reps):
+            comm.all_reduce(x)
+        out.append((time.perf_counter() - t0) / reps)
+    return out
+
+
+def describe(dev: Device) -> dict:
+    return asdict(dev)

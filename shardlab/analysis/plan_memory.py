@@ -1,0 +1,249 @@
+"""Per-rank memory of a layout, before launch: model state as the engines allocate it,
+activations as autograd saves them, communication buffers and the largest transient.
+
+Model state (bytes; the categories of ``analysis.memory.measure``, so a measured run compares to
+the byte). The rank's parameters come from :func:`shadow.local_model` (TP/EP slices, pipeline
+split, LoRA adapters); then, per engine:
+
+  plain / pipeline (DDP on top)  params P*psi, grads P*trainable, optim 2*P*trainable (AdamW m, v)
+  DDP (zero_stage 0)             the same; gradient buckets in ``train.reduce_dtype`` if set
+  ZeRO-1/2                       flat buffers (``ddp.make_buckets`` per weight-decay group) padded
+                                 to a multiple of N = dp*cp: params = padded buffers (low dtype with
+                                 ``train.param_dtype``, then + an fp32 master slice in optim), grads
+                                 = padded buffers (ZeRO-1) or one slice per buffer (ZeRO-2),
+                                 optim = 2 slices (m, v)
+  ZeRO-3 / FSDP                  one flat buffer per unit (``wrap_policy``) and weight-decay group,
+                                 padded to N = dp_shard*cp: shard, gradient shard, m and v; the shard
+                                 counts as optimizer state (a master) when the gathered dtype differs
+
+P is the parameter element size (fp64 runs 8, else 4). Frozen parameters (a LoRA base) are held
+whole on every rank and take no gradient or optimizer state.
+
+Activations: :func:`shadow.trace_saved` of one micro-batch at the rank's local sequence
+(seq_len / cp), per region; full recomputation keeps each block's input, selective frees what
+only the attention core saved and keeps the core's inputs. Pipeline ranks hold the schedule's
+peak number of micro-batches in flight (``simulate``: forward run, backward (B) not; ZB-H1:
+W not yet run), each for that rank's stage(s).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import torch
+
+ELEM = {"fp64": 8}
+LOW = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def param_elem(cfg, device: str = "cpu") -> int:
+    """Bytes per element of the parameters the engines store (train/optim.param_dtype)."""
+    return ELEM.get(cfg.train.precision, 4)
+
+
+def act_dtype(cfg, device: str = "cpu"):
+    """Activation dtype of a trace: the parameters' on CPU runs; bf16 when a GPU run computes in
+    bf16 (autocast or FSDP's gathered bf16 parameters)."""
+    if cfg.train.precision == "fp64":
+        return torch.float64
+    if device != "cpu" and cfg.train.precision in ("bf16", "fp16"):
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.lru_cache(maxsize=256)
+def _local_inventory(key: str, cfg_json: str, pp_rank: int):
+    from ..config import from_dict
+    from ..models.spec import get_spec
+    from .shadow import local_model
+    from ..distributed.topology import Topology
+    cfg = from_dict(json.loads(cfg_json))
+    topo = Topology.from_config(cfg.parallel)
+    model = local_model(cfg, topo.rank(pp=pp_rank))
+    spec = get_spec(cfg.model)
+    return model, spec
+
+
+def _canonical(cfg) -> str:
+    """The config fields a rank's local model depends on (TP, EP, the pipeline split, LoRA):
+    data-parallel and context degrees are normalised away so that layouts share one build."""
+    d = {k: v for k, v in cfg.to_dict().items() if k in ("model", "parallel", "train")}
+    par = d["parallel"]
+    par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, zero_stage=0, microbatches=max(par["pp"], 1))
+    if par["pp_schedule"] == "interleaved":
+        par["microbatches"] = par["pp"]
+    d["train"] = {k: d["train"][k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "precision")}
+    return json.dumps(d, sort_keys=True)
+
+
+def local_model_for(cfg, pp_rank: int):
+    cfg_json = _canonical(cfg)
+    return _local_inventory(cfg_json, cfg_json, pp_rank)
+
+
+def model_state(cfg, pp_rank: int = 0) -> dict:
+    """{params, grads, optim, buffers}: bytes of the rank's model state and its data-parallel
+    engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket)."""
+    from ..parallel.ddp import make_buckets
+    from ..parallel.zero import decay_groups
+    model, spec = local_model_for(cfg, pp_rank)
+    p, t = cfg.parallel, cfg.train
+    el = param_elem(cfg)
+    named = [(n, q) for n, q in model.named_parameters()]
+    train = [(n, q) for n, q in named if q.requires_grad]
+    frozen = sum(q.numel() for _, q in named if not q.requires_grad) * el
+    psi_t = sum(q.numel() for _, q in train)
+    out = {"params": 0.0, "grads": 0.0, "optim": 0.0, "buffers": 0.0}
+    if p.pp > 1 or p.zero_stage == 0:
+        gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
+        out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el)
+        if p.pp > 1:  # receive buffers posted ahead (engine.lookahead + 1 activations)
+            b = t.global_batch // p.dp // p.microbatches
+            out["buffers"] = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) \
+                * cfg.model.d_model * act_dtype(cfg).itemsize
+        return out
+    if p.zero_stage in (1, 2):
+        n = p.dp * p.cp
+        low = LOW.get(t.param_dtype) if t.param_dtype in ("bf16", "fp16") else None
+        fel = low or el
+        out["params"] = frozen
+        cap = p.bucket_cap_mb * 2**20
+        biggest = 0
+        for group, _ in decay_groups(train, t.weight_decay):
+            for bucket in make_buckets([q for _, q in group], cap):
+                total = sum(q.numel() for q in bucket)
+                shard = max(1, math.ceil(total / n))
+                padded = shard * n
+                biggest = max(biggest, padded)
+                out["params"] += padded * fel
+                out["grads"] += (padded if p.zero_stage == 1 else shard) * fel
+                out["optim"] += 2 * shard * el + (shard * el if low else 0)
+        if p.zero_stage == 2:
+            out["buffers"] = biggest * fel  # the bucket staged until its reduce-scatter
+        return out
+    from ..parallel.fsdp import wrap_policy
+    n = p.dp_shard * p.cp
+    units = wrap_policy(model, p.wrap_policy, spec)
+    compute = LOW.get(t.param_dtype) or (2 if t.precision in ("bf16", "fp16") else None)
+    master = compute is not None and compute != el
+    out["params"] = frozen
+    gathered, reduce_total = [], 0
+    for prefix in [""] + units:
+        mod = model.get_submodule(prefix) if prefix else model
+        seen, mine = set(), []
+        for name, q in mod.named_parameters(prefix=prefix, remove_duplicate=False):
+            owner = next((u for u in units if u != prefix and name.startswith(u + ".")), None)
+            if owner is None and id(q) not in seen and q.requires_grad:
+                seen.add(id(q))
+                mine.append((name, q))
+        unit_bytes = 0
+        for group, _ in decay_groups(mine, t.weight_decay):
+            reduce_total += max(1, math.ceil(sum(q.numel() for _, q in group) / n)) * n * (LOW.get(t.reduce_dtype) or el)
+            total = sum(q.numel() for _, q in group)
+            shard = max(1, math.ceil(total / n))
+            out["optim" if master else "params"] += shard * el
+            out["grads"] += shard * el
+            out["optim"] += 2 * shard * el
+            unit_bytes += shard * n * (compute or el)
+        gathered.append(unit_bytes)
+    root, rest = gathered[0], sorted(gathered[1:], reverse=True)
+    in_flight = 2 if p.prefetch else 1  # the unit computing and the one prefetched
+    out["buffers"] = root + sum(rest[:in_flight])
+    out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
+    return out
+
+
+# -- activations -----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def _trace(key: str, cfg_json: str, micro_batch: int, seq: int, dtype_name: str, pp_rank: int):
+    from ..config import from_dict
+    from ..distributed.topology import Topology
+    from .shadow import trace_saved
+    cfg = from_dict(json.loads(cfg_json))
+    rank = Topology.from_config(cfg.parallel).rank(pp=pp_rank)
+    return trace_saved(cfg, micro_batch, seq, getattr(torch, dtype_name), rank)
+
+
+def micro_batch(cfg) -> int:
+    p = cfg.parallel
+    return max(1, cfg.train.global_batch // p.dp // p.microbatches)
+
+
+def chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
+    """{stage: bytes saved for one micro-batch by that stage (chunk) of this pipeline rank},
+    plus "recompute" (the largest block's full activations, re-created in backward under full
+    recomputation) and "logits" (the largest transient output)."""
+    p = cfg.parallel
+    seq = cfg.train.seq_len // p.cp
+    dtype = act_dtype(cfg, device)
+    small = _small_cfg(cfg)
+    cfg_json = _canonical(small)
+    tr = _trace(cfg_json, cfg_json, micro_batch(cfg), seq, str(dtype).split(".")[-1], 0)
+    blocks = [r for r in tr.regions if r not in ("first", "last")]
+    mode = p.activation_checkpointing
+
+    def block_bytes(name):
+        full = tr.regions[name]
+        if mode == "full":
+            return tr.block_input.get(name, 0)
+        if mode == "selective":
+            return full - tr.core_only.get(name, 0) + tr.core_inputs.get(name, 0)
+        return full
+
+    per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))
+    full_block = max((tr.regions[b] for b in blocks), default=0)
+    from .shadow import stage_ranges
+    ranges = stage_ranges(cfg)
+    out = {}
+    n_stages = p.pp * p.pp_virtual
+    for s in range(n_stages):
+        if s % p.pp != pp_rank:
+            continue
+        b = len(ranges[s]) * per_block
+        if s == 0:
+            b += tr.regions.get("first", 0)
+        if s == n_stages - 1:
+            b += tr.regions.get("last", 0)
+        out[s] = b
+    out["recompute"] = full_block if mode == "full" else 0
+    out["logits"] = tr.logits
+    return out
+
+
+def _small_cfg(cfg):
+    """The config with as few layers as the trace needs (two blocks, or two MoE periods): per-block
+    bytes do not depend on the layer count; the pipeline degree is dropped (a stage's split is
+    applied to the per-block figure) but first/last regions are kept."""
+    import copy
+    small = copy.deepcopy(cfg)
+    m = small.model
+    m.n_layers = min(m.n_layers, 2 * (m.moe_every if m.n_experts else 1))
+    small.parallel.pp, small.parallel.pp_virtual, small.parallel.pp_schedule = 1, 1, "1f1b"
+    small.parallel.activation_checkpointing = "none"
+    return small
+
+
+@functools.lru_cache(maxsize=512)
+def schedule_peaks(name: str, pp: int, m: int, v: int) -> tuple:
+    """(peak micro-batches in flight per rank, peak held graphs per rank, simulated bubble)."""
+    from ..parallel.pipeline.schedule import build
+    from ..parallel.pipeline.simulate import simulate
+    res = simulate(build(name, pp, m, v))
+    return tuple(res.peak_inflight), tuple(res.peak_held), res.bubble
+
+
+def activations(cfg, pp_rank: int = 0, device: str = "cpu") -> tuple[float, float]:
+    """(bytes of activations held at the peak of a step, the largest transient) for a rank."""
+    p = cfg.parallel
+    ch = chunk_activations(cfg, pp_rank, device)
+    stages = {k: v for k, v in ch.items() if isinstance(k, int)}
+    if p.pp == 1:
+        held = sum(stages.values())
+    else:
+        inflight, held_graphs, _ = schedule_peaks(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
+        peak = held_graphs[pp_rank] if p.pp_schedule == "zb-h1" else inflight[pp_rank]
+        held = peak * sum(stages.values()) / len(stages)
+    transient = max(ch["recompute"], 2 * ch["logits"])
+    return float(held), float(transient)

@@ -1,0 +1,146 @@
+"""Step time of a layout on a device kind: roofline compute, alpha-beta collectives placed on
+their links, the pipeline schedule simulated, and what each engine overlaps (docs/planner.md).
+
+Compute per micro-batch and rank (one pipeline stage):
+  matmuls     (spec FLOPs per token - its attention term) x tokens / (tp x cp x stages)
+              at peak x mm_eff; forward 1/3, backward 2/3; full recomputation repeats the
+              blocks' forward, selective the attention's
+  attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
+  elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
+Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /
+reduce-scatter M(N-1)/N; time = 2 log2(N) alpha + wire / bus bandwidth, on NVLink when the group
+lies inside one node (the topology's axis order, tp fastest), else on the network.
+Overlap: TP collectives are exposed (they sit between dependent matmuls); CP's ring hides behind
+the attention it feeds; FSDP's gathers and reduce-scatters hide behind the compute of the other
+units (the root unit's gather and the last reduce-scatter do not); DDP's all-reduce hides behind
+the last micro-batch's backward except its last bucket; ZeRO-1/2's all-gather after the step does
+not hide. Pipelines: the schedule is simulated with these stage costs (its bubble included).
+"""
+from __future__ import annotations
+
+import math
+
+ELEMENTWISE_PASSES = {"eager": 12.0, "fused": 4.0}
+"""Bytes moved by elementwise work per byte autograd saves: eager PyTorch runs each norm, rotary,
+activation and residual op as its own kernel (every one reads and writes its tensors); fused
+kernels (``parallel.compile``, or Megatron's hand-fused kernels) touch each tensor a few times."""
+
+
+def collective(kind: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
+    """Seconds of one collective of ``nbytes`` (full message) over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    wire = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind] * nbytes * (n - 1) / n
+    return 2 * math.log2(n) * alpha + wire / bw
+
+
+def link(topo, group: str, dev) -> tuple[float, float]:
+    """(bus bandwidth, latency) of the ``group`` that contains rank 0: NVLink if its ranks share a
+    node, else the network."""
+    ranks = _group_of_rank0(topo, group)
+    nodes = {r // dev.gpus_per_node for r in ranks}
+    return (dev.intra_bw, dev.intra_alpha) if len(nodes) == 1 else (dev.inter_bw, dev.inter_alpha)
+
+
+def _group_of_rank0(topo, group: str) -> list[int]:
+    """Ranks of rank 0's group without listing the world: strides of the axes (tp fastest)."""
+    from ..distributed.topology import AXES, GROUPS
+    if group in ("ep", "edp"):
+        return topo.group_of(group, 0) if topo.world_size <= 4096 else list(range(topo.size(group)))
+    strides, s = {}, 1
+    for a in reversed(AXES):
+        strides[a] = s
+        s *= getattr(topo, a)
+    ranks = [0]
+    for a in GROUPS[group]:
+        ranks = [r + i * strides[a] for r in ranks for i in range(getattr(topo, a))]
+    return ranks
+
+
+def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
+    """{step_s, compute, exposed_comm, bubble, optimizer} for the layout. ``mem``: the rank's
+    model-state bytes (plan_memory.model_state); ``traced``: activation bytes of one micro-batch
+    per stage without recomputation (plan_memory.chunk_activations)."""
+    from ..distributed.topology import Topology
+    from .plan_memory import act_dtype, micro_batch
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    topo = Topology.from_config(p)
+    el = act_dtype(cfg, "gpu" if dev.gpus_per_node < 1 << 20 else "cpu").itemsize
+    b, s = micro_batch(cfg), t.seq_len
+    tokens = b * s
+    attn_term = 12.0 * m.n_layers * m.d_model * s
+    mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
+    attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp)
+    peak = dev.peak_flops
+    t_mm, t_attn = mm / (peak * dev.mm_eff), attn / (peak * dev.attn_eff)
+    saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
+        / max(1, len([k for k in traced if isinstance(k, int)]))
+    t_elem = ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
+    fwd = (t_mm + t_attn + t_elem) / 3
+    bwd = 2 * fwd
+    ac = p.activation_checkpointing
+    recompute = fwd if ac == "full" else (t_attn / 3 if ac == "selective" else 0.0)
+    # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
+    layers = m.n_layers / p.pp
+    act_bytes = b * (s // p.cp) * m.d_model * el
+    tp_comm = 0.0
+    if p.tp > 1:
+        bw, al = link(topo, "tp", dev)
+        one = collective("all_reduce", act_bytes, p.tp, bw, al)
+        tp_comm = one * (4 * layers + 2 + (2 * layers if ac == "full" else 0))
+    cp_comm = 0.0
+    if p.cp > 1:  # ring: cp-1 exchanges of this rank's k and v per block, twice as much backward
+        bw, al = link(topo, "cp", dev)
+        kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) * el
+        ring = (p.cp - 1) * (kv / bw + al) * 3 * layers
+        cp_comm = max(0.0, ring - (t_attn + (t_attn / 3 if ac != "none" else 0)))
+    f_mb = fwd + (tp_comm + cp_comm) / 3
+    b_mb = bwd + recompute + 2 * (tp_comm + cp_comm) / 3
+    mbs = p.microbatches
+    # data-parallel collectives of the engine
+    dp_exposed, dp_total = 0.0, 0.0
+    if p.zero_stage == 3:
+        n = p.dp_shard * p.cp
+        bw, al = link(topo, "dp_shard_cp", dev)
+        gathered = mem["gathered_total"]
+        per_mb = collective("all_gather", gathered, n, bw, al) * (2 if p.reshard_after_forward else 1) \
+            + collective("reduce_scatter", mem["reduce_total"], n, bw, al)
+        dp_total = per_mb * mbs
+        units = max(1, m.n_layers)
+        dp_exposed = max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
+        if p.dp_replicate > 1:
+            bw, al = link(topo, "dp_replicate", dev)
+            dp_exposed += collective("all_reduce", mem["grads"], p.dp_replicate, bw, al)
+    elif p.dp * p.cp > 1:
+        n = p.dp * p.cp
+        bw, al = link(topo, "dp_cp", dev)
+        if p.zero_stage == 0:
+            dp_total = collective("all_reduce", mem["grads"], n, bw, al)
+            last_bucket = collective("all_reduce", min(mem["grads"], p.bucket_cap_mb * 2**20), n, bw, al)
+            hide = b_mb if (p.overlap_comm and p.pp == 1) else 0.0
+            dp_exposed = max(last_bucket, dp_total - hide)
+        else:
+            full = mem["params"]
+            rs = collective("reduce_scatter", full, n, bw, al) * (mbs if p.zero_stage == 2 else 1)
+            ag = collective("all_gather", full, n, bw, al)
+            dp_total = rs + ag
+            dp_exposed = ag + max(0.0, rs - (b_mb * mbs if p.overlap_comm else 0.0))
+    # the schedule
+    if p.pp > 1:
+        from ..parallel.pipeline.schedule import build
+        from ..parallel.pipeline.simulate import simulate
+        p2p = act_bytes / link(topo, "pp", dev)[0] + link(topo, "pp", dev)[1]
+        f_st, b_st = f_mb * p.pp_virtual, b_mb * p.pp_virtual
+        res = simulate(build(p.pp_schedule, p.pp, mbs, p.pp_virtual), f=f_st, b=b_st / 2, w=b_st / 2, comm=p2p)
+        span = res.makespan
+        bubble = span - mbs * (f_st + b_st)
+    else:
+        span, bubble = mbs * (f_mb + b_mb), 0.0
+    state = mem["params"] + mem["grads"] + mem["optim"]
+    optimizer = 2 * state / dev.hbm_bw
+    step = span + dp_exposed + optimizer
+    compute = mbs * (fwd + bwd + recompute)
+    exposed = step - compute - max(bubble, 0.0) - optimizer
+    return {"step_s": step, "compute": compute, "exposed_comm": max(exposed, 0.0), "bubble": max(bubble, 0.0),
+            "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs,
+            "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute}

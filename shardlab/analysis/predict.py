@@ -1,0 +1,132 @@
+"""``predict(cfg, device, probe)``: per-rank memory and step time of a validated config's layout,
+before launch (docs/planner.md). The public API of the planner:
+
+    from shardlab.analysis.predict import predict
+    pred = predict(cfg, device="cpu")          # cfg = shardlab.config.load(...).validate(world)
+    pred.ranks[r].params / .grads / .optim / .activations / .buffers / .transient / .total / .stage
+    pred.step_time_s, pred.tokens_per_s, pred.mfu, pred.breakdown
+
+Model-state bytes are those the engines allocate (``analysis.memory.measure``'s categories, exact
+for the CPU layouts); activations are what autograd saves per micro-batch (traced on meta, see
+analysis/shadow.py) times the micro-batches the schedule keeps in flight. ``device``: a kind of
+analysis/devices.py (h100, h100-gt, h200, a100) or ``cpu`` (constants from ``probe``, the result
+of ``devices.probe_cpu()``, measured when not given).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankPrediction:
+    """Bytes one rank holds at the peak of a step."""
+
+    rank: int
+    stage: int
+    """The rank's pipeline coordinate (its first stage; 0 without pipeline parallel)."""
+    params: float
+    grads: float
+    optim: float
+    activations: float
+    buffers: float
+    transient: float
+
+    @property
+    def model_state(self) -> float:
+        return self.params + self.grads + self.optim
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optim + self.activations + self.buffers + self.transient
+
+
+@dataclass
+class Prediction:
+    ranks: list[RankPrediction]
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Seconds per step: compute, exposed_comm, bubble, optimizer (and their parts)."""
+    device: str = ""
+    flops_per_token: float = 0.0
+
+    @property
+    def peak(self) -> RankPrediction:
+        return max(self.ranks, key=lambda r: r.total)
+
+
+def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
+    """The memory terms of every rank at pipeline coordinate ``pp_rank`` (all such ranks are
+    alike: TP shards are equal, vocabulary padding included, and data-parallel shards are padded)."""
+    from .plan_memory import activations, model_state
+    ms = model_state(cfg, pp_rank)
+    act, transient = activations(cfg, pp_rank, device)
+    return {**ms, "activations": act, "transient": transient}
+
+
+def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = None,
+            per_rank: bool = True) -> Prediction:
+    """Predicted memory per rank and step time for ``cfg`` (validated) on ``device``."""
+    from ..distributed.topology import Topology
+    from ..models.spec import get_spec
+    from .devices import get_device, with_nodes
+    from .plan_memory import chunk_activations, micro_batch
+    from .plan_time import step_time
+    p, t = cfg.parallel, cfg.train
+    dev = with_nodes(get_device(device, probe), gpus_per_node)
+    topo = Topology.from_config(p)
+    stages = _stages(cfg, device)
+    ranks = []
+    if per_rank:
+        for rank in range(topo.world_size):
+            pp_rank = rank // (topo.world_size // p.pp)  # pp is the slowest axis
+            s = stages[pp_rank]
+            ranks.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
+                                        s["activations"], float(s["buffers"]), s["transient"]))
+    else:
+        for pp_rank, s in stages.items():
+            ranks.append(RankPrediction(pp_rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
+                                        s["activations"], float(s["buffers"]), s["transient"]))
+    spec = get_spec(cfg.model)
+    flops = spec.flops_per_token(cfg.model, t.seq_len) if spec.task == "lm" else 0.0
+    slowest = max(range(p.pp), key=lambda r: stages[r]["params"] + stages[r]["optim"])
+    traced = chunk_activations(_no_ac(cfg), 0, device)
+    parts = step_time(cfg, dev, stages[slowest], flops, traced)
+    tokens = micro_batch(cfg) * p.microbatches * p.dp * t.seq_len
+    tps = tokens / parts["step_s"] if parts["step_s"] > 0 else 0.0
+    mfu = None
+    if flops and device != "cpu":
+        mfu = tps * flops / (topo.world_size * dev.peak_flops)
+    elif flops:
+        mfu = tps * flops / (topo.world_size * dev.peak_flops)  # of the probed matmul rate
+    return Prediction(ranks, parts["step_s"], tps, mfu, parts, device, flops)
+
+
+def _stages(cfg, device: str) -> dict:
+    """stage_memory of every pipeline coordinate, computed once per distinct kind of rank: ranks
+    whose stages have the same layer counts, ends (first/last modules) and MoE pattern are alike."""
+    from .shadow import stage_ranges
+    p = cfg.parallel
+    if p.pp == 1:
+        return {0: stage_memory(cfg, 0, device)}
+    ranges = stage_ranges(cfg)
+    n = len(ranges)
+    every = cfg.model.moe_every if cfg.model.n_experts else 1
+    done, out = {}, {}
+    for r in range(p.pp):
+        sig = tuple((len(ranges[s]), s == 0, s == n - 1, tuple(i % every for i in ranges[s]))
+                    for s in range(r, n, p.pp))
+        if sig not in done:
+            done[sig] = stage_memory(cfg, r, device)
+        out[r] = done[sig]
+    return out
+
+
+def _no_ac(cfg):
+    import copy
+    if cfg.parallel.activation_checkpointing == "none":
+        return cfg
+    c = copy.deepcopy(cfg)
+    c.parallel.activation_checkpointing = "none"
+    return c

@@ -1,0 +1,265 @@
+"""A rank's model without running a rank: the meta model cut by the engines' own code.
+
+The planner (docs/planner.md) needs, for any layout, which parameters a rank owns and what its
+forward saves for backward. Rather than restating the rules, this module runs the real parallel
+code on the meta device against a *shadow* mesh (sizes and coordinates from ``Topology``, no
+process group): ``tensor.apply`` slices the tensor-parallel weights (vocabulary padding, kv-head
+copies, LoRA adapters included), ``expert.apply`` keeps the rank's experts, and
+``pipeline.stage.split_model`` keeps the rank's layers. Shadow collectives return tensors of the
+right shape (all-gather concatenates, reduce-scatter keeps one chunk, all-reduce is the identity)
+so that a forward pass on meta tensors is possible: :func:`trace_saved` records, with
+saved-tensor hooks, every storage autograd keeps for backward (each counted once, parameters
+excluded), attributed to the region of the model that saved it first (first-stage modules,
+each block, last-stage modules).
+
+The attention core is traced as a fused kernel (flash attention, on CPU and CUDA alike): it
+saves q, k, v, the output and the log-sum-exp, never the S x S probabilities. On the meta device
+PyTorch would pick the math path, so :func:`fused_attention` stands in for
+``scaled_dot_product_attention`` during a trace; its output has the kernels' (B, S, H, D) memory
+layout, so the caller's transpose + reshape is a view, as with the real CPU and CUDA kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed.topology import Topology
+
+
+class ShadowComm:
+    """Collectives on meta tensors: shapes only, no communication."""
+
+    def __init__(self, name: str, size: int, rank: int):
+        self.name, self.size, self.rank = name, size, rank
+
+    def all_reduce(self, x, op="sum"):
+        return x
+
+    def all_gather(self, x, dim=0):
+        return torch.cat([x] * self.size, dim=dim)
+
+    def reduce_scatter(self, x, dim=0):
+        return x.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def all_to_all(self, x, in_splits=None, out_splits=None):
+        rows = sum(out_splits) if out_splits is not None else x.shape[0]
+        return x.new_empty((rows,) + tuple(x.shape[1:]))
+
+    def broadcast(self, x, src=0):
+        return x
+
+
+class ShadowMesh:
+    """What the parallel modules ask a Mesh at construction and in forward: sizes, coordinates,
+    communicators. Built from the config's Topology for one global rank."""
+
+    def __init__(self, topo: Topology, rank: int = 0):
+        self.topo, self.rank = topo, rank
+        self.device = torch.device("meta")
+        self.world_size = topo.world_size
+        self._coords = topo.coords(rank)
+
+    def size(self, name: str) -> int:
+        return self.topo.size(name)
+
+    def local_rank(self, name: str) -> int:
+        if name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "edp"):
+            return self._coords[name] if name != "edp" else 0
+        group = self.topo.group_of(name, self.rank)
+        return group.index(self.rank)
+
+    def comm(self, name: str) -> ShadowComm:
+        return ShadowComm(name, self.size(name), self.local_rank(name))
+
+
+def _model_cfg_key(cfg) -> tuple:
+    return tuple(sorted(vars(cfg.model).items())) + (cfg.train.lora_rank, tuple(cfg.train.lora_targets))
+
+
+def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
+    """The meta model global rank ``rank`` holds before its data-parallel engine wraps it: LoRA
+    adapters, then TP -> EP -> the pipeline split, exactly as ``parallelize`` applies them."""
+    from ..models.spec import add_adapters, get_spec, meta_model
+    p = cfg.parallel
+    topo = Topology.from_config(p)
+    mesh = ShadowMesh(topo, rank)
+    spec = get_spec(cfg.model)
+    model = meta_model(cfg.model, dtype=dtype)
+    if cfg.train.lora_rank:
+        add_adapters(model, cfg.train)
+    if p.tp > 1:
+        from ..parallel import tensor
+        tensor.apply(model, mesh, cfg, spec.tp_plan)
+    if cfg.model.n_experts > 0:
+        from ..parallel import expert
+        model = expert.apply(model, mesh, cfg)
+    if p.pp > 1:
+        from ..parallel.pipeline.stage import split_model
+        model, _, _ = split_model(model, spec, mesh.local_rank("pp"), p.pp, p.pp_virtual)
+    return model
+
+
+def stage_ranges(cfg) -> list[range]:
+    """Layer ranges of the ``pp * pp_virtual`` stages, from the pipeline's own partition."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return [range(cfg.model.n_layers)]
+    return list(_ranges(tuple(sorted(vars(cfg.model).items())), p.pp * p.pp_virtual))
+
+
+@functools.lru_cache(maxsize=64)
+def _ranges(model_items: tuple, n_stages: int) -> tuple:
+    from ..config import ModelConfig
+    from ..models.spec import get_spec, meta_model
+    from ..parallel.pipeline.stage import model_partition
+    mc = ModelConfig(**dict(model_items))
+    return tuple(model_partition(meta_model(mc), get_spec(mc), n_stages))
+
+
+# -- what autograd saves -------------------------------------------------------------------------
+
+class _Fused(torch.autograd.Function):
+    """Stand-in for a fused attention kernel: saves q, k, v, out and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        b, h, s, d = q.shape
+        out = q.new_empty((b, s, h, d)).transpose(1, 2)  # the kernels' (B, S, H, D) layout
+        lse_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        lse = q.new_empty((b, h, s), dtype=lse_dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - traces never run backward
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """Within the block, ``F.scaled_dot_product_attention`` behaves (for memory) like flash attention."""
+    old = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        return _Fused.apply(q, k, v)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = old
+
+
+@dataclass
+class SavedTrace:
+    """Bytes autograd saves for backward in one forward of one micro-batch, by region."""
+
+    regions: dict = field(default_factory=dict)
+    """{region name: bytes} in forward order: ``first`` (pp_first modules), ``layers.<i>``, ``last``."""
+    block_input: dict = field(default_factory=dict)
+    """{block name: bytes of its input activation} (what full recomputation keeps)."""
+    core_only: dict = field(default_factory=dict)
+    """{block name: bytes saved only by the attention core} (what selective recomputation frees)."""
+    core_inputs: dict = field(default_factory=dict)
+    """{block name: bytes of the core's inputs not saved otherwise} (what selective recomputation keeps)."""
+    logits: int = 0
+    """Bytes of the largest output of the last region (the logits): the biggest transient."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.regions.values())
+
+
+def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: int = 0) -> SavedTrace:
+    """Run one forward of ``micro_batch`` sequences of ``seq_len`` tokens (the rank's local
+    sequence) through the model rank ``rank`` holds, on meta, and account what is saved."""
+    from ..models.spec import get_spec
+    spec = get_spec(cfg.model)
+    model = local_model(cfg, rank, dtype)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    blocks = spec.blocks(model)
+    first = [getattr(model, n) for n in (spec.pp_first or ()) if getattr(model, n, None) is not None]
+    last = [getattr(model, n) for n in spec.pp_last if getattr(model, n, None) is not None]
+    cores: dict[str, list] = {}
+    for owner, attr in (spec.attention(model) if spec.attention else []):
+        name = next((n for n, blk in blocks.items() if any(m is owner for m in blk.modules())), None)
+        cores.setdefault(name, []).append(getattr(owner, attr))
+    out = SavedTrace()
+    state = {"region": "first", "in_core": None}
+    seen: dict[int, tuple[str, int]] = {}
+    core_saved: dict[str, set] = {}
+    other_saved: set = set()
+    core_in: dict[str, set] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in params:
+            if key not in seen:
+                seen[key] = (state["region"], st.nbytes())
+            (core_saved.setdefault(state["in_core"], set()) if state["in_core"] else other_saved).add(key)
+        return t
+
+    def enter(region):
+        return lambda m, a, kw=None: state.__setitem__("region", region)
+
+    hooks = []
+    for m in first:
+        hooks.append(m.register_forward_pre_hook(enter("first")))
+    for name, blk in blocks.items():
+        def pre(m, args, name=name):
+            state["region"] = name
+            x = args[0]
+            out.block_input[name] = x.untyped_storage().nbytes() if torch.is_tensor(x) else 0
+        hooks.append(blk.register_forward_pre_hook(pre))
+        for core in cores.get(name, []):
+            def core_pre(m, args, name=name):
+                state["in_core"] = name
+                core_in[name] = {a.untyped_storage()._cdata: a.untyped_storage().nbytes() for a in args[:3]}
+            hooks.append(core.register_forward_pre_hook(core_pre))
+            hooks.append(core.register_forward_hook(lambda m, a, o: state.__setitem__("in_core", None)))
+    for m in last:
+        hooks.append(m.register_forward_pre_hook(enter("last")))
+        hooks.append(m.register_forward_hook(
+            lambda m, a, o: setattr(out, "logits", max(out.logits, o.untyped_storage().nbytes()))
+            if torch.is_tensor(o) and o.dim() > 1 else None))
+    try:
+        batch = _meta_batch(cfg, spec, model, micro_batch, seq_len, dtype)
+        with fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(*batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    for key, (region, nbytes) in seen.items():
+        out.regions[region] = out.regions.get(region, 0) + nbytes
+    for name in blocks:
+        only = core_saved.get(name, set()) - other_saved
+        out.core_only[name] = sum(seen[k][1] for k in only)
+        out.core_inputs[name] = sum(n for k, n in core_in.get(name, {}).items() if k not in other_saved)
+    return out
+
+
+def _meta_batch(cfg, spec, model, micro_batch: int, seq_len: int, dtype) -> tuple:
+    """Meta inputs: token ids (or the previous stage's hidden states) and, on the last stage, targets."""
+    if spec.task != "lm":
+        small = copy.deepcopy(cfg)
+        g = torch.Generator().manual_seed(0)
+        x, y = spec.sample_batch(small, micro_batch, g) if spec.sample_batch else (None, None)
+        return (x.to("meta").to(dtype) if x.is_floating_point() else x.to("meta"), y.to("meta"))
+    firsts = [n for n in (spec.pp_first or ()) if getattr(model, n, None) is not None]
+    tokens = torch.empty((micro_batch, seq_len + 1), dtype=torch.int64, device="meta")  # inputs and
+    if firsts or not spec.pp_first:  # targets are views of one (B, S + 1) tensor, as in train/data.py
+        x = tokens[:, :-1]
+    else:
+        x = torch.empty((micro_batch, seq_len, cfg.model.d_model), dtype=dtype, device="meta", requires_grad=True)
+    owns_last = all(getattr(model, n, None) is not None for n in spec.pp_last)
+    if owns_last:
+        return (x, tokens[:, 1:])
+    return (x,)

@@ -6,13 +6,14 @@ closed forms, and the planner's memory prediction against the measurement on a C
 * A real run of 2 ranks (tiny Llama, fp32): DDP model state equals 4/4/8 bytes per parameter
   exactly; pipeline stages hold the schedule's in-flight micro-batches (GPipe m, 1F1B p - stage)
   of saved activations at their peak.
-* ``predict()`` on dp, zero2, fsdp, tp2, pp2-1f1b at N = 2: per-rank model-state bytes exactly
+* ``predict()`` on dp, zero2, fsdp, tp2, pp2-1f1b at N = 2 and zero2, fsdp, pp2-tp2 at N = 4: per-rank model-state bytes exactly
   the measured ones, activations within 5% of the measured peak.
 """
 import pytest
 import torch
 
 from shardlab.analysis import calibrate as cal
+from shardlab.analysis.predict import predict
 from shardlab.analysis.verify import layout_config
 from shardlab.models import build_model, count_params
 
@@ -39,10 +40,17 @@ def test_saved_activations_peak_and_release():
     assert w.grad is not None
 
 
+NAMES4 = ["zero2", "fsdp", "pp2-tp2"]  # N = 4: other shard padding, pipeline x tensor parallel ranks
+
+
+def _measure(names, n):
+    cfgs = [layout_config(name, n, extra=FP32) for name in names]
+    return dict(zip(names, zip(cfgs, cal.measure_layouts(cfgs, n, warmup=1, steps=0))))
+
+
 @pytest.fixture(scope="module")
 def measured():
-    cfgs = [layout_config(n, N, extra=FP32) for n in NAMES]
-    return dict(zip(NAMES, zip(cfgs, cal.measure_layouts(cfgs, N, warmup=1, steps=0))))
+    return _measure(NAMES, N)
 
 
 def test_measured_state_and_schedule_in_flight(measured):
@@ -59,10 +67,11 @@ def test_measured_state_and_schedule_in_flight(measured):
             assert m.act_peak == pytest.approx(in_flight * m.act_micro, rel=1e-9), (name, m.stage)
 
 
-def test_predicted_memory_matches_measured(measured):
-    predict = pytest.importorskip("shardlab.analysis.predict").predict
-    for name in ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b"]:
-        cfg, ranks = measured[name]
+@pytest.mark.parametrize("n", [2, 4])
+def test_predicted_memory_matches_measured(measured, n):
+    runs = measured if n == 2 else _measure(NAMES4, 4)
+    for name in (["dp", "zero2", "fsdp", "tp2", "pp2-1f1b"] if n == 2 else NAMES4):
+        cfg, ranks = runs[name]
         pred = predict(cfg, device="cpu", probe=PROBE)
         for m in ranks:
             p = pred.ranks[m.rank]

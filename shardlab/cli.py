@@ -26,7 +26,9 @@ COMMANDS = {
                  "--temperature T --top-k K --seed S]"),
     "doctor": ("shardlab.commands.doctor_cmd", "what this machine can run (versions, devices, backends, a 2-rank probe): "
                "shardlab doctor [--json]"),
-    "memory": ("shardlab.commands.memory_cmd", "model-state bytes per rank by ZeRO stage, formula vs a real run: shardlab memory CONFIG --nproc N"),
+    "memory": ("shardlab.commands.memory_cmd", "per-rank memory of the configured layout (predicted), ZeRO formula and a real run: shardlab memory CONFIG --nproc N"),
+    "plan": ("shardlab.commands.plan_cmd", "rank the layouts of a model on a cluster by predicted tokens/s: "
+             "shardlab plan llama-8b --gpus 64 --gpu h100 [--gpus-per-node 8 --global-batch B --seq S --top 5 --plot out.png]"),
 }
 
 

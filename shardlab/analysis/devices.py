@@ -35,6 +35,7 @@ class Device:
     inter_alpha: float         # latency per collective step across nodes, s
     gpus_per_node: int = 8
     note: str = ""
+    cores: int = 0             # CPU: cores shared by the ranks of one host (0: one device per rank)
 
 
 GiB = 2**30
@@ -55,8 +56,9 @@ def get_device(kind: str, probe: dict | None = None) -> Device:
     (measured here when not given)."""
     if kind == "cpu":
         pr = probe or probe_cpu()
-        return Device("CPU (probe)", pr["flops"], pr.get("memory", 16e9), pr.get("mem_bw", 5e9), 1.0, 0.5,
-                      pr["bw"], pr["alpha"], pr["bw"], pr["alpha"], 1 << 20, "measured by probe_cpu")
+        return Device("CPU (probe)", pr["flops"], pr.get("memory", 16e9), pr.get("mem_bw", 5e9), pr.get("mm_eff", 1.0),
+                      0.5 * pr.get("mm_eff", 1.0), pr["bw"], pr["alpha"], pr["bw"], pr["alpha"], 1 << 20,
+                      "measured by probe_cpu", pr.get("cores", 0))
     if kind not in DEVICES:
         raise ConfigError("--gpu", f"unknown device {kind!r}; known: {', '.join(sorted(DEVICES))}, cpu "
                                    "(the planner never guesses a device's peak)")
@@ -70,16 +72,28 @@ def with_nodes(dev: Device, gpus_per_node: int | None) -> Device:
 # -- CPU probe ---------------------------------------------------------------------------------------
 
 def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2) -> dict:
-    """Measured {flops, alpha, bw, mem_bw}: one thread's fp32 matmul FLOP/s (train/metrics.py's
-    probe), gloo all-reduce of 4 bytes (latency per ring step) and of 4 MB over ``nproc`` ranks
+    """Measured {flops, mm_eff, cores, alpha, bw, mem_bw}: one thread's fp32 matmul FLOP/s
+    (train/metrics.py's probe), the fraction of it a transformer-shaped linear reaches forward and
+    backward (mm_eff), the cores ranks share, gloo all-reduce of 4 bytes (latency per ring step) and of 4 MB over ``nproc`` ranks
     (bus bandwidth), and a large copy's bandwidth. Cached in ``cache_dir/cpu_probe.json``."""
     path = Path(cache_dir) / "cpu_probe.json"
     if path.exists() and not refresh:
         return json.loads(path.read_text())
     import torch
     from ..train.metrics import cpu_probe_flops
+    import os
     torch.set_num_threads(1)
     flops = cpu_probe_flops(0.3, 256)
+    # a transformer-shaped matmul, forward and backward: its rate over the square probe's is mm_eff
+    x = torch.randn(2048, 128, requires_grad=True)
+    w = torch.randn(352, 128, requires_grad=True)
+    for _ in range(2):
+        torch.nn.functional.linear(x, w).sum().backward()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.3:
+        torch.nn.functional.linear(x, w).sum().backward()
+        reps += 1
+    mm_eff = min(1.0, 3 * 2 * 2048 * 128 * 352 * reps / (time.perf_counter() - t0) / flops)
     a = torch.empty(2**23)
     b = torch.empty_like(a)
     b.copy_(a)
@@ -96,7 +110,8 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
         bw = 2 * big * (nproc - 1) / nproc / max(times[1] - times[0], 1e-9)
     except Exception:  # no processes can be started: DESIGN's measured gloo figures (N=2)
         alpha, bw = 0.3e-3 / 2, 2 * big * 0.5 / 4.7e-3
-    out = {"flops": flops, "alpha": alpha, "bw": bw, "mem_bw": mem_bw, "nproc": nproc,
+    out = {"flops": flops, "mm_eff": mm_eff, "cores": os.cpu_count() or 1, "alpha": alpha, "bw": bw,
+           "mem_bw": mem_bw, "nproc": nproc,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

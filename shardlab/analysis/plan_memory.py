@@ -21,7 +21,7 @@ whole on every rank and take no gradient or optimizer state.
 
 Activations: :func:`shadow.trace_saved` of one micro-batch at the rank's local sequence
 (seq_len / cp), per region; full recomputation keeps each block's input, selective frees what
-only the attention core saved and keeps the core's inputs. Pipeline ranks hold the schedule's
+only the attention core saved and keeps the core's inputs and (a fresh storage) its output. Pipeline ranks hold the schedule's
 peak number of micro-batches in flight (``simulate``: forward run, backward (B) not; ZB-H1:
 W not yet run), each for that rank's stage(s).
 """
@@ -82,7 +82,27 @@ def local_model_for(cfg, pp_rank: int):
     return _local_inventory(cfg_json, cfg_json, pp_rank)
 
 
+def _fast_key(cfg, *extra) -> tuple:
+    """A cheap hashable key of what the memory terms depend on (the planner evaluates thousands)."""
+    p, t = cfg.parallel, cfg.train
+    return (tuple(sorted(vars(cfg.model).items())), t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.precision,
+            t.param_dtype, t.reduce_dtype, t.weight_decay, t.seq_len, p.tp, p.pp, p.pp_virtual, p.ep, p.zero_stage,
+            p.dp_replicate, p.dp_shard, p.cp, p.bucket_cap_mb, p.wrap_policy, p.prefetch, p.sequence_parallel,
+            t.global_batch // p.dp // p.microbatches) + extra
+
+
+_STATE: dict = {}
+
+
 def model_state(cfg, pp_rank: int = 0) -> dict:
+    """Cached :func:`compute_model_state`."""
+    key = _fast_key(cfg, pp_rank)
+    if key not in _STATE:
+        _STATE[key] = compute_model_state(cfg, pp_rank)
+    return dict(_STATE[key])
+
+
+def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     """{params, grads, optim, buffers}: bytes of the rank's model state and its data-parallel
     engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket)."""
     from ..parallel.ddp import make_buckets
@@ -98,6 +118,8 @@ def model_state(cfg, pp_rank: int = 0) -> dict:
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
         out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el)
+        if p.dp * p.cp == 1 or p.pp > 1:  # p.grad kept as autograd made it: kv heads copied over tp
+            out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x
         if p.pp > 1:  # receive buffers posted ahead (engine.lookahead + 1 activations)
             b = t.global_batch // p.dp // p.microbatches
             out["buffers"] = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) \
@@ -154,6 +176,21 @@ def model_state(cfg, pp_rank: int = 0) -> dict:
     return out
 
 
+def _copied_grad_extra(train, el: int) -> float:
+    """Bytes beyond the parameters of gradients that are views into larger buffers: a weight whose
+    rows several tp ranks copy (parallel/tensor.py ``_SumOverCopies``) gets as gradient one slot of
+    an (n_slots, *shape) buffer, and the whole buffer stays alive."""
+    from ..distributed.placement import get_placement
+    extra = 0.0
+    for name, q in train:
+        pl = get_placement(q, name)
+        copies = getattr(pl, "copies", 1) or 1
+        if copies > 1 and "tp" in pl.sharded_over:
+            tp_slots = pl.global_shape[pl.dim] // max(1, pl.length or q.shape[pl.dim])
+            extra += (tp_slots - 1) * q.numel() * el
+    return extra
+
+
 # -- activations -----------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=256)
@@ -171,7 +208,18 @@ def micro_batch(cfg) -> int:
     return max(1, cfg.train.global_batch // p.dp // p.microbatches)
 
 
+_ACTS: dict = {}
+
+
 def chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
+    """Cached :func:`compute_chunk_activations`."""
+    key = _fast_key(cfg, pp_rank, device, cfg.parallel.activation_checkpointing, cfg.parallel.pp_schedule)
+    if key not in _ACTS:
+        _ACTS[key] = compute_chunk_activations(cfg, pp_rank, device)
+    return _ACTS[key]
+
+
+def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
     """{stage: bytes saved for one micro-batch by that stage (chunk) of this pipeline rank},
     plus "recompute" (the largest block's full activations, re-created in backward under full
     recomputation) and "logits" (the largest transient output)."""
@@ -189,7 +237,7 @@ def chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
         if mode == "full":
             return tr.block_input.get(name, 0)
         if mode == "selective":
-            return full - tr.core_only.get(name, 0) + tr.core_inputs.get(name, 0)
+            return full - tr.core_only.get(name, 0) + tr.core_inputs.get(name, 0) + tr.core_outputs.get(name, 0)
         return full
 
     per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))
@@ -213,13 +261,16 @@ def chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
 
 
 def _small_cfg(cfg):
-    """The config with as few layers as the trace needs (two blocks, or two MoE periods): per-block
+    """The config with as few layers as the trace needs (two blocks): per-block
     bytes do not depend on the layer count; the pipeline degree is dropped (a stage's split is
     applied to the per-block figure) but first/last regions are kept."""
     import copy
     small = copy.deepcopy(cfg)
     m = small.model
-    m.n_layers = min(m.n_layers, 2 * (m.moe_every if m.n_experts else 1))
+    m.n_layers = min(m.n_layers, 2)
+    if m.n_experts:  # routing is data-dependent (no meta kernels): traced as a dense FFN of top_k x
+        m.ffn_hidden = m.ffn_dim * m.moe_top_k  # the expert size, every block MoE (an approximation)
+        m.n_experts, small.parallel.ep = 0, 1
     small.parallel.pp, small.parallel.pp_virtual, small.parallel.pp_schedule = 1, 1, "1f1b"
     small.parallel.activation_checkpointing = "none"
     return small

@@ -7,6 +7,7 @@ Compute per micro-batch and rank (one pipeline stage):
               blocks' forward, selective the attention's
   attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
+On a CPU host whose ranks outnumber its cores, compute is slowed by ranks / cores.
 Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /
 reduce-scatter M(N-1)/N; time = 2 log2(N) alpha + wire / bus bandwidth, on NVLink when the group
 lies inside one node (the topology's axis order, tp fastest), else on the network.
@@ -14,7 +15,8 @@ Overlap: TP collectives are exposed (they sit between dependent matmuls); CP's r
 the attention it feeds; FSDP's gathers and reduce-scatters hide behind the compute of the other
 units (the root unit's gather and the last reduce-scatter do not); DDP's all-reduce hides behind
 the last micro-batch's backward except its last bucket; ZeRO-1/2's all-gather after the step does
-not hide. Pipelines: the schedule is simulated with these stage costs (its bubble included).
+not hide. Pipelines: the schedule is simulated (parallel/pipeline/simulate.py) and its idle fraction
+stretches the stages' busy time; stage-to-stage sends add to each stage's cost.
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     model-state bytes (plan_memory.model_state); ``traced``: activation bytes of one micro-batch
     per stage without recomputation (plan_memory.chunk_activations)."""
     from ..distributed.topology import Topology
-    from .plan_memory import act_dtype, micro_batch
+    from .plan_memory import act_dtype, micro_batch, schedule_peaks
     p, m, t = cfg.parallel, cfg.model, cfg.train
     topo = Topology.from_config(p)
     el = act_dtype(cfg, "gpu" if dev.gpus_per_node < 1 << 20 else "cpu").itemsize
@@ -72,10 +74,11 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
     attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp)
     peak = dev.peak_flops
-    t_mm, t_attn = mm / (peak * dev.mm_eff), attn / (peak * dev.attn_eff)
+    over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
+    t_mm, t_attn = over * mm / (peak * dev.mm_eff), over * attn / (peak * dev.attn_eff)
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
-    t_elem = ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
+    t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
@@ -126,13 +129,12 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
             dp_total = rs + ag
             dp_exposed = ag + max(0.0, rs - (b_mb * mbs if p.overlap_comm else 0.0))
     # the schedule
-    if p.pp > 1:
-        from ..parallel.pipeline.schedule import build
-        from ..parallel.pipeline.simulate import simulate
-        p2p = act_bytes / link(topo, "pp", dev)[0] + link(topo, "pp", dev)[1]
-        f_st, b_st = f_mb * p.pp_virtual, b_mb * p.pp_virtual
-        res = simulate(build(p.pp_schedule, p.pp, mbs, p.pp_virtual), f=f_st, b=b_st / 2, w=b_st / 2, comm=p2p)
-        span = res.makespan
+    if p.pp > 1:  # the schedule simulated once per (schedule, pp, m, v) with equal F, B, W
+        bw, al = link(topo, "pp", dev)
+        p2p = 2 * (act_bytes / bw + al)  # the activation forward, its gradient backward
+        f_st, b_st = f_mb + p.pp_virtual * p2p / 2, b_mb + p.pp_virtual * p2p / 2
+        _, _, frac = schedule_peaks(p.pp_schedule, p.pp, mbs, p.pp_virtual)
+        span = mbs * (f_st + b_st) / max(1e-9, 1 - frac)
         bubble = span - mbs * (f_st + b_st)
     else:
         span, bubble = mbs * (f_mb + b_mb), 0.0

@@ -59,9 +59,12 @@ class Prediction:
 def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     """The memory terms of every rank at pipeline coordinate ``pp_rank`` (all such ranks are
     alike: TP shards are equal, vocabulary padding included, and data-parallel shards are padded)."""
+    from ..models.spec import get_spec
     from .plan_memory import activations, model_state
     ms = model_state(cfg, pp_rank)
-    act, transient = activations(cfg, pp_rank, device)
+    act = transient = 0.0  # the trace covers token models (models/spec.py conventions)
+    if get_spec(cfg.model).task == "lm":
+        act, transient = activations(cfg, pp_rank, device)
     return {**ms, "activations": act, "transient": transient}
 
 
@@ -91,7 +94,7 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     spec = get_spec(cfg.model)
     flops = spec.flops_per_token(cfg.model, t.seq_len) if spec.task == "lm" else 0.0
     slowest = max(range(p.pp), key=lambda r: stages[r]["params"] + stages[r]["optim"])
-    traced = chunk_activations(_no_ac(cfg), 0, device)
+    traced = chunk_activations(_no_ac(cfg), 0, device) if spec.task == "lm" else {}
     parts = step_time(cfg, dev, stages[slowest], flops, traced)
     tokens = micro_batch(cfg) * p.microbatches * p.dp * t.seq_len
     tps = tokens / parts["step_s"] if parts["step_s"] > 0 else 0.0
@@ -101,6 +104,20 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     elif flops:
         mfu = tps * flops / (topo.world_size * dev.peak_flops)  # of the probed matmul rate
     return Prediction(ranks, parts["step_s"], tps, mfu, parts, device, flops)
+
+
+def memory_per_rank(cfg, device: str = "cpu") -> list[RankPrediction]:
+    """The memory half of :func:`predict` (no device constants, no probe): one entry per rank."""
+    from ..distributed.topology import Topology
+    stages = _stages(cfg, device)
+    world = Topology.from_config(cfg.parallel).world_size
+    out = []
+    for rank in range(world):
+        pp_rank = rank // (world // cfg.parallel.pp)
+        s = stages[pp_rank]
+        out.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
+                                  s["activations"], float(s["buffers"]), s["transient"]))
+    return out
 
 
 def _stages(cfg, device: str) -> dict:

@@ -169,6 +169,9 @@ class SavedTrace:
     """{block name: bytes saved only by the attention core} (what selective recomputation frees)."""
     core_inputs: dict = field(default_factory=dict)
     """{block name: bytes of the core's inputs not saved otherwise} (what selective recomputation keeps)."""
+    core_outputs: dict = field(default_factory=dict)
+    """{block name: bytes of the core's outputs}: under selective recomputation the checkpoint's
+    output is a fresh storage, saved by the next projection (without it, a view of one already counted)."""
     logits: int = 0
     """Bytes of the largest output of the last region (the logits): the biggest transient."""
 
@@ -224,7 +227,10 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
                 state["in_core"] = name
                 core_in[name] = {a.untyped_storage()._cdata: a.untyped_storage().nbytes() for a in args[:3]}
             hooks.append(core.register_forward_pre_hook(core_pre))
-            hooks.append(core.register_forward_hook(lambda m, a, o: state.__setitem__("in_core", None)))
+            def core_post(m, a, o, name=name):
+                state["in_core"] = None
+                out.core_outputs[name] = out.core_outputs.get(name, 0) + (o.untyped_storage().nbytes() if torch.is_tensor(o) else 0)
+            hooks.append(core.register_forward_hook(core_post))
     for m in last:
         hooks.append(m.register_forward_pre_hook(enter("last")))
         hooks.append(m.register_forward_hook(

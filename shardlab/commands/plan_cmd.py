@@ -1,0 +1,149 @@
+"""``shardlab plan MODEL --gpus N --gpu h100 [--gpus-per-node 8] [--global-batch B] [--seq S]``
+
+Enumerates the valid layouts of MODEL (a config file, a preset name from configs/, or a Hugging
+Face config.json) on the cluster, drops those that do not fit a device, ranks the rest by
+predicted tokens/s and prints the top ones with the peak rank's memory breakdown, predicted
+tokens/s per GPU and MFU, and why the winner wins (analysis/plan_search.py, docs/planner.md).
+Degrees given on the command line (``--tp 8``) are fixed; an impossible one is refused naming
+the field. When nothing fits, the smallest cluster that would is named.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+
+GiB = 2**30
+
+
+def configure(p):
+    p.add_argument("model", help="config (.toml/.json), preset name from configs/ (e.g. llama-8b), or an HF config.json")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    p.add_argument("--gpu", default="h100", help="device kind: h100, h100-gt, h200, a100")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain)")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
+    p.add_argument("--top", type=int, default=5, help="layouts to print")
+    p.add_argument("--plot", default="", help="save a memory-breakdown bar chart of the top layouts here (PNG)")
+    for name in ("tp", "pp", "cp"):
+        p.add_argument(f"--{name}", type=int, default=0, help=f"fix parallel.{name}")
+    p.add_argument("--zero", type=int, default=-1, help="fix parallel.zero_stage (0-3)")
+    p.add_argument("--schedule", default="", help="fix parallel.pp_schedule")
+    p.add_argument("--ac", default="", help="fix parallel.activation_checkpointing (none, selective, full)")
+
+
+def load_model(arg: str):
+    """A Config whose model section is MODEL's."""
+    from ..config import Config, load
+    path = Path(arg)
+    if not path.exists():
+        preset = Path(__file__).resolve().parents[2] / "configs" / f"{arg}.toml"
+        if not preset.exists():
+            raise ConfigError("MODEL", f"{arg!r} is neither a file nor a preset in configs/; pass a config, "
+                                       "an HF config.json or a preset name such as llama-8b")
+        path = preset
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        if "model_type" in data:  # a Hugging Face config.json
+            from ..models.hf import model_config_from_hf
+            cfg = Config()
+            cfg.model = model_config_from_hf(data)
+            cfg.train.precision = "bf16"
+            return cfg
+    return load(path)
+
+
+def main(args) -> int:
+    from ..analysis.devices import get_device
+    from ..analysis.plan_search import HEADROOM, search, smallest_cluster, why
+    t0 = time.perf_counter()
+    base = load_model(args.model)
+    if args.gpus < 1:
+        raise ConfigError("--gpus", "must be >= 1")
+    dev = get_device(args.gpu)  # unknown kinds refused, never guessed
+    t = base.train
+    t.precision = "bf16" if t.precision in ("fp32", "fp64") else t.precision
+    if args.seq:
+        t.seq_len = args.seq
+    base.model.max_seq_len = max(base.model.max_seq_len, t.seq_len)
+    if args.global_batch:
+        t.global_batch = args.global_batch
+    fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp") if getattr(args, k)}
+    if args.zero >= 0:
+        fixed["zero"] = args.zero
+    if args.schedule:
+        fixed["schedule"] = args.schedule
+    if args.ac:
+        fixed["ac"] = args.ac
+    _check_fixed(base, args.gpus, fixed)
+    fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed)
+    print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
+          f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: "
+          f"{valid} valid layouts, {len(fits)} fit ({time.perf_counter() - t0:.1f} s)")
+    if not fits:
+        n = smallest_cluster(base, args.gpus, args.gpu, args.gpus_per_node, fixed)
+        where = f"the smallest cluster that fits is {n} GPUs" if n else "no cluster up to 2^20 GPUs fits"
+        print(f"no layout fits: every one needs more than {HEADROOM:.0%} of {dev.memory / GiB:.0f} GiB "
+              f"on some rank; {where} (try --gpus {n})" if n else f"no layout fits; {where}")
+        return 1
+    top = fits[:args.top]
+    print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'buf':>6}{'trans':>7}"
+          f"{'total GiB':>10}{'tok/s/GPU':>11}{'MFU':>7}")
+    for i, c in enumerate(top, 1):
+        m = c.memory
+        print(f"{i:>2} {c.label():<44}" + "".join(f"{m[k] / GiB:>{w}.1f}" for k, w in
+              (("params", 8), ("grads", 7), ("optim", 7), ("activations", 7), ("buffers", 6), ("transient", 7)))
+              + f"{c.peak_bytes / GiB:>10.1f}{c.tokens_per_gpu:>11,.0f}"
+              + (f"{100 * c.mfu:>6.1f}%" if c.mfu else f"{'':>7}"))
+    print("\n" + why(top[0], top[1:], valid, dropped))
+    if args.plot:
+        plot(top, dev.memory * HEADROOM, args.plot)
+        print(f"memory breakdown plot: {args.plot}")
+    return 0
+
+
+def _check_fixed(base, gpus: int, fixed: dict) -> None:
+    """Refuse impossible user-fixed degrees with the field's own message (Config.validate)."""
+    import copy
+    for name in ("tp", "pp", "cp"):
+        if name in fixed and (fixed[name] < 1 or gpus % fixed[name]):
+            raise ConfigError(f"parallel.{name}", f"{fixed[name]} does not divide --gpus {gpus}; "
+                                                  f"choose a divisor of {gpus}")
+    if not fixed:
+        return
+    cfg = copy.deepcopy(base)
+    p = cfg.parallel
+    for name in ("tp", "pp", "cp"):
+        setattr(p, name, fixed.get(name, 1))
+    if "zero" in fixed:
+        p.zero_stage = fixed["zero"]
+    if "schedule" in fixed:
+        p.pp_schedule = fixed["schedule"]
+    if "ac" in fixed:
+        p.activation_checkpointing = fixed["ac"]
+    p.dp_shard = gpus // (p.tp * p.pp * p.cp) if gpus % (p.tp * p.pp * p.cp) == 0 else 1
+    p.microbatches = max(p.pp, 1)
+    cfg.train.global_batch = p.dp_shard * p.microbatches * max(1, cfg.train.global_batch // (p.dp_shard * p.microbatches))
+    cfg.validate(p.world_size)  # raises ConfigError naming the field (exit 2)
+
+
+def plot(cands, capacity: float, out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = ("params", "grads", "optim", "activations", "buffers", "transient")
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cands)), 4.5))
+    bottom = [0.0] * len(cands)
+    for k in keys:
+        vals = [c.memory[k] / GiB for c in cands]
+        ax.bar(range(len(cands)), vals, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(capacity / GiB, color="k", ls="--", lw=1, label="planned capacity")
+    ax.set_xticks(range(len(cands)))
+    ax.set_xticklabels([c.label().replace(" ", "\n") for c in cands], fontsize=7)
+    ax.set_ylabel("GiB on the peak rank")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)

@@ -1,0 +1,99 @@
+"""The planner (docs/planner.md): model-state bytes per rank equal hand formulas (padding
+included), tensor and pipeline parallel divide what a rank holds, the enumeration covers a 405B
+model on 16k GPUs, and bad input is refused or answered (no fit: the smallest cluster)."""
+import math
+
+import pytest
+
+from shardlab.analysis.plan_memory import model_state
+from shardlab.config import Config
+from shardlab.models import count_params, meta_model
+
+
+def _tiny(**par) -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads = 96, 64, 4, 4, 2
+    m.max_seq_len = cfg.train.seq_len = 16
+    cfg.train.global_batch = 12
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg.validate(cfg.parallel.world_size)
+
+
+def _groups(cfg):
+    """(decay, no-decay) parameter counts, by hand: matrices decay, norms (vectors) do not."""
+    model = meta_model(cfg.model)
+    decay = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n)
+    return decay, count_params(model) - decay
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_model_state_bytes_equal_hand_formulas(n):
+    """fp32 AdamW: DDP 4+4+8 bytes/param; ZeRO-1 4+4+8/N and ZeRO-2 4+4/N+8/N on flat buffers
+    padded to a multiple of N (one bucket per weight-decay group here), ZeRO-3 the same 1/N of
+    all three. N = 3 does not divide the groups: the padding is counted."""
+    psi = count_params(meta_model(_tiny().model))
+    decay, rest = _groups(_tiny())
+    shard = sum(math.ceil(g / n) for g in (decay, rest))  # elements of a rank's slices
+    padded = shard * n
+    ddp = model_state(_tiny(dp_shard=n))
+    assert (ddp["params"], ddp["grads"], ddp["optim"]) == (4 * psi, 4 * psi, 8 * psi)
+    z1 = model_state(_tiny(dp_shard=n, zero_stage=1, bucket_cap_mb=1024))
+    assert (z1["params"], z1["grads"], z1["optim"]) == (4 * padded, 4 * padded, 8 * shard)
+    z2 = model_state(_tiny(dp_shard=n, zero_stage=2, bucket_cap_mb=1024))
+    assert (z2["params"], z2["grads"], z2["optim"]) == (4 * padded, 4 * shard, 8 * shard)
+    z3 = model_state(_tiny(dp_shard=n, zero_stage=3))  # one flat buffer per block and group, + the root
+    model = meta_model(_tiny().model)
+    units = [list(b.parameters()) for b in model.layers.values()]
+    units.append([p for name, p in model.named_parameters() if not name.startswith("layers.")])
+    shard3 = sum(math.ceil(g / n) for ps in units for g in (sum(p.numel() for p in ps if p.ndim >= 2),
+                                                               sum(p.numel() for p in ps if p.ndim < 2)) if g)
+    assert (z3["params"], z3["grads"], z3["optim"]) == (4 * shard3, 4 * shard3, 8 * shard3)
+
+
+def test_tensor_parallel_shrinks_llama_8b_per_rank_params():
+    """The issue's bug: llama-8b at tp=8 must hold about 1/8 of tp=1's parameters per rank."""
+    from shardlab.config import load
+    one = model_state(load("configs/llama-8b.toml", {"train": {"global_batch": 8}}).validate(1))
+    cfg = load("configs/llama-8b.toml", {"train": {"global_batch": 8}, "parallel": {"tp": 8}}).validate(8)
+    eight = model_state(cfg)
+    assert one["params"] / 8 <= eight["params"] < one["params"] / 7.5
+
+
+def test_pipeline_ranks_split_the_layers():
+    """pp=4 over 8 layers: every rank holds part of the model and together each parameter once."""
+    cfg = _tiny(pp=4, microbatches=4)
+    cfg.model.n_layers = 8
+    cfg.validate(4)
+    parts = [model_state(cfg, r)["params"] for r in range(4)]
+    assert all(p > 0 for p in parts)
+    assert sum(parts) == 4 * count_params(meta_model(cfg.model))
+
+
+def test_enumeration_of_405b_on_16k_gpus_returns_layouts():
+    from shardlab.analysis.plan_search import HEADROOM, enumerate_layouts, evaluate
+    from shardlab.commands.plan_cmd import load_model
+    base = load_model("llama-405b")
+    found = []
+    for cfg in enumerate_layouts(base, 16384, 8, {"tp": 8, "ac": "full", "mb": 1}):
+        assert cfg.parallel.world_size == 16384
+        found.append(cfg)
+    assert found and all(c.parallel.tp == 8 for c in found)
+    fits = [c for c in (evaluate(cfg, "h100", 8, HEADROOM * 80e9) for cfg in found[-3:]) if c is not None]
+    assert all(c.tokens_per_gpu > 0 and c.peak_bytes <= HEADROOM * 80e9 for c in fits)
+
+
+def test_plan_no_fit_names_the_smallest_cluster(capsys):
+    from shardlab.cli import main
+    rc = main(["plan", "llama-8b", "--gpus", "1", "--gpu", "h100", "--global-batch", "8", "--seq", "2048",
+               "--ac", "full"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "no layout fits" in out and "smallest cluster that fits is" in out, out
+
+
+def test_plan_refuses_an_impossible_degree_naming_the_field(capsys):
+    from shardlab.cli import main
+    assert main(["plan", "llama-8b", "--gpus", "24", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.tp" in err and "Traceback" not in err, err

@@ -1,0 +1,278 @@
+"""Calibration: what one layout really holds and how long its step takes, next to the planner's
+prediction (``shardlab.analysis.predict.predict``).
+
+For each layout, ``measure_layout(cfg, nproc)`` spawns the ranks; each rank builds the layout on
+the meta path (``parallelize``), runs ``warmup`` training steps and ``steps`` timed ones, then one
+more step under saved-tensor hooks, and returns (``Measured``):
+
+* model state (exact bytes): after the first step's ``optimizer.step()``, before ``zero_grad``:
+  ``memory.measure`` - every storage of the parameters, gradients (buckets, flat shards) and
+  optimizer states counted once; ZeRO/FSDP flat buffers with their padding.
+* activations (saved-tensor hooks, ``SavedActivations``): every tensor autograd saves for backward
+  during one whole step (``forward_backward``: all micro-batches, every pipeline action of this
+  rank) is tracked by its storage, counted once per storage while any saved reference to it is
+  alive. ``act_peak`` is the peak of the bytes held at the same time (what a schedule's in-flight
+  micro-batches cost: 1F1B holds up to p, GPipe m); ``act_micro`` the bytes saved over the step
+  divided by the micro-batches (the mean per micro-batch). Not counted: storages of parameters,
+  buffers and FSDP's gathered flat buffers (model state, not activations); what recomputation
+  (activation checkpointing) rebuilds inside backward; gradients and communication buffers;
+  tensors an engine keeps by itself (a pipeline stage's output awaiting its gradient) unless
+  autograd saves them too. The hooks see only what autograd saves; the CPU allocator's peak is
+  not measured.
+* step time: per rank the median of the timed steps (forward_backward, clip, AdamW step,
+  zero_grad on the same micro-batches); the layout's step is the slowest rank's median.
+* on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps (``max_alloc``; None on CPU),
+  compared with the prediction's per-rank ``total``.
+* ``buffers``: the model's buffers (rotary tables, ...), each storage once.
+
+``calibrate(layouts)`` runs the layouts one at a time and returns one row per layout with the
+per-rank measurement and, when the planner is importable, ``predict(cfg, device, probe)``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import memory
+
+
+# -- activations held for backward --------------------------------------------------------------
+class _Held:
+    """What the pack hook returns: a detached alias (no grad_fn, so no reference cycle) whose
+    release by autograd (after the node's backward) releases its storage's count."""
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t, key, owner):
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self):
+        self.owner._release(self.key)
+
+
+class SavedActivations:
+    """Context manager: the saved-tensor bytes of everything run inside it, by storage (module doc).
+    ``exclude``: tensors whose storages are not activations (parameters, buffers, flat buffers)."""
+
+    def __init__(self, exclude=()):
+        self.skip = {t.untyped_storage()._cdata for t in exclude if torch.is_tensor(t)}
+        self.live: dict[int, list] = {}  # storage -> [bytes, saved references alive]
+        self.current = self.peak = self.total = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t):
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.skip or not st.nbytes():
+            return t
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [st.nbytes(), 0]
+            self.current += entry[0]
+            self.total += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _Held(t.detach(), key, self)
+
+    @staticmethod
+    def _unpack(x):
+        return x.t if isinstance(x, _Held) else x
+
+    def _release(self, key):
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def model_state_tensors(engine) -> list:
+    """Tensors whose storages are model state: parameters and buffers of the rank's model and the
+    engine's flat buffers (ZeRO shards, FSDP's gathered ``full``)."""
+    out = list(engine.model.parameters()) + list(engine.model.buffers())
+    for f in getattr(engine, "flats", []):
+        out += [getattr(f, "shard", None), getattr(f, "full", None)]
+    return out
+
+
+# -- the measured run -----------------------------------------------------------------------------
+@dataclass
+class Measured:
+    """One rank's measurement (bytes are floats to match the prediction's fields)."""
+    rank: int
+    stage: int
+    params: float
+    grads: float
+    optim: float
+    act_peak: float
+    act_micro: float
+    step_s: float
+    step_times: list = field(default_factory=list)
+    max_alloc: float | None = None
+    buffers: float = 0.0
+
+    @property
+    def model_state(self) -> float:
+        return self.params + self.grads + self.optim
+
+
+def _batches(cfg, mesh):
+    from ..models.spec import sample_batch
+    topo, c = mesh.topology, mesh.coords
+    dp_rank = c["dp_replicate"] * topo.dp_shard + c["dp_shard"]
+    m = cfg.parallel.microbatches
+    b = max(1, cfg.train.global_batch // topo.size("dp") // m)
+    g = torch.Generator().manual_seed(cfg.train.seed + dp_rank)
+    return [tuple(t.to(mesh.device) for t in sample_batch(cfg, b, g)) for _ in range(m)]
+
+
+def _worker(ctx, cfg, warmup: int, steps: int):
+    from ..distributed.mesh import Mesh
+    from ..distributed.topology import Topology
+    from ..models.spec import add_adapters, meta_model
+    from ..parallelize import parallelize
+    from ..train.optim import autocast_factory, build_adamw, param_dtype
+
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
+    torch.manual_seed(cfg.train.seed)
+    model = meta_model(cfg.model, dtype=param_dtype(cfg.train.precision))
+    if cfg.train.lora_rank:
+        add_adapters(model, cfg.train)
+    engine = parallelize(model, mesh, cfg)
+    opt = engine.make_optimizer(build_adamw(cfg.train, mesh.device))
+    autocast = autocast_factory(cfg.train.precision, mesh.device)
+    micro = _batches(cfg, mesh)
+    cuda = mesh.device.type == "cuda"
+
+    def step(after_opt=None):
+        engine.forward_backward(micro, 1.0, autocast)
+        if cfg.train.grad_clip > 0:
+            engine.clip_grads(cfg.train.grad_clip)
+        opt.step()
+        if after_opt:
+            after_opt()
+        opt.zero_grad(set_to_none=True)
+
+    state = []
+    step(lambda: state.append(memory.measure(engine, opt)))
+    for _ in range(max(0, warmup - 1)):
+        step()
+    if cuda:
+        torch.cuda.synchronize(mesh.device)
+        torch.cuda.reset_peak_memory_stats(mesh.device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(mesh.device)
+        times.append(time.perf_counter() - t0)
+    max_alloc = float(torch.cuda.max_memory_allocated(mesh.device)) if cuda else None
+    with SavedActivations(model_state_tensors(engine)) as acts:
+        engine.forward_backward(micro, 1.0, autocast)
+    opt.zero_grad(set_to_none=True)
+    s = state[0]
+    return Measured(mesh.rank, mesh.coords["pp"], float(s.params), float(s.grads), float(s.optim),
+                    float(acts.peak), acts.total / cfg.parallel.microbatches,
+                    statistics.median(times) if times else float("nan"), times, max_alloc, _buffer_bytes(engine))
+
+
+def _buffer_bytes(engine) -> float:
+    """Bytes of the model's buffers (rotary tables, ...), each storage once, parameters' excluded."""
+    params = {p.untyped_storage()._cdata for p in engine.model.parameters()}
+    seen = {b.untyped_storage()._cdata: b.untyped_storage().nbytes() for b in engine.model.buffers()}
+    return float(sum(n for k, n in seen.items() if k not in params))
+
+
+def measure_layout(cfg, nproc: int, warmup: int = 2, steps: int = 5, device: str = "cpu",
+                   timeout_s: float = 300.0) -> list[Measured]:
+    """Spawn ``nproc`` ranks of ``cfg`` and return their measurements in rank order."""
+    from ..launch import run
+    return run(_worker, nproc, cfg, warmup, steps, device=device, threads=1, timeout_s=timeout_s)
+
+
+def _many_worker(ctx, cfgs, warmup: int, steps: int):
+    return [_worker(ctx, cfg, warmup, steps) for cfg in cfgs]
+
+
+def measure_layouts(cfgs, nproc: int, warmup: int = 1, steps: int = 0, device: str = "cpu",
+                    timeout_s: float = 300.0) -> list[list[Measured]]:
+    """Several configs on the same ``nproc`` ranks in one spawn (tests): per config, the ranks'
+    measurements in rank order."""
+    from ..launch import run
+    out = run(_many_worker, nproc, list(cfgs), warmup, steps, device=device, threads=1, timeout_s=timeout_s)
+    return [[per_rank[i] for per_rank in out] for i in range(len(cfgs))]
+
+
+# -- prediction next to measurement ---------------------------------------------------------------
+def _predict(cfg, device: str, probe):
+    try:
+        from .predict import predict
+    except ImportError:
+        return None
+    return predict(cfg, device=device, probe=probe)
+
+
+def rel_err(pred: float | None, meas: float) -> float | None:
+    """(pred - meas) / meas, None without a prediction; 0 when both are 0."""
+    if pred is None:
+        return None
+    if meas == 0:
+        return 0.0 if pred == 0 else float("inf")
+    return (pred - meas) / meas
+
+
+def compare(name: str, cfg, measured: list[Measured], pred) -> dict:
+    """One row: per rank, predicted vs measured model state (exact?), activations and step time."""
+    ranks = []
+    for m in measured:
+        p = pred.ranks[m.rank] if pred is not None else None
+        ps = None if p is None else (p.params, p.grads, p.optim)
+        ranks.append({"rank": m.rank, "stage": m.stage, "meas": m, "pred": p,
+                      "state_exact": None if p is None else ps == (m.params, m.grads, m.optim),
+                      "act_err": None if p is None else rel_err(p.activations, m.act_peak),
+                      "alloc_err": None if p is None or m.max_alloc is None else rel_err(p.total, m.max_alloc)})
+    step_s = max(m.step_s for m in measured)
+    pred_step = getattr(pred, "step_time_s", None)
+    errs = [r["act_err"] for r in ranks if r["act_err"] is not None]
+    exact = [r["state_exact"] for r in ranks if r["state_exact"] is not None]
+    return {"layout": name, "nproc": len(measured), "cfg": cfg, "ranks": ranks, "step_s": step_s,
+            "pred_step_s": pred_step, "step_err": rel_err(pred_step, step_s),
+            "state_exact": all(exact) if exact else None,
+            "act_err_max": max(errs, key=abs) if errs else None}
+
+
+def calibrate(layouts, device: str = "cpu", probe=None, warmup: int = 2, steps: int = 5, log=None) -> list[dict]:
+    """``layouts``: (name, nproc, cfg) triples, run one at a time. Returns one :func:`compare` row
+    each (a layout whose ranks fail gives a row with ``error``)."""
+    from ..launch import WorkerError
+    rows = []
+    for name, nproc, cfg in layouts:
+        t0 = time.time()
+        try:
+            measured = measure_layout(cfg, nproc, warmup, steps, device)
+        except WorkerError as e:
+            rows.append({"layout": name, "nproc": nproc, "error": str(e).strip().splitlines()[0][:160]})
+            continue
+        try:
+            pred, pred_error = _predict(cfg, device, probe), ""
+        except Exception as e:  # noqa: BLE001 - a planner failure is a finding, the measurement stays
+            pred, pred_error = None, f"predict failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        row = compare(name, cfg, measured, pred)
+        row["pred_error"] = pred_error
+        row["seconds"] = time.time() - t0
+        rows.append(row)
+        if log:
+            log(row)
+    return rows

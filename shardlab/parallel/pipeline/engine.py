@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..engine import Engine
-from . import aux as stage_aux
+from .aux import attach as attach_aux, stage_aux
 from .schedule import Action, build
 from .simulate import check
 from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model, stage_views
@@ -122,7 +122,7 @@ class PipelineEngine(Engine):
                     losses.append(out.detach().double())
                     out = out * (loss_scale / m)
                 else:
-                    out, aux = stage_aux.attach(self.chunks[a.stage], out, loss_scale / m)
+                    out, aux = attach_aux(self.chunks[a.stage], out, loss_scale / m)
                     aux_sum += aux
                 outputs[key] = out
             elif a.kind == "B":
@@ -187,7 +187,7 @@ class PipelineEngine(Engine):
                 if s == last:
                     losses.append(out.double())
                 else:
-                    a = stage_aux.stage_aux(self.chunks[s])
+                    a = stage_aux(self.chunks[s])
                     aux += float(a) if a is not None else 0.0
                     self.link.send(out, (s + 1) % self.pp)
         self.link.wait_sends()

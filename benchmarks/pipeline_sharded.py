@@ -47,10 +47,11 @@ def state_bytes(engine, opt) -> tuple[int, int]:
     if not hasattr(engine, "flats"):  # DDP: everything whole all the time
         full = sum(p.numel() * p.element_size() for p in engine.parameters())
         return 2 * full + opt_b, 2 * full + opt_b
-    shard = sum(f.shard.numel() * f.shard.element_size() for f in engine.flats)
+    shard = sum(f.shard.numel() * f.shard.element_size() for f in engine.flats)  # slice; its grad the same
     full = sum(f.padded * f.shard.element_size() for f in engine.flats)
-    params_between = shard if engine.stage == 3 else full  # ZeRO-1/2 keep the whole (aliased) params
-    return params_between + shard + opt_b, full + full + shard + opt_b
+    if engine.stage == 3:  # separate fp32 slice; the gathered buffer only during the step
+        return 2 * shard + opt_b, 2 * full + 2 * shard + opt_b
+    return full + shard + opt_b, 2 * full + shard + opt_b  # the slice aliases the whole parameters
 
 
 def _worker(ctx, ms, steps):

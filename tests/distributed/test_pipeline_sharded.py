@@ -112,6 +112,13 @@ def _worker(ctx, cases):
         state = engine.full_state(opt, everywhere=True)
         row["param_err"] = max((state[f"model.{n}"] - v).abs().max().item() for n, v in ref_params.items())
         row["n_names"] = len(ref_params)
+        if p.zero_stage:  # the shards (parameters and Adam states) reload into a fresh engine
+            again = parallelize(meta_model(cfg.model, torch.float64), mesh, cfg, init=False)
+            opt2 = again.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=1e-2))
+            again.load_full_state(state, opt2)
+            back = again.full_state(opt2, everywhere=True)
+            row["reload_err"] = max((back[k] - v).abs().max().item() for k, v in state.items())
+            row["reload_keys"] = sorted(set(back) ^ set(state))
         out.append(row)
     return out
 
@@ -122,6 +129,7 @@ def _check(results):
         for r in rows:
             assert r["loss_err"] <= ATOL and r["grad_err"] <= ATOL and r["norm_err"] <= ATOL, r
             assert r["param_err"] <= ATOL, r  # AdamW steps on the shards equal the reference's
+            assert r.get("reload_err", 0.0) == 0.0 and not r.get("reload_keys"), r
         assert len(names) == rows[0]["n_names"], (rows[0]["case"], sorted(names))  # every parameter checked
 
 

@@ -10,9 +10,14 @@ all ranks' tensors on one GPU, gloo transport).
    communication), the same transfers alone (no compute), hidden fraction = 1 - exposed/alone.
    Blocked time also contains skew between ranks (a peer that computes slower sends later), so
    on shared CPUs the hidden fraction is a lower bound.
-3. MoE layer under ep = 1, 2, 4: forward all-to-all dispatch + combine time vs expert compute.
+3. MoE layer under ep = 1, 2, 4: forward all-to-all dispatch + combine time vs expert compute,
+   with the experts as a per-expert loop (``model.moe_impl = loop``) and as grouped GEMMs
+   (``grouped``); on one process also the whole layer's forward+backward, loop vs grouped.
+4. ``--parts ulysses``: ring vs Ulysses (and unified 2x2 at cp 4) context parallel on a tiny
+   Llama: fwd+bwd step time, bytes each rank sends per step (ledger), activation bytes saved.
 
     PYTHONPATH=. python benchmarks/context_expert.py [--seq 8192] [--device cpu]
+    PYTHONPATH=. python benchmarks/context_expert.py --parts ulysses --sizes 2 4
 
 Numbers on the shared 2-core machines are noisy (other jobs run beside them); ratios within
 one run are the meaningful part.
@@ -27,7 +32,7 @@ import time
 
 import torch
 
-from shardlab.config import ModelConfig
+from shardlab.config import Config, ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
@@ -193,8 +198,8 @@ def ring(mesh, seq, dev, iters=3):
     return {key: statistics.median(vals) for key, vals in rec.items()}
 
 
-def moe(mesh, dev, tokens=2048, iters=3):
-    cfg = ModelConfig(d_model=256, ffn_hidden=512, n_experts=8, moe_top_k=2, n_layers=2, n_heads=4)
+def moe(mesh, dev, tokens=2048, iters=3, impl="grouped"):
+    cfg = ModelConfig(d_model=256, ffn_hidden=512, n_experts=8, moe_top_k=2, n_layers=2, n_heads=4, moe_impl=impl)
     ref = MoE(cfg).to(dev)
     with torch.no_grad():
         for p in ref.parameters():
@@ -214,6 +219,83 @@ def moe(mesh, dev, tokens=2048, iters=3):
             "a2a_MiB": sent / n / 2**20}
 
 
+def ulysses(n, seq, dev, iters=3):
+    """Ring (on the lse kernel, and on the hand-written fallback) vs Ulysses (and unified 2x2 at
+    cp 4): the whole tiny model, fwd+bwd, per rank."""
+    cfg = Config()
+    cfg.model = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, max_seq_len=seq)
+    cfg.train.seq_len = seq
+    data = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, impl, u in [("ring", "ring", 1), ("ring, hand-written pairs", "ring", 1), ("ulysses", "ulysses", n)] + (
+            [("unified 2x2", "unified", 2)] if n == 4 else []):
+        context.KERNEL = "manual" if "hand-written" in name else "auto"
+        cfg.parallel.cp, cfg.parallel.cp_impl, cfg.parallel.cp_ulysses = n, impl, (u if impl == "unified" else 1)
+        mesh = Mesh.build(Topology(cp=n, cp_ulysses=u))
+        model = build_model(cfg.model, seed=0, device=dev)
+        model = context.apply(model, mesh, cfg, get_spec(cfg.model).attention(model))
+        x, y = (context.shard_batch(data[:, :-1], data[:, 1:], mesh)[i].to(dev) for i in (0, 1))
+        times = []
+        for it in range(iters + 1):
+            mesh.comm("cp").barrier()
+            snap = mesh.ledger.snapshot()
+            t0 = time.perf_counter()
+            saved, loss = activation_bytes(model, lambda: model(x, y))
+            loss.backward()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+            sent = sum(e.bytes_sent for e in mesh.ledger.since(snap).values())
+        out[name] = {"step_s": statistics.median(times[1:]),
+                     "sent_MiB": sent / 2**20, "saved_MiB": saved / 2**20}
+    context.KERNEL = "auto"
+    return out
+
+
+def _ulysses_table(res, seq, device):
+    print(f"\nRing vs Ulysses, tiny Llama (d 64, 2 layers, 4 heads, head_dim 16), seq {seq}, batch 1, fp32, "
+          f"device {device}; fwd+bwd of the whole model (median of 3 after a warm-up, max over ranks), "
+          "bytes each rank sends per step (ledger, max over ranks), activation bytes saved for backward")
+    print("| cp | impl | fwd+bwd (ms) | sent per rank per step (MiB) | activations saved (MiB) |")
+    print("|---|---|---|---|---|")
+    for n, rr in res.items():
+        for impl in rr[0].get("ulysses", {}):
+            g = {k: max(r["ulysses"][impl][k] for r in rr) for k in ("step_s", "sent_MiB", "saved_MiB")}
+            print(f"| {n} | {impl} | {1e3 * g['step_s']:.0f} | {g['sent_MiB']:.2f} | {g['saved_MiB']:.1f} |")
+
+
+MOE_KERNEL_CASES = [(torch.float32, 256), (torch.float32, 2048), (torch.float64, 256), (torch.float64, 2048)]
+
+
+def moe_kernel(dev, reps=7):
+    """One process, d 256, ffn 512, 8 experts top-2, dropless: forward+backward of the whole MoE
+    layer (router, grouping, experts, combine) and of the experts alone, loop vs grouped; the two
+    implementations alternate, median of ``reps`` after a warm-up."""
+    out = {}
+    for dtype, tokens in MOE_KERNEL_CASES:
+        cfg = ModelConfig(d_model=256, ffn_hidden=512, n_experts=8, moe_top_k=2, n_layers=2, n_heads=4)
+        layer = MoE(cfg).to(dev, dtype)
+        g = torch.Generator(dev).manual_seed(0)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.05, generator=g)
+        x = torch.randn(tokens, 256, dtype=dtype, generator=torch.Generator().manual_seed(1)).to(dev)
+        r = layer.route(x)  # the experts alone: rows grouped by expert, as the layer passes them
+        rows = x[r.token[torch.argsort(r.expert, stable=True)]]
+        counts = torch.bincount(r.expert, minlength=8)
+        times = {}
+        for impl in ("loop", "grouped") * (reps + 1):
+            layer.experts.impl = impl
+            for part, fn in (("layer", lambda: layer(x)), ("experts", lambda: layer.experts(rows, counts))):
+                _sync(dev)
+                t0 = time.perf_counter()
+                fn().square().mean().backward()
+                _sync(dev)
+                times.setdefault((impl, part), []).append(time.perf_counter() - t0)
+        out[f"{str(dtype).removeprefix('torch.')} {tokens}"] = {
+            f"{impl}_{part}_ms": 1e3 * statistics.median(v[1:]) for (impl, part), v in times.items()}
+    return out
+
+
 def worker(ctx, n, seq, device, parts):
     dev = torch.device(device)
     _exact_rss()
@@ -223,9 +305,13 @@ def worker(ctx, n, seq, device, parts):
         out["memory"] = memory(mesh, seq, dev)
     if "ring" in parts and n > 1:
         out["ring"] = ring(mesh, seq, dev)
+    if "ulysses" in parts and n > 1:
+        out["ulysses"] = ulysses(n, seq, dev)
     if "moe" in parts:
         ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
-        out["moe"] = moe(ep_mesh, dev)
+        out["moe"] = {impl: moe(ep_mesh, dev, impl=impl) for impl in ("loop", "grouped")}
+        if n == 1:
+            out["moe_kernel"] = moe_kernel(dev)
     return out
 
 
@@ -235,7 +321,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default="")
-    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe")
+    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe ulysses")
     args = ap.parse_args()
     res = {}
     for n in args.sizes:
@@ -274,14 +360,31 @@ def main():
                       f"{1e3 * g[f'{ps}_blocked_s']:.1f} | {1e3 * g[f'{ps}_skew_s']:.1f} | "
                       f"{1e3 * g[f'{ps}_unhidden_s']:.1f} | {hidden:.2f} |")
     if "moe" in args.parts:
-        print("\nMoE layer forward, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, dropless (mean over ranks)")
-        print("| ep | dispatch+combine all-to-all (ms) | expert compute (ms) | a2a / experts | a2a sent per rank (MiB) |")
-        print("|---|---|---|---|---|")
+        print("\nMoE layer forward, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, dropless, fp32 "
+              "(mean over ranks)")
+        print("| ep | experts | dispatch+combine all-to-all (ms) | expert compute (ms) | a2a / experts "
+              "| a2a sent per rank (MiB) |")
+        print("|---|---|---|---|---|---|")
         for n, rr in res.items():
-            a = statistics.mean(r["moe"]["a2a_ms"] for r in rr)
-            e = statistics.mean(r["moe"]["experts_ms"] for r in rr)
-            mib = statistics.mean(r["moe"]["a2a_MiB"] for r in rr)
-            print(f"| {n} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
+            for impl in ("loop", "grouped"):
+                a = statistics.mean(r["moe"][impl]["a2a_ms"] for r in rr)
+                e = statistics.mean(r["moe"][impl]["experts_ms"] for r in rr)
+                mib = statistics.mean(r["moe"][impl]["a2a_MiB"] for r in rr)
+                print(f"| {n} | {impl} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
+        kernel = next((rr[0]["moe_kernel"] for rr in res.values() if "moe_kernel" in rr[0]), None)
+        if kernel:
+            print(f"\nMoE forward+backward on one process ({args.device}), d 256, ffn 512, 8 experts top-2, "
+                  "dropless (median of 7): the whole layer, and the experts alone")
+            print("| dtype | tokens | layer loop (ms) | layer grouped (ms) | speed-up | experts loop (ms) "
+                  "| experts grouped (ms) | speed-up |")
+            print("|---|---|---|---|---|---|---|---|")
+            for case, k in kernel.items():
+                dt, tokens = case.split()
+                print(f"| {dt} | {tokens} | {k['loop_layer_ms']:.1f} | {k['grouped_layer_ms']:.1f} | "
+                      f"{k['loop_layer_ms'] / k['grouped_layer_ms']:.2f}x | {k['loop_experts_ms']:.1f} | "
+                      f"{k['grouped_experts_ms']:.1f} | {k['loop_experts_ms'] / k['grouped_experts_ms']:.2f}x |")
+    if "ulysses" in args.parts:
+        _ulysses_table(res, args.seq, args.device)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({str(k): v for k, v in res.items()}, fh, indent=1)

@@ -9,9 +9,14 @@ of them alike. Step time = forward + backward of one step (no optimizer), the sl
 median and fastest of the steps (on a shared machine the fastest step is the least
 disturbed). Measured bubble: 1 - busy / (ranks x span) from the executor's per-action
 timestamps; simulated bubble: the simulator with the measured median F, B, W durations of
-each stage (and again adding the measured hop latency of a message). Activation
+each stage (and again adding the measured hop latency of a message), and the step time that
+simulation predicts when every rank has a core of its own (here 4 ranks share 2 cores, so a
+rank's idle time is filled by another rank's work and the measured step mostly follows the
+total CPU work, not the bubble). Activation
 memory: peak bytes of tensors saved for backward (autograd saved-tensor hooks, storage
-de-duplicated, parameters excluded), one extra step per engine.
+de-duplicated, parameters excluded), one extra step per engine; for the split-backward schedules
+(zb-h1, dualpipev) also the peak bytes held outside autograd for the deferred W (each module's
+input and output gradient between B and W; the graph itself is freed at B).
 """
 from __future__ import annotations
 
@@ -128,7 +133,7 @@ def torch_engine(mesh, pp, v):
 
 ENGINES = [("shardlab 1f1b", "1f1b", 1), ("torch Schedule1F1B", "torch", 1),
            ("shardlab interleaved v=2", "interleaved", 2), ("torch ScheduleInterleaved1F1B v=2", "torch", 2),
-           ("shardlab gpipe", "gpipe", 1), ("shardlab zb-h1", "zb-h1", 1)]
+           ("shardlab gpipe", "gpipe", 1), ("shardlab zb-h1", "zb-h1", 1), ("shardlab dualpipev", "dualpipev", 1)]
 
 
 def worker(ctx, pp, steps, warmup):
@@ -149,7 +154,7 @@ def worker(ctx, pp, steps, warmup):
                 times[name].append(dt)
                 if hasattr(eng, "last_timeline"):
                     timelines[name].append([(a, s, e) for a, s, e in eng.last_timeline])
-    memory = {}
+    memory, wmem = {}, {}
     for name, (step, eng) in engines.items():
         model = eng.model if hasattr(eng, "model") else eng
         meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
@@ -157,7 +162,8 @@ def worker(ctx, pp, steps, warmup):
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             step()
         memory[name] = meter.peak
-    return dict(times=times, timelines=timelines, memory=memory)
+        wmem[name] = getattr(eng, "wgrad_peak_bytes", 0)  # held outside autograd for deferred W
+    return dict(times=times, timelines=timelines, memory=memory, wmem=wmem)
 
 
 def hop_latency(timeline, n_stages: int) -> float:
@@ -185,7 +191,8 @@ def summarise(pp, results, out_dir):
     steps = {name: [max(r["times"][name][i] for r in results) for i in range(n)] for name, _, _ in ENGINES}
     for name, kind, v in ENGINES:
         row = dict(pp=pp, engine=name, ms=1e3 * statistics.median(steps[name]), best=1e3 * min(steps[name]),
-                   mem=max(r["memory"][name] for r in results) / 2**20)
+                   mem=max(r["memory"][name] for r in results) / 2**20,
+                   wmem=max(r["wmem"][name] for r in results) / 2**20)
         if kind != "torch":
             tls = [[r["timelines"][name][i] for r in results] for i in range(n)]
             fastest = tls[min(range(n), key=lambda i: steps[name][i])]
@@ -195,10 +202,11 @@ def summarise(pp, results, out_dir):
                 for a, s, e in rank_tl:
                     per_stage.setdefault(a.stage, {}).setdefault(a.kind, []).append(e - s)
             per_stage = {st: {k: statistics.median(d) for k, d in kinds.items()} for st, kinds in per_stage.items()}
-            lat = hop_latency(fastest, pp * v)
             sched = build(kind, pp, M, v)
+            lat = hop_latency(fastest, sched.n_stages)
+            sim = simulate(sched, stage_costs=per_stage)
             row.update(bubble=measured_bubble(fastest), bubble_med=statistics.median(map(measured_bubble, tls)),
-                       sim=simulate(sched, stage_costs=per_stage).bubble, lat=lat,
+                       sim=sim.bubble, sim_ms=1e3 * sim.makespan, lat=lat,
                        sim_lat=simulate(sched, comm=lat, stage_costs=per_stage).bubble,
                        theory=theoretical_bubble(kind, pp, M, v))
             if out_dir:
@@ -229,13 +237,14 @@ def main(argv=None):
     print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
           "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
-          "| peak saved activations MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| simulated step ms, one core per rank | peak saved activations MiB | + held for deferred W MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in all_rows:
         ratio = f"{r['ratio']:.2f}x / {r['ratio_best']:.2f}x" if "ratio" in r else ""
         bub = (f"{r['bubble']:.3f} / {r['bubble_med']:.3f} | {r['sim']:.3f} | {r['sim_lat']:.3f} "
-               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f}" if "bubble" in r else "- | - | - | -")
-        print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} |")
+               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f} | {r['sim_ms']:.1f}" if "bubble" in r else "- | - | - | - | -")
+        wm = f"{r['wmem']:.2f}" if r["wmem"] else "-"
+        print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} | {wm} |")
 
 
 if __name__ == "__main__":

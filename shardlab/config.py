@@ -57,6 +57,7 @@ class ModelConfig:
     moe_aux_loss_coef: float = f(0.01, "Weight of the Switch load-balancing auxiliary loss.", ge=0, le=1000)
     moe_z_loss_coef: float = f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits).", ge=0, le=1000)
     moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).", ge=1, le=4096)
+    moe_impl: str = f("grouped", "Expert kernel: grouped (grouped GEMM / batched matmul over experts) or loop (one matmul per expert, the reference).", choices=("grouped", "loop"))
     dropout: float = f(0.0, "Dropout probability (gpt2, cnn); 0 for parity tests and modern pretraining.", ge=0, lt=1)
     n_classes: int = f(10, "cnn: number of classes of the image classifier.", ge=2, le=2**20)
 
@@ -84,6 +85,12 @@ class ParallelConfig:
     tp: int = f(1, "Tensor-parallel degree (Megatron column/row split).", ge=1, le=2**16)
     pp: int = f(1, "Pipeline-parallel stages.", ge=1, le=2**16)
     cp: int = f(1, "Context-parallel degree (ring attention over the sequence).", ge=1, le=2**16)
+    cp_impl: str = f("ring", "Context parallel: ring (K/V blocks around a ring), ulysses (all-to-all from a sequence "
+                             "shard with all heads to all tokens with a head shard, over cp) or unified (Ulysses "
+                             "over parallel.cp_ulysses ranks, ring across cp/cp_ulysses groups).",
+                     choices=("ring", "ulysses", "unified"))
+    cp_ulysses: int = f(1, "cp_impl=unified: the Ulysses (all-to-all) degree inside cp; must divide cp and the "
+                           "attention heads per tp rank. cp/cp_ulysses ranks form each ring.", ge=1, le=2**16)
     ep: int = f(1, "Expert-parallel degree; borrows ranks from dp_shard*cp (must divide it).", ge=1, le=2**16)
     zero_stage: int = f(0, "0 = DDP over all data-parallel ranks; 1/2 = ZeRO-1/2; 3 = ZeRO-3/FSDP over dp_shard.", choices=(0, 1, 2, 3))
     bucket_cap_mb: float = f(25.0, "DDP / ZeRO gradient bucket size in MiB.", gt=0, le=2**20)
@@ -92,7 +99,7 @@ class ParallelConfig:
     prefetch: bool = f(True, "FSDP: prefetch the next unit's parameters (forward and backward).")
     offload: bool = f(False, "FSDP/ZeRO: keep parameters and optimizer states on the CPU.")
     sequence_parallel: bool = f(False, "TP: shard norm/dropout regions along the sequence (all-gather/reduce-scatter).")
-    pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.", choices=('gpipe', '1f1b', 'interleaved', 'zb-h1'))
+    pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev (DeepSeek's V shape, 2*pp stages, microbatches >= 2*pp) or dualpipe (simulated only: `shardlab schedule`).", choices=('gpipe', '1f1b', 'interleaved', 'zb-h1', 'dualpipev', 'dualpipe'))
     pp_virtual: int = f(1, "Virtual stages per pipeline rank (interleaved schedule).", ge=1, le=1024)
     microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).", ge=1, le=2**20)
     activation_checkpointing: str = f("none", "Activation recomputation: none, full or selective.", choices=('none', 'full', 'selective'))

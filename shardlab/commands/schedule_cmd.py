@@ -18,13 +18,15 @@ def configure(parser):
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--virtual", "-v", type=int, default=0,
                         help="virtual stages per rank (interleaved; default 2 there, 1 elsewhere)")
-    parser.add_argument("--cost", default="1,1,1", help="F,B,W cost per stage (default 1,1,1)")
+    parser.add_argument("--cost", default="1,1,1", help="F,B,W cost per stage (default 1,1,1); B = input "
+                        "gradient only, the full backward costs B+W")
     parser.add_argument("--out", default="", help="save the timeline as a PNG here")
 
 
 def summary(name: str, p: int, m: int, v: int, f: float = 1.0, b: float = 1.0, w: float = 1.0):
     """(text report, SimResult) for one schedule; raises ScheduleError if it cannot run."""
     sched = build(name, p, m, v)
+    v = 1 if sched.layout == "dual" else sched.v  # dualpipe's chunks are whole stages
     res = simulate(sched, f=f, b=b, w=w)
     if not res.ok:
         raise ScheduleError(f"schedule {name} refused: {res.reason}")
@@ -37,7 +39,8 @@ def summary(name: str, p: int, m: int, v: int, f: float = 1.0, b: float = 1.0, w
              "micro-batches held per rank (F done, backward not): "
              + " ".join(f"{x / v:g}" for x in res.peak_inflight)
              + ("   until W: " + " ".join(f"{x / v:g}" for x in res.peak_held) if sched.split_bw else "")
-             + ("  (in units of a rank's whole layer share)" if v > 1 else "")]
+             + ("  (in units of a rank's whole layer share)" if v > 1 else "")
+             + ("  (in stages; each rank holds two)" if sched.layout == "dual" else "")]
     return "\n".join(lines), res
 
 

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from .collectives import Comm
 from .flight import Recorder
 from .ledger import Ledger
-from .topology import GROUPS, Topology
+from .topology import DERIVED, GROUPS, Topology
 
-ALL_GROUPS = tuple(GROUPS) + ("ep", "edp")
+ALL_GROUPS = tuple(GROUPS) + DERIVED
 
 
 @dataclass

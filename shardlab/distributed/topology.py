@@ -14,6 +14,11 @@ Named groups (each a list of rank lists that partition the world):
   dp_shard_cp = dp_shard x cp            FSDP sharding group when cp > 1
   ep        ranks exchanging tokens in MoE all-to-all
   edp       ranks holding the same experts (expert gradient averaging)
+  cp_ulysses, cp_ring   sub-groups of cp for 2-D ("unified") context parallel: the cp index is
+            split as ``cp_idx = ring_idx * cp_ulysses + ulysses_idx``; a cp_ulysses group (the
+            Ulysses all-to-all) is ``cp_ulysses`` consecutive cp ranks, a cp_ring group (ring
+            attention) the ``cp / cp_ulysses`` ranks with the same ulysses_idx. With the default
+            cp_ulysses = 1 the cp_ring groups are the cp groups (docs/context-parallel.md).
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ GROUPS = {
     "tp": ("tp",), "dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "dp_shard_cp": ("dp_shard", "cp"), "world": AXES,
 }
+DERIVED = ("ep", "edp", "cp_ulysses", "cp_ring")
+"""Groups that are not products of whole axes (see the module doc)."""
 
 
 @dataclass(frozen=True)
@@ -38,18 +45,25 @@ class Topology:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp_ulysses: int = 1
+    """Ulysses (all-to-all) degree inside cp; cp / cp_ulysses ranks form each ring."""
 
     def __post_init__(self):
-        for axis in AXES + ("ep",):
+        for axis in AXES + ("ep", "cp_ulysses"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"topology: {axis} must be a positive integer, got {value!r}")
         if (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"topology: ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}")
+        if self.cp % self.cp_ulysses:
+            raise ValueError(f"topology: cp_ulysses={self.cp_ulysses} must divide cp={self.cp}")
 
     @classmethod
     def from_config(cls, parallel) -> "Topology":
-        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, parallel.pp, parallel.ep)
+        impl = getattr(parallel, "cp_impl", "ring")
+        ulysses = {"ulysses": parallel.cp, "unified": getattr(parallel, "cp_ulysses", 1)}.get(impl, 1)
+        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, parallel.pp, parallel.ep,
+                   ulysses)
 
     @property
     def world_size(self) -> int:
@@ -68,6 +82,10 @@ class Topology:
             return self.ep
         if group == "edp":
             return self.dp_replicate * self.dp_shard * self.cp // self.ep
+        if group == "cp_ulysses":
+            return self.cp_ulysses
+        if group == "cp_ring":
+            return self.cp // self.cp_ulysses
         n = 1
         for axis in GROUPS[group]:
             n *= getattr(self, axis)
@@ -85,10 +103,11 @@ class Topology:
         flat = out["dp_shard"] * self.cp + out["cp"]
         out["ep"] = flat % self.ep
         out["edp"] = out["dp_replicate"] * (self.dp_shard * self.cp // self.ep) + flat // self.ep
+        out["cp_ulysses"], out["cp_ring"] = out["cp"] % self.cp_ulysses, out["cp"] // self.cp_ulysses
         return dict(out)
 
     def rank(self, **coords: int) -> int:
-        """{axis: index} -> rank; axes left out are 0."""
+        """{axis: index} -> rank; axes left out are 0 (cp given as one index, not its sub-groups)."""
         unknown = set(coords) - set(AXES)
         if unknown:
             raise ValueError(f"unknown axes {sorted(unknown)}; axes are {AXES}")
@@ -102,10 +121,10 @@ class Topology:
 
     def groups(self, name: str) -> list[list[int]]:
         """All groups of this name, each a sorted list of ranks; together they partition the world."""
-        if name in ("ep", "edp"):
-            return self._expert_groups(name)
+        if name in ("ep", "edp", "cp_ulysses", "cp_ring"):
+            return self._derived_groups(name)
         if name not in GROUPS:
-            raise ValueError(f"unknown group {name!r}; groups are {sorted(GROUPS) + ['ep', 'edp']}")
+            raise ValueError(f"unknown group {name!r}; groups are {sorted(list(GROUPS) + list(DERIVED))}")
         varying = GROUPS[name]
         fixed = [a for a in AXES if a not in varying]
         result = []
@@ -116,11 +135,17 @@ class Topology:
             result.append(sorted(ranks))
         return result
 
-    def _expert_groups(self, name: str) -> list[list[int]]:
+    def _derived_groups(self, name: str) -> list[list[int]]:
+        """Groups that are not products of whole axes: ranks agreeing on every coordinate but the
+        group's own index."""
+        other = {"ep": "edp", "edp": "ep", "cp_ulysses": "cp_ring", "cp_ring": "cp_ulysses"}[name]
         buckets: dict[tuple, list[int]] = {}
         for r in range(self.world_size):
             c = self.coords(r)
-            key = (c["pp"], c["tp"], c["edp"]) if name == "ep" else (c["pp"], c["tp"], c["ep"])
+            if name in ("ep", "edp"):
+                key = (c["pp"], c["tp"], c[other])
+            else:  # the cp sub-groups: every axis but cp fixed, and the other sub-index of cp
+                key = tuple(c[a] for a in AXES if a != "cp") + (c[other],)
             buckets.setdefault(key, []).append(r)
         return [sorted(v) for _, v in sorted(buckets.items())]
 
@@ -133,4 +158,8 @@ class Topology:
 
     def describe(self) -> str:
         parts = [f"{a}={getattr(self, a)}" for a in AXES + ("ep",) if getattr(self, a) > 1]
+        if 1 < self.cp_ulysses:  # the cp entry says how it is split
+            i = parts.index(f"cp={self.cp}")
+            parts[i] += " (ulysses)" if self.cp_ulysses == self.cp else \
+                f" (ulysses {self.cp_ulysses} x ring {self.cp // self.cp_ulysses})"
         return " x ".join(parts) if parts else "single process"

@@ -21,8 +21,14 @@ Auxiliary losses, stored in ``self.last_aux_loss`` (``Llama.aux_loss`` adds them
   router z-loss        z_coef * mean_t (logsumexp_e logits_te)^2
 Both are means over the whole batch: :meth:`batch_sum` (identity here) is where expert parallel
 adds the statistics of the other data-parallel ranks, so a sharded run equals this module on the
-global batch. Per-step statistics are kept in ``self.last_stats`` (tokens per expert, dropped
-fraction) for the metrics.
+global batch. Per-step statistics are kept as device tensors and read (``self.last_stats``:
+tokens per expert, dropped fraction) only by the metrics.
+
+Host reads. The forward has none on its grouped path (``model.moe_impl = grouped``): the
+assignments are grouped by expert with the dropped ones last, so every shape is T*k whatever
+the routing, and the experts run as grouped GEMMs (models/moe_gemm.py; its float64 fallback
+reads the largest count once). Expert parallel must read the all-to-all split sizes
+(parallel/expert.py); that is the one sync that remains there.
 
 Expert weights are stacked parameters ``experts.w1`` / ``experts.w3`` (E, H, D) and
 ``experts.w2`` (E, D, H) with global names, so ``init_tensor`` initialises them the same under
@@ -33,28 +39,25 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .moe_gemm import expert_ffn
 
 
 class Experts(nn.Module):
     """``n`` SwiGLU experts with stacked weights. ``forward(x, counts)``: the rows of ``x`` are
-    grouped by expert, ``counts[e]`` rows for expert e, in order."""
+    grouped by expert, ``counts[e]`` rows for expert e, in order (a tensor); rows past
+    ``counts.sum()`` come back as zeros. ``impl``: the kernel (models/moe_gemm.py)."""
 
-    def __init__(self, n: int, d_model: int, hidden: int):
+    def __init__(self, n: int, d_model: int, hidden: int, impl: str = "grouped"):
         super().__init__()
+        self.impl = impl
         self.w1 = nn.Parameter(torch.empty(n, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(n, hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(n, d_model, hidden))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            xe = x[start:start + n]
-            start += n
-            outs.append(F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e]))
-        return torch.cat(outs) if outs else x[:0]
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return expert_ffn(x, counts, self.w1, self.w3, self.w2, self.impl)
 
 
 class Routing:
@@ -71,9 +74,19 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coef, self.z_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.ffn_dim)
+        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.ffn_dim, getattr(cfg, "moe_impl", "grouped"))
         self.last_aux_loss = 0.0
-        self.last_stats: dict = {}
+        self._stats: dict = {}
+
+    @property
+    def last_stats(self) -> dict:
+        """Statistics of the last forward as Python numbers (read on the host here, never
+        during the forward): tokens per expert, dropped fraction, balance and z losses."""
+        st = self._stats
+        if not st:
+            return {}
+        return {"tokens_per_expert": st["tokens_per_expert"].round().long().cpu(),
+                **{k: float(st[k]) for k in ("dropped_fraction", "balance_loss", "z_loss")}}
 
     # -- hooks that expert parallel overrides --------------------------------------------------
     def batch_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -81,8 +94,9 @@ class MoE(nn.Module):
         return t
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows of ``x`` grouped by global expert (``counts[e]`` each) -> expert outputs, same order."""
-        return self.experts(x, counts.tolist())
+        """Rows of ``x`` grouped by global expert (``counts[e]`` each, a tensor) -> expert outputs,
+        same order; rows past ``counts.sum()`` (dropped assignments) -> zeros."""
+        return self.experts(x, counts)
 
     # -- routing ---------------------------------------------------------------------------------
     def capacity(self, n_tokens: int) -> int:
@@ -123,21 +137,22 @@ class MoE(nn.Module):
         balance = E * (f * prob_sum / g_tokens).sum()
         z = z_sum / g_tokens
         self.last_aux_loss = self.aux_coef * balance + self.z_coef * z
-        with torch.no_grad():
-            self.last_stats = {"tokens_per_expert": g_counts.round().long().cpu(),
-                               "dropped_fraction": float(g_dropped / (g_tokens * k)),
-                               "balance_loss": float(balance), "z_loss": float(z)}
+        self._stats = {"tokens_per_expert": g_counts.detach(), "dropped_fraction": (g_dropped / (g_tokens * k)).detach(),
+                       "balance_loss": balance.detach(), "z_loss": z.detach()}
         return Routing(expert, token, weight, keep)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         r = self.route(x)
-        kept = torch.nonzero(r.keep).squeeze(1)
-        sel = kept[torch.argsort(r.expert[kept], stable=True)]             # grouped by expert
-        counts = torch.bincount(r.expert[sel], minlength=self.n_experts)
+        # group by expert with the dropped assignments last: shapes never depend on the routing
+        # (no host read); the experts return zeros for the dropped rows, weighted by 0 anyway
+        key = torch.where(r.keep, r.expert, self.n_experts)
+        sel = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=self.n_experts + 1)[:self.n_experts]
         y = self.run_experts(x[r.token[sel]], counts)
         # combine in x's dtype (under autocast the experts return bf16/fp16, x is fp32)
-        out = torch.zeros_like(x).index_add(0, r.token[sel], y.to(x.dtype) * r.weight[sel, None].to(x.dtype))
+        w = (r.weight * r.keep)[sel, None].to(x.dtype)
+        out = torch.zeros_like(x).index_add(0, r.token[sel], y.to(x.dtype) * w)
         self.last_routing = r
         return out.view(shape)

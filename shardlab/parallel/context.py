@@ -14,6 +14,9 @@ the triangular mask, b < a is full. Partial results are merged with the online s
 
   lse = logaddexp(lse_1, lse_2);  out = out_1 * exp(lse_1 - lse) + out_2 * exp(lse_2 - lse)
 
+Each pair runs on a fused attention kernel that returns the lse (lse_kernel.py: SDPA's CPU
+flash / CUDA efficient ops); where none exists (CUDA float64), on hand-written row tiles.
+
 Backward (flash-attention style, nothing quadratic is saved). With D = rowsum(dO * O) and
 P = exp(q k^T * scale - lse) recomputed per block:
   dV += P^T dO;  dS = P * (dO V^T - D);  dQ += dS K * scale;  dK += dS^T Q * scale.
@@ -37,6 +40,8 @@ import time
 
 import torch
 from torch import nn
+
+from . import lse_kernel
 
 
 # -- the load-balanced split ---------------------------------------------------------------------
@@ -97,6 +102,10 @@ def _repeat(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
+KERNEL = "auto"
+"""auto: the fused kernel of lse_kernel.py where one exists, else the hand-written tiles below;
+manual: always the hand-written tiles (the tests check both paths)."""
+
 TILE = 128
 """Query rows per score tile: a pair of chunks is computed in (TILE x c) pieces, so the
 transient score memory is bounded by a few TILE * c per head instead of c * c."""
@@ -112,8 +121,14 @@ def _scores(q, k, scale, diag, r0):
     return s
 
 
+def _kernel(q) -> bool:
+    return KERNEL == "auto" and lse_kernel.available(q)
+
+
 def _pair_forward(q, k, v, scale, diag):
-    """Attention of query chunk q over key chunk (k, v): (out, lse), in row tiles."""
+    """Attention of query chunk q over key chunk (k, v): (out, lse), by the kernel or in row tiles."""
+    if _kernel(q):
+        return lse_kernel.forward(q, k, v, scale, diag)
     outs, lses = [], []
     for r0 in range(0, q.shape[2], TILE):
         s = _scores(q[:, :, r0:r0 + TILE], k, scale, diag, r0)
@@ -123,8 +138,13 @@ def _pair_forward(q, k, v, scale, diag):
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-def _pair_backward(q, k, v, do, lse, delta, scale, diag, dq):
-    """Adds this pair's dQ into ``dq``; returns (dK, dV) of the key chunk. Row tiles as forward."""
+def _pair_backward(q, k, v, do, out, lse, delta, scale, diag, dq):
+    """Adds this pair's dQ into ``dq``; returns (dK, dV) of the key chunk. ``out``, ``lse``,
+    ``delta``: the final values of the query rows. Kernel or row tiles, as forward."""
+    if _kernel(q):
+        dq_pair, dk, dv = lse_kernel.backward(do, q, k, v, out, lse, scale, diag)
+        dq += dq_pair
+        return dk, dv
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for r0 in range(0, q.shape[2], TILE):
         rows = slice(r0, r0 + TILE)
@@ -186,6 +206,7 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         delta = (dout * out).sum(-1)                                     # D = rowsum(dO * O)
         qc, doc, lsec, dc = q.chunk(2, 2), dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2)
+        oc = out.chunk(2, 2)
         q_ids = chunk_ids(r, cp)
         dq = [torch.zeros_like(x) for x in qc]
         kv = torch.stack([k, v]).contiguous()
@@ -213,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
             dkc, dvc = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             for qi, ki, diag in _pairs(q_ids, k_ids, causal):
                 dk_blk, dv_blk = _pair_backward(qc[qi], _repeat(kc[ki], rep), _repeat(vc[ki], rep), doc[qi],
-                                                lsec[qi], dc[qi], scale, diag, dq[qi])
+                                                oc[qi], lsec[qi], dc[qi], scale, diag, dq[qi])
                 if rep > 1:  # sum the gradients of the repeated key/value heads
                     dk_blk = dk_blk.unflatten(1, (-1, rep)).sum(2)
                     dv_blk = dv_blk.unflatten(1, (-1, rep)).sum(2)
@@ -276,7 +297,8 @@ class RingAttention(nn.Module):
             return ring_attention(q, k, v, self.comm, causal, self.stats)
 
 
-def _positions_hook(comm):
+def positions_hook(comm):
+    """Forward pre-hook giving the model the global positions of this cp rank's tokens."""
     def hook(module, args, kwargs):
         if len(args) > 2 or kwargs.get("positions") is not None:
             return None
@@ -287,24 +309,30 @@ def _positions_hook(comm):
 
 
 def check_config(cfg) -> None:
-    """Load balancing cuts every sequence into 2*cp chunks (called by ``validate``)."""
+    """Load balancing cuts every sequence into 2*cp chunks (called by ``validate``); Ulysses'
+    head constraints (ulysses.py)."""
     from ..errors import ConfigError
+    from . import ulysses
     cp, seq = cfg.parallel.cp, cfg.train.seq_len
     if cp > 1 and seq % (2 * cp):
         raise ConfigError("train.seq_len", f"{seq} must be divisible by 2*cp={2 * cp} for load-balanced "
                                            "context parallel")
+    ulysses.check_config(cfg)
 
 
 def apply(model: nn.Module, mesh, cfg=None, cores=None) -> nn.Module:
     """Swap every attention core ``cores`` = [(owner, attribute)] for ring attention over ``cp``
-    and make the model read its tokens as this rank's load-balanced shard (positions added by a
-    forward pre-hook)."""
+    (or, by ``parallel.cp_impl``, Ulysses / unified: ulysses.py) and make the model read its tokens
+    as this rank's load-balanced shard (positions added by a forward pre-hook)."""
     comm = mesh.comm("cp")
     if comm.size == 1:
         return model
     if cfg is not None and cfg.train.seq_len % (2 * comm.size):
         raise ValueError(f"train.seq_len={cfg.train.seq_len} must be divisible by 2*cp={2 * comm.size}")
+    if cfg is not None and cfg.parallel.cp_impl != "ring":
+        from . import ulysses
+        return ulysses.apply(model, mesh, cfg, cores)
     for owner, attr in cores:  # the spec's attention cores (ModelSpec.attention)
         setattr(owner, attr, RingAttention(comm))
-    model.register_forward_pre_hook(_positions_hook(comm), with_kwargs=True)
+    model.register_forward_pre_hook(positions_hook(comm), with_kwargs=True)
     return model

@@ -17,7 +17,9 @@ Bytes per rank and layer: dispatch and combine each send the rows bound for othe
 Gradients. The combine's backward brings every rank's loss gradient back to the expert that
 used it, so an expert's gradient already sums over the ep group; the Engine then sums it over
 ``edp`` (the ranks holding the same experts) and divides by the data-parallel size dp_cp.
-Non-expert parameters are averaged over dp_cp as usual.
+Non-expert parameters are averaged over dp_cp as usual. ZeRO-1/2 and FSDP shard the expert
+weights over ``edp`` and the others over the data-parallel ranks (zero.py, fsdp.py): the
+reduce-scatter over edp replaces the all-reduce, with the same divisor dp_cp.
 
 Batch-wide auxiliary losses. The Switch balance loss and the z-loss are means over the global
 batch: :meth:`batch_sum` all-reduces their statistics over dp_cp (backward: all-reduce of the
@@ -66,7 +68,7 @@ class ExpertParallelMoE(MoE):
         E, ep = self.n_experts, self.ep.size
         self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
         src = moe.experts
-        self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1])
+        self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
             full = getattr(src, name)
             local = nn.Parameter(full.detach()[self.first:self.first + self.n_local].clone())
@@ -82,27 +84,26 @@ class ExpertParallelMoE(MoE):
         ep, n_local, tm = self.ep.size, self.n_local, self.timing
         t0 = time.perf_counter()
         if ep == 1:
-            out = self.experts(x, counts.tolist())
+            out = self.experts(x, counts)
             tm["experts_s"] += time.perf_counter() - t0
             tm["calls"] += 1
             return out
         send = counts.view(ep, n_local)
         recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
+        # the one host read of the layer: all-to-all needs its split sizes
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        rows = all_to_all(x, self.ep, in_splits, out_splits)          # dispatch
+        total, arrived = sum(in_splits), sum(out_splits)
+        rows = all_to_all(x[:total], self.ep, in_splits, out_splits)  # dispatch (dropped rows stay)
         # received: [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...] -> by expert
-        rc = recv.tolist()
-        start, offsets = 0, []
-        for s in range(ep):
-            offsets.append([])
-            for e in range(n_local):
-                offsets[s].append(start)
-                start += rc[s][e]
-        perm = torch.cat([torch.arange(offsets[s][e], offsets[s][e] + rc[s][e], device=x.device)
-                          for e in range(n_local) for s in range(ep)])
+        block = torch.arange(ep * n_local, device=x.device).view(ep, n_local)
+        key = (block % n_local) * ep + block // n_local             # (source s, expert e) -> e*ep + s
+        key = torch.repeat_interleave(key.flatten(), recv.flatten(), output_size=arrived)
+        perm = torch.argsort(key, stable=True)
         t1 = time.perf_counter()
-        y = self.experts(rows[perm], recv.sum(0).tolist())
-        y = y[torch.argsort(perm)]                                     # back to arrival order
+        y = self.experts(rows[perm], recv.sum(0))
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(arrived, device=x.device)
+        y = y[back]                                                    # back to arrival order
         t2 = time.perf_counter()
         out = all_to_all(y, self.ep, out_splits, in_splits)           # combine
         t3 = time.perf_counter()
@@ -110,7 +111,7 @@ class ExpertParallelMoE(MoE):
         tm["experts_s"] += t2 - t1
         tm["combine_s"] += t3 - t2
         tm["calls"] += 1
-        return out
+        return torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
 
 
 def moe_layers(model: nn.Module):
@@ -125,8 +126,6 @@ def check_config(cfg) -> None:
     require((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
             f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
     require(p.ep == 1 or m.n_experts > 0, "parallel.ep", "ep > 1 needs an MoE model (model.n_experts > 0)")
-    require(p.zero_stage == 0 or p.ep == 1, "parallel.zero_stage",
-            "ZeRO/FSDP of expert-parallel weights is not implemented; use zero_stage = 0 (DDP) with ep > 1")
     if m.n_experts:
         require(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
         require(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")

@@ -21,6 +21,9 @@ reduce-scatter's (default: the shards' dtype; bf16 halves its bytes, the sum is 
 bf16 before it is added to the fp32 gradient shard). CPU offload keeps
 shards, gradients and optimizer states on the CPU (a no-op copy when the device is the CPU).
 Hybrid sharding: shard over ``dp_shard`` (x ``cp``), all-reduce gradient shards over ``dp_replicate``.
+Expert parallel: a unit's expert weights get flat buffers of their own, sharded over ``edp``
+(the ranks holding the same experts, dp_replicate included) and never all-reduced over
+dp_replicate; gradients are divided by dp_cp like the others (zero.py, docs/expert-parallel.md).
 
 Communication per micro-batch: all-gather Psi (forward) + all-gather Psi (backward, only if
 resharded) + reduce-scatter Psi: 3 Psi (N-1)/N elements per rank, 1.5x DDP.
@@ -34,7 +37,7 @@ from torch import nn
 
 from .engine import Engine
 from .materialize import init_flat_range
-from .zero import DTYPES, FlatParam, ShardedEngine, decay_groups
+from .zero import DTYPES, FlatParam, ShardedEngine, decay_groups, shard_groups
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -122,14 +125,17 @@ class FSDPEngine(ShardedEngine):
             if owner is None and id(p) not in seen and p.requires_grad:
                 seen.add(id(p))
                 named.append((name, p))
-        comm, dp = self.comm, self.mesh.comm("dp_cp")
         flats = []
-        for group, wd in decay_groups(named, self.cfg.train.weight_decay):
+        for gname, group, wd in [(g, named_g, wd) for g, by_group in shard_groups(named, self.shard_group)
+                                 for named_g, wd in decay_groups(by_group, self.cfg.train.weight_decay)]:
+            comm = self.mesh.comm(gname)
             f = FlatParam([n for n, _ in group], [p for _, p in group], comm.size, comm.rank, wd)
+            f.group, f.comm = gname, comm
             if any(p.is_meta for _, p in group):  # meta model: draw only this rank's range
                 f.shard = nn.Parameter(self._init_shard(f, group))
-            else:  # a materialised model: every rank starts from rank 0's values
-                full = dp.broadcast(f.flatten([p for _, p in group]), 0)
+            else:  # a materialised model: every rank holding a copy starts from the first one's values
+                full = self.mesh.comm("dp_cp" if gname == self.shard_group else gname).broadcast(
+                    f.flatten([p for _, p in group]), 0)
                 f.shard = nn.Parameter(f.own(full).clone().to(self.home))
             f.shard.grad = torch.zeros_like(f.shard)
             dtype = self.compute_dtype or f.shard.dtype
@@ -170,7 +176,7 @@ class FSDPEngine(ShardedEngine):
             src = f.shard.detach().to(self.mesh.device, f.full.dtype)
             # ``.data``: writing the gathered values must not bump the version counter that
             # autograd checks on the views it saved in forward.
-            u.pending.append(self.comm.all_gather_async(src, out=f.full.data))
+            u.pending.append(f.comm.all_gather_async(src, out=f.full.data))
 
     def _gather(self, u: Unit, wait: bool, prefetch_next: int | None = None):
         self._launch(u)
@@ -235,7 +241,7 @@ class FSDPEngine(ShardedEngine):
     def _post_backward(self, f: FlatParam):
         grad, f.full.grad = f.full.grad, None
         f.in_flight = grad.to(self.reduce_dtype or f.shard.dtype)  # default: fp32 reduction
-        f.reduce = self.comm.reduce_scatter_async(f.in_flight)
+        f.reduce = f.comm.reduce_scatter_async(f.in_flight)
         u = f.unit
         u.reduced += 1
         if u.reduced == len(u.flats):
@@ -264,7 +270,7 @@ class FSDPEngine(ShardedEngine):
         """Sum the gradient shards over replicas (hybrid sharding), then average."""
         if self.replicate_group:
             rep = self.mesh.comm(self.replicate_group)
-            for w in [rep.all_reduce_async(f.shard.grad) for f in self.flats]:
+            for w in [rep.all_reduce_async(f.shard.grad) for f in self.flats if self._replicate_groups(f)]:
                 w.wait()
         for f in self.flats:
             f.shard.grad.div_(self.dp_size())

@@ -16,6 +16,12 @@ Communication per step: reduce-scatter + all-gather of Psi elements = 2 Psi (N-1
 as DDP's all-reduce (ZeRO-2 with k micro-batches reduce-scatters k times).
 Memory per rank (fp32 Adam, bytes/param): ZeRO-1 4 + 4 + 8/N; ZeRO-2 4 + (4 + 8)/N.
 
+Expert parallel (expert-data-parallel sharding): a rank's expert weights are replicated only
+over ``edp``, the ranks holding the same experts, so they go into flat buffers of their own
+sharded over ``edp`` (N_e = dp_cp / ep ranks); every other parameter is sharded over dp_cp.
+Both gradients are divided by dp_cp: the all-to-all's backward already summed the ep ranks'
+contributions to an expert, the reduce-scatter over edp adds the rest (docs/expert-parallel.md).
+
 Low-precision storage (``train.param_dtype = bf16``/``fp16``): the flat buffers the model's
 parameters view, and so the gradients and their reduce-scatter, are in that dtype; the
 optimizer's parameter is a separate fp32 master copy of the rank's slice. Gradient shards stay in
@@ -74,6 +80,7 @@ class FlatParam:
         self.start = rank * self.shard_size
         self.placements = [get_placement(p, n) for n, p in zip(names, params)]  # TP/EP slices: global names
         self.shard: nn.Parameter | None = None
+        self.group, self.comm = None, None  # the shard group's name and communicator (set by the engine)
 
     def flatten(self, tensors, dtype=None) -> torch.Tensor:
         flat = torch.cat([t.detach().reshape(-1).to(dtype or t.dtype) for t in tensors])
@@ -94,6 +101,14 @@ class FlatParam:
         end = self.start + self.shard_size
         return [(max(o, self.start) - self.start, min(o + k, end) - self.start)
                 for o, k in zip(self.offsets, self.numels)]
+
+
+def shard_groups(named: list[tuple[str, nn.Parameter]], dense_group: str):
+    """Split (name, param) pairs by the group that shards them: expert-parallel weights over
+    ``edp`` (the ranks holding the same experts), every other parameter over ``dense_group``."""
+    expert = [("ep" in get_placement(p, n).sharded_over) for n, p in named]
+    return [(g, [x for x, e in zip(named, expert) if e == is_e])
+            for g, is_e in ((dense_group, False), ("edp", True)) if is_e in expert]
 
 
 def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float):
@@ -150,11 +165,11 @@ class ShardedEngine(Engine):
         """Each global element counted once: the squares of every parameter's part inside this
         rank's gradient shard, divided by how many ranks hold that same part (the parameter's
         replicas, placement.py, split S ways by the shard group), summed over the world."""
-        s_size = self.mesh.size(self.shard_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for f in self.flats:
             if self.grad_shard(f) is None:
                 continue
+            s_size = self.mesh.size(f.group or self.shard_group)
             g = self.grad_shard(f).detach()
             for (lo, hi), pl in zip(f.own_ranges(), f.placements):
                 if hi > lo:
@@ -166,8 +181,9 @@ class ShardedEngine(Engine):
 
 
     # -- state in global coordinates (parallel/state.py) ----------------------------------------
-    def _replicate_groups(self) -> tuple[str, ...]:
-        return (self.replicate_group,) if self.replicate_group else ()
+    def _replicate_groups(self, f: FlatParam | None = None) -> tuple[str, ...]:
+        """Groups over which flat buffer ``f`` is replicated (expert buffers: none, ``edp`` shards them)."""
+        return (self.replicate_group,) if self.replicate_group and (f is None or f.group != "edp") else ()
 
     def state_pieces(self, optimizer) -> list:
         """Boxes of the parameters and Adam states inside this rank's slice of every flat
@@ -179,10 +195,10 @@ class ShardedEngine(Engine):
             values = {"model": f.shard}
             values.update({f"optim.{k}": v for k, v in sorted(st.items())
                            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == f.shard_size})
-            out += state.flat_pieces(f, values, self.mesh, self._replicate_groups(), lo, hi)
+            out += state.flat_pieces(f, values, self.mesh, self._replicate_groups(f), lo, hi)
             scalars = {k: v for k, v in st.items() if torch.is_tensor(v) and v.dim() == 0}
             for pl, (a, b) in zip(f.placements, f.own_ranges()):
-                if a < b and writes_piece(pl, self.mesh, self._replicate_groups()):
+                if a < b and writes_piece(pl, self.mesh, self._replicate_groups(f)):
                     out += [Piece(f"optim.{pl.name}.{k}", (), (), v.detach()) for k, v in scalars.items()]
         return out + state.param_pieces(self.frozen(), None, self.mesh, self.replicate_groups)
 
@@ -226,17 +242,20 @@ class ZeroEngine(ShardedEngine):
     def __init__(self, model: nn.Module, mesh, cfg, stage: int):
         super().__init__(model, mesh, cfg)
         self.stage, self.name = stage, f"zero{stage}"
-        self.comm = mesh.comm(self.shard_group)
-        n, r = self.comm.size, self.comm.rank
+        self.comm = mesh.comm(self.shard_group)  # the dense buffers' group (expert buffers: f.comm)
         cap = cfg.parallel.bucket_cap_mb * 2**20
         low = DTYPES.get(cfg.train.param_dtype)  # low-precision storage with fp32 master shards
         self.flats, self._where = [], {}
-        for named, wd in decay_groups(Engine.named_parameters(self), cfg.train.weight_decay):
+        groups = [(g, named, wd) for g, by_group in shard_groups(Engine.named_parameters(self), self.shard_group)
+                  for named, wd in decay_groups(by_group, cfg.train.weight_decay)]
+        for group, named, wd in groups:
+            comm = mesh.comm(group)
             names = {id(p): nm for nm, p in named}
             for bucket in make_buckets([p for _, p in named], cap):
-                f = FlatParam([names[id(p)] for p in bucket], bucket, n, r, wd)
+                f = FlatParam([names[id(p)] for p in bucket], bucket, comm.size, comm.rank, wd)
+                f.group, f.comm = group, comm
                 f.params, full = bucket, f.flatten(bucket)
-                self.comm.broadcast(full, 0)  # every replica starts from rank 0's weights
+                comm.broadcast(full, 0)  # every replica starts from rank 0's weights
                 f.full = full if low is None or low == full.dtype else full.to(low)
                 for i, (p, v) in enumerate(zip(bucket, f.views(f.full))):
                     p.data = v
@@ -287,7 +306,7 @@ class ZeroEngine(ShardedEngine):
                 break
             if f.grad_full is None:  # ZeRO-2 bucket that received no gradient
                 f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
-            f.pending = self.comm.reduce_scatter_async(f.grad_full)
+            f.pending = f.comm.reduce_scatter_async(f.grad_full)
             self._next += 1
 
     @torch.no_grad()
@@ -315,9 +334,10 @@ class ZeroEngine(ShardedEngine):
             self._finish()
 
     def sync_grads(self):
-        """Turn the summed gradient shards into the average over the data-parallel ranks."""
+        """Turn the summed gradient shards into the average over the data-parallel ranks (expert
+        shards too: their sum already covers the ep ranks)."""
         for f in self.flats:
-            f.gshard.div_(self.comm.size)
+            f.gshard.div_(self.mesh.size("dp_cp"))
 
     # -- optimizer step ---------------------------------------------------------------------
     def make_optimizer(self, build):
@@ -334,7 +354,7 @@ class ZeroEngine(ShardedEngine):
         """All-gather the updated slices (cast to the buffers' dtype) into every rank's flat
         buffers; zero the gradients."""
         with torch.no_grad():
-            pending = [self.comm.all_gather_async(f.shard.detach().to(f.full.dtype, copy=True), out=f.full)
+            pending = [f.comm.all_gather_async(f.shard.detach().to(f.full.dtype, copy=True), out=f.full)
                        for f in self.flats]
             for w in pending:
                 w.wait()

@@ -53,8 +53,9 @@ def _attention_checks(mesh, results):
     g = torch.Generator().manual_seed(7)
     B, Hq, Hkv, S, D = 2, 4, 2, 8 * cp, 8
     q, k, v, dout = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv, Hq))
-    for causal, tile in ((True, 128), (False, 128), (True, 3)):  # tile 3: chunk pairs in row tiles
-        context.TILE = tile
+    # auto: the fused lse kernel (lse_kernel.py); manual, tile 3: hand-written chunk pairs in row tiles
+    for causal, tile, kernel in ((True, 128, "auto"), (False, 128, "auto"), (True, 3, "manual")):
+        context.TILE, context.KERNEL = tile, kernel
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = full_attention(*ref_in, causal)
         ref.backward(dout)
@@ -68,9 +69,9 @@ def _attention_checks(mesh, results):
         for name, a, b in zip("qkv", loc, ref_in):
             err = max(err, (a.grad - context.shard_sequence(b.grad, r, cp, dim=2)).abs().max().item())
         block = 2 * B * Hkv * (S // cp) * D * 8  # one K/V block in bytes
-        results[f"attn causal={causal} tile={tile}"] = (err, fwd_bytes == (cp - 1) * block,
+        results[f"attn causal={causal} tile={tile} {kernel}"] = (err, fwd_bytes == (cp - 1) * block,
                                                         bwd_bytes == (cp - 1) * block + cp * block)
-    context.TILE = 128
+    context.TILE, context.KERNEL = 128, "auto"
 
 
 def _train_step_check(mesh, name, results):

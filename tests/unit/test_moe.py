@@ -101,7 +101,8 @@ def test_moe_llama_trains_and_is_layout_independent():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"parallel": {"dp_shard": 2, "ep": 2, "zero_stage": 1}, "model": {"n_experts": 4}}, "parallel.zero_stage"),
+    ({"parallel": {"pp": 2, "microbatches": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1},
+      "model": {"n_experts": 4, "tie_embeddings": False}}, "parallel.ep"),
     ({"parallel": {"pp": 2, "microbatches": 2, "zero_stage": 3, "offload": True},
       "model": {"n_experts": 4, "tie_embeddings": False}}, "parallel.offload"),
 ])
@@ -111,3 +112,32 @@ def test_unsupported_combinations_fail_before_start(overrides, field):
     with pytest.raises(ConfigError) as err:
         cfg.validate(cfg.parallel.world_size)
     assert err.value.field == field
+
+
+def _expert_case(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    E, D, H = 4, 32, 48
+    w = [torch.randn(E, H, D, dtype=dtype, generator=g), torch.randn(E, H, D, dtype=dtype, generator=g),
+         torch.randn(E, D, H, dtype=dtype, generator=g)]
+    counts = torch.tensor([5, 0, 9, 3])                       # an expert without rows
+    x = torch.randn(20, D, dtype=dtype, generator=g)          # 3 rows past the groups (dropped)
+    return x, counts, [t.requires_grad_() for t in w]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
+def test_grouped_experts_equal_the_loop(dtype, tol):
+    """The grouped kernels (float64: padded bmm; float32: torch._grouped_mm) against the
+    per-expert loop: outputs, zeros for rows past the groups, and every gradient."""
+    from shardlab.models import moe_gemm
+    outs = {}
+    for impl in ("loop", "grouped"):
+        x, counts, (w1, w3, w2) = _expert_case(dtype)
+        x.requires_grad_()
+        y = moe_gemm.expert_ffn(x, counts, w1, w3, w2, impl)
+        y.square().sum().backward()
+        outs[impl] = [y.detach(), x.grad, w1.grad, w3.grad, w2.grad]
+    assert torch.equal(outs["grouped"][0][17:], torch.zeros(3, 32, dtype=dtype))
+    for a, b in zip(outs["loop"], outs["grouped"]):
+        assert (a - b).abs().max().item() <= tol * max(1.0, a.abs().max().item())
+    x, _, (w1, _, _) = _expert_case(dtype)
+    assert moe_gemm._grouped_mm_ok(x, w1) == (dtype == torch.float32)  # which kernel was compared

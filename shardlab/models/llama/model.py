@@ -28,6 +28,14 @@ class RMSNorm(nn.Module):
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return out.to(x.dtype) * self.weight
 
+    @torch.no_grad()
+    def weight_grad(self, x, g):
+        """d loss / d weight given the output gradient ``g``, without autograd (the deferred W of
+        a zero-bubble pipeline schedule, docs/pipeline.md)."""
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return {"weight": (g * out).reshape(-1, g.shape[-1]).sum(0)}
+
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) by angle pos * theta^(-2i/d). x: (B, S, H, D); positions: (S,)."""

@@ -6,12 +6,15 @@ Executor, per action of this rank's list (schedule.py):
   SEND_F  isend the stage output
   RECV_B  receive the gradient of the stage output
   B       unsplit: backward of the whole stage (input + weight gradients).
-          split (ZB-H1): input gradient only: ``torch.autograd.grad(out, [input] + Z, grad,
-          retain_graph=True)`` where Z are the outputs of the modules owning parameters
-          (recorded in F by forward hooks); weights are not touched (autograd skips their branch).
-  W       weight gradients from the saved grads of Z: ``backward(z, dz, inputs=module params)``
-          per module, which runs only the weight branch of each module
+          split (ZB-H1, DualPipeV): input gradient only: ``torch.autograd.grad(out, [input] + Z,
+          grad)`` where Z are the outputs of the modules owning parameters (recorded in F by
+          forward hooks, with their inputs); weights are not touched (autograd skips their branch).
+          The graph is retained only if some module's W needs autograd (wgrad.py).
+  W       weight gradients from the saved grads of Z, batched per module without autograd
+          (Linear: one matmul, wgrad.py); other modules ``backward(z, dz, inputs=module params)``
   SEND_B  isend the input gradient
+A boundary between two stages of the same rank (DualPipeV's turn, stage p-1 -> p) has no
+message: F hands its output over as the next stage's input, B its input gradient back.
 Every compute action is time-stamped (``engine.last_timeline``) for measured timelines.
 """
 from __future__ import annotations
@@ -24,9 +27,10 @@ from torch import nn
 
 from ..engine import Engine
 from .aux import attach as attach_aux, stage_aux
-from .schedule import Action, build
+from .schedule import LAYOUT, Action, Schedule, build
 from .simulate import check
 from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model, stage_views
+from .wgrad import direct_input, held_bytes, weight_grads
 
 
 class PipelineEngine(Engine):
@@ -38,16 +42,18 @@ class PipelineEngine(Engine):
     def __init__(self, model: nn.Module, mesh, cfg, chunks: dict, ranges: list[range], spec=None):
         super().__init__(model, mesh, cfg)
         p = cfg.parallel
-        self.pp, self.v, self.schedule_name = p.pp, p.pp_virtual, p.pp_schedule
+        self.pp, self.v, self.schedule_name = p.pp, (2 if p.pp_schedule == "dualpipev" else p.pp_virtual), p.pp_schedule
         self.pp_rank = mesh.local_rank("pp")
         self.chunks, self.ranges, self.spec = chunks, ranges, spec
         self.n_stages = self.pp * self.v
+        self.rank_of = Schedule(p.pp_schedule, self.pp, 1, self.v, layout=LAYOUT.get(p.pp_schedule, "loop")).rank_of
         self.is_last = (self.n_stages - 1) in chunks
         self.link = StageLink(mesh.comm("pp"), activation_shape(cfg), _param_dtype(model), mesh.device,
                               self.n_stages)
         self._schedules: dict = {}
         self.lookahead = 2  # receives posted ahead of the one being waited for (buffers: 3 activations)
         self.last_timeline: list = []
+        self.wgrad_peak_bytes = 0  # last step: most bytes held for deferred W (inputs + output grads)
         self._capture: list | None = None
         owns = lambda mod: any(p.requires_grad for p in mod.parameters(recurse=False))  # noqa: E731
         for mod in model.modules():  # W needs each parameter-owning module's output (split backward)
@@ -62,7 +68,7 @@ class PipelineEngine(Engine):
 
     def _record_output(self, module, args, output):
         if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
-            self._capture.append((module, output))
+            self._capture.append((module, output, direct_input(module, args)))
 
     def _recv_key(self, a) -> tuple:
         return self.link.key(a.kind[-1], a.mb, a.stage - 1 if a.kind == "RECV_F" else a.stage + 1)
@@ -88,6 +94,7 @@ class PipelineEngine(Engine):
         last = self.n_stages - 1
         inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
         losses, aux_sum = [], 0.0  # aux: MoE losses of stages before the last (aux.py)
+        self.wgrad_peak_bytes, held, held_now = 0, {}, 0
         timeline = []
         actions = sched.ranks[self.pp_rank]
         recvs, n_recv = [a for a in actions if a.kind.startswith("RECV")], 0
@@ -108,14 +115,14 @@ class PipelineEngine(Engine):
                 self.link.send(in_grads.pop(key), a.peer)
             elif a.kind == "F":
                 tokens, targets = micro_batches[a.mb]
-                x = tokens if a.stage == 0 else inputs[key]
+                x = tokens if a.stage == 0 else inputs[key]  # received, or handed over locally
                 self._capture = [] if split else None
                 with autocast() if autocast else nullcontext():
                     out = self.chunks[a.stage](x, targets if a.stage == last else None,
                                                positions=self._positions(tokens))
                 if split:
                     saved_z[key], self._capture = self._capture, None
-                    if {id(mod) for mod, _ in saved_z[key]} != self._owners[a.stage]:
+                    if {id(mod) for mod, _, _ in saved_z[key]} != self._owners[a.stage]:
                         raise RuntimeError(f"zb-h1: a parameter-owning module of stage {a.stage} did not return "
                                            "one tensor that requires grad; its weights would get no W; use 1f1b")
                 if a.stage == last:
@@ -125,6 +132,8 @@ class PipelineEngine(Engine):
                     out, aux = attach_aux(self.chunks[a.stage], out, loss_scale / m)
                     aux_sum += aux
                 outputs[key] = out
+                if a.stage != last and a.stage + 1 in self.chunks:  # next stage on this rank
+                    inputs[(a.mb, a.stage + 1)] = out.detach().requires_grad_()
             elif a.kind == "B":
                 out, grad, x = outputs.pop(key), out_grads.pop(key, None), inputs.pop(key, None)
                 if not split:
@@ -132,20 +141,32 @@ class PipelineEngine(Engine):
                     if x is not None:
                         in_grads[key] = x.grad
                 else:
-                    zs = [z for _, z in saved_z[key]]
+                    zs = [z for _, z, _ in saved_z[key]]
                     wrt = ([x] if x is not None else []) + zs
-                    grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+                    keep = any(inp is None for _, _, inp in saved_z[key])  # an autograd W needs the graph
+                    grads = torch.autograd.grad(out, wrt, grad, retain_graph=keep, allow_unused=True)
                     if x is not None:
                         in_grads[key], grads = grads[0], grads[1:]
-                    saved_z[key] = [(mod, z, g) for (mod, z), g in zip(saved_z[key], grads)]
+                    saved_z[key] = [(mod, z if inp is None else None, inp, g)
+                                    for (mod, z, inp), g in zip(saved_z[key], grads)]
                     del zs, wrt, grads
+                    held[key] = held_bytes(saved_z[key])
+                    held_now += held[key]
+                    self.wgrad_peak_bytes = max(self.wgrad_peak_bytes, held_now)
+                if a.stage > 0 and a.stage - 1 in self.chunks:  # previous stage on this rank
+                    out_grads[(a.mb, a.stage - 1)] = in_grads.pop(key)
                 del out, grad, x  # nothing may keep this micro-batch's graph alive past W
             elif a.kind == "W":
-                for mod, z, g in saved_z.pop(key):
-                    if g is not None:
+                held_now -= held.pop(key)
+                for mod, z, inp, g in saved_z.pop(key):
+                    if g is None:
+                        continue
+                    if inp is not None:
+                        weight_grads(mod, inp, g)
+                    else:
                         params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
                         torch.autograd.backward(z, g, inputs=params)
-                    del z, g
+                    del z, inp, g
             if a.kind in ("F", "B", "W"):
                 timeline.append((a, t0, time.perf_counter()))
         self.link.wait_sends()
@@ -180,8 +201,14 @@ class PipelineEngine(Engine):
         last, losses, aux = self.n_stages - 1, [], 0.0
         micro_batches = [self._local(x, y) for x, y in micro_batches]
         for j, (tokens, targets) in enumerate(micro_batches):
+            out = None
             for s in sorted(self.chunks):
-                x = tokens if s == 0 else self.link.recv((s - 1) % self.pp, self.link.key("F", j, s - 1))
+                if s == 0:
+                    x = tokens
+                elif s - 1 in self.chunks:  # DualPipeV's turn: the previous stage is on this rank
+                    x = out
+                else:
+                    x = self.link.recv(self.rank_of(s - 1), self.link.key("F", j, s - 1))
                 with autocast() if autocast else nullcontext():
                     out = self.chunks[s](x, targets if s == last else None, positions=self._positions(tokens))
                 if s == last:
@@ -189,7 +216,8 @@ class PipelineEngine(Engine):
                 else:
                     a = stage_aux(self.chunks[s])
                     aux += float(a) if a is not None else 0.0
-                    self.link.send(out, (s + 1) % self.pp)
+                    if s + 1 not in self.chunks:
+                        self.link.send(out, self.rank_of(s + 1))
         self.link.wait_sends()
         return self._local_loss(losses, aux / len(micro_batches))
 
@@ -241,7 +269,8 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None)
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs
     check_p2p_order(engine_sched)
-    model, chunks, ranges = split_model(model, spec, mesh.local_rank("pp"), p.pp, p.pp_virtual)
+    model, chunks, ranges = split_model(model, spec, mesh.local_rank("pp"), p.pp, engine_sched.v,
+                                        owner=engine_sched.rank_of)
     mark_pipeline_placements(model)
     if materialize is not None:
         materialize(model)

@@ -22,13 +22,23 @@ Schedules (p ranks, m micro-batches):
   1f1b         p-r-1 warm-up forwards, then one forward/one backward  same bubble, <= p in flight
   interleaved  1F1B over v chunks per rank, m % p == 0 (Megatron)    bubble (p-1)/(v*m+p-1)
   zb-h1        1F1B with backward split in B and W; W fills bubbles  idle (p-1)(F+B-W)
+  dualpipev    DeepSeek's V shape: 2p stages, rank r holds r and 2p-1-r (dualpipe.py)
+  dualpipe     DeepSeek's bidirectional pipe: rank r holds stage r and a copy of p-1-r
+
+Layouts. ``loop`` (the first four): stage s on rank s % p. ``v`` (dualpipev) and ``dual``
+(dualpipe): 2p stage ids, id s on rank s for s < p, else 2p-1-s; in ``dual`` the ids p..2p-1
+are the second direction's path (id p+k runs stage k's parameters) and each micro-batch runs one
+direction only. :meth:`Schedule.prev_stage` / ``next_stage`` give every stage's neighbours.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
+EXECUTABLE = SCHEDULES[:5]
+"""What the executor runs; ``dualpipe`` (two parameter copies) is simulated only."""
+LAYOUT = {"dualpipev": "v", "dualpipe": "dual"}
 
 
 class ScheduleError(ValueError):
@@ -55,15 +65,35 @@ class Schedule:
     ranks: list = field(default_factory=list)
     """``ranks[r]`` = the ordered list of :class:`Action` of pipeline rank ``r``."""
 
+    layout: str = "loop"
+    """``loop``: stage s on rank s % p; ``v`` / ``dual``: the DualPipe layouts (module docstring)."""
+
     @property
     def n_stages(self) -> int:
         return self.p * self.v
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.p
+        if self.layout == "loop":
+            return stage % self.p
+        return stage if stage < self.p else 2 * self.p - 1 - stage
 
     def stages_of(self, rank: int) -> list[int]:
-        return [c * self.p + rank for c in range(self.v)]
+        return sorted(s for s in range(self.n_stages) if self.rank_of(s) == rank)
+
+    def prev_stage(self, stage: int) -> int | None:
+        """The stage whose output is this stage's input (None: the stage takes the tokens)."""
+        return None if stage == 0 or (self.layout == "dual" and stage == self.p) else stage - 1
+
+    def next_stage(self, stage: int) -> int | None:
+        """The stage taking this stage's output (None: the stage computes the loss)."""
+        end = stage == self.n_stages - 1 or (self.layout == "dual" and stage == self.p - 1)
+        return None if end else stage + 1
+
+    def path(self, mb: int) -> range:
+        """The stages micro-batch ``mb`` runs through (dualpipe: one direction's)."""
+        if self.layout == "dual":
+            return range(self.p) if mb < self.m // 2 else range(self.p, 2 * self.p)
+        return range(self.n_stages)
 
 
 def check_counts(name: str, p: int, m: int, v: int = 1) -> None:
@@ -80,6 +110,11 @@ def check_counts(name: str, p: int, m: int, v: int = 1) -> None:
                             f"use {p * ((m + p - 1) // p)}")
     if name != "interleaved" and v != 1:
         raise ScheduleError(f"virtual stages (v={v}) need the interleaved schedule; set v=1 for {name}")
+    if name in LAYOUT and m < 2 * p:
+        raise ScheduleError(f"{name} needs microbatches >= 2*pp = {2 * p} (got {m}); use {2 * p}")
+    if name == "dualpipe" and (p % 2 or m % 2):
+        raise ScheduleError(f"dualpipe needs an even pp and even microbatches (got pp={p}, "
+                            f"microbatches={m}): half the micro-batches enter at each end")
 
 
 # -- one small function per schedule: compute order per rank ---------------------------------------
@@ -100,6 +135,15 @@ def check_config(cfg) -> None:
     if p.pp_schedule == "interleaved":
         require(p.microbatches % p.pp == 0, "parallel.microbatches",
                 f"interleaved needs micro-batches divisible by pp={p.pp}")
+    if p.pp_schedule in LAYOUT:
+        require(p.pp_schedule in EXECUTABLE, "parallel.pp_schedule",
+                "dualpipe (two parameter copies per rank) is simulated only (shardlab schedule "
+                "--schedule dualpipe); train with pp_schedule = 'dualpipev' (same bubble, one copy)")
+        require(p.microbatches >= 2 * p.pp, "parallel.microbatches",
+                f"dualpipev needs micro-batches >= 2*pp = {2 * p.pp}; use {2 * p.pp}")
+        require(m.n_layers >= 2 * p.pp, "parallel.pp",
+                f"dualpipev cuts the model into 2*pp = {2 * p.pp} stages but it has {m.n_layers} "
+                "layers; lower pp or add layers")
     require(not m.tie_embeddings, "model.tie_embeddings",
             "the embedding (first stage) and the head (last stage) cannot share a weight across "
             "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")
@@ -184,23 +228,62 @@ def zb_h1(p: int, m: int) -> list[list[tuple]]:
 
 # -- communication ----------------------------------------------------------------------------
 
-def with_comm(compute: list[list[tuple]], p: int, v: int) -> list[list[Action]]:
-    """Insert RECV before and SEND after every compute action that crosses a stage boundary."""
-    last = p * v - 1
+def with_comm(compute: list[list[tuple]], sched: Schedule) -> list[list[Action]]:
+    """Insert RECV before and SEND after every compute action that crosses a stage boundary to
+    another rank (a boundary inside one rank, e.g. the turn of the V, is handed over locally)."""
     out = []
-    for ops in compute:
+    for r, ops in enumerate(compute):
         acts = []
         for kind, mb, s in ops:
-            if kind == "F" and s > 0:
-                acts.append(Action("RECV_F", mb, s, (s - 1) % p))
-            if kind == "B" and s < last:
-                acts.append(Action("RECV_B", mb, s, (s + 1) % p))
+            prv, nxt = sched.prev_stage(s), sched.next_stage(s)
+            prv = None if prv is None or sched.rank_of(prv) == r else sched.rank_of(prv)
+            nxt = None if nxt is None or sched.rank_of(nxt) == r else sched.rank_of(nxt)
+            if kind == "F" and prv is not None:
+                acts.append(Action("RECV_F", mb, s, prv))
+            if kind == "B" and nxt is not None:
+                acts.append(Action("RECV_B", mb, s, nxt))
             acts.append(Action(kind, mb, s))
-            if kind == "F" and s < last:
-                acts.append(Action("SEND_F", mb, s, (s + 1) % p))
-            if kind == "B" and s > 0:
-                acts.append(Action("SEND_B", mb, s, (s - 1) % p))
+            if kind == "F" and nxt is not None:
+                acts.append(Action("SEND_F", mb, s, nxt))
+            if kind == "B" and prv is not None:
+                acts.append(Action("SEND_B", mb, s, prv))
         out.append(acts)
+    return _order_sends(out, sched)
+
+
+def _msg(a: Action, sched: Schedule) -> tuple:
+    """(kind, micro-batch, sending stage) of a SEND or RECV action."""
+    if a.kind.startswith("SEND"):
+        return a.kind[-1], a.mb, a.stage
+    return a.kind[-1], a.mb, sched.prev_stage(a.stage) if a.kind == "RECV_F" else sched.next_stage(a.stage)
+
+
+def _order_sends(ranks: list[list[Action]], sched: Schedule) -> list[list[Action]]:
+    """Messages are matched by issue order: where a rank computes two messages for one peer in
+    the other order than the peer receives them (DualPipe: an activation and a gradient both
+    going to rank r+1), hold the earlier-computed one back until the peer's earlier receive has
+    its send. The receiver waits for the held-back message's predecessor anyway, so no receive
+    completes later; the loop schedules already agree and stay unchanged."""
+    want = {}  # (sender, receiver) -> messages in the receiver's order
+    for b, acts in enumerate(ranks):
+        for x in acts:
+            if x.kind.startswith("RECV"):
+                want.setdefault((x.peer, b), []).append(_msg(x, sched))
+    out = []
+    for a, acts in enumerate(ranks):
+        nxt, ready, new = {}, {}, []
+        for x in acts:
+            if not x.kind.startswith("SEND"):
+                new.append(x)
+                continue
+            ready.setdefault(x.peer, {})[_msg(x, sched)] = x
+            order, i = want.get((a, x.peer), []), nxt.get(x.peer, 0)
+            while i < len(order) and order[i] in ready[x.peer]:
+                new.append(ready[x.peer].pop(order[i]))
+                i += 1
+            nxt[x.peer] = i
+        new += [x for peer in ready.values() for x in peer.values()]  # unmatched: the simulator says so
+        out.append(new)
     return out
 
 
@@ -213,9 +296,15 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         compute = one_f_one_b(p, m)
     elif name == "interleaved":
         compute = interleaved(p, m, v)
-    else:
+    elif name == "zb-h1":
         compute = zb_h1(p, m)
-    return Schedule(name, p, m, v, name == "zb-h1", with_comm(compute, p, v))
+    else:
+        from .dualpipe import dualpipe, dualpipev
+        compute = (dualpipev if name == "dualpipev" else dualpipe)(p, m)
+        v = 2
+    sched = Schedule(name, p, m, v, name in ("zb-h1",) + tuple(LAYOUT), layout=LAYOUT.get(name, "loop"))
+    sched.ranks = with_comm(compute, sched)
+    return sched
 
 
 def theoretical_bubble(name: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
@@ -226,6 +315,9 @@ def theoretical_bubble(name: str, p: int, m: int, v: int = 1, f: float = 1.0, b:
         idle = (p - 1) * (f + b + w)
     elif name == "interleaved":
         idle = (p - 1) * (f + b + w) / v
-    else:  # zb-h1
+    elif name == "zb-h1":
         idle = (p - 1) * max(f + b - w, 0.0)
+    else:
+        from .dualpipe import dual_idle
+        idle = dual_idle(name, p, f, b, w)
     return idle / (work + idle)

@@ -49,6 +49,9 @@ def check_config(cfg) -> None:
     p, t = cfg.parallel, cfg.train
     if p.pp == 1 or p.zero_stage == 0:
         return
+    require(p.ep == 1, "parallel.ep",
+            "ZeRO/FSDP inside pipeline stages does not shard expert-parallel weights yet; use "
+            "--parallel.zero_stage=0 with pp > 1 and ep > 1, or --parallel.ep=1")
     require(not p.offload, "parallel.offload",
             "CPU offload is not implemented inside pipeline stages; set --parallel.offload=false")
     require(not t.param_dtype and not t.reduce_dtype, "train.param_dtype",

@@ -1,8 +1,8 @@
 """Simulate a schedule's action lists: deadlock or not, per-rank timeline, bubble, memory.
 
 Model (the same rules the executor follows): every rank runs its list in order; a compute
-action takes its cost (per full stage F, B, W; a chunk of an interleaved rank costs 1/v of
-it; an unsplit backward costs B + W); a SEND is posted at once and never blocks; a RECV
+action takes its cost (per full stage F, B, W; a chunk of an interleaved or DualPipeV rank
+costs 1/v of it, a DualPipe chunk is a whole stage; an unsplit backward costs B + W); a SEND is posted at once and never blocks; a RECV
 blocks until the matching SEND has been posted (plus ``comm`` time). If no rank can advance
 and some are unfinished, the program deadlocks, and the reason names the first blocked
 receive. Every schedule is simulated (:func:`check`) before the executor runs it.
@@ -30,7 +30,7 @@ class SimResult:
 
 
 def costs(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> dict[str, float]:
-    v = sched.v
+    v = 1 if sched.layout == "dual" else sched.v  # dualpipe: each chunk is a whole stage of p
     return {"F": f / v, "B": (b if sched.split_bw else b + w) / v, "W": w / v}
 
 
@@ -38,7 +38,7 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
              comm: float = 0.0, stage_costs: dict | None = None) -> SimResult:
     """``stage_costs``: optional {stage: {"F": t, "B": t, "W": t}} durations of one action at
     that stage (e.g. measured), overriding the uniform f, b, w."""
-    p, last = sched.p, sched.n_stages - 1
+    p = sched.p
     uniform = costs(sched, f, b, w)
     cost = (lambda a: stage_costs[a.stage][a.kind]) if stage_costs else (lambda a: uniform[a.kind])  # noqa: E731
     pos, clock = [0] * p, [0.0] * p
@@ -61,25 +61,25 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
                 if a.kind in ("F", "B", "W") and sched.rank_of(a.stage) != r:
                     return invalid(r, a, f"stage {a.stage} lives on rank {sched.rank_of(a.stage)}")
                 if a.kind.startswith("RECV"):
-                    src = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
+                    src = sched.prev_stage(a.stage) if a.kind == "RECV_F" else sched.next_stage(a.stage)
                     key = (a.kind[-1], a.mb, src)
                     if key not in posted:
                         break  # blocked until the peer sends
                     t, dst = posted[key]
-                    if dst != r or a.peer != sched.rank_of(src):
+                    if src is None or dst != r or a.peer != sched.rank_of(src):
                         return invalid(r, a, f"message {key} was sent to rank {dst}, not matched here")
                     clock[r] = max(clock[r], t + comm)
                     received.add(key)
                 elif a.kind.startswith("SEND"):
                     key = (a.kind[-1], a.mb, a.stage)
-                    nxt = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
+                    nxt = sched.next_stage(a.stage) if a.kind == "SEND_F" else sched.prev_stage(a.stage)
                     if (a.kind[-1], a.mb, a.stage) not in done:
                         return invalid(r, a, "sends data that was not computed yet")
-                    if key in posted or not 0 <= nxt <= last or a.peer != sched.rank_of(nxt):
+                    if key in posted or nxt is None or a.peer != sched.rank_of(nxt):
                         return invalid(r, a, "duplicate send or wrong peer")
                     posted[key] = (clock[r], a.peer)
                 else:
-                    why = _missing_input(a, done, received, last, sched.split_bw)
+                    why = _missing_input(a, done, received, sched)
                     if why:
                         return invalid(r, a, why)
                     start = clock[r]
@@ -105,7 +105,7 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     if unmatched:
         return SimResult(False, f"unmatched send {unmatched[0]} (no rank receives it)", timeline)
     need = {"F", "B", "W"} if sched.split_bw else {"F", "B"}
-    expected = {(k, j, s) for k in need for j in range(sched.m) for s in range(sched.n_stages)}
+    expected = {(k, j, s) for k in need for j in range(sched.m) for s in sched.path(j)}
     if done != expected:
         miss = sorted(expected - done)
         return SimResult(False, f"incomplete: {miss[0] if miss else 'extra actions'} never runs", timeline)
@@ -115,13 +115,23 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     return SimResult(True, "", timeline, makespan, bubble, peak_in, peak_held)
 
 
-def _missing_input(a: Action, done: set, received: set, last: int, split: bool) -> str:
-    if a.kind == "F" and a.stage > 0 and ("F", a.mb, a.stage - 1) not in received:
+def _missing_input(a: Action, done: set, received: set, sched: Schedule) -> str:
+    """Why ``a`` cannot run yet ('' if it can). Data from a stage on the same rank needs only
+    to have been computed; from another rank it must have been received."""
+    split = sched.split_bw
+    if a.stage not in sched.path(a.mb):
+        return f"micro-batch {a.mb} does not run through stage {a.stage}"
+
+    def have(kind, stage):
+        local = sched.rank_of(stage) == sched.rank_of(a.stage)
+        return (kind, a.mb, stage) in (done if local else received)
+    prv, nxt = sched.prev_stage(a.stage), sched.next_stage(a.stage)
+    if a.kind == "F" and prv is not None and not have("F", prv):
         return "forward before its input activation was received"
     if a.kind == "B":
         if ("F", a.mb, a.stage) not in done:
             return "backward before its forward"
-        if a.stage < last and ("B", a.mb, a.stage + 1) not in received:
+        if nxt is not None and not have("B", nxt):
             return "backward before its output gradient was received"
     if a.kind == "W":
         if not split:

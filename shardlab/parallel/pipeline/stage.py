@@ -95,12 +95,14 @@ def stage_views(model: nn.Module, spec, ranges: list[range], stages: list[int]) 
     return {s: _view(model, spec, ranges[s], s == 0, s == len(ranges) - 1) for s in stages}
 
 
-def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1):
+def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1, owner=None):
     """Keep only this rank's parts of ``model`` (in place). Returns (the rank's module with
-    global names, {stage: chunk view}, the layer ranges of all stages)."""
+    global names, {stage: chunk view}, the layer ranges of all stages). ``owner(stage)``: the
+    rank of a stage (default round-robin ``stage % pp``; DualPipeV's V: schedule.rank_of)."""
     n_stages = pp * v
     ranges = model_partition(model, spec, n_stages)
-    mine = [s for s in range(n_stages) if s % pp == pp_rank]
+    owner = owner or (lambda s: s % pp)
+    mine = [s for s in range(n_stages) if owner(s) == pp_rank]
     keep = {str(i) for s in mine for i in ranges[s]}
     for key in list(model.layers.keys()):
         if key not in keep:
@@ -129,7 +131,7 @@ def check_p2p_order(sched) -> None:
     for a, actions in enumerate(sched.ranks):
         for b in range(len(sched.ranks)):
             sent = [(x.kind[-1], x.mb, x.stage) for x in actions if x.kind.startswith("SEND") and x.peer == b]
-            got = [(x.kind[-1], x.mb, x.stage - 1 if x.kind == "RECV_F" else x.stage + 1)
+            got = [(x.kind[-1], x.mb, sched.prev_stage(x.stage) if x.kind == "RECV_F" else sched.next_stage(x.stage))
                    for x in sched.ranks[b] if x.kind.startswith("RECV") and x.peer == a]
             if sent != got:
                 i = next((i for i, (u, w) in enumerate(zip(sent, got)) if u != w), min(len(sent), len(got)))

@@ -49,9 +49,16 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, init: bool = True) -> Engine:
     if p.compile:
         for block in spec.blocks(model).values():
             block.compile()
-    if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp by the base Engine
+    if p.pp > 1:  # after TP/EP/CP; gradients averaged over dp_cp, or ZeRO/FSDP inside the stages
         from .parallel.pipeline import apply as pipeline
-        engine = pipeline(model, mesh, cfg, spec, materialize=own)
+        if p.zero_stage:  # stage-local sharding (pipeline/sharded.py); ZeRO-3 draws only its slices
+            from functools import partial
+            from .parallel.pipeline.sharded import ShardedPipelineEngine
+            make = partial(ShardedPipelineEngine, init_fn=init_fn if init else None)
+            keep = (lambda m: materialize(m, init_fn, mesh.device, init, frozen_only=True)) if p.zero_stage == 3 else own
+            engine = pipeline(model, mesh, cfg, spec, materialize=keep, make_engine=make)
+        else:
+            engine = pipeline(model, mesh, cfg, spec, materialize=own)
     else:  # last: how data-parallel ranks share model state (parallel/ddp.py, zero.py, fsdp.py)
         from .parallel import ddp, fsdp, zero
         if p.zero_stage == 3:

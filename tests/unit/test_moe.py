@@ -101,7 +101,10 @@ def test_moe_llama_trains_and_is_layout_independent():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"parallel": {"pp": 2, "microbatches": 2}, "model": {"n_experts": 4}}, "parallel.pp"),
+    ({"parallel": {"pp": 2, "microbatches": 2, "dp_shard": 2, "ep": 2, "zero_stage": 1},
+      "model": {"n_experts": 4, "tie_embeddings": False}}, "parallel.ep"),
+    ({"parallel": {"pp": 2, "microbatches": 2, "zero_stage": 3, "offload": True},
+      "model": {"n_experts": 4, "tie_embeddings": False}}, "parallel.offload"),
 ])
 def test_unsupported_combinations_fail_before_start(overrides, field):
     from shardlab.config import ConfigError, from_dict

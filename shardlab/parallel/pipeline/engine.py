@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..engine import Engine
+from .aux import attach as attach_aux, stage_aux
 from .schedule import LAYOUT, Action, Schedule, build
 from .simulate import check
 from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model, stage_views
@@ -92,7 +93,7 @@ class PipelineEngine(Engine):
         split = sched.split_bw
         last = self.n_stages - 1
         inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
-        losses = []
+        losses, aux_sum = [], 0.0  # aux: MoE losses of stages before the last (aux.py)
         self.wgrad_peak_bytes, held, held_now = 0, {}, 0
         timeline = []
         actions = sched.ranks[self.pp_rank]
@@ -127,6 +128,9 @@ class PipelineEngine(Engine):
                 if a.stage == last:
                     losses.append(out.detach().double())
                     out = out * (loss_scale / m)
+                else:
+                    out, aux = attach_aux(self.chunks[a.stage], out, loss_scale / m)
+                    aux_sum += aux
                 outputs[key] = out
                 if a.stage != last and a.stage + 1 in self.chunks:  # next stage on this rank
                     inputs[(a.mb, a.stage + 1)] = out.detach().requires_grad_()
@@ -168,9 +172,13 @@ class PipelineEngine(Engine):
         self.link.wait_sends()
         self.last_timeline = timeline
         self.sync_grads()
-        if not losses:
-            return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        return torch.stack(losses).mean()
+        return self._local_loss(losses, aux_sum / m)
+
+    def _local_loss(self, losses: list, aux: float) -> torch.Tensor:
+        """Mean loss over micro-batches on the last stage (0 elsewhere), plus the mean aux losses
+        of this rank's earlier stages."""
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        return loss + aux
 
     def gather_timeline(self) -> list:
         """The last step's measured timeline of every pp rank, on every rank (two all-gathers over
@@ -190,7 +198,7 @@ class PipelineEngine(Engine):
         waits only for a lower stage, so it cannot deadlock). Between any two ranks both sides issue
         the messages in (micro-batch, stage) order, as issue-order matching needs. Mean loss on the
         last stage, else 0."""
-        last, losses = self.n_stages - 1, []
+        last, losses, aux = self.n_stages - 1, [], 0.0
         micro_batches = [self._local(x, y) for x, y in micro_batches]
         for j, (tokens, targets) in enumerate(micro_batches):
             out = None
@@ -205,17 +213,18 @@ class PipelineEngine(Engine):
                     out = self.chunks[s](x, targets if s == last else None, positions=self._positions(tokens))
                 if s == last:
                     losses.append(out.double())
-                elif s + 1 not in self.chunks:
-                    self.link.send(out, self.rank_of(s + 1))
+                else:
+                    a = stage_aux(self.chunks[s])
+                    aux += float(a) if a is not None else 0.0
+                    if s + 1 not in self.chunks:
+                        self.link.send(out, self.rank_of(s + 1))
         self.link.wait_sends()
-        if not losses:
-            return torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        return torch.stack(losses).mean()
+        return self._local_loss(losses, aux / len(micro_batches))
 
     def global_loss(self, local: torch.Tensor) -> float:
-        """Only the last stage has the loss: sum over pp (others add 0), then average over dp_cp."""
-        t = local.detach().clone().to(torch.float64) if self.is_last else torch.zeros(
-            (), dtype=torch.float64, device=self.mesh.device)
+        """Only the last stage has the loss (earlier stages: their MoE aux losses, else 0): sum over
+        pp, then average over dp_cp."""
+        t = local.detach().clone().to(torch.float64)
         self.mesh.comm("pp").all_reduce(t)
         return float(self.mesh.comm("dp_cp").all_reduce(t, op="avg"))
 
@@ -251,10 +260,11 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
-def apply(model: nn.Module, mesh, cfg, spec, materialize=None) -> PipelineEngine:
+def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None) -> PipelineEngine:
     """Keep this rank's stages of ``model``, mark their placements, check the schedule, and
     return the engine. Call after TP/EP/CP have transformed the model. ``materialize(model)``
-    gives a meta model's kept stages their storage (only this rank's layers are ever drawn)."""
+    gives a meta model's kept stages their storage (only this rank's layers are ever drawn).
+    ``make_engine``: the engine class (or factory) to build, default PipelineEngine (sharded.py)."""
     p = cfg.parallel
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs
@@ -264,6 +274,6 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None) -> PipelineEngine
     mark_pipeline_placements(model)
     if materialize is not None:
         materialize(model)
-    engine = PipelineEngine(model, mesh, cfg, chunks, ranges, spec)
+    engine = (make_engine or PipelineEngine)(model, mesh, cfg, chunks, ranges, spec)
     engine._schedules[p.microbatches] = engine_sched
     return engine

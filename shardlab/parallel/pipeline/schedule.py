@@ -147,11 +147,8 @@ def check_config(cfg) -> None:
     require(not m.tie_embeddings, "model.tie_embeddings",
             "the embedding (first stage) and the head (last stage) cannot share a weight across "
             "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")
-    require(m.n_experts == 0, "parallel.pp",
-            "pipeline parallel with an MoE model is not supported yet (the auxiliary losses of blocks "
-            "outside the last stage would be lost); use parallel.pp = 1 or model.n_experts = 0")
-    require(p.zero_stage == 0, "parallel.zero_stage",
-            "ZeRO/FSDP inside pipeline stages is not implemented; use zero_stage = 0 (DDP) with pp > 1")
+    from .sharded import check_config as sharded_checks  # MoE and ZeRO/FSDP compose: aux.py, sharded.py
+    sharded_checks(cfg)
 
 
 def gpipe(p: int, m: int) -> list[list[tuple]]:

@@ -1,0 +1,212 @@
+"""ZeRO-1/2/3 inside pipeline stages: each pipeline rank shards its own stages' model state over
+its data-parallel group (stage-local sharding; see docs/pipeline.md, "Sharding inside stages").
+
+What a pipeline rank holds. The parameters of its stages (only those: the pipeline already split
+the model) are packed into flat buffers, one per weight-decay group, padded to a multiple of
+the shard group's size S; dp rank r owns slice r. The optimizer steps only on this slice (its
+Adam states are 1/S of the stage). Shard group: ``dp_cp`` for ZeRO-1/2; ``dp_shard x cp`` for
+ZeRO-3, whose gradient shards are then summed over ``dp_replicate`` (hybrid sharding).
+
+One step (``forward_backward``):
+  begin   ZeRO-3: all-gather every flat buffer of the stage (ONE all-gather per step); the
+          modules' parameters are views of the gathered buffer. Full flat gradient buffers are
+          allocated and every ``param.grad`` is a view of them.
+  run     the schedule (engine.py) unchanged: F, B and W of all micro-batches; gradients of every
+          micro-batch accumulate in the full buffers (no communication during the schedule).
+  end     (``sync_grads``, after the last micro-batch) ONE reduce-scatter per flat buffer over
+          the shard group, average, add into the gradient shard; free the full gradients and,
+          for ZeRO-3, the gathered parameters.
+  step    the optimizer updates the slice; ZeRO-1/2 all-gather the new slices into the full
+          (persistent) parameters at once, ZeRO-3 at the next step's begin.
+
+Why the parameters stay gathered for the whole step (ZeRO-3). A pipeline schedule interleaves
+the F, B (and W) of different micro-batches: 1F1B runs F of micro-batch i + p - 1 between the
+B of i and i + 1. Re-gathering around every action would cost one all-gather per action (3 m
+all-gathers per step instead of 1) on the critical path of a schedule whose point is to keep
+every rank busy. Gathered for the step, the sharding saves the optimizer states (and the fp32
+master slice) during the step and everything but the slice between steps; the stage's
+parameters and gradients are whole while the schedule runs. ZeRO-1 and ZeRO-2 are the same
+thing under pp: the gradient is reduced once per step in both.
+
+Communication per step and stage (Psi parameters): all-gather Psi + reduce-scatter Psi =
+2 Psi (S-1)/S elements per rank, the volume of DDP's all-reduce, independent of the number of
+micro-batches.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...distributed.placement import get_placement, set_placement
+from ..materialize import init_flat_range
+from ..zero import FlatParam, ShardedEngine, decay_groups
+from .engine import PipelineEngine
+
+
+def check_config(cfg) -> None:
+    """What stage-local sharding does not implement (called by ``validate`` with pp > 1)."""
+    from ...checks import require
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1 or p.zero_stage == 0:
+        return
+    require(p.ep == 1, "parallel.ep",
+            "ZeRO/FSDP inside pipeline stages does not shard expert-parallel weights yet; use "
+            "--parallel.zero_stage=0 with pp > 1 and ep > 1, or --parallel.ep=1")
+    require(not p.offload, "parallel.offload",
+            "CPU offload is not implemented inside pipeline stages; set --parallel.offload=false")
+    require(not t.param_dtype and not t.reduce_dtype, "train.param_dtype",
+            "low-precision parameter/reduce dtypes are not implemented inside pipeline stages; "
+            "leave train.param_dtype and train.reduce_dtype empty (or use zero_stage = 0)")
+
+
+class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
+    """A :class:`PipelineEngine` whose stage parameters, gradients and optimizer states are
+    sharded over the data-parallel group (``parallel.zero_stage`` 1, 2 or 3)."""
+
+    def __init__(self, model: nn.Module, mesh, cfg, chunks: dict, ranges: list[range], spec=None,
+                 init_fn=None):
+        super().__init__(model, mesh, cfg, chunks, ranges, spec)
+        self.stage = cfg.parallel.zero_stage
+        self.name = f"pipeline-zero{self.stage}"
+        if self.stage == 3:
+            self.shard_group = "dp_shard_cp"
+            self.replicate_group = "dp_replicate" if mesh.size("dp_replicate") > 1 else None
+        else:
+            self.shard_group, self.replicate_group = "dp_cp", None
+        self.comm = mesh.comm(self.shard_group)
+        self.gathered = True
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.flats = [self._make_flat(g, wd, init_fn) for g, wd in decay_groups(named, cfg.train.weight_decay)]
+        if self.stage == 3:
+            self._free()
+        self.ensure_grads()
+
+    # -- building -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _make_flat(self, group, wd: float, init_fn) -> FlatParam:
+        """Pack ``group`` (name, parameter) into a flat buffer; the modules' parameters become
+        views of it. A meta group draws only this rank's slice (``init_fn``; None leaves it for a
+        checkpoint); a materialised one starts everywhere from dp rank 0's values."""
+        f = FlatParam([n for n, _ in group], [p for _, p in group], self.comm.size, self.comm.rank, wd)
+        dtype, device = group[0][1].dtype, self.mesh.device
+        f.full = torch.zeros(f.padded, dtype=dtype, device=device)
+        if any(p.is_meta for _, p in group):
+            shard = torch.zeros(f.shard_size, dtype=dtype, device=device)
+            for (name, p), (lo, hi), off in zip(group, f.own_ranges(), f.offsets):
+                if hi > lo:
+                    a = f.start + lo - off
+                    shard[lo:hi] = init_flat_range(init_fn, name, p, a, a + hi - lo, device, init=init_fn is not None)
+            f.own(f.full).copy_(shard)
+            self.comm.all_gather_async(shard, out=f.full).wait()
+        else:
+            f.full.copy_(self.mesh.comm("dp_cp").broadcast(f.flatten([p for _, p in group]), 0))
+        # ZeRO-3 frees the gathered buffer between steps, so its slice is a separate tensor;
+        # ZeRO-1/2 keep the full buffer and the optimizer's slice aliases it.
+        f.shard = nn.Parameter(f.own(f.full).clone() if self.stage == 3 else f.own(f.full))
+        f.params = []
+        for (name, old), view in zip(group, f.views(f.full)):
+            new = nn.Parameter(view)
+            set_placement(new, get_placement(old, name))
+            for mod in self.model.modules():
+                for attr, q in list(mod._parameters.items()):
+                    if q is old:
+                        mod._parameters[attr] = new
+            f.params.append(new)
+        f.grad_full = None
+        return f
+
+    # -- gather / free ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _gather(self):
+        """ZeRO-3: give the flat buffers storage again and all-gather the slices into them (the
+        parameters are views of the buffers, so they see the values)."""
+        if self.gathered:
+            return
+        works = []
+        for f in self.flats:
+            f.full.untyped_storage().resize_(f.padded * f.full.element_size())
+            works.append(self.comm.all_gather_async(f.shard.detach().clone(), out=f.full))
+        for w in works:
+            w.wait()
+        self.gathered = True
+
+    def _free(self):
+        for f in self.flats:
+            f.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # -- the step ---------------------------------------------------------------------------------
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+        self.ensure_grads()
+        self._gather()
+        for f in self.flats:  # gradients of all micro-batches accumulate into one flat buffer
+            f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
+            for p, g in zip(f.params, f.views(f.grad_full)):
+                p.grad = g
+        return super().forward_backward(micro_batches, loss_scale, autocast)  # ends in sync_grads
+
+    @torch.no_grad()
+    def sync_grads(self):
+        """After the last micro-batch: one reduce-scatter per flat buffer (sum over the shard
+        group), sum over replicas (hybrid), average, add into the gradient shards; free."""
+        works = []
+        for f in self.flats:
+            for p, g in zip(f.params, f.views(f.grad_full)):
+                if p.grad is not None and p.grad.data_ptr() != g.data_ptr():  # autograd replaced it
+                    g.copy_(p.grad)
+                p.grad = None
+            works.append(self.comm.reduce_scatter_async(f.grad_full))
+        parts = [w.wait() for w in works]
+        if self.replicate_group:
+            rep = self.mesh.comm(self.replicate_group)
+            for w in [rep.all_reduce_async(part) for part in parts]:
+                w.wait()
+        for f, part in zip(self.flats, parts):
+            f.shard.grad.add_(part.div_(self.dp_size()))
+            f.grad_full = None
+        if self.stage == 3:
+            self._free()
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
+        was = self.gathered
+        self._gather()
+        try:
+            return super().evaluate(micro_batches, autocast)
+        finally:
+            if not was:
+                self._free()
+
+    # -- optimizer ----------------------------------------------------------------------------------
+    def after_step(self):
+        """ZeRO-1/2: all-gather the updated slices into the full parameters now; ZeRO-3 does it at
+        the next step's begin. Zero the gradient shards."""
+        if self.stage != 3:
+            with torch.no_grad():
+                works = [self.comm.all_gather_async(f.shard.detach().clone(), out=f.full) for f in self.flats]
+                for w in works:
+                    w.wait()
+        self.zero_grad()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [f.shard for f in self.flats]
+
+    def named_parameters(self, all_params: bool = False):
+        return [(f"flat{i}", f.shard) for i, f in enumerate(self.flats)]
+
+    def _param_targets(self, f: FlatParam) -> list[tuple[torch.Tensor, int, int]]:
+        if self.stage == 3:  # the next step's gather spreads the loaded slice
+            return [(f.shard.data, f.start, f.start + f.shard_size)]
+        return [(f.full, 0, f.padded)]  # the slice aliases the full buffer
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """{global name: this rank's part of the averaged gradient, flattened} with the flat
+        coordinates it covers: ``{name: (lo, hi, values)}`` in the parameter's own flat elements
+        (tests compare them with a reference)."""
+        out = {}
+        for f in self.flats:
+            for pl, (lo, hi), off in zip(f.placements, f.own_ranges(), f.offsets):
+                if hi > lo:
+                    a = f.start + lo - off
+                    out[pl.name] = (a, a + hi - lo, f.shard.grad[lo:hi].detach().clone())
+        return out

@@ -57,6 +57,10 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "pp2-interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 4}, UNTIED,
                         "dp_replicate"),
     "pp2-zb": ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 4}, UNTIED, "dp_replicate"),
+    "pp2-fsdp": ({"pp": 2, "zero_stage": 3, "microbatches": 4}, UNTIED, "dp_shard"),
+    "pp2-fsdp-zb": ({"pp": 2, "zero_stage": 3, "pp_schedule": "zb-h1", "microbatches": 4}, UNTIED, "dp_shard"),
+    "pp2-zero1": ({"pp": 2, "zero_stage": 1, "microbatches": 4}, UNTIED, "dp_shard"),
+    "pp2-hsdp": ({"pp": 2, "zero_stage": 3, "dp_replicate": 2, "microbatches": 2}, UNTIED, "dp_shard"),
     "pp4-zb": ({"pp": 4, "pp_schedule": "zb-h1", "microbatches": 4}, UNTIED, "dp_replicate"),
     "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "microbatches": 4}, UNTIED, "dp_replicate"),
     "pp4-dualpipev": ({"pp": 4, "pp_schedule": "dualpipev", "microbatches": 8}, {**UNTIED, "n_layers": 8},
@@ -78,6 +82,8 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "moe-dp": ({}, MOE, "dp_replicate"),
     "ep2-tp2": ({"ep": 2, "dp_shard": 2, "tp": 2}, MOE, "dp_replicate"),
     "ep2-cp2": ({"ep": 2, "cp": 2}, MOE, "dp_replicate"),
+    "pp2-moe": ({"pp": 2, "microbatches": 4}, {**MOE, **UNTIED}, "dp_replicate"),
+    "pp2-ep2": ({"pp": 2, "ep": 2, "dp_shard": 2, "microbatches": 2}, {**MOE, **UNTIED}, "dp_replicate"),
     "ep2-zero1": ({"ep": 2, "dp_shard": 2, "zero_stage": 1}, MOE, "dp_shard"),
     "ep2-zero2": ({"ep": 2, "dp_shard": 2, "zero_stage": 2}, MOE, "dp_shard"),
     "ep2-fsdp": ({"ep": 2, "dp_shard": 4, "zero_stage": 3}, MOE, "dp_shard"),
@@ -176,14 +182,33 @@ def reference(cfg: C.Config, data_dir: str, steps: int):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
         (x, y), = loader.next_batch()
-        loss = model(x, y)
-        loss.backward()
+        total = 0.0
+        micro = _micro_rows(cfg)
+        for rows in micro:  # MoE aux losses are per micro-batch: accumulate as the engines do
+            loss = model(x[rows], y[rows]) / len(micro)
+            loss.backward()
+            total += loss.item()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _micro_rows(cfg: C.Config) -> list:
+    """The global batch's rows per micro-batch. Dense models: one slice, the whole batch (a mean
+    over tokens does not depend on the grouping). MoE with micro-batches: micro-batch j is the j-th
+    chunk of every data-parallel rank's share, because router aux losses are computed per
+    micro-batch (over all dp ranks' tokens of that micro-batch)."""
+    p, b = cfg.parallel, cfg.train.global_batch
+    m = p.microbatches
+    if not cfg.model.n_experts or m == 1:
+        return [slice(None)]
+    dp = p.dp_replicate * p.dp_shard
+    per = b // dp
+    return [[r for d in range(dp) for r in range(d * per + j * per // m, d * per + (j + 1) * per // m)]
+            for j in range(m)]
 
 
 def _worker(ctx, cfg: C.Config, data_dir: str, steps: int):
@@ -202,7 +227,9 @@ def _worker(ctx, cfg: C.Config, data_dir: str, steps: int):
 
 def reference_key(cfg: C.Config) -> tuple:
     """Layouts whose model and train sections agree share one reference run."""
-    return repr(cfg.model), repr(cfg.train)
+    p = cfg.parallel
+    grouping = (p.dp_replicate * p.dp_shard, p.microbatches) if cfg.model.n_experts and p.microbatches > 1 else ()
+    return repr(cfg.model), repr(cfg.train), grouping
 
 
 def _compare(row: dict, out: list, ref: tuple) -> dict:

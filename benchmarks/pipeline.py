@@ -16,7 +16,8 @@ total CPU work, not the bubble). Activation
 memory: peak bytes of tensors saved for backward (autograd saved-tensor hooks, storage
 de-duplicated, parameters excluded), one extra step per engine; for the split-backward schedules
 (zb-h1, dualpipev) also the peak bytes held outside autograd for the deferred W (each module's
-input and output gradient between B and W; the graph itself is freed at B).
+input and output gradient between B and W; the graph itself is freed at B). Parameter memory:
+the largest parameter bytes held by one rank (dualpipe holds two stages per rank, a copy each).
 """
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def torch_engine(mesh, pp, v):
 
 ENGINES = [("shardlab 1f1b", "1f1b", 1), ("torch Schedule1F1B", "torch", 1),
            ("shardlab interleaved v=2", "interleaved", 2), ("torch ScheduleInterleaved1F1B v=2", "torch", 2),
-           ("shardlab gpipe", "gpipe", 1), ("shardlab zb-h1", "zb-h1", 1), ("shardlab dualpipev", "dualpipev", 1)]
+           ("shardlab gpipe", "gpipe", 1), ("shardlab zb-h1", "zb-h1", 1), ("shardlab dualpipev", "dualpipev", 1),
+           ("shardlab dualpipe", "dualpipe", 1)]
 
 
 def worker(ctx, pp, steps, warmup):
@@ -154,7 +156,7 @@ def worker(ctx, pp, steps, warmup):
                 times[name].append(dt)
                 if hasattr(eng, "last_timeline"):
                     timelines[name].append([(a, s, e) for a, s, e in eng.last_timeline])
-    memory, wmem = {}, {}
+    memory, wmem, pmem = {}, {}, {}
     for name, (step, eng) in engines.items():
         model = eng.model if hasattr(eng, "model") else eng
         meter = ActivationMeter({p.untyped_storage().data_ptr() for p in model.parameters()})
@@ -162,8 +164,9 @@ def worker(ctx, pp, steps, warmup):
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             step()
         memory[name] = meter.peak
+        pmem[name] = sum(p.numel() * p.element_size() for p in model.parameters())
         wmem[name] = getattr(eng, "wgrad_peak_bytes", 0)  # held outside autograd for deferred W
-    return dict(times=times, timelines=timelines, memory=memory, wmem=wmem)
+    return dict(times=times, timelines=timelines, memory=memory, wmem=wmem, pmem=pmem)
 
 
 def hop_latency(timeline, n_stages: int) -> float:
@@ -192,7 +195,8 @@ def summarise(pp, results, out_dir):
     for name, kind, v in ENGINES:
         row = dict(pp=pp, engine=name, ms=1e3 * statistics.median(steps[name]), best=1e3 * min(steps[name]),
                    mem=max(r["memory"][name] for r in results) / 2**20,
-                   wmem=max(r["wmem"][name] for r in results) / 2**20)
+                   wmem=max(r["wmem"][name] for r in results) / 2**20,
+                   pmem=max(r["pmem"][name] for r in results) / 2**20)
         if kind != "torch":
             tls = [[r["timelines"][name][i] for r in results] for i in range(n)]
             fastest = tls[min(range(n), key=lambda i: steps[name][i])]
@@ -237,14 +241,15 @@ def main(argv=None):
     print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
           "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
-          "| simulated step ms, one core per rank | peak saved activations MiB | + held for deferred W MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| simulated step ms, one core per rank | peak saved activations MiB | + held for deferred W MiB "
+          "| parameters MiB, largest rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in all_rows:
         ratio = f"{r['ratio']:.2f}x / {r['ratio_best']:.2f}x" if "ratio" in r else ""
         bub = (f"{r['bubble']:.3f} / {r['bubble_med']:.3f} | {r['sim']:.3f} | {r['sim_lat']:.3f} "
                f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f} | {r['sim_ms']:.1f}" if "bubble" in r else "- | - | - | - | -")
         wm = f"{r['wmem']:.2f}" if r["wmem"] else "-"
-        print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} | {wm} |")
+        print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} | {wm} | {r['pmem']:.2f} |")
 
 
 if __name__ == "__main__":

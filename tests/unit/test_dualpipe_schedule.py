@@ -81,7 +81,8 @@ def test_count_and_config_errors():
         build("dualpipe", 4, 9)
     from shardlab.config import Config, ConfigError
     for changes, field in (({"pp_schedule": "dualpipev", "microbatches": 6}, "parallel.microbatches"),
-                           ({"pp_schedule": "dualpipe", "microbatches": 8}, "parallel.pp_schedule")):
+                           ({"pp_schedule": "dualpipe", "microbatches": 8, "zero_stage": 1}, "parallel.zero_stage"),
+                           ({"pp_schedule": "dualpipe", "microbatches": 12, "pp": 3}, "parallel.pp")):
         cfg = Config()
         cfg.model.n_layers, cfg.parallel.pp, cfg.train.global_batch = 8, 4, 48
         for key, value in changes.items():
@@ -89,6 +90,10 @@ def test_count_and_config_errors():
         with pytest.raises(ConfigError) as e:
             cfg.validate()
         assert e.value.field == field
+    cfg = Config()  # dualpipe is executed now: validates (two copies of 4 parts of 8 layers)
+    cfg.model.n_layers, cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.microbatches = 8, 4, "dualpipe", 8
+    cfg.train.global_batch = 8
+    cfg.validate()
     cfg = Config()  # 2*pp stages need 2*pp layers
     cfg.model.n_layers, cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.microbatches = 6, 4, "dualpipev", 8
     cfg.train.global_batch = 8

@@ -42,12 +42,16 @@ class PipelineEngine(Engine):
     def __init__(self, model: nn.Module, mesh, cfg, chunks: dict, ranges: list[range], spec=None):
         super().__init__(model, mesh, cfg)
         p = cfg.parallel
-        self.pp, self.v, self.schedule_name = p.pp, (2 if p.pp_schedule == "dualpipev" else p.pp_virtual), p.pp_schedule
+        self.pp, self.v, self.schedule_name = p.pp, (2 if p.pp_schedule in LAYOUT else p.pp_virtual), p.pp_schedule
         self.pp_rank = mesh.local_rank("pp")
         self.chunks, self.ranges, self.spec = chunks, ranges, spec
         self.n_stages = self.pp * self.v
-        self.rank_of = Schedule(p.pp_schedule, self.pp, 1, self.v, layout=LAYOUT.get(p.pp_schedule, "loop")).rank_of
-        self.is_last = (self.n_stages - 1) in chunks
+        self.layout = Schedule(p.pp_schedule, self.pp, 1, self.v, layout=LAYOUT.get(p.pp_schedule, "loop"))
+        self.rank_of = self.layout.rank_of
+        # neighbours of every stage id (dualpipe: two paths, 0..p-1 and p..2p-1; schedule.py)
+        self.prev = {s: self.layout.prev_stage(s) for s in range(self.n_stages)}
+        self.next = {s: self.layout.next_stage(s) for s in range(self.n_stages)}
+        self.is_last = any(self.next[s] is None for s in chunks)
         self.link = StageLink(mesh.comm("pp"), activation_shape(cfg), _param_dtype(model), mesh.device,
                               self.n_stages)
         self._schedules: dict = {}
@@ -91,7 +95,6 @@ class PipelineEngine(Engine):
         sched = self.schedule(m)
         self._check_batch(micro_batches)
         split = sched.split_bw
-        last = self.n_stages - 1
         inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
         losses, aux_sum = [], 0.0  # aux: MoE losses of stages before the last (aux.py)
         self.wgrad_peak_bytes, held, held_now = 0, {}, 0
@@ -115,24 +118,24 @@ class PipelineEngine(Engine):
                 self.link.send(in_grads.pop(key), a.peer)
             elif a.kind == "F":
                 tokens, targets = micro_batches[a.mb]
-                x = tokens if a.stage == 0 else inputs[key]  # received, or handed over locally
+                x = tokens if self.prev[a.stage] is None else inputs[key]  # received, or handed over locally
                 self._capture = [] if split else None
                 with autocast() if autocast else nullcontext():
-                    out = self.chunks[a.stage](x, targets if a.stage == last else None,
+                    out = self.chunks[a.stage](x, targets if self.next[a.stage] is None else None,
                                                positions=self._positions(tokens))
                 if split:
                     saved_z[key], self._capture = self._capture, None
                     if {id(mod) for mod, _, _ in saved_z[key]} != self._owners[a.stage]:
                         raise RuntimeError(f"zb-h1: a parameter-owning module of stage {a.stage} did not return "
                                            "one tensor that requires grad; its weights would get no W; use 1f1b")
-                if a.stage == last:
+                if self.next[a.stage] is None:  # the loss stage (dualpipe: one per direction)
                     losses.append(out.detach().double())
                     out = out * (loss_scale / m)
                 else:
                     out, aux = attach_aux(self.chunks[a.stage], out, loss_scale / m)
                     aux_sum += aux
                 outputs[key] = out
-                if a.stage != last and a.stage + 1 in self.chunks:  # next stage on this rank
+                if self.next[a.stage] in self.chunks:  # next stage on this rank
                     inputs[(a.mb, a.stage + 1)] = out.detach().requires_grad_()
             elif a.kind == "B":
                 out, grad, x = outputs.pop(key), out_grads.pop(key, None), inputs.pop(key, None)
@@ -153,7 +156,7 @@ class PipelineEngine(Engine):
                     held[key] = held_bytes(saved_z[key])
                     held_now += held[key]
                     self.wgrad_peak_bytes = max(self.wgrad_peak_bytes, held_now)
-                if a.stage > 0 and a.stage - 1 in self.chunks:  # previous stage on this rank
+                if self.prev[a.stage] in self.chunks:  # previous stage on this rank
                     out_grads[(a.mb, a.stage - 1)] = in_grads.pop(key)
                 del out, grad, x  # nothing may keep this micro-batch's graph alive past W
             elif a.kind == "W":
@@ -172,12 +175,15 @@ class PipelineEngine(Engine):
         self.link.wait_sends()
         self.last_timeline = timeline
         self.sync_grads()
-        return self._local_loss(losses, aux_sum / m)
+        return self._local_loss(losses, aux_sum / m, m)
 
-    def _local_loss(self, losses: list, aux: float) -> torch.Tensor:
-        """Mean loss over micro-batches on the last stage (0 elsewhere), plus the mean aux losses
-        of this rank's earlier stages."""
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+    def _local_loss(self, losses: list, aux: float, m: int) -> torch.Tensor:
+        """Sum of this rank's micro-batch losses / m (the mean over micro-batches on the last
+        stage; dualpipe: each loss stage holds one direction's half), 0 elsewhere, plus the mean
+        aux losses of this rank's earlier stages."""
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.mesh.device) + aux
+        loss = torch.stack(losses).mean() if len(losses) == m else torch.stack(losses).sum() / m
         return loss + aux
 
     def gather_timeline(self) -> list:
@@ -194,32 +200,34 @@ class PipelineEngine(Engine):
 
     @torch.no_grad()
     def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
-        """Forward only: micro-batch by micro-batch, this rank's stages in ascending order (each
-        waits only for a lower stage, so it cannot deadlock). Between any two ranks both sides issue
-        the messages in (micro-batch, stage) order, as issue-order matching needs. Mean loss on the
-        last stage, else 0."""
-        last, losses, aux = self.n_stages - 1, [], 0.0
+        """Forward only: micro-batch by micro-batch, this rank's stages of the micro-batch's path in
+        ascending order (each waits only for a lower stage, so it cannot deadlock). Between any two
+        ranks both sides issue the messages in (micro-batch, stage) order, as issue-order matching
+        needs. Mean loss on the last stage, else 0 (dualpipe: half the micro-batches go up)."""
+        losses, aux, m = [], 0.0, len(micro_batches)
         micro_batches = [self._local(x, y) for x, y in micro_batches]
+        layout = Schedule(self.schedule_name, self.pp, m, self.v, layout=self.layout.layout)
         for j, (tokens, targets) in enumerate(micro_batches):
             out = None
-            for s in sorted(self.chunks):
-                if s == 0:
+            for s in sorted(set(self.chunks) & set(layout.path(j))):
+                prv, nxt = self.prev[s], self.next[s]
+                if prv is None:
                     x = tokens
-                elif s - 1 in self.chunks:  # DualPipeV's turn: the previous stage is on this rank
+                elif prv in self.chunks:  # DualPipeV's turn: the previous stage is on this rank
                     x = out
                 else:
-                    x = self.link.recv(self.rank_of(s - 1), self.link.key("F", j, s - 1))
+                    x = self.link.recv(self.rank_of(prv), self.link.key("F", j, prv))
                 with autocast() if autocast else nullcontext():
-                    out = self.chunks[s](x, targets if s == last else None, positions=self._positions(tokens))
-                if s == last:
+                    out = self.chunks[s](x, targets if nxt is None else None, positions=self._positions(tokens))
+                if nxt is None:
                     losses.append(out.double())
                 else:
                     a = stage_aux(self.chunks[s])
                     aux += float(a) if a is not None else 0.0
-                    if s + 1 not in self.chunks:
-                        self.link.send(out, self.rank_of(s + 1))
+                    if nxt not in self.chunks:
+                        self.link.send(out, self.rank_of(nxt))
         self.link.wait_sends()
-        return self._local_loss(losses, aux / len(micro_batches))
+        return self._local_loss(losses, aux / m, m)
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Only the last stage has the loss (earlier stages: their MoE aux losses, else 0): sum over
@@ -269,11 +277,14 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None)
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs
     check_p2p_order(engine_sched)
+    dual = engine_sched.layout == "dual"
     model, chunks, ranges = split_model(model, spec, mesh.local_rank("pp"), p.pp, engine_sched.v,
-                                        owner=engine_sched.rank_of)
+                                        owner=engine_sched.rank_of, dual=dual)
     mark_pipeline_placements(model)
     if materialize is not None:
         materialize(model)
+    if dual and make_engine is None:  # two parameter copies: gradients summed per pair (dual.py)
+        from .dual import DualPipeEngine as make_engine
     engine = (make_engine or PipelineEngine)(model, mesh, cfg, chunks, ranges, spec)
     engine._schedules[p.microbatches] = engine_sched
     return engine

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
-EXECUTABLE = SCHEDULES[:5]
-"""What the executor runs; ``dualpipe`` (two parameter copies) is simulated only."""
+EXECUTABLE = SCHEDULES
+"""What the executor runs (all; ``dualpipe``'s two parameter copies: dual.py)."""
 LAYOUT = {"dualpipev": "v", "dualpipe": "dual"}
 
 
@@ -136,14 +136,21 @@ def check_config(cfg) -> None:
         require(p.microbatches % p.pp == 0, "parallel.microbatches",
                 f"interleaved needs micro-batches divisible by pp={p.pp}")
     if p.pp_schedule in LAYOUT:
-        require(p.pp_schedule in EXECUTABLE, "parallel.pp_schedule",
-                "dualpipe (two parameter copies per rank) is simulated only (shardlab schedule "
-                "--schedule dualpipe); train with pp_schedule = 'dualpipev' (same bubble, one copy)")
         require(p.microbatches >= 2 * p.pp, "parallel.microbatches",
-                f"dualpipev needs micro-batches >= 2*pp = {2 * p.pp}; use {2 * p.pp}")
+                f"{p.pp_schedule} needs micro-batches >= 2*pp = {2 * p.pp}; use {2 * p.pp}")
+    if p.pp_schedule == "dualpipev":
         require(m.n_layers >= 2 * p.pp, "parallel.pp",
                 f"dualpipev cuts the model into 2*pp = {2 * p.pp} stages but it has {m.n_layers} "
                 "layers; lower pp or add layers")
+    if p.pp_schedule == "dualpipe":
+        require(p.pp % 2 == 0, "parallel.pp",
+                f"dualpipe pairs rank r with rank pp-1-r and needs an even pp (got {p.pp}); use {p.pp + 1}")
+        require(p.microbatches % 2 == 0, "parallel.microbatches",
+                f"dualpipe sends half the micro-batches each way and needs an even number (got "
+                f"{p.microbatches}); use {p.microbatches + 1}")
+        require(p.zero_stage == 0, "parallel.zero_stage",
+                "dualpipe keeps two copies of every stage, not implemented with ZeRO/FSDP inside the "
+                "stages; set --parallel.zero_stage=0 or use pp_schedule = 'dualpipev'")
     require(not m.tie_embeddings, "model.tie_embeddings",
             "the embedding (first stage) and the head (last stage) cannot share a weight across "
             "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")

@@ -91,23 +91,31 @@ def _view(model: nn.Module, spec, layers: range, first: bool, last: bool) -> nn.
 
 
 def stage_views(model: nn.Module, spec, ranges: list[range], stages: list[int]) -> dict[int, nn.Module]:
-    """{stage: view} over ``model``'s current modules (call again after wrapping blocks)."""
-    return {s: _view(model, spec, ranges[s], s == 0, s == len(ranges) - 1) for s in stages}
+    """{stage: view} over ``model``'s current modules (call again after wrapping blocks). A stage
+    starting at layer 0 holds the embedding, one ending at the last layer the head (dualpipe:
+    two stage ids per range)."""
+    end = max(r.stop for r in ranges)
+    return {s: _view(model, spec, ranges[s], ranges[s].start == 0, ranges[s].stop == end) for s in stages}
 
 
-def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1, owner=None):
+def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1, owner=None, dual: bool = False):
     """Keep only this rank's parts of ``model`` (in place). Returns (the rank's module with
     global names, {stage: chunk view}, the layer ranges of all stages). ``owner(stage)``: the
-    rank of a stage (default round-robin ``stage % pp``; DualPipeV's V: schedule.rank_of)."""
+    rank of a stage (default round-robin ``stage % pp``; DualPipeV's V: schedule.rank_of).
+    ``dual`` (DualPipe): the model is cut into ``pp`` parts and stage ids ``pp + k`` run part
+    ``k`` again (the second direction), so ranks r and pp-1-r both hold parts r and pp-1-r."""
     n_stages = pp * v
-    ranges = model_partition(model, spec, n_stages)
+    ranges = model_partition(model, spec, pp if dual else n_stages)
+    if dual:
+        ranges = ranges + ranges
     owner = owner or (lambda s: s % pp)
     mine = [s for s in range(n_stages) if owner(s) == pp_rank]
     keep = {str(i) for s in mine for i in ranges[s]}
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
-    owns_first, owns_last = 0 in mine, n_stages - 1 in mine
+    owns_first = any(ranges[s].start == 0 for s in mine)
+    owns_last = any(ranges[s].stop == ranges[-1].stop for s in mine)
     chunks = stage_views(model, spec, ranges, mine)
     for name in (() if owns_first else spec.pp_first) + (() if owns_last else spec.pp_last):
         setattr(model, name, None)

@@ -60,6 +60,7 @@ def test_memory_command_prints_every_stage(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_text("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 2\nn_heads = 4\nmax_seq_len = 16\n"
                     "[train]\nseq_len = 16\nglobal_batch = 4\n[parallel]\nzero_stage = 3\n")
-    assert memory.main(argparse.Namespace(config=str(path), overrides=[], nproc=4, no_run=True)) == 0
+    assert memory.main(argparse.Namespace(config=str(path), overrides=[], nproc=4, no_run=True,
+                                          device="cpu")) == 0
     out = capsys.readouterr().out
     assert "4 data-parallel ranks" in out and "ZeRO-3  mixed" in out and "activations" in out

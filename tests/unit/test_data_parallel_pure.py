@@ -63,4 +63,6 @@ def test_memory_command_prints_every_stage(tmp_path, capsys):
     assert memory.main(argparse.Namespace(config=str(path), overrides=[], nproc=4, no_run=True,
                                           device="cpu")) == 0
     out = capsys.readouterr().out
-    assert "4 data-parallel ranks" in out and "ZeRO-3  mixed" in out and "activations" in out
+    assert "4 data-parallel ranks" in out and "ZeRO-3  mixed" in out and "predicted per rank" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:2] in (["0", "0"], ["1", "0"], ["2", "0"], ["3", "0"])]
+    assert len(rows) == 4 and all(float(r[5]) > 0 for r in rows), out  # one row per rank, activations > 0

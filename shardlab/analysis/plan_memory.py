@@ -73,6 +73,8 @@ def _canonical(cfg) -> str:
     par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, zero_stage=0, microbatches=max(par["pp"], 1))
     if par["pp_schedule"] == "interleaved":
         par["microbatches"] = par["pp"]
+    if par["pp_schedule"] in ("dualpipe", "dualpipev"):
+        par["microbatches"] = 2 * par["pp"]
     d["train"] = {k: d["train"][k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "precision")}
     return json.dumps(d, sort_keys=True)
 
@@ -241,20 +243,29 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
         return full
 
     per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))
+    stash_block = sum(tr.wgrad.get(b, 0) for b in blocks) / max(1, len(blocks))
     full_block = max((tr.regions[b] for b in blocks), default=0)
     from .shadow import stage_ranges
     ranges = stage_ranges(cfg)
-    out = {}
-    n_stages = p.pp * p.pp_virtual
-    for s in range(n_stages):
-        if s % p.pp != pp_rank:
+    end = max(r.stop for r in ranges)
+    if p.pp > 1:
+        from .plan_pipeline import layout
+        owner = layout(cfg).rank_of
+    else:
+        owner = lambda s: 0  # noqa: E731
+    out, stash = {}, {}
+    for s, rng in enumerate(ranges):
+        if owner(s) != pp_rank:
             continue
-        b = len(ranges[s]) * per_block
-        if s == 0:
+        b, w = len(rng) * per_block, len(rng) * stash_block
+        if rng.start == 0:
             b += tr.regions.get("first", 0)
-        if s == n_stages - 1:
+            w += tr.wgrad.get("first", 0)
+        if rng.stop == end:
             b += tr.regions.get("last", 0)
-        out[s] = b
+            w += tr.wgrad.get("last", 0)
+        out[s], stash[s] = b, w
+    out["stash"], out["graph_kept"] = stash, tr.graph_kept
     out["recompute"] = full_block if mode == "full" else 0
     out["logits"] = tr.logits
     return out
@@ -268,9 +279,6 @@ def _small_cfg(cfg):
     small = copy.deepcopy(cfg)
     m = small.model
     m.n_layers = min(m.n_layers, 2)
-    if m.n_experts:  # routing is data-dependent (no meta kernels): traced as a dense FFN of top_k x
-        m.ffn_hidden = m.ffn_dim * m.moe_top_k  # the expert size, every block MoE (an approximation)
-        m.n_experts, small.parallel.ep = 0, 1
     small.parallel.pp, small.parallel.pp_virtual, small.parallel.pp_schedule = 1, 1, "1f1b"
     small.parallel.activation_checkpointing = "none"
     return small
@@ -285,16 +293,18 @@ def schedule_peaks(name: str, pp: int, m: int, v: int) -> tuple:
     return tuple(res.peak_inflight), tuple(res.peak_held), res.bubble
 
 
-def activations(cfg, pp_rank: int = 0, device: str = "cpu") -> tuple[float, float]:
-    """(bytes of activations held at the peak of a step, the largest transient) for a rank."""
+def activations(cfg, pp_rank: int = 0, device: str = "cpu") -> tuple[float, float, float]:
+    """(bytes of saved activations at the peak of a step, the largest transient, the peak W stash
+    of a split backward) for a rank."""
     p = cfg.parallel
     ch = chunk_activations(cfg, pp_rank, device)
     stages = {k: v for k, v in ch.items() if isinstance(k, int)}
+    stash = 0.0
     if p.pp == 1:
         held = sum(stages.values())
-    else:
-        inflight, held_graphs, _ = schedule_peaks(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
-        peak = held_graphs[pp_rank] if p.pp_schedule == "zb-h1" else inflight[pp_rank]
-        held = peak * sum(stages.values()) / len(stages)
+    else:  # the rank's action list walked in order (plan_pipeline.py)
+        from .plan_pipeline import walk_peak
+        graph_kept = ch["graph_kept"] or p.activation_checkpointing != "none"
+        held, stash = walk_peak(cfg, pp_rank, stages, ch["stash"], graph_kept)
     transient = max(ch["recompute"], 2 * ch["logits"])
-    return float(held), float(transient)
+    return float(held), float(transient), float(stash)

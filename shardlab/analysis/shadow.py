@@ -99,18 +99,24 @@ def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
     if cfg.model.n_experts > 0:
         from ..parallel import expert
         model = expert.apply(model, mesh, cfg)
-    if p.pp > 1:
+    if p.pp > 1:  # the cut the engine makes (pipeline/engine.py apply): the schedule's layout
         from ..parallel.pipeline.stage import split_model
-        model, _, _ = split_model(model, spec, mesh.local_rank("pp"), p.pp, p.pp_virtual)
+        from .plan_pipeline import layout
+        sched = layout(cfg)
+        model, _, _ = split_model(model, spec, mesh.local_rank("pp"), p.pp, sched.v, owner=sched.rank_of,
+                                  dual=sched.layout == "dual")
     return model
 
 
 def stage_ranges(cfg) -> list[range]:
-    """Layer ranges of the ``pp * pp_virtual`` stages, from the pipeline's own partition."""
+    """Layer ranges of every stage id, from the pipeline's own partition (stage.split_model:
+    DualPipe's ids p..2p-1 run the p parts again)."""
     p = cfg.parallel
     if p.pp == 1:
         return [range(cfg.model.n_layers)]
-    return list(_ranges(tuple(sorted(vars(cfg.model).items())), p.pp * p.pp_virtual))
+    from .plan_pipeline import layout, n_parts
+    ranges = list(_ranges(tuple(sorted(vars(cfg.model).items())), n_parts(cfg)))
+    return ranges + ranges if layout(cfg).layout == "dual" else ranges
 
 
 @functools.lru_cache(maxsize=64)
@@ -157,6 +163,54 @@ def fused_attention():
         F.scaled_dot_product_attention = old
 
 
+class _GroupedMM(torch.autograd.Function):
+    """Stand-in for ``torch._grouped_mm`` on meta (whose meta kernel takes bf16 only): the
+    (rows, out) product, saving what the kernel's backward saves (both operands, the offsets)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty((a.shape[0], b.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - traces never run backward
+        a, b, _ = ctx.saved_tensors
+        return torch.zeros_like(a), torch.zeros_like(b), None
+
+
+@contextlib.contextmanager
+def meta_routing(state: dict):
+    """MoE layers (models/moe.py, parallel/expert.py) run on meta as they are: their shapes never
+    depend on the routing except expert parallel's split sizes. Within the trace ``bincount``
+    returns ``minlength`` counts, ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta tensor's
+    ``tolist`` (the all-to-all split sizes) gives ``state["rows"]`` (the current MoE layer's
+    ``T * top_k`` assignments) spread evenly: balanced routing, no drop. Autocast is off on meta
+    (``is_autocast_enabled("meta")`` is False rather than an error; a trace picks its dtype)."""
+    old_bc, old_gmm, old_tl = torch.bincount, getattr(torch, "_grouped_mm", None), torch.Tensor.tolist
+    old_ac = torch.is_autocast_enabled
+
+    def bincount(x, weights=None, minlength=0):
+        if x.is_meta:
+            return torch.zeros(minlength, dtype=torch.int64, device="meta")
+        return old_bc(x, weights, minlength)
+
+    def tolist(t):
+        if t.is_meta and t.dim() == 1:
+            n, rows = t.shape[0], state.get("rows", 0)
+            return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+        return old_tl(t)
+
+    torch.bincount, torch.Tensor.tolist = bincount, tolist
+    torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else old_ac(*a)
+    torch._grouped_mm = lambda a, b, offs=None, **kw: _GroupedMM.apply(a, b, offs)
+    try:
+        yield
+    finally:
+        torch.bincount, torch.Tensor.tolist, torch.is_autocast_enabled = old_bc, old_tl, old_ac
+        if old_gmm is not None:
+            torch._grouped_mm = old_gmm
+
+
 @dataclass
 class SavedTrace:
     """Bytes autograd saves for backward in one forward of one micro-batch, by region."""
@@ -174,6 +228,13 @@ class SavedTrace:
     output is a fresh storage, saved by the next projection (without it, a view of one already counted)."""
     logits: int = 0
     """Bytes of the largest output of the last region (the logits): the biggest transient."""
+    wgrad: dict = field(default_factory=dict)
+    """{region: bytes a split backward (ZB-H1, DualPipe) holds for the deferred W after B}: the
+    distinct inputs of the modules whose W is direct (pipeline/wgrad.py ``direct_input``) and
+    the gradients of every parameter-owning module's output."""
+    graph_kept: bool = False
+    """Some parameter-owning module's W needs autograd (not ``direct_input``): B retains the
+    graph, so a micro-batch's saved tensors stay until its W."""
 
     @property
     def total(self) -> int:
@@ -200,10 +261,12 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
     core_saved: dict[str, set] = {}
     other_saved: set = set()
     core_in: dict[str, set] = {}
+    alive = []  # every packed tensor stays referenced: a freed storage's id is never reused
 
     def pack(t):
         st = t.untyped_storage()
         key = st._cdata
+        alive.append(t)
         if key not in params:
             if key not in seen:
                 seen[key] = (state["region"], st.nbytes())
@@ -214,6 +277,29 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
         return lambda m, a, kw=None: state.__setitem__("region", region)
 
     hooks = []
+    from ..models.moe import MoE
+    from ..parallel.pipeline.wgrad import direct_input
+    routing: dict = {}
+    wg_seen: set = set()
+
+    def moe_pre(m, args):
+        routing["rows"] = args[0].numel() // args[0].shape[-1] * m.top_k
+
+    def owner_pre(m, args):
+        x = direct_input(m, args)
+        if x is None:
+            out.graph_kept = True
+        else:
+            st = x.untyped_storage()
+            alive.append(x)
+            if st._cdata not in wg_seen:
+                wg_seen.add(st._cdata)
+                out.wgrad[state["region"]] = out.wgrad.get(state["region"], 0) + st.nbytes()
+
+    def owner_post(m, a, o):
+        if torch.is_tensor(o) and o.requires_grad:  # its gradient g, a fresh storage of o's size
+            out.wgrad[state["region"]] = out.wgrad.get(state["region"], 0) + o.numel() * o.element_size()
+
     for m in first:
         hooks.append(m.register_forward_pre_hook(enter("first")))
     for name, blk in blocks.items():
@@ -236,9 +322,15 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
         hooks.append(m.register_forward_hook(
             lambda m, a, o: setattr(out, "logits", max(out.logits, o.untyped_storage().nbytes()))
             if torch.is_tensor(o) and o.dim() > 1 else None))
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            hooks.append(mod.register_forward_pre_hook(moe_pre))
+        if any(q.requires_grad for q in mod.parameters(recurse=False)):
+            hooks.append(mod.register_forward_pre_hook(owner_pre))
+            hooks.append(mod.register_forward_hook(owner_post))
     try:
         batch = _meta_batch(cfg, spec, model, micro_batch, seq_len, dtype)
-        with fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fused_attention(), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(*batch)
     finally:
         for h in hooks:

@@ -70,7 +70,7 @@ def _canonical(cfg) -> str:
     data-parallel and context degrees are normalised away so that layouts share one build."""
     d = {k: v for k, v in cfg.to_dict().items() if k in ("model", "parallel", "train")}
     par = d["parallel"]
-    par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, zero_stage=0, microbatches=max(par["pp"], 1))
+    par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, cp_ulysses=1, zero_stage=0, microbatches=max(par["pp"], 1))
     if par["pp_schedule"] == "interleaved":
         par["microbatches"] = par["pp"]
     if par["pp_schedule"] in ("dualpipe", "dualpipev"):
@@ -80,8 +80,41 @@ def _canonical(cfg) -> str:
 
 
 def local_model_for(cfg, pp_rank: int):
-    cfg_json = _canonical(cfg)
-    return _local_inventory(cfg_json, cfg_json, pp_rank)
+    """(the rank's local model, spec). With pp > 1 the unsplit model (one build per TP/EP/LoRA
+    shape, shared by every pipeline degree and schedule) is filtered to the parameters the
+    rank's stages keep: the layers of its stages (``shadow.stage_ranges`` and the schedule's
+    ``rank_of``, as ``stage.split_model`` keeps them) and the first/last modules if it owns the
+    stage starting at layer 0 / ending at the last layer."""
+    if cfg.parallel.pp == 1:
+        cfg_json = _canonical(cfg)
+        return _local_inventory(cfg_json, cfg_json, pp_rank)
+    import copy
+    from .plan_pipeline import layout
+    from .shadow import stage_ranges
+    flat = copy.deepcopy(cfg)
+    flat.parallel.pp, flat.parallel.pp_virtual, flat.parallel.pp_schedule = 1, 1, "1f1b"
+    cfg_json = _canonical(flat)
+    model, spec = _local_inventory(cfg_json, cfg_json, 0)
+    ranges, owner = stage_ranges(cfg), layout(cfg).rank_of
+    end = max(r.stop for r in ranges)
+    mine = [r for s, r in enumerate(ranges) if owner(s) == pp_rank]
+    layers = {f"layers.{i}." for r in mine for i in r}
+    ends = (tuple(spec.pp_first or ()) if any(r.start == 0 for r in mine) else ()) \
+        + (tuple(spec.pp_last) if any(r.stop == end for r in mine) else ())
+    ends = tuple(f"{n}." for n in ends)
+    kept = [(n, q) for n, q in model.named_parameters()
+            if (n.startswith("layers.") and n[:n.index(".", 7) + 1] in layers) or n.startswith(ends)]
+    return _Kept(kept), spec
+
+
+class _Kept:
+    """The parameters a pipeline rank keeps, as (global name, meta parameter) pairs."""
+
+    def __init__(self, named):
+        self._named = named
+
+    def named_parameters(self):
+        return iter(self._named)
 
 
 def _fast_key(cfg, *extra) -> tuple:
@@ -90,6 +123,7 @@ def _fast_key(cfg, *extra) -> tuple:
     return (tuple(sorted(vars(cfg.model).items())), t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.precision,
             t.param_dtype, t.reduce_dtype, t.weight_decay, t.seq_len, p.tp, p.pp, p.pp_virtual, p.ep, p.zero_stage,
             p.dp_replicate, p.dp_shard, p.cp, p.bucket_cap_mb, p.wrap_policy, p.prefetch, p.sequence_parallel,
+            p.pp_schedule, p.cp_impl, p.cp_ulysses,
             t.global_batch // p.dp // p.microbatches) + extra
 
 
@@ -117,6 +151,8 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     frozen = sum(q.numel() for _, q in named if not q.requires_grad) * el
     psi_t = sum(q.numel() for _, q in train)
     out = {"params": 0.0, "grads": 0.0, "optim": 0.0, "buffers": 0.0}
+    if p.pp > 1 and p.zero_stage:
+        return _stage_sharded(cfg, train, frozen, el, out)
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
         out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el)
@@ -175,6 +211,31 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     in_flight = 2 if p.prefetch else 1  # the unit computing and the one prefetched
     out["buffers"] = root + sum(rest[:in_flight])
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
+    return out
+
+
+def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
+    """ZeRO-1/2/3 inside pipeline stages (pipeline/sharded.py): one flat buffer per weight-decay
+    group of the rank's stages, padded to a multiple of the shard group S (dp_cp; ZeRO-3:
+    dp_shard x cp). After the step: ZeRO-1/2 keep the full buffer (the slice aliases it), ZeRO-3
+    only its slice; gradient = one slice, m and v = slices. During the step every flat gradient
+    is whole (``grad_full``) and ZeRO-3's parameters gathered: both counted as buffers."""
+    from ..parallel.zero import decay_groups
+    p, t = cfg.parallel, cfg.train
+    n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
+    out["params"] = frozen
+    padded_total = 0
+    for group, _ in decay_groups(train, t.weight_decay):
+        shard = max(1, math.ceil(sum(q.numel() for _, q in group) / n))
+        padded_total += shard * n
+        out["params"] += (shard if p.zero_stage == 3 else shard * n) * el
+        out["grads"] += shard * el
+        out["optim"] += 2 * shard * el
+    b = t.global_batch // p.dp // p.microbatches
+    recv = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
+        * act_dtype(cfg).itemsize
+    out["buffers"] = padded_total * el * (2 if p.zero_stage == 3 else 1) + recv
+    out["gathered_total"] = out["reduce_total"] = float(padded_total * el)
     return out
 
 
@@ -244,6 +305,8 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
 
     per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))
     stash_block = sum(tr.wgrad.get(b, 0) for b in blocks) / max(1, len(blocks))
+    ops_block = sum(tr.ops.get(b, 0) for b in blocks) / max(1, len(blocks))
+    ew_block = sum(tr.ew_bytes.get(b, 0) for b in blocks) / max(1, len(blocks))
     full_block = max((tr.regions[b] for b in blocks), default=0)
     from .shadow import stage_ranges
     ranges = stage_ranges(cfg)
@@ -253,19 +316,20 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
         owner = layout(cfg).rank_of
     else:
         owner = lambda s: 0  # noqa: E731
-    out, stash = {}, {}
+    out, stash, ops, ew = {}, {}, {}, {}
     for s, rng in enumerate(ranges):
         if owner(s) != pp_rank:
             continue
-        b, w = len(rng) * per_block, len(rng) * stash_block
-        if rng.start == 0:
-            b += tr.regions.get("first", 0)
-            w += tr.wgrad.get("first", 0)
-        if rng.stop == end:
-            b += tr.regions.get("last", 0)
-            w += tr.wgrad.get("last", 0)
-        out[s], stash[s] = b, w
-    out["stash"], out["graph_kept"] = stash, tr.graph_kept
+        n = len(rng)
+        b, w, o, e = n * per_block, n * stash_block, n * ops_block, n * ew_block
+        for region, here in (("first", rng.start == 0), ("last", rng.stop == end)):
+            if here:
+                b += tr.regions.get(region, 0)
+                w += tr.wgrad.get(region, 0)
+                o += tr.ops.get(region, 0)
+                e += tr.ew_bytes.get(region, 0)
+        out[s], stash[s], ops[s], ew[s] = b, w, o, e
+    out["stash"], out["graph_kept"], out["ops"], out["ew"] = stash, tr.graph_kept, ops, ew
     out["recompute"] = full_block if mode == "full" else 0
     out["logits"] = tr.logits
     return out
@@ -284,11 +348,19 @@ def _small_cfg(cfg):
     return small
 
 
+SIMULATE_LIMIT = 4096
+"""Schedules with more compute actions than this (pp x microbatches x 3, the planner's large
+searches) take the closed-form bubble of schedule.theoretical_bubble instead of the simulator."""
+
+
 @functools.lru_cache(maxsize=512)
 def schedule_peaks(name: str, pp: int, m: int, v: int) -> tuple:
-    """(peak micro-batches in flight per rank, peak held graphs per rank, simulated bubble)."""
-    from ..parallel.pipeline.schedule import build
+    """(peak micro-batches in flight per rank, peak held graphs per rank, bubble): simulated
+    (simulate.py, F = B = W), or for large schedules the closed form (peaks then empty)."""
+    from ..parallel.pipeline.schedule import build, theoretical_bubble
     from ..parallel.pipeline.simulate import simulate
+    if 3 * pp * m * v > SIMULATE_LIMIT:
+        return (), (), theoretical_bubble(name, pp, m, v)
     res = simulate(build(name, pp, m, v))
     return tuple(res.peak_inflight), tuple(res.peak_held), res.bubble
 

@@ -35,31 +35,45 @@ def n_parts(cfg) -> int:
 
 
 @functools.lru_cache(maxsize=512)
-def _built(name: str, p: int, m: int, v: int):
-    from ..parallel.pipeline.schedule import build
-    return build(name, p, m, v)
+def compute_order(name: str, p: int, m: int, v: int) -> tuple:
+    """Per rank, the (kind, micro-batch, stage) compute actions of schedule ``name`` in order:
+    the schedule's own order functions (schedule.build without the sends and receives, which
+    do not change what a rank holds)."""
+    from ..parallel.pipeline import schedule as S
+    if name == "gpipe":
+        order = S.gpipe(p, m)
+    elif name == "1f1b":
+        order = S.one_f_one_b(p, m)
+    elif name == "interleaved":
+        order = S.interleaved(p, m, v)
+    elif name == "zb-h1":
+        order = S.zb_h1(p, m)
+    else:
+        from ..parallel.pipeline.dualpipe import dualpipe, dualpipev
+        order = (dualpipev if name == "dualpipev" else dualpipe)(p, m)
+    return tuple(tuple(r) for r in order)
 
 
 def walk_peak(cfg, pp_rank: int, act: dict, stash: dict, graph_kept: bool) -> tuple[float, float]:
     """(peak saved-activation bytes, peak W-stash bytes) of pipeline rank ``pp_rank``.
     ``act[s]``, ``stash[s]``: bytes of one micro-batch of stage s."""
     p = cfg.parallel
-    sched = _built(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
+    split = layout(cfg).split_bw
     held = peak = st = st_peak = 0.0
-    for a in sched.ranks[pp_rank]:
-        if a.kind == "F":
-            held += act[a.stage]
+    for kind, _, stage in compute_order(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)[pp_rank]:
+        if kind == "F":
+            held += act[stage]
             peak = max(peak, held)
-        elif a.kind == "B":
-            if not sched.split_bw or not graph_kept:
-                held -= act[a.stage]
-            if sched.split_bw:
-                st += stash[a.stage]
+        elif kind == "B":
+            if not split or not graph_kept:
+                held -= act[stage]
+            if split:
+                st += stash[stage]
                 st_peak = max(st_peak, st)
-        elif a.kind == "W":
+        elif kind == "W":
             if graph_kept:
-                held -= act[a.stage]
-            st -= stash[a.stage]
+                held -= act[stage]
+            st -= stash[stage]
     return peak, st_peak
 
 

@@ -38,7 +38,12 @@ def collective(kind: str, nbytes: float, n: int, bw: float, alpha: float) -> flo
 
 def link(topo, group: str, dev) -> tuple[float, float]:
     """(bus bandwidth, latency) of the ``group`` that contains rank 0: NVLink if its ranks share a
-    node, else the network."""
+    node, else the network. CPU: gloo as the probe measured it with as many ranks as the layout
+    runs (the closest world size probed, not below it when one is)."""
+    if dev.comm_n:
+        w = topo.world_size
+        n, alpha, bw = min(dev.comm_n, key=lambda e: (e[0] < w, abs(e[0] - w)))
+        return bw, alpha
     ranks = _group_of_rank0(topo, group)
     nodes = {r // dev.gpus_per_node for r in ranks}
     return (dev.intra_bw, dev.intra_alpha) if len(nodes) == 1 else (dev.inter_bw, dev.inter_alpha)
@@ -78,7 +83,13 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     t_mm, t_attn = over * mm / (peak * dev.mm_eff), over * attn / (peak * dev.attn_eff)
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
-    t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
+    cpu = dev.op_s > 0
+    if cpu:  # every operator's dispatch + autograd cost and its written bytes, both probed
+        half = 0.5 if p.pp > 1 and p.pp_schedule == "dualpipe" else 1.0  # a micro-batch runs one copy
+        ops, ew = half * sum(traced.get("ops", {}).values()), half * sum(traced.get("ew", {}).values())
+        t_elem = over * (ops * dev.op_s + ew / dev.ew_bw)
+    else:
+        t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
@@ -97,12 +108,33 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) * el
         ring = (p.cp - 1) * (kv / bw + al) * 3 * layers
         cp_comm = max(0.0, ring - (t_attn + (t_attn / 3 if ac != "none" else 0)))
-    f_mb = fwd + (tp_comm + cp_comm) / 3
-    b_mb = bwd + recompute + 2 * (tp_comm + cp_comm) / 3
+    ep_comm = 0.0
+    if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats
+        moe_layers = m.n_layers / max(1, m.moe_every) / p.pp
+        rows = b * (s // p.cp) * m.moe_top_k * m.d_model * el
+        if p.ep > 1:
+            bw, al = link(topo, "ep", dev)
+            ep_comm += moe_layers * (4 * collective("all_to_all", rows, p.ep, bw, al)
+                                     + collective("all_to_all", 8 * m.n_experts, p.ep, bw, al))
+        if p.dp * p.cp > 1:
+            bw, al = link(topo, "dp_cp", dev)
+            ep_comm += moe_layers * 2 * collective("all_reduce", 4 * (2 * m.n_experts + 3), p.dp * p.cp, bw, al)
+    if cpu:  # gloo runs on the cores that compute: nothing hides behind compute
+        cp_comm = ring if p.cp > 1 else 0.0
+    f_mb = fwd + (tp_comm + cp_comm + ep_comm) / 3
+    b_mb = bwd + recompute + 2 * (tp_comm + cp_comm + ep_comm) / 3
     mbs = p.microbatches
     # data-parallel collectives of the engine
     dp_exposed, dp_total = 0.0, 0.0
-    if p.zero_stage == 3:
+    if p.pp > 1 and p.zero_stage:  # stage-local sharding (pipeline/sharded.py): once per step, exposed
+        n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
+        bw, al = link(topo, "dp_shard_cp" if p.zero_stage == 3 else "dp_cp", dev)
+        dp_total = dp_exposed = (collective("all_gather", mem["gathered_total"], n, bw, al)
+                                 + collective("reduce_scatter", mem["reduce_total"], n, bw, al))
+        if p.zero_stage == 3 and p.dp_replicate > 1:
+            bw, al = link(topo, "dp_replicate", dev)
+            dp_exposed += collective("all_reduce", mem["grads"], p.dp_replicate, bw, al)
+    elif p.zero_stage == 3:
         n = p.dp_shard * p.cp
         bw, al = link(topo, "dp_shard_cp", dev)
         gathered = mem["gathered_total"]
@@ -110,7 +142,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
             + collective("reduce_scatter", mem["reduce_total"], n, bw, al)
         dp_total = per_mb * mbs
         units = max(1, m.n_layers)
-        dp_exposed = max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
+        dp_exposed = dp_total if cpu else max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
         if p.dp_replicate > 1:
             bw, al = link(topo, "dp_replicate", dev)
             dp_exposed += collective("all_reduce", mem["grads"], p.dp_replicate, bw, al)
@@ -120,14 +152,14 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         if p.zero_stage == 0:
             dp_total = collective("all_reduce", mem["grads"], n, bw, al)
             last_bucket = collective("all_reduce", min(mem["grads"], p.bucket_cap_mb * 2**20), n, bw, al)
-            hide = b_mb if (p.overlap_comm and p.pp == 1) else 0.0
+            hide = b_mb if (p.overlap_comm and p.pp == 1 and not cpu) else 0.0
             dp_exposed = max(last_bucket, dp_total - hide)
         else:
             full = mem["params"]
             rs = collective("reduce_scatter", full, n, bw, al) * (mbs if p.zero_stage == 2 else 1)
             ag = collective("all_gather", full, n, bw, al)
             dp_total = rs + ag
-            dp_exposed = ag + max(0.0, rs - (b_mb * mbs if p.overlap_comm else 0.0))
+            dp_exposed = ag + max(0.0, rs - (b_mb * mbs if p.overlap_comm and not cpu else 0.0))
     # the schedule
     if p.pp > 1:  # the schedule simulated once per (schedule, pp, m, v) with equal F, B, W
         bw, al = link(topo, "pp", dev)
@@ -144,5 +176,5 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     compute = mbs * (fwd + bwd + recompute)
     exposed = step - compute - max(bubble, 0.0) - optimizer
     return {"step_s": step, "compute": compute, "exposed_comm": max(exposed, 0.0), "bubble": max(bubble, 0.0),
-            "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs,
+            "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs, "ep_comm": ep_comm * mbs,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute}

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.topology import Topology
+from .shadow_ops import OpCount, meta_routing
 
 
 class ShadowComm:
@@ -163,54 +164,6 @@ def fused_attention():
         F.scaled_dot_product_attention = old
 
 
-class _GroupedMM(torch.autograd.Function):
-    """Stand-in for ``torch._grouped_mm`` on meta (whose meta kernel takes bf16 only): the
-    (rows, out) product, saving what the kernel's backward saves (both operands, the offsets)."""
-
-    @staticmethod
-    def forward(ctx, a, b, offs):
-        ctx.save_for_backward(a, b, offs)
-        return a.new_empty((a.shape[0], b.shape[-1]))
-
-    @staticmethod
-    def backward(ctx, g):  # pragma: no cover - traces never run backward
-        a, b, _ = ctx.saved_tensors
-        return torch.zeros_like(a), torch.zeros_like(b), None
-
-
-@contextlib.contextmanager
-def meta_routing(state: dict):
-    """MoE layers (models/moe.py, parallel/expert.py) run on meta as they are: their shapes never
-    depend on the routing except expert parallel's split sizes. Within the trace ``bincount``
-    returns ``minlength`` counts, ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta tensor's
-    ``tolist`` (the all-to-all split sizes) gives ``state["rows"]`` (the current MoE layer's
-    ``T * top_k`` assignments) spread evenly: balanced routing, no drop. Autocast is off on meta
-    (``is_autocast_enabled("meta")`` is False rather than an error; a trace picks its dtype)."""
-    old_bc, old_gmm, old_tl = torch.bincount, getattr(torch, "_grouped_mm", None), torch.Tensor.tolist
-    old_ac = torch.is_autocast_enabled
-
-    def bincount(x, weights=None, minlength=0):
-        if x.is_meta:
-            return torch.zeros(minlength, dtype=torch.int64, device="meta")
-        return old_bc(x, weights, minlength)
-
-    def tolist(t):
-        if t.is_meta and t.dim() == 1:
-            n, rows = t.shape[0], state.get("rows", 0)
-            return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
-        return old_tl(t)
-
-    torch.bincount, torch.Tensor.tolist = bincount, tolist
-    torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else old_ac(*a)
-    torch._grouped_mm = lambda a, b, offs=None, **kw: _GroupedMM.apply(a, b, offs)
-    try:
-        yield
-    finally:
-        torch.bincount, torch.Tensor.tolist, torch.is_autocast_enabled = old_bc, old_tl, old_ac
-        if old_gmm is not None:
-            torch._grouped_mm = old_gmm
-
-
 @dataclass
 class SavedTrace:
     """Bytes autograd saves for backward in one forward of one micro-batch, by region."""
@@ -232,6 +185,11 @@ class SavedTrace:
     """{region: bytes a split backward (ZB-H1, DualPipe) holds for the deferred W after B}: the
     distinct inputs of the modules whose W is direct (pipeline/wgrad.py ``direct_input``) and
     the gradients of every parameter-owning module's output."""
+    ops: dict = field(default_factory=dict)
+    """{region: aten operators the forward dispatches} (each also runs a backward)."""
+    ew_bytes: dict = field(default_factory=dict)
+    """{region: bytes written by the forward's operators other than matrix products (new
+    storages only; views and in-place ops write none)}: the elementwise traffic."""
     graph_kept: bool = False
     """Some parameter-owning module's W needs autograd (not ``direct_input``): B retains the
     graph, so a micro-batch's saved tensors stay until its W."""
@@ -330,7 +288,8 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
             hooks.append(mod.register_forward_hook(owner_post))
     try:
         batch = _meta_batch(cfg, spec, model, micro_batch, seq_len, dtype)
-        with fused_attention(), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fused_attention(), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                OpCount(out, state):
             model(*batch)
     finally:
         for h in hooks:

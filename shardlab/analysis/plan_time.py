@@ -102,12 +102,21 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         bw, al = link(topo, "tp", dev)
         one = collective("all_reduce", act_bytes, p.tp, bw, al)
         tp_comm = one * (4 * layers + 2 + (2 * layers if ac == "full" else 0))
-    cp_comm = 0.0
-    if p.cp > 1:  # ring: cp-1 exchanges of this rank's k and v per block, twice as much backward
+    cp_comm = ring = uly = 0.0
+    u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
+    if p.cp // u > 1:  # ring: cp/u - 1 exchanges of this rank's k and v per block, twice as much backward
         bw, al = link(topo, "cp", dev)
-        kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) * el
-        ring = (p.cp - 1) * (kv / bw + al) * 3 * layers
+        kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
+        ring = (p.cp // u - 1) * (kv / bw + al) * 3 * layers
         cp_comm = max(0.0, ring - (t_attn + (t_attn / 3 if ac != "none" else 0)))
+    if u > 1:  # Ulysses (parallel/ulysses.py): q, k, v, out all-to-all forward, their gradients backward
+        bw, al = link(topo, "cp", dev)
+        x = b * (s // p.cp) * m.d_model / p.tp * el
+        kvh = max(m.kv_heads / p.tp, u) if m.kv_heads / p.tp < u else m.kv_heads / p.tp
+        heads = m.d_model / m.head_dim / p.tp
+        uly = layers * (2 * collective("all_to_all", x, u, bw, al) + 2 * collective("all_to_all", x * kvh / heads, u, bw, al))
+        uly *= 3 + (1 if ac != "none" else 0)  # backward moves twice the forward's bytes; recompute repeats it
+        cp_comm += uly  # between dependent kernels: exposed
     ep_comm = 0.0
     if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats
         moe_layers = m.n_layers / max(1, m.moe_every) / p.pp
@@ -120,7 +129,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
             bw, al = link(topo, "dp_cp", dev)
             ep_comm += moe_layers * 2 * collective("all_reduce", 4 * (2 * m.n_experts + 3), p.dp * p.cp, bw, al)
     if cpu:  # gloo runs on the cores that compute: nothing hides behind compute
-        cp_comm = ring if p.cp > 1 else 0.0
+        cp_comm = ring + uly
     f_mb = fwd + (tp_comm + cp_comm + ep_comm) / 3
     b_mb = bwd + recompute + 2 * (tp_comm + cp_comm + ep_comm) / 3
     mbs = p.microbatches

@@ -163,14 +163,15 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["buffers"] = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) \
                 * cfg.model.d_model * act_dtype(cfg).itemsize
         return out
-    if p.zero_stage in (1, 2):
-        n = p.dp * p.cp
+    from ..distributed.topology import Topology
+    topo = Topology.from_config(p)
+    if p.zero_stage in (1, 2):  # expert weights in buffers of their own over edp (zero.shard_groups)
         low = LOW.get(t.param_dtype) if t.param_dtype in ("bf16", "fp16") else None
         fel = low or el
         out["params"] = frozen
         cap = p.bucket_cap_mb * 2**20
         biggest = 0
-        for group, _ in decay_groups(train, t.weight_decay):
+        for n, group in _flat_groups(train, "dp_cp", topo, t.weight_decay):
             for bucket in make_buckets([q for _, q in group], cap):
                 total = sum(q.numel() for q in bucket)
                 shard = max(1, math.ceil(total / n))
@@ -183,7 +184,6 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["buffers"] = biggest * fel  # the bucket staged until its reduce-scatter
         return out
     from ..parallel.fsdp import wrap_policy
-    n = p.dp_shard * p.cp
     units = wrap_policy(model, p.wrap_policy, spec)
     compute = LOW.get(t.param_dtype) or (2 if t.precision in ("bf16", "fp16") else None)
     master = compute is not None and compute != el
@@ -198,7 +198,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
                 seen.add(id(q))
                 mine.append((name, q))
         unit_bytes = 0
-        for group, _ in decay_groups(mine, t.weight_decay):
+        for n, group in _flat_groups(mine, "dp_shard_cp", topo, t.weight_decay):
             reduce_total += max(1, math.ceil(sum(q.numel() for _, q in group) / n)) * n * (LOW.get(t.reduce_dtype) or el)
             total = sum(q.numel() for _, q in group)
             shard = max(1, math.ceil(total / n))
@@ -211,7 +211,17 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     in_flight = 2 if p.prefetch else 1  # the unit computing and the one prefetched
     out["buffers"] = root + sum(rest[:in_flight])
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
+    out["units"] = float(len(gathered))
     return out
+
+
+def _flat_groups(named, dense: str, topo, weight_decay: float):
+    """(shard group size, parameters) of every flat buffer group the engines build: expert
+    weights over ``edp``, the rest over ``dense`` (zero.shard_groups), each split by weight decay."""
+    from ..parallel.zero import decay_groups, shard_groups
+    for gname, by_group in shard_groups(named, dense):
+        for group, _ in decay_groups(by_group, weight_decay):
+            yield topo.size(gname), group
 
 
 def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:

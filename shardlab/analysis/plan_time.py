@@ -149,6 +149,8 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         gathered = mem["gathered_total"]
         per_mb = collective("all_gather", gathered, n, bw, al) * (2 if p.reshard_after_forward else 1) \
             + collective("reduce_scatter", mem["reduce_total"], n, bw, al)
+        calls = 3 if p.reshard_after_forward else 2  # per unit: gather (forward, again backward), reduce-scatter
+        per_mb += (mem.get("units", 1) - 1) * calls * (2 * math.log2(n) * al if n > 1 else 0.0)
         dp_total = per_mb * mbs
         units = max(1, m.n_layers)
         dp_exposed = dp_total if cpu else max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units

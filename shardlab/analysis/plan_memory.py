@@ -8,22 +8,30 @@ split, LoRA adapters); then, per engine:
   plain / pipeline (DDP on top)  params P*psi, grads P*trainable, optim 2*P*trainable (AdamW m, v)
   DDP (zero_stage 0)             the same; gradient buckets in ``train.reduce_dtype`` if set
   ZeRO-1/2                       flat buffers (``ddp.make_buckets`` per weight-decay group) padded
-                                 to a multiple of N = dp*cp: params = padded buffers (low dtype with
+                                 to a multiple of N = dp*cp (expert weights: N = edp, buffers of
+                                 their own, zero.shard_groups): params = padded buffers (low dtype with
                                  ``train.param_dtype``, then + an fp32 master slice in optim), grads
                                  = padded buffers (ZeRO-1) or one slice per buffer (ZeRO-2),
                                  optim = 2 slices (m, v)
   ZeRO-3 / FSDP                  one flat buffer per unit (``wrap_policy``) and weight-decay group,
-                                 padded to N = dp_shard*cp: shard, gradient shard, m and v; the shard
-                                 counts as optimizer state (a master) when the gathered dtype differs
+                                 padded to N = dp_shard*cp (experts: edp): shard, gradient shard, m
+                                 and v; the shard counts as optimizer state (a master) when the
+                                 gathered dtype differs
+  ZeRO inside pipeline stages    pipeline/sharded.py: one flat buffer per weight-decay group of the
+                                 rank's stages; ZeRO-1/2 keep it whole, ZeRO-3 its slice; gradient,
+                                 m, v slices; the whole gradient (and ZeRO-3's gathered stage) are
+                                 buffers during the step
 
 P is the parameter element size (fp64 runs 8, else 4). Frozen parameters (a LoRA base) are held
 whole on every rank and take no gradient or optimizer state.
 
 Activations: :func:`shadow.trace_saved` of one micro-batch at the rank's local sequence
 (seq_len / cp), per region; full recomputation keeps each block's input, selective frees what
-only the attention core saved and keeps the core's inputs and (a fresh storage) its output. Pipeline ranks hold the schedule's
-peak number of micro-batches in flight (``simulate``: forward run, backward (B) not; ZB-H1:
-W not yet run), each for that rank's stage(s).
+only the attention core saved and keeps the core's inputs and (a fresh storage) its output.
+MoE layers are traced as they run (shadow_ops.meta_routing; expert parallel with balanced
+routing). Pipeline ranks: their action list walked in order (plan_pipeline.walk_peak): F adds
+the stage's micro-batch, B frees it (a split backward whose W are all direct frees the graph and
+holds the W stash until W, a separate term; otherwise W frees it).
 """
 from __future__ import annotations
 
@@ -142,7 +150,6 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     """{params, grads, optim, buffers}: bytes of the rank's model state and its data-parallel
     engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket)."""
     from ..parallel.ddp import make_buckets
-    from ..parallel.zero import decay_groups
     model, spec = local_model_for(cfg, pp_rank)
     p, t = cfg.parallel, cfg.train
     el = param_elem(cfg)

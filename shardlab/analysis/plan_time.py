@@ -7,13 +7,20 @@ Compute per micro-batch and rank (one pipeline stage):
               blocks' forward, selective the attention's
   attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
-On a CPU host whose ranks outnumber its cores, compute is slowed by ranks / cores.
+On a CPU (the probe's ``op_s`` and ``ew_bw``) the elementwise term is instead, per operator the
+traced forward dispatches, a probed latency (forward + backward) plus the bytes it writes at the
+probed elementwise rate; a host whose ranks outnumber its cores slows compute by ranks / cores,
+its collectives use the gloo figures probed with as many ranks as the layout runs, and nothing
+overlaps (gloo computes on the same cores).
 Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /
 reduce-scatter M(N-1)/N; time = 2 log2(N) alpha + wire / bus bandwidth, on NVLink when the group
 lies inside one node (the topology's axis order, tp fastest), else on the network.
 Overlap: TP collectives are exposed (they sit between dependent matmuls); CP's ring hides behind
-the attention it feeds; FSDP's gathers and reduce-scatters hide behind the compute of the other
-units (the root unit's gather and the last reduce-scatter do not); DDP's all-reduce hides behind
+the attention it feeds, Ulysses' all-to-alls do not; MoE's dispatch/combine all-to-alls (ep) and
+batch-wide statistics are exposed; ZeRO inside pipeline stages gathers and reduce-scatters once
+per step, exposed; FSDP's gathers and reduce-scatters hide behind the compute of the other
+units (the root unit's gather and the last reduce-scatter do not), each unit's collectives
+paying their latency; DDP's all-reduce hides behind
 the last micro-batch's backward except its last bucket; ZeRO-1/2's all-gather after the step does
 not hide. Pipelines: the schedule is simulated (parallel/pipeline/simulate.py) and its idle fraction
 stretches the stages' busy time; stage-to-stage sends add to each stage's cost.

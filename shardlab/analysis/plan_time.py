@@ -190,6 +190,9 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         span, bubble = mbs * (f_mb + b_mb), 0.0
     state = mem["params"] + mem["grads"] + mem["optim"]
     optimizer = 2 * state / dev.hbm_bw
+    if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
+        bw, al = link(topo, "world", dev) if dev.comm_n else (dev.inter_bw, dev.inter_alpha)
+        optimizer += collective("all_reduce", 8, topo.world_size, bw, al)
     step = span + dp_exposed + optimizer
     compute = mbs * (fwd + bwd + recompute)
     exposed = step - compute - max(bubble, 0.0) - optimizer

@@ -175,7 +175,8 @@ class SavedTrace:
     core_only: dict = field(default_factory=dict)
     """{block name: bytes saved only by the attention core} (what selective recomputation frees)."""
     core_inputs: dict = field(default_factory=dict)
-    """{block name: bytes of the core's inputs not saved otherwise} (what selective recomputation keeps)."""
+    """{block name: bytes of the core's inputs not saved otherwise} (what selective recomputation
+    keeps: the checkpoint holds them itself, outside autograd's saved tensors)."""
     core_outputs: dict = field(default_factory=dict)
     """{block name: bytes of the core's outputs}: under selective recomputation the checkpoint's
     output is a fresh storage, saved by the next projection (without it, a view of one already counted)."""
@@ -270,6 +271,7 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
             def core_pre(m, args, name=name):
                 state["in_core"] = name
                 core_in[name] = {a.untyped_storage()._cdata: a.untyped_storage().nbytes() for a in args[:3]}
+                alive.extend(args[:3])  # their ids must not be reused by tensors saved later
             hooks.append(core.register_forward_pre_hook(core_pre))
             def core_post(m, a, o, name=name):
                 state["in_core"] = None

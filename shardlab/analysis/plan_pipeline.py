@@ -76,9 +76,3 @@ def walk_peak(cfg, pp_rank: int, act: dict, stash: dict, graph_kept: bool) -> tu
             st -= stash[stage]
     return peak, st_peak
 
-
-def bubble(cfg) -> float:
-    """Idle fraction of the schedule simulated with F = B = W (simulate.py)."""
-    from .plan_memory import schedule_peaks
-    p = cfg.parallel
-    return schedule_peaks(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)[2]

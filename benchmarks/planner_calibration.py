@@ -1,4 +1,4 @@
-"""Planner calibration: predicted vs measured per-rank memory and step time for ~28 layouts.
+"""Planner calibration: predicted vs measured per-rank memory and step time for ~37 layouts.
 
     python benchmarks/planner_calibration.py [--layouts a:2,b:4] [--steps 5] [--device cpu]
         [--out benchmarks/results/planner_calibration.md]
@@ -65,6 +65,14 @@ LAYOUTS = [
     ("fsdp-ac-full", "fsdp-ac-full", 2, "llama", TINY),
     ("ep2", "ep2", 2, "llama", MOE),
     ("moe-dp", "moe-dp", 2, "llama", MOE),
+    ("pp2-fsdp", "pp2-fsdp", 4, "llama", TINY),
+    ("pp2-zero1", "pp2-zero1", 4, "llama", TINY),
+    ("pp2-dualpipev", "pp2-dualpipev", 2, "llama", TINY),
+    ("pp2-dualpipe", "pp2-dualpipe", 2, "llama", TINY),
+    ("cp2-ulysses", "cp2-ulysses", 2, "llama", TINY),
+    ("cp4-unified", "cp4-unified", 4, "llama", TINY),
+    ("ep2-zero2", "ep2-zero2", 2, "llama", MOE),
+    ("ep2-fsdp", "ep2-fsdp", 4, "llama", MOE),
     ("small dp", "dp", 2, "llama", SMALL),
     ("small zero2", "zero2", 2, "llama", SMALL),
     ("gpt2 dp", "dp", 2, "gpt2", GPT2),
@@ -121,6 +129,18 @@ def table(rows: list[dict]) -> str:
                          f"| {_mib(pa)} | {_mib(act)} | {_pct(cal.rel_err(pa, act) if pa is not None else None)} "
                          f"| {' | '.join(step)} |")
     return "\n".join(lines)
+
+
+def wgrad_table(rows: list[dict]) -> str:
+    """Split backward (ZB-H1, DualPipe/V): per rank, the predicted W stash vs the engine's
+    ``wgrad_peak_bytes`` (inputs and output gradients held from B to W, outside autograd)."""
+    lines = ["| layout | N | rank | stage | W stash pred MiB | meas MiB | err |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for r in row.get("ranks", []):
+            if r["meas"].wgrad_peak and r["pred"] is not None:
+                lines.append(f"| {row['layout']} | {row['nproc']} | {r['rank']} | {r['meas'].stage} "
+                             f"| {_mib(r['pred'].wgrad)} | {_mib(r['meas'].wgrad_peak)} | {_pct(r['wgrad_err'])} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def cuda_table(rows: list[dict]) -> str:
@@ -180,22 +200,29 @@ def main(argv=None) -> None:
     selected = [s.strip() for s in a.layouts.split(",") if s.strip()] or None
     layouts = configs(selected)
     probe = _probe(a.device)
+    if probe:
+        print("probe: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in probe.items()), file=sys.stderr)
 
     def log(row):
         print(f"  {row['layout']}:{row['nproc']}  {row['seconds']:.1f} s", file=sys.stderr, flush=True)
     rows = cal.calibrate(layouts, a.device, probe, a.warmup, a.steps, log=log)
-    tab, summ, ctab = table(rows), summary(rows), cuda_table(rows)
+    tab, summ, ctab, wtab = table(rows), summary(rows), cuda_table(rows), wgrad_table(rows)
     print(tab)
     print(summ)
-    if ctab:
-        print(ctab)
+    for extra in (wtab, ctab):
+        if extra:
+            print(extra)
     if a.out:
         from _ranks import write_table
         notes = ("Model state: bytes after the first optimizer step (parameters, gradients, optimizer "
                  "states; every storage once). Activations: peak of the saved-tensor bytes held at once during "
                  "one step (all micro-batches), parameters/buffers/flat buffers excluded. Step: slowest rank's "
-                 f"median of {a.steps} timed steps after {a.warmup} warm-up; device {a.device}, fp32, 1 thread/rank.")
-        write_table(a.out, "# Planner calibration", tab, summ, *([ctab] if ctab else []), notes)
+                 f"median of {a.steps} timed steps after {a.warmup} warm-up; device {a.device}, fp32, 1 thread/rank."
+                 + ("\n\nProbe (measured before the layouts, analysis/devices.py probe_cpu): "
+                    + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in probe.items())
+                    if probe else ""))
+        write_table(a.out, "# Planner calibration", tab, summ, *[t for t in (wtab, ctab) if t], notes)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Published figures (not measured here):
   Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM", Table 1 (GPT, seq 2048, vocabulary 51,200, A100 80GB, full recomputation):
     TFLOP/s per GPU by their count 96 B s l h^2 (1 + s/6h + V/16lh) (recomputation included).
+    Rows: 1.7B, 3.6B, 7.5B, 18.4B, 39.1B, 76.1B, 145.6B (batch 2304), 310.1B, 529.6B, 1T.
 The device constants are those of analysis/devices.py (docs/planner.md), the same for all rows.
 Assumed where the publications do not say: Megatron micro-batch 1, 1F1B, DDP, sequence parallel
 off (2021), its fused kernels modelled as ``parallel.compile``; torchtitan TP with sequence
@@ -36,10 +37,12 @@ TITAN = [  # (label, model, gpus, dp_shard, tp, local batch, AC, published tok/s
 ]
 MEGATRON = [  # (params, hidden, heads, layers, tp, pp, gpus, batch, published TFLOP/s per GPU)
     ("1.7B", 2304, 24, 24, 1, 1, 32, 512, 137),
+    ("3.6B", 3072, 32, 30, 2, 1, 64, 512, 138),
+    ("7.5B", 4096, 32, 36, 4, 1, 128, 512, 142),
     ("18.4B", 6144, 48, 40, 8, 1, 256, 1024, 135),
     ("39.1B", 8192, 64, 48, 8, 2, 512, 1536, 138),
     ("76.1B", 10240, 80, 60, 8, 4, 1024, 1792, 140),
-    # 145.6B (tp8 pp8, 1536 GPUs, batch 2048, 148): 2048 does not divide among dp = 24 replicas here
+    ("145.6B", 12288, 96, 80, 8, 8, 1536, 2304, 148),
     ("310.1B", 16384, 128, 96, 8, 16, 1920, 2160, 155),
     ("529.6B", 20480, 128, 105, 8, 35, 2520, 2520, 163),
     ("1T", 25600, 160, 128, 8, 64, 3072, 3072, 163),

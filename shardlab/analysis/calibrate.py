@@ -121,6 +121,8 @@ class Measured:
     step_times: list = field(default_factory=list)
     max_alloc: float | None = None
     buffers: float = 0.0
+    wgrad_peak: float = 0.0
+    """Split-backward pipelines: the engine's peak bytes held for deferred W (``wgrad_peak_bytes``)."""
 
     @property
     def model_state(self) -> float:
@@ -185,7 +187,8 @@ def _worker(ctx, cfg, warmup: int, steps: int):
     s = state[0]
     return Measured(mesh.rank, mesh.coords["pp"], float(s.params), float(s.grads), float(s.optim),
                     float(acts.peak), acts.total / cfg.parallel.microbatches,
-                    statistics.median(times) if times else float("nan"), times, max_alloc, _buffer_bytes(engine))
+                    statistics.median(times) if times else float("nan"), times, max_alloc, _buffer_bytes(engine),
+                    float(getattr(engine, "wgrad_peak_bytes", 0) or 0))
 
 
 def _buffer_bytes(engine) -> float:
@@ -242,6 +245,7 @@ def compare(name: str, cfg, measured: list[Measured], pred) -> dict:
         ranks.append({"rank": m.rank, "stage": m.stage, "meas": m, "pred": p,
                       "state_exact": None if p is None else ps == (m.params, m.grads, m.optim),
                       "act_err": None if p is None else rel_err(p.activations, m.act_peak),
+                      "wgrad_err": None if p is None or not m.wgrad_peak else rel_err(p.wgrad, m.wgrad_peak),
                       "alloc_err": None if p is None or m.max_alloc is None else rel_err(p.total, m.max_alloc)})
     step_s = max(m.step_s for m in measured)
     pred_step = getattr(pred, "step_time_s", None)

@@ -14,6 +14,7 @@ all-reduce latency and bandwidth (a few milliseconds-scale measurements), cached
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -36,6 +37,9 @@ class Device:
     gpus_per_node: int = 8
     note: str = ""
     cores: int = 0             # CPU: cores shared by the ranks of one host (0: one device per rank)
+    op_s: float = 0.0          # CPU: seconds of one small differentiable operator, forward + backward
+    ew_bw: float = 0.0         # CPU: forward output bytes/s of elementwise operators, forward + backward
+    comm_n: tuple = ()         # CPU: ((world size, alpha, bus bandwidth), ...) measured at that many ranks
 
 
 GiB = 2**30
@@ -58,7 +62,8 @@ def get_device(kind: str, probe: dict | None = None) -> Device:
         pr = probe or probe_cpu()
         return Device("CPU (probe)", pr["flops"], pr.get("memory", 16e9), pr.get("mem_bw", 5e9), pr.get("mm_eff", 1.0),
                       0.5 * pr.get("mm_eff", 1.0), pr["bw"], pr["alpha"], pr["bw"], pr["alpha"], 1 << 20,
-                      "measured by probe_cpu", pr.get("cores", 0))
+                      "measured by probe_cpu", pr.get("cores", 0), pr.get("op_s", 0.0), pr.get("ew_bw", 0.0),
+                      tuple(tuple(x) for x in pr.get("comm", ())))
     if kind not in DEVICES:
         raise ConfigError("--gpu", f"unknown device {kind!r}; known: {', '.join(sorted(DEVICES))}, cpu "
                                    "(the planner never guesses a device's peak)")
@@ -71,11 +76,17 @@ def with_nodes(dev: Device, gpus_per_node: int | None) -> Device:
 
 # -- CPU probe ---------------------------------------------------------------------------------------
 
-def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2) -> dict:
-    """Measured {flops, mm_eff, cores, alpha, bw, mem_bw}: one thread's fp32 matmul FLOP/s
-    (train/metrics.py's probe), the fraction of it a transformer-shaped linear reaches forward and
-    backward (mm_eff), the cores ranks share, gloo all-reduce of 4 bytes (latency per ring step) and of 4 MB over ``nproc`` ranks
-    (bus bandwidth), and a large copy's bandwidth. Cached in ``cache_dir/cpu_probe.json``."""
+def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2,
+              comm_sizes: tuple = (2, 4, 8)) -> dict:
+    """Measured {flops, mm_eff, cores, alpha, bw, mem_bw, op_s, ew_bw, comm}: one thread's fp32
+    matmul FLOP/s (train/metrics.py's probe), the fraction of it a transformer-shaped linear
+    reaches forward and backward (mm_eff), the cores ranks share, gloo all-reduce of 4 bytes
+    (latency per ring step) and of 4 MB over ``nproc`` ranks (bus bandwidth), a large copy's
+    bandwidth; a chain of SiLU operators forward and backward on 16 elements (``op_s``: seconds
+    per operator, the dispatch and autograd cost) and on 2^18 (``ew_bw``: output bytes per second
+    beyond that); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
+    [[n, alpha, bw]], alpha per 2 log2(n) steps as plan_time.collective counts them: with more
+    ranks than cores it includes their waiting for a core). Cached in ``cache_dir/cpu_probe.json``."""
     path = Path(cache_dir) / "cpu_probe.json"
     if path.exists() and not refresh:
         return json.loads(path.read_text())
@@ -101,21 +112,42 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     for _ in range(5):
         b.copy_(a)
     mem_bw = 2 * a.numel() * 4 * 5 / (time.perf_counter() - t0)
+    op_s = _chain(16)
+    ew_bw = 2**18 * 4 / max(_chain(2**18) - op_s, 1e-9)
     small, big = 4, 4 * 2**20
+    comm = []
     try:
         from ..launch import run
         times = run(_probe_comm, nproc, [small, big], threads=1, timeout_s=60)[0]
         steps = 2 * (nproc - 1)
         alpha = times[0] / steps
         bw = 2 * big * (nproc - 1) / nproc / max(times[1] - times[0], 1e-9)
+        for n in comm_sizes:
+            t = run(_probe_comm, n, [small, big], threads=1, timeout_s=120)[0]
+            comm.append([n, t[0] / (2 * math.log2(n)), 2 * big * (n - 1) / n / max(t[1] - t[0], 1e-9)])
     except Exception:  # no processes can be started: DESIGN's measured gloo figures (N=2)
         alpha, bw = 0.3e-3 / 2, 2 * big * 0.5 / 4.7e-3
     out = {"flops": flops, "mm_eff": mm_eff, "cores": os.cpu_count() or 1, "alpha": alpha, "bw": bw,
-           "mem_bw": mem_bw, "nproc": nproc,
+           "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "comm": comm,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     return out
+
+
+def _chain(n: int, k: int = 100, reps: int = 5) -> float:
+    """Seconds per operator of a chain of ``k`` SiLUs on ``n`` elements, forward and backward (best of reps)."""
+    import torch
+    x = torch.randn(n, requires_grad=True)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(k):
+            y = torch.nn.functional.silu(y)
+        y.sum().backward()
+        best = min(best, time.perf_counter() - t0)
+    return best / k
 
 
 def _probe_comm(ctx, sizes):

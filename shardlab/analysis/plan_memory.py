@@ -8,22 +8,30 @@ split, LoRA adapters); then, per engine:
   plain / pipeline (DDP on top)  params P*psi, grads P*trainable, optim 2*P*trainable (AdamW m, v)
   DDP (zero_stage 0)             the same; gradient buckets in ``train.reduce_dtype`` if set
   ZeRO-1/2                       flat buffers (``ddp.make_buckets`` per weight-decay group) padded
-                                 to a multiple of N = dp*cp: params = padded buffers (low dtype with
+                                 to a multiple of N = dp*cp (expert weights: N = edp, buffers of
+                                 their own, zero.shard_groups): params = padded buffers (low dtype with
                                  ``train.param_dtype``, then + an fp32 master slice in optim), grads
                                  = padded buffers (ZeRO-1) or one slice per buffer (ZeRO-2),
                                  optim = 2 slices (m, v)
   ZeRO-3 / FSDP                  one flat buffer per unit (``wrap_policy``) and weight-decay group,
-                                 padded to N = dp_shard*cp: shard, gradient shard, m and v; the shard
-                                 counts as optimizer state (a master) when the gathered dtype differs
+                                 padded to N = dp_shard*cp (experts: edp): shard, gradient shard, m
+                                 and v; the shard counts as optimizer state (a master) when the
+                                 gathered dtype differs
+  ZeRO inside pipeline stages    pipeline/sharded.py: one flat buffer per weight-decay group of the
+                                 rank's stages; ZeRO-1/2 keep it whole, ZeRO-3 its slice; gradient,
+                                 m, v slices; the whole gradient (and ZeRO-3's gathered stage) are
+                                 buffers during the step
 
 P is the parameter element size (fp64 runs 8, else 4). Frozen parameters (a LoRA base) are held
 whole on every rank and take no gradient or optimizer state.
 
 Activations: :func:`shadow.trace_saved` of one micro-batch at the rank's local sequence
 (seq_len / cp), per region; full recomputation keeps each block's input, selective frees what
-only the attention core saved and keeps the core's inputs and (a fresh storage) its output. Pipeline ranks hold the schedule's
-peak number of micro-batches in flight (``simulate``: forward run, backward (B) not; ZB-H1:
-W not yet run), each for that rank's stage(s).
+only the attention core saved and keeps the core's inputs and (a fresh storage) its output.
+MoE layers are traced as they run (shadow_ops.meta_routing; expert parallel with balanced
+routing). Pipeline ranks: their action list walked in order (plan_pipeline.walk_peak): F adds
+the stage's micro-batch, B frees it (a split backward whose W are all direct frees the graph and
+holds the W stash until W, a separate term; otherwise W frees it).
 """
 from __future__ import annotations
 
@@ -70,16 +78,51 @@ def _canonical(cfg) -> str:
     data-parallel and context degrees are normalised away so that layouts share one build."""
     d = {k: v for k, v in cfg.to_dict().items() if k in ("model", "parallel", "train")}
     par = d["parallel"]
-    par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, zero_stage=0, microbatches=max(par["pp"], 1))
+    par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, cp_ulysses=1, zero_stage=0, microbatches=max(par["pp"], 1))
     if par["pp_schedule"] == "interleaved":
         par["microbatches"] = par["pp"]
+    if par["pp_schedule"] in ("dualpipe", "dualpipev"):
+        par["microbatches"] = 2 * par["pp"]
     d["train"] = {k: d["train"][k] for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "precision")}
     return json.dumps(d, sort_keys=True)
 
 
 def local_model_for(cfg, pp_rank: int):
-    cfg_json = _canonical(cfg)
-    return _local_inventory(cfg_json, cfg_json, pp_rank)
+    """(the rank's local model, spec). With pp > 1 the unsplit model (one build per TP/EP/LoRA
+    shape, shared by every pipeline degree and schedule) is filtered to the parameters the
+    rank's stages keep: the layers of its stages (``shadow.stage_ranges`` and the schedule's
+    ``rank_of``, as ``stage.split_model`` keeps them) and the first/last modules if it owns the
+    stage starting at layer 0 / ending at the last layer."""
+    if cfg.parallel.pp == 1:
+        cfg_json = _canonical(cfg)
+        return _local_inventory(cfg_json, cfg_json, pp_rank)
+    import copy
+    from .plan_pipeline import layout
+    from .shadow import stage_ranges
+    flat = copy.deepcopy(cfg)
+    flat.parallel.pp, flat.parallel.pp_virtual, flat.parallel.pp_schedule = 1, 1, "1f1b"
+    cfg_json = _canonical(flat)
+    model, spec = _local_inventory(cfg_json, cfg_json, 0)
+    ranges, owner = stage_ranges(cfg), layout(cfg).rank_of
+    end = max(r.stop for r in ranges)
+    mine = [r for s, r in enumerate(ranges) if owner(s) == pp_rank]
+    layers = {f"layers.{i}." for r in mine for i in r}
+    ends = (tuple(spec.pp_first or ()) if any(r.start == 0 for r in mine) else ()) \
+        + (tuple(spec.pp_last) if any(r.stop == end for r in mine) else ())
+    ends = tuple(f"{n}." for n in ends)
+    kept = [(n, q) for n, q in model.named_parameters()
+            if (n.startswith("layers.") and n[:n.index(".", 7) + 1] in layers) or n.startswith(ends)]
+    return _Kept(kept), spec
+
+
+class _Kept:
+    """The parameters a pipeline rank keeps, as (global name, meta parameter) pairs."""
+
+    def __init__(self, named):
+        self._named = named
+
+    def named_parameters(self):
+        return iter(self._named)
 
 
 def _fast_key(cfg, *extra) -> tuple:
@@ -88,6 +131,7 @@ def _fast_key(cfg, *extra) -> tuple:
     return (tuple(sorted(vars(cfg.model).items())), t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.precision,
             t.param_dtype, t.reduce_dtype, t.weight_decay, t.seq_len, p.tp, p.pp, p.pp_virtual, p.ep, p.zero_stage,
             p.dp_replicate, p.dp_shard, p.cp, p.bucket_cap_mb, p.wrap_policy, p.prefetch, p.sequence_parallel,
+            p.pp_schedule, p.cp_impl, p.cp_ulysses,
             t.global_batch // p.dp // p.microbatches) + extra
 
 
@@ -106,7 +150,6 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     """{params, grads, optim, buffers}: bytes of the rank's model state and its data-parallel
     engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket)."""
     from ..parallel.ddp import make_buckets
-    from ..parallel.zero import decay_groups
     model, spec = local_model_for(cfg, pp_rank)
     p, t = cfg.parallel, cfg.train
     el = param_elem(cfg)
@@ -115,6 +158,8 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     frozen = sum(q.numel() for _, q in named if not q.requires_grad) * el
     psi_t = sum(q.numel() for _, q in train)
     out = {"params": 0.0, "grads": 0.0, "optim": 0.0, "buffers": 0.0}
+    if p.pp > 1 and p.zero_stage:
+        return _stage_sharded(cfg, train, frozen, el, out)
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
         out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el)
@@ -125,14 +170,15 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["buffers"] = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) \
                 * cfg.model.d_model * act_dtype(cfg).itemsize
         return out
-    if p.zero_stage in (1, 2):
-        n = p.dp * p.cp
+    from ..distributed.topology import Topology
+    topo = Topology.from_config(p)
+    if p.zero_stage in (1, 2):  # expert weights in buffers of their own over edp (zero.shard_groups)
         low = LOW.get(t.param_dtype) if t.param_dtype in ("bf16", "fp16") else None
         fel = low or el
         out["params"] = frozen
         cap = p.bucket_cap_mb * 2**20
         biggest = 0
-        for group, _ in decay_groups(train, t.weight_decay):
+        for n, group in _flat_groups(train, "dp_cp", topo, t.weight_decay):
             for bucket in make_buckets([q for _, q in group], cap):
                 total = sum(q.numel() for q in bucket)
                 shard = max(1, math.ceil(total / n))
@@ -145,7 +191,6 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["buffers"] = biggest * fel  # the bucket staged until its reduce-scatter
         return out
     from ..parallel.fsdp import wrap_policy
-    n = p.dp_shard * p.cp
     units = wrap_policy(model, p.wrap_policy, spec)
     compute = LOW.get(t.param_dtype) or (2 if t.precision in ("bf16", "fp16") else None)
     master = compute is not None and compute != el
@@ -160,7 +205,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
                 seen.add(id(q))
                 mine.append((name, q))
         unit_bytes = 0
-        for group, _ in decay_groups(mine, t.weight_decay):
+        for n, group in _flat_groups(mine, "dp_shard_cp", topo, t.weight_decay):
             reduce_total += max(1, math.ceil(sum(q.numel() for _, q in group) / n)) * n * (LOW.get(t.reduce_dtype) or el)
             total = sum(q.numel() for _, q in group)
             shard = max(1, math.ceil(total / n))
@@ -173,6 +218,41 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     in_flight = 2 if p.prefetch else 1  # the unit computing and the one prefetched
     out["buffers"] = root + sum(rest[:in_flight])
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
+    out["units"] = float(len(gathered))
+    return out
+
+
+def _flat_groups(named, dense: str, topo, weight_decay: float):
+    """(shard group size, parameters) of every flat buffer group the engines build: expert
+    weights over ``edp``, the rest over ``dense`` (zero.shard_groups), each split by weight decay."""
+    from ..parallel.zero import decay_groups, shard_groups
+    for gname, by_group in shard_groups(named, dense):
+        for group, _ in decay_groups(by_group, weight_decay):
+            yield topo.size(gname), group
+
+
+def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
+    """ZeRO-1/2/3 inside pipeline stages (pipeline/sharded.py): one flat buffer per weight-decay
+    group of the rank's stages, padded to a multiple of the shard group S (dp_cp; ZeRO-3:
+    dp_shard x cp). After the step: ZeRO-1/2 keep the full buffer (the slice aliases it), ZeRO-3
+    only its slice; gradient = one slice, m and v = slices. During the step every flat gradient
+    is whole (``grad_full``) and ZeRO-3's parameters gathered: both counted as buffers."""
+    from ..parallel.zero import decay_groups
+    p, t = cfg.parallel, cfg.train
+    n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
+    out["params"] = frozen
+    padded_total = 0
+    for group, _ in decay_groups(train, t.weight_decay):
+        shard = max(1, math.ceil(sum(q.numel() for _, q in group) / n))
+        padded_total += shard * n
+        out["params"] += (shard if p.zero_stage == 3 else shard * n) * el
+        out["grads"] += shard * el
+        out["optim"] += 2 * shard * el
+    b = t.global_batch // p.dp // p.microbatches
+    recv = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
+        * act_dtype(cfg).itemsize
+    out["buffers"] = padded_total * el * (2 if p.zero_stage == 3 else 1) + recv
+    out["gathered_total"] = out["reduce_total"] = float(padded_total * el)
     return out
 
 
@@ -241,20 +321,32 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
         return full
 
     per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))
+    stash_block = sum(tr.wgrad.get(b, 0) for b in blocks) / max(1, len(blocks))
+    ops_block = sum(tr.ops.get(b, 0) for b in blocks) / max(1, len(blocks))
+    ew_block = sum(tr.ew_bytes.get(b, 0) for b in blocks) / max(1, len(blocks))
     full_block = max((tr.regions[b] for b in blocks), default=0)
     from .shadow import stage_ranges
     ranges = stage_ranges(cfg)
-    out = {}
-    n_stages = p.pp * p.pp_virtual
-    for s in range(n_stages):
-        if s % p.pp != pp_rank:
+    end = max(r.stop for r in ranges)
+    if p.pp > 1:
+        from .plan_pipeline import layout
+        owner = layout(cfg).rank_of
+    else:
+        owner = lambda s: 0  # noqa: E731
+    out, stash, ops, ew = {}, {}, {}, {}
+    for s, rng in enumerate(ranges):
+        if owner(s) != pp_rank:
             continue
-        b = len(ranges[s]) * per_block
-        if s == 0:
-            b += tr.regions.get("first", 0)
-        if s == n_stages - 1:
-            b += tr.regions.get("last", 0)
-        out[s] = b
+        n = len(rng)
+        b, w, o, e = n * per_block, n * stash_block, n * ops_block, n * ew_block
+        for region, here in (("first", rng.start == 0), ("last", rng.stop == end)):
+            if here:
+                b += tr.regions.get(region, 0)
+                w += tr.wgrad.get(region, 0)
+                o += tr.ops.get(region, 0)
+                e += tr.ew_bytes.get(region, 0)
+        out[s], stash[s], ops[s], ew[s] = b, w, o, e
+    out["stash"], out["graph_kept"], out["ops"], out["ew"] = stash, tr.graph_kept, ops, ew
     out["recompute"] = full_block if mode == "full" else 0
     out["logits"] = tr.logits
     return out
@@ -268,33 +360,40 @@ def _small_cfg(cfg):
     small = copy.deepcopy(cfg)
     m = small.model
     m.n_layers = min(m.n_layers, 2)
-    if m.n_experts:  # routing is data-dependent (no meta kernels): traced as a dense FFN of top_k x
-        m.ffn_hidden = m.ffn_dim * m.moe_top_k  # the expert size, every block MoE (an approximation)
-        m.n_experts, small.parallel.ep = 0, 1
     small.parallel.pp, small.parallel.pp_virtual, small.parallel.pp_schedule = 1, 1, "1f1b"
     small.parallel.activation_checkpointing = "none"
     return small
 
 
+SIMULATE_LIMIT = 4096
+"""Schedules with more compute actions than this (pp x microbatches x 3, the planner's large
+searches) take the closed-form bubble of schedule.theoretical_bubble instead of the simulator."""
+
+
 @functools.lru_cache(maxsize=512)
 def schedule_peaks(name: str, pp: int, m: int, v: int) -> tuple:
-    """(peak micro-batches in flight per rank, peak held graphs per rank, simulated bubble)."""
-    from ..parallel.pipeline.schedule import build
+    """(peak micro-batches in flight per rank, peak held graphs per rank, bubble): simulated
+    (simulate.py, F = B = W), or for large schedules the closed form (peaks then empty)."""
+    from ..parallel.pipeline.schedule import build, theoretical_bubble
     from ..parallel.pipeline.simulate import simulate
+    if 3 * pp * m * v > SIMULATE_LIMIT:
+        return (), (), theoretical_bubble(name, pp, m, v)
     res = simulate(build(name, pp, m, v))
     return tuple(res.peak_inflight), tuple(res.peak_held), res.bubble
 
 
-def activations(cfg, pp_rank: int = 0, device: str = "cpu") -> tuple[float, float]:
-    """(bytes of activations held at the peak of a step, the largest transient) for a rank."""
+def activations(cfg, pp_rank: int = 0, device: str = "cpu") -> tuple[float, float, float]:
+    """(bytes of saved activations at the peak of a step, the largest transient, the peak W stash
+    of a split backward) for a rank."""
     p = cfg.parallel
     ch = chunk_activations(cfg, pp_rank, device)
     stages = {k: v for k, v in ch.items() if isinstance(k, int)}
+    stash = 0.0
     if p.pp == 1:
         held = sum(stages.values())
-    else:
-        inflight, held_graphs, _ = schedule_peaks(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
-        peak = held_graphs[pp_rank] if p.pp_schedule == "zb-h1" else inflight[pp_rank]
-        held = peak * sum(stages.values()) / len(stages)
+    else:  # the rank's action list walked in order (plan_pipeline.py)
+        from .plan_pipeline import walk_peak
+        graph_kept = ch["graph_kept"] or p.activation_checkpointing != "none"
+        held, stash = walk_peak(cfg, pp_rank, stages, ch["stash"], graph_kept)
     transient = max(ch["recompute"], 2 * ch["logits"])
-    return float(held), float(transient)
+    return float(held), float(transient), float(stash)

@@ -2,9 +2,12 @@
 tokens/s (``shardlab plan``, docs/planner.md).
 
 Candidates: tp among the divisors of the GPUs of one node, pp among the divisors of what is left
-(at most the layer count), cp in powers of two, the rest data parallel as DDP, ZeRO-1/2, FSDP or
-HSDP (FSDP inside a node, replicas across); pipelines with 1F1B, interleaved (2 virtual stages)
-and ZB-H1; micro-batches of 1, 2, 4 or 8 sequences; recomputation none, selective or full. Which
+(at most the layer count), cp in powers of two (ring, Ulysses, and from cp = 4 unified with a
+Ulysses degree of 2), ep (MoE models) in powers of two dividing the experts and dp x cp, the rest
+data parallel as DDP, ZeRO-1/2, FSDP or HSDP (FSDP inside a node, replicas across); with pipelines
+ZeRO-1 or ZeRO-3 inside the stages, and the schedules 1F1B, interleaved (2 virtual stages), ZB-H1,
+DualPipeV and DualPipe (two parameter copies; not with ZeRO); micro-batches of 1, 2, 4 or 8
+sequences; recomputation none, selective or full. Which
 candidates are valid is decided by ``Config.validate`` (the same refusals a run gets), never by
 rules restated here. Pruning, cheapest first: divisibility, then model state against the device
 memory, then activations, then the time model.
@@ -40,10 +43,12 @@ def layout_label(cfg) -> str:
     if p.dp_replicate > 1:
         parts.append(f"rep{p.dp_replicate}")
     if p.dp_shard > 1 or p.zero_stage:
-        parts.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[p.zero_stage] + str(p.dp_shard))
+        parts.append({0: "ddp", 1: "zero1-", 2: "zero2-", 3: "fsdp"}[p.zero_stage] + str(p.dp_shard))
     for name in ("tp", "cp", "ep"):
         if getattr(p, name) > 1:
-            parts.append(f"{name}{getattr(p, name)}" + ("sp" if name == "tp" and p.sequence_parallel else ""))
+            parts.append(f"{name}{getattr(p, name)}" + ("sp" if name == "tp" and p.sequence_parallel else "")
+                         + ({"ulysses": "-ulysses", "unified": f"-unified{p.cp_ulysses}"}.get(p.cp_impl, "")
+                            if name == "cp" else ""))
     if p.pp > 1:
         parts.append(f"pp{p.pp}:{p.pp_schedule}" + (f"v{p.pp_virtual}" if p.pp_virtual > 1 else ""))
     mb = cfg.train.global_batch // p.dp // p.microbatches
@@ -81,8 +86,8 @@ def enumerate_layouts(base, gpus: int, gpus_per_node: int, fixed: dict | None = 
                 if rest % (pp * cp):
                     continue
                 dp = rest // (pp * cp)
-                for zero, rep in _dp_options(dp, tp, cp, pp, gpus_per_node, fixed):
-                    for sched, v in _schedules(pp, m.n_layers, fixed):
+                for zero, rep, cp_impl, ep in _dp_options(dp, tp, cp, pp, gpus_per_node, fixed, m):
+                    for sched, v in _schedules(pp, m.n_layers, fixed, zero):
                         outer = None
                         for mbs in ([fixed["mb"]] if "mb" in fixed else [1, 2, 4, 8]):
                             if t.global_batch % (dp * mbs):
@@ -94,6 +99,8 @@ def enumerate_layouts(base, gpus: int, gpus_per_node: int, fixed: dict | None = 
                                 cfg = copy.deepcopy(base)
                                 p = cfg.parallel
                                 p.tp, p.pp, p.cp, p.zero_stage = tp, pp, cp, zero
+                                p.cp_impl, p.ep = cp_impl, ep
+                                p.cp_ulysses = 2 if cp_impl == "unified" else 1
                                 p.dp_replicate, p.dp_shard = rep, dp // rep
                                 p.pp_schedule, p.pp_virtual, p.microbatches = sched, v, micro
                                 p.activation_checkpointing = ac
@@ -111,19 +118,27 @@ def enumerate_layouts(base, gpus: int, gpus_per_node: int, fixed: dict | None = 
                                 break
 
 
-def _dp_options(dp, tp, cp, pp, gpn, fixed):
-    zs = [fixed["zero"]] if "zero" in fixed else ([0] if pp > 1 else [0, 1, 2, 3])
+def _dp_options(dp, tp, cp, pp, gpn, fixed, model):
+    """(zero stage, dp_replicate, cp_impl, ep). Inside pipeline stages ZeRO-2 is ZeRO-1 (one
+    gradient reduction per step either way, pipeline/sharded.py), so it is not enumerated."""
+    zs = [fixed["zero"]] if "zero" in fixed else ([0, 1, 3] if pp > 1 else [0, 1, 2, 3])
+    impls = ["ring"] if cp == 1 else ["ring", "ulysses"] + (["unified"] if cp >= 4 else [])
+    eps = [1] if not model.n_experts else [e for e in _pow2(model.n_experts)
+                                           if (dp * cp) % e == 0 and model.n_experts % e == 0]
     for z in zs:
-        yield z, 1
-        inner = gpn // (tp * cp) if gpn % (tp * cp) == 0 else 0
-        if z == 3 and inner > 1 and dp % inner == 0 and dp > inner:
-            yield z, dp // inner  # HSDP: shard inside a node, replicate across nodes
+        for impl in impls:
+            for ep in eps:
+                yield z, 1, impl, ep
+                inner = gpn // (tp * cp) if gpn % (tp * cp) == 0 else 0
+                if z == 3 and inner > 1 and dp % inner == 0 and dp > inner:
+                    yield z, dp // inner, impl, ep  # HSDP: shard inside a node, replicate across nodes
 
 
-def _schedules(pp, layers, fixed):
+def _schedules(pp, layers, fixed, zero=0):
     if pp == 1:
         return [("1f1b", 1)]
-    names = [fixed["schedule"]] if "schedule" in fixed else ["1f1b", "interleaved", "zb-h1"]
+    names = [fixed["schedule"]] if "schedule" in fixed else \
+        ["1f1b", "interleaved", "zb-h1", "dualpipev"] + (["dualpipe"] if zero == 0 else [])
     out = []
     for s in names:
         if s == "interleaved":
@@ -144,7 +159,7 @@ def evaluate(cfg, device: str, gpus_per_node: int, capacity: float):
     if peak.total > capacity:
         return None
     gpus = p.world_size
-    mem = {k: getattr(peak, k) for k in ("params", "grads", "optim", "activations", "buffers", "transient")}
+    mem = {k: getattr(peak, k) for k in ("params", "grads", "optim", "activations", "buffers", "transient", "wgrad")}
     return Candidate(cfg, mem, peak.total, pred.tokens_per_s / gpus, pred.mfu, pred.breakdown)
 
 
@@ -159,19 +174,33 @@ def _edge_ranks(pp: int) -> list[int]:
 
 
 def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | None = None):
-    """(ranked candidates that fit, number of valid layouts, number dropped for memory)."""
+    """(ranked candidates that fit, number of valid layouts, number dropped for memory). A layout
+    with recomputation is not evaluated when the same layout without it fits (it cannot be
+    faster); it still counts as valid."""
     from .devices import get_device
     capacity = HEADROOM * get_device(device).memory
     fits, valid, dropped = [], 0, 0
+    fit_without_ac = set()
     for cfg in enumerate_layouts(base, gpus, gpus_per_node, fixed, lambda c: state_fits(c, capacity)):
         valid += 1
+        key = _without_ac(cfg)
+        if key in fit_without_ac:  # dominated: recomputation only adds time (plan_time), and the
+            continue               # same layout without it already fits
         c = evaluate(cfg, device, gpus_per_node, capacity)
+        if c is not None and cfg.parallel.activation_checkpointing == "none":
+            fit_without_ac.add(key)
         if c is None:
             dropped += 1
         else:
             fits.append(c)
     fits.sort(key=lambda c: -c.tokens_per_gpu)
     return fits, valid, dropped
+
+
+def _without_ac(cfg) -> tuple:
+    d = dict(vars(cfg.parallel))
+    d.pop("activation_checkpointing")
+    return tuple(sorted((k, str(v)) for k, v in d.items()))
 
 
 def smallest_cluster(base, gpus: int, device: str, gpus_per_node: int, fixed=None, limit: int = 1 << 20):

@@ -7,13 +7,20 @@ Compute per micro-batch and rank (one pipeline stage):
               blocks' forward, selective the attention's
   attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
-On a CPU host whose ranks outnumber its cores, compute is slowed by ranks / cores.
+On a CPU (the probe's ``op_s`` and ``ew_bw``) the elementwise term is instead, per operator the
+traced forward dispatches, a probed latency (forward + backward) plus the bytes it writes at the
+probed elementwise rate; a host whose ranks outnumber its cores slows compute by ranks / cores,
+its collectives use the gloo figures probed with as many ranks as the layout runs, and nothing
+overlaps (gloo computes on the same cores).
 Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /
 reduce-scatter M(N-1)/N; time = 2 log2(N) alpha + wire / bus bandwidth, on NVLink when the group
 lies inside one node (the topology's axis order, tp fastest), else on the network.
 Overlap: TP collectives are exposed (they sit between dependent matmuls); CP's ring hides behind
-the attention it feeds; FSDP's gathers and reduce-scatters hide behind the compute of the other
-units (the root unit's gather and the last reduce-scatter do not); DDP's all-reduce hides behind
+the attention it feeds, Ulysses' all-to-alls do not; MoE's dispatch/combine all-to-alls (ep) and
+batch-wide statistics are exposed; ZeRO inside pipeline stages gathers and reduce-scatters once
+per step, exposed; FSDP's gathers and reduce-scatters hide behind the compute of the other
+units (the root unit's gather and the last reduce-scatter do not), each unit's collectives
+paying their latency; DDP's all-reduce hides behind
 the last micro-batch's backward except its last bucket; ZeRO-1/2's all-gather after the step does
 not hide. Pipelines: the schedule is simulated (parallel/pipeline/simulate.py) and its idle fraction
 stretches the stages' busy time; stage-to-stage sends add to each stage's cost.
@@ -38,7 +45,12 @@ def collective(kind: str, nbytes: float, n: int, bw: float, alpha: float) -> flo
 
 def link(topo, group: str, dev) -> tuple[float, float]:
     """(bus bandwidth, latency) of the ``group`` that contains rank 0: NVLink if its ranks share a
-    node, else the network."""
+    node, else the network. CPU: gloo as the probe measured it with as many ranks as the layout
+    runs (the closest world size probed, not below it when one is)."""
+    if dev.comm_n:
+        w = topo.world_size
+        n, alpha, bw = min(dev.comm_n, key=lambda e: (e[0] < w, abs(e[0] - w)))
+        return bw, alpha
     ranks = _group_of_rank0(topo, group)
     nodes = {r // dev.gpus_per_node for r in ranks}
     return (dev.intra_bw, dev.intra_alpha) if len(nodes) == 1 else (dev.inter_bw, dev.inter_alpha)
@@ -78,7 +90,13 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     t_mm, t_attn = over * mm / (peak * dev.mm_eff), over * attn / (peak * dev.attn_eff)
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
-    t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
+    cpu = dev.op_s > 0
+    if cpu:  # every operator's dispatch + autograd cost and its written bytes, both probed
+        half = 0.5 if p.pp > 1 and p.pp_schedule == "dualpipe" else 1.0  # a micro-batch runs one copy
+        ops, ew = half * sum(traced.get("ops", {}).values()), half * sum(traced.get("ew", {}).values())
+        t_elem = over * (ops * dev.op_s + ew / dev.ew_bw)
+    else:
+        t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
@@ -91,26 +109,58 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         bw, al = link(topo, "tp", dev)
         one = collective("all_reduce", act_bytes, p.tp, bw, al)
         tp_comm = one * (4 * layers + 2 + (2 * layers if ac == "full" else 0))
-    cp_comm = 0.0
-    if p.cp > 1:  # ring: cp-1 exchanges of this rank's k and v per block, twice as much backward
+    cp_comm = ring = uly = 0.0
+    u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
+    if p.cp // u > 1:  # ring: cp/u - 1 exchanges of this rank's k and v per block, twice as much backward
         bw, al = link(topo, "cp", dev)
-        kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) * el
-        ring = (p.cp - 1) * (kv / bw + al) * 3 * layers
+        kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
+        ring = (p.cp // u - 1) * (kv / bw + al) * 3 * layers
         cp_comm = max(0.0, ring - (t_attn + (t_attn / 3 if ac != "none" else 0)))
-    f_mb = fwd + (tp_comm + cp_comm) / 3
-    b_mb = bwd + recompute + 2 * (tp_comm + cp_comm) / 3
+    if u > 1:  # Ulysses (parallel/ulysses.py): q, k, v, out all-to-all forward, their gradients backward
+        bw, al = link(topo, "cp", dev)
+        x = b * (s // p.cp) * m.d_model / p.tp * el
+        kvh = max(m.kv_heads / p.tp, u) if m.kv_heads / p.tp < u else m.kv_heads / p.tp
+        heads = m.d_model / m.head_dim / p.tp
+        uly = layers * (2 * collective("all_to_all", x, u, bw, al) + 2 * collective("all_to_all", x * kvh / heads, u, bw, al))
+        uly *= 3 + (1 if ac != "none" else 0)  # backward moves twice the forward's bytes; recompute repeats it
+        cp_comm += uly  # between dependent kernels: exposed
+    ep_comm = 0.0
+    if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats
+        moe_layers = m.n_layers / max(1, m.moe_every) / p.pp
+        rows = b * (s // p.cp) * m.moe_top_k * m.d_model * el
+        if p.ep > 1:
+            bw, al = link(topo, "ep", dev)
+            ep_comm += moe_layers * (4 * collective("all_to_all", rows, p.ep, bw, al)
+                                     + collective("all_to_all", 8 * m.n_experts, p.ep, bw, al))
+        if p.dp * p.cp > 1:
+            bw, al = link(topo, "dp_cp", dev)
+            ep_comm += moe_layers * 2 * collective("all_reduce", 4 * (2 * m.n_experts + 3), p.dp * p.cp, bw, al)
+    if cpu:  # gloo runs on the cores that compute: nothing hides behind compute
+        cp_comm = ring + uly
+    f_mb = fwd + (tp_comm + cp_comm + ep_comm) / 3
+    b_mb = bwd + recompute + 2 * (tp_comm + cp_comm + ep_comm) / 3
     mbs = p.microbatches
     # data-parallel collectives of the engine
     dp_exposed, dp_total = 0.0, 0.0
-    if p.zero_stage == 3:
+    if p.pp > 1 and p.zero_stage:  # stage-local sharding (pipeline/sharded.py): once per step, exposed
+        n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
+        bw, al = link(topo, "dp_shard_cp" if p.zero_stage == 3 else "dp_cp", dev)
+        dp_total = dp_exposed = (collective("all_gather", mem["gathered_total"], n, bw, al)
+                                 + collective("reduce_scatter", mem["reduce_total"], n, bw, al))
+        if p.zero_stage == 3 and p.dp_replicate > 1:
+            bw, al = link(topo, "dp_replicate", dev)
+            dp_exposed += collective("all_reduce", mem["grads"], p.dp_replicate, bw, al)
+    elif p.zero_stage == 3:
         n = p.dp_shard * p.cp
         bw, al = link(topo, "dp_shard_cp", dev)
         gathered = mem["gathered_total"]
         per_mb = collective("all_gather", gathered, n, bw, al) * (2 if p.reshard_after_forward else 1) \
             + collective("reduce_scatter", mem["reduce_total"], n, bw, al)
+        calls = 3 if p.reshard_after_forward else 2  # per unit: gather (forward, again backward), reduce-scatter
+        per_mb += (mem.get("units", 1) - 1) * calls * (2 * math.log2(n) * al if n > 1 else 0.0)
         dp_total = per_mb * mbs
         units = max(1, m.n_layers)
-        dp_exposed = max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
+        dp_exposed = dp_total if cpu else max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
         if p.dp_replicate > 1:
             bw, al = link(topo, "dp_replicate", dev)
             dp_exposed += collective("all_reduce", mem["grads"], p.dp_replicate, bw, al)
@@ -120,14 +170,14 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         if p.zero_stage == 0:
             dp_total = collective("all_reduce", mem["grads"], n, bw, al)
             last_bucket = collective("all_reduce", min(mem["grads"], p.bucket_cap_mb * 2**20), n, bw, al)
-            hide = b_mb if (p.overlap_comm and p.pp == 1) else 0.0
+            hide = b_mb if (p.overlap_comm and p.pp == 1 and not cpu) else 0.0
             dp_exposed = max(last_bucket, dp_total - hide)
         else:
             full = mem["params"]
             rs = collective("reduce_scatter", full, n, bw, al) * (mbs if p.zero_stage == 2 else 1)
             ag = collective("all_gather", full, n, bw, al)
             dp_total = rs + ag
-            dp_exposed = ag + max(0.0, rs - (b_mb * mbs if p.overlap_comm else 0.0))
+            dp_exposed = ag + max(0.0, rs - (b_mb * mbs if p.overlap_comm and not cpu else 0.0))
     # the schedule
     if p.pp > 1:  # the schedule simulated once per (schedule, pp, m, v) with equal F, B, W
         bw, al = link(topo, "pp", dev)
@@ -140,9 +190,12 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         span, bubble = mbs * (f_mb + b_mb), 0.0
     state = mem["params"] + mem["grads"] + mem["optim"]
     optimizer = 2 * state / dev.hbm_bw
+    if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
+        bw, al = link(topo, "world", dev) if dev.comm_n else (dev.inter_bw, dev.inter_alpha)
+        optimizer += collective("all_reduce", 8, topo.world_size, bw, al)
     step = span + dp_exposed + optimizer
     compute = mbs * (fwd + bwd + recompute)
     exposed = step - compute - max(bubble, 0.0) - optimizer
     return {"step_s": step, "compute": compute, "exposed_comm": max(exposed, 0.0), "bubble": max(bubble, 0.0),
-            "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs,
+            "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs, "ep_comm": ep_comm * mbs,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute}

@@ -30,6 +30,9 @@ class RankPrediction:
     activations: float
     buffers: float
     transient: float
+    wgrad: float = 0.0
+    """Split backward (ZB-H1, DualPipe/V): peak bytes held for deferred weight gradients after B
+    (inputs and output gradients, outside autograd: not in ``activations``)."""
 
     @property
     def model_state(self) -> float:
@@ -37,7 +40,8 @@ class RankPrediction:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optim + self.activations + self.buffers + self.transient
+        return (self.params + self.grads + self.optim + self.activations + self.buffers + self.transient
+                + self.wgrad)
 
 
 @dataclass
@@ -62,10 +66,10 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     from ..models.spec import get_spec
     from .plan_memory import activations, model_state
     ms = model_state(cfg, pp_rank)
-    act = transient = 0.0  # the trace covers token models (models/spec.py conventions)
+    act = transient = stash = 0.0  # the trace covers token models (models/spec.py conventions)
     if get_spec(cfg.model).task == "lm":
-        act, transient = activations(cfg, pp_rank, device)
-    return {**ms, "activations": act, "transient": transient}
+        act, transient, stash = activations(cfg, pp_rank, device)
+    return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 
 def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = None,
@@ -79,21 +83,21 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     p, t = cfg.parallel, cfg.train
     dev = with_nodes(get_device(device, probe), gpus_per_node)
     topo = Topology.from_config(p)
-    stages = _stages(cfg, device)
+    stages = _stages(cfg, device, None if per_rank else sorted({0, p.pp - 1}))
     ranks = []
     if per_rank:
         for rank in range(topo.world_size):
             pp_rank = rank // (topo.world_size // p.pp)  # pp is the slowest axis
             s = stages[pp_rank]
             ranks.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                        s["activations"], float(s["buffers"]), s["transient"]))
+                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"]))
     else:
         for pp_rank, s in stages.items():
             ranks.append(RankPrediction(pp_rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                        s["activations"], float(s["buffers"]), s["transient"]))
+                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"]))
     spec = get_spec(cfg.model)
     flops = spec.flops_per_token(cfg.model, t.seq_len) if spec.task == "lm" else 0.0
-    slowest = max(range(p.pp), key=lambda r: stages[r]["params"] + stages[r]["optim"])
+    slowest = max(stages, key=lambda r: stages[r]["params"] + stages[r]["optim"])
     traced = chunk_activations(_no_ac(cfg), 0, device) if spec.task == "lm" else {}
     parts = step_time(cfg, dev, stages[slowest], flops, traced)
     tokens = micro_batch(cfg) * p.microbatches * p.dp * t.seq_len
@@ -116,27 +120,36 @@ def memory_per_rank(cfg, device: str = "cpu") -> list[RankPrediction]:
         pp_rank = rank // (world // cfg.parallel.pp)
         s = stages[pp_rank]
         out.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                  s["activations"], float(s["buffers"]), s["transient"]))
+                                  s["activations"], float(s["buffers"]), s["transient"], s["wgrad"]))
     return out
 
 
-def _stages(cfg, device: str) -> dict:
-    """stage_memory of every pipeline coordinate, computed once per distinct kind of rank: ranks
-    whose stages have the same layer counts, ends (first/last modules) and MoE pattern are alike."""
+def _stages(cfg, device: str, which=None) -> dict:
+    """stage_memory of the pipeline coordinates ``which`` (default all). Model state is computed
+    once per distinct kind of rank (same layer counts, ends and MoE pattern); activations per
+    rank, from its own action list (plan_pipeline.walk_peak)."""
     from .shadow import stage_ranges
     p = cfg.parallel
     if p.pp == 1:
         return {0: stage_memory(cfg, 0, device)}
+    from ..models.spec import get_spec
+    from .plan_memory import activations
+    from .plan_pipeline import layout
     ranges = stage_ranges(cfg)
-    n = len(ranges)
+    end = max(r.stop for r in ranges)
+    owner = layout(cfg).rank_of
     every = cfg.model.moe_every if cfg.model.n_experts else 1
+    lm = get_spec(cfg.model).task == "lm"
     done, out = {}, {}
-    for r in range(p.pp):
-        sig = tuple((len(ranges[s]), s == 0, s == n - 1, tuple(i % every for i in ranges[s]))
-                    for s in range(r, n, p.pp))
+    for r in (range(p.pp) if which is None else which):
+        sig = tuple((len(ranges[s]), ranges[s].start == 0, ranges[s].stop == end,
+                     tuple(i % every for i in ranges[s])) for s in range(len(ranges)) if owner(s) == r)
         if sig not in done:
             done[sig] = stage_memory(cfg, r, device)
-        out[r] = done[sig]
+        out[r] = dict(done[sig])
+        if lm:
+            act, transient, stash = activations(cfg, r, device)
+            out[r].update(activations=act, transient=transient, wgrad=stash)
     return out
 
 

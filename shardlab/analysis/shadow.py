@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.topology import Topology
+from .shadow_ops import OpCount, meta_routing
 
 
 class ShadowComm:
@@ -99,18 +100,24 @@ def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
     if cfg.model.n_experts > 0:
         from ..parallel import expert
         model = expert.apply(model, mesh, cfg)
-    if p.pp > 1:
+    if p.pp > 1:  # the cut the engine makes (pipeline/engine.py apply): the schedule's layout
         from ..parallel.pipeline.stage import split_model
-        model, _, _ = split_model(model, spec, mesh.local_rank("pp"), p.pp, p.pp_virtual)
+        from .plan_pipeline import layout
+        sched = layout(cfg)
+        model, _, _ = split_model(model, spec, mesh.local_rank("pp"), p.pp, sched.v, owner=sched.rank_of,
+                                  dual=sched.layout == "dual")
     return model
 
 
 def stage_ranges(cfg) -> list[range]:
-    """Layer ranges of the ``pp * pp_virtual`` stages, from the pipeline's own partition."""
+    """Layer ranges of every stage id, from the pipeline's own partition (stage.split_model:
+    DualPipe's ids p..2p-1 run the p parts again)."""
     p = cfg.parallel
     if p.pp == 1:
         return [range(cfg.model.n_layers)]
-    return list(_ranges(tuple(sorted(vars(cfg.model).items())), p.pp * p.pp_virtual))
+    from .plan_pipeline import layout, n_parts
+    ranges = list(_ranges(tuple(sorted(vars(cfg.model).items())), n_parts(cfg)))
+    return ranges + ranges if layout(cfg).layout == "dual" else ranges
 
 
 @functools.lru_cache(maxsize=64)
@@ -168,12 +175,25 @@ class SavedTrace:
     core_only: dict = field(default_factory=dict)
     """{block name: bytes saved only by the attention core} (what selective recomputation frees)."""
     core_inputs: dict = field(default_factory=dict)
-    """{block name: bytes of the core's inputs not saved otherwise} (what selective recomputation keeps)."""
+    """{block name: bytes of the core's inputs not saved otherwise} (what selective recomputation
+    keeps: the checkpoint holds them itself, outside autograd's saved tensors)."""
     core_outputs: dict = field(default_factory=dict)
     """{block name: bytes of the core's outputs}: under selective recomputation the checkpoint's
     output is a fresh storage, saved by the next projection (without it, a view of one already counted)."""
     logits: int = 0
     """Bytes of the largest output of the last region (the logits): the biggest transient."""
+    wgrad: dict = field(default_factory=dict)
+    """{region: bytes a split backward (ZB-H1, DualPipe) holds for the deferred W after B}: the
+    distinct inputs of the modules whose W is direct (pipeline/wgrad.py ``direct_input``) and
+    the gradients of every parameter-owning module's output."""
+    ops: dict = field(default_factory=dict)
+    """{region: aten operators the forward dispatches} (each also runs a backward)."""
+    ew_bytes: dict = field(default_factory=dict)
+    """{region: bytes written by the forward's operators other than matrix products (new
+    storages only; views and in-place ops write none)}: the elementwise traffic."""
+    graph_kept: bool = False
+    """Some parameter-owning module's W needs autograd (not ``direct_input``): B retains the
+    graph, so a micro-batch's saved tensors stay until its W."""
 
     @property
     def total(self) -> int:
@@ -200,10 +220,12 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
     core_saved: dict[str, set] = {}
     other_saved: set = set()
     core_in: dict[str, set] = {}
+    alive = []  # every packed tensor stays referenced: a freed storage's id is never reused
 
     def pack(t):
         st = t.untyped_storage()
         key = st._cdata
+        alive.append(t)
         if key not in params:
             if key not in seen:
                 seen[key] = (state["region"], st.nbytes())
@@ -214,6 +236,29 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
         return lambda m, a, kw=None: state.__setitem__("region", region)
 
     hooks = []
+    from ..models.moe import MoE
+    from ..parallel.pipeline.wgrad import direct_input
+    routing: dict = {}
+    wg_seen: set = set()
+
+    def moe_pre(m, args):
+        routing["rows"] = args[0].numel() // args[0].shape[-1] * m.top_k
+
+    def owner_pre(m, args):
+        x = direct_input(m, args)
+        if x is None:
+            out.graph_kept = True
+        else:
+            st = x.untyped_storage()
+            alive.append(x)
+            if st._cdata not in wg_seen:
+                wg_seen.add(st._cdata)
+                out.wgrad[state["region"]] = out.wgrad.get(state["region"], 0) + st.nbytes()
+
+    def owner_post(m, a, o):
+        if torch.is_tensor(o) and o.requires_grad:  # its gradient g, a fresh storage of o's size
+            out.wgrad[state["region"]] = out.wgrad.get(state["region"], 0) + o.numel() * o.element_size()
+
     for m in first:
         hooks.append(m.register_forward_pre_hook(enter("first")))
     for name, blk in blocks.items():
@@ -226,6 +271,7 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
             def core_pre(m, args, name=name):
                 state["in_core"] = name
                 core_in[name] = {a.untyped_storage()._cdata: a.untyped_storage().nbytes() for a in args[:3]}
+                alive.extend(args[:3])  # their ids must not be reused by tensors saved later
             hooks.append(core.register_forward_pre_hook(core_pre))
             def core_post(m, a, o, name=name):
                 state["in_core"] = None
@@ -236,9 +282,16 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
         hooks.append(m.register_forward_hook(
             lambda m, a, o: setattr(out, "logits", max(out.logits, o.untyped_storage().nbytes()))
             if torch.is_tensor(o) and o.dim() > 1 else None))
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            hooks.append(mod.register_forward_pre_hook(moe_pre))
+        if any(q.requires_grad for q in mod.parameters(recurse=False)):
+            hooks.append(mod.register_forward_pre_hook(owner_pre))
+            hooks.append(mod.register_forward_hook(owner_post))
     try:
         batch = _meta_batch(cfg, spec, model, micro_batch, seq_len, dtype)
-        with fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fused_attention(), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                OpCount(out, state):
             model(*batch)
     finally:
         for h in hooks:

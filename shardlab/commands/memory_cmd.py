@@ -56,11 +56,11 @@ def main(args) -> int:
     lm = get_spec(cfg.model).task == "lm"
     print(f"predicted per rank (analysis/predict.py; micro-batch {b} x {cfg.train.seq_len // p.cp} tokens, "
           f"{p.microbatches} micro-batches{', schedule ' + p.pp_schedule if p.pp > 1 else ''}), MiB:")
-    print(f"{'rank':>5}{'stage':>6}{'params':>10}{'grads':>10}{'optim':>10}{'activ.':>10}{'buffers':>10}"
-          f"{'transient':>10}{'total':>10}")
+    print(f"{'rank':>5}{'stage':>6}{'params':>10}{'grads':>10}{'optim':>10}{'activ.':>10}{'W stash':>10}"
+          f"{'buffers':>10}{'transient':>10}{'total':>10}")
     for r in pred:
         print(f"{r.rank:>5}{r.stage:>6}" + "".join(f"{v / mib:>10.3f}" for v in (
-            r.params, r.grads, r.optim, r.activations, r.buffers, r.transient, r.total)))
+            r.params, r.grads, r.optim, r.activations, r.wgrad, r.buffers, r.transient, r.total)))
     if not lm:
         print(f"activations: no estimate for model.arch={cfg.model.arch} (the trace covers token models)")
     if args.no_run:

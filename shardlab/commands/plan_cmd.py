@@ -81,7 +81,7 @@ def main(args) -> int:
     fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed)
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: "
-          f"{valid} valid layouts, {len(fits)} fit ({time.perf_counter() - t0:.1f} s)")
+          f"{valid} valid layouts, {len(fits)} fit (search: {time.perf_counter() - t0:.1f} s wall)")
     if not fits:
         n = smallest_cluster(base, args.gpus, args.gpu, args.gpus_per_node, fixed)
         where = f"the smallest cluster that fits is {n} GPUs" if n else "no cluster up to 2^20 GPUs fits"
@@ -89,12 +89,13 @@ def main(args) -> int:
               f"on some rank; {where} (try --gpus {n})" if n else f"no layout fits; {where}")
         return 1
     top = fits[:args.top]
-    print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'buf':>6}{'trans':>7}"
+    print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'W':>6}{'buf':>6}{'trans':>7}"
           f"{'total GiB':>10}{'tok/s/GPU':>11}{'MFU':>7}")
     for i, c in enumerate(top, 1):
         m = c.memory
         print(f"{i:>2} {c.label():<44}" + "".join(f"{m[k] / GiB:>{w}.1f}" for k, w in
-              (("params", 8), ("grads", 7), ("optim", 7), ("activations", 7), ("buffers", 6), ("transient", 7)))
+              (("params", 8), ("grads", 7), ("optim", 7), ("activations", 7), ("wgrad", 6), ("buffers", 6),
+               ("transient", 7)))
               + f"{c.peak_bytes / GiB:>10.1f}{c.tokens_per_gpu:>11,.0f}"
               + (f"{100 * c.mfu:>6.1f}%" if c.mfu else f"{'':>7}"))
     print("\n" + why(top[0], top[1:], valid, dropped))
@@ -133,7 +134,7 @@ def plot(cands, capacity: float, out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    keys = ("params", "grads", "optim", "activations", "buffers", "transient")
+    keys = ("params", "grads", "optim", "activations", "wgrad", "buffers", "transient")
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cands)), 4.5))
     bottom = [0.0] * len(cands)
     for k in keys:

@@ -6,8 +6,10 @@ closed forms, and the planner's memory prediction against the measurement on a C
 * A real run of 2 ranks (tiny Llama, fp32): DDP model state equals 4/4/8 bytes per parameter
   exactly; pipeline stages hold the schedule's in-flight micro-batches (GPipe m, 1F1B p - stage)
   of saved activations at their peak.
-* ``predict()`` on dp, zero2, fsdp, tp2, pp2-1f1b at N = 2 and zero2, fsdp, pp2-tp2 at N = 4: per-rank model-state bytes exactly
-  the measured ones, activations within 5% of the measured peak.
+* ``predict()`` on dp, zero2, fsdp, tp2, pp2-1f1b, pp2-zb, pp2-dualpipev, moe-dp at N = 2 and
+  zero2, fsdp, pp2-tp2, pp2-fsdp, ep2-zero2 at N = 4: per-rank model-state bytes exactly the
+  measured ones, activations within 5% of the measured peak, and the split backward's W stash
+  within 5% of the engine's ``wgrad_peak_bytes``.
 """
 import pytest
 import torch
@@ -20,7 +22,7 @@ from shardlab.models import build_model, count_params
 N = 2
 FP32 = {"train": {"precision": "fp32"}}
 PROBE = {"flops": 1e10, "alpha": 1e-4, "bw": 1e9, "mem_bw": 1e10}  # time constants: memory does not use them
-NAMES = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-gpipe"]
+NAMES = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "pp2-zb", "pp2-dualpipev", "moe-dp"]
 
 
 def test_saved_activations_peak_and_release():
@@ -40,7 +42,8 @@ def test_saved_activations_peak_and_release():
     assert w.grad is not None
 
 
-NAMES4 = ["zero2", "fsdp", "pp2-tp2"]  # N = 4: other shard padding, pipeline x tensor parallel ranks
+NAMES4 = ["zero2", "fsdp", "pp2-tp2", "pp2-fsdp", "ep2-zero2"]  # N = 4: other shard padding, pipeline x
+# tensor parallel ranks, ZeRO-3 inside pipeline stages, expert weights sharded over edp
 
 
 def _measure(names, n):
@@ -70,10 +73,13 @@ def test_measured_state_and_schedule_in_flight(measured):
 @pytest.mark.parametrize("n", [2, 4])
 def test_predicted_memory_matches_measured(measured, n):
     runs = measured if n == 2 else _measure(NAMES4, 4)
-    for name in (["dp", "zero2", "fsdp", "tp2", "pp2-1f1b"] if n == 2 else NAMES4):
+    names = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-zb", "pp2-dualpipev", "moe-dp"] if n == 2 else NAMES4
+    for name in names:
         cfg, ranks = runs[name]
         pred = predict(cfg, device="cpu", probe=PROBE)
         for m in ranks:
             p = pred.ranks[m.rank]
             assert (p.params, p.grads, p.optim) == (m.params, m.grads, m.optim), (name, m.rank)
             assert abs(p.activations - m.act_peak) <= 0.05 * m.act_peak, (name, m.rank, p.activations, m.act_peak)
+            # split backward: the W stash (inputs and output gradients held from B to W) as the engine counts it
+            assert abs(p.wgrad - m.wgrad_peak) <= 0.05 * max(m.wgrad_peak, 1.0), (name, m.rank, p.wgrad, m.wgrad_peak)

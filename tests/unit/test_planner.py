@@ -97,3 +97,76 @@ def test_plan_refuses_an_impossible_degree_naming_the_field(capsys):
     assert main(["plan", "llama-8b", "--gpus", "24", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "parallel.tp" in err and "Traceback" not in err, err
+
+
+def _stage_groups(cfg, rank):
+    """(decay, no-decay) parameter counts of pipeline rank ``rank``'s stages, from the engine's own
+    split (pipeline.stage.split_model on a meta model), by hand: matrices decay, norms do not."""
+    from shardlab.models.spec import get_spec
+    from shardlab.parallel.pipeline.stage import split_model
+    p = cfg.parallel
+    model, _, _ = split_model(meta_model(cfg.model), get_spec(cfg.model), rank, p.pp, p.pp_virtual)
+    decay = sum(q.numel() for n, q in model.named_parameters() if q.ndim >= 2 and "norm" not in n)
+    return decay, sum(q.numel() for q in model.parameters()) - decay
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_inside_pipeline_stages(zero):
+    """pp=2 x dp_shard=3, fp32: a stage's flat buffers (one per weight-decay group) padded to a
+    multiple of 3; after the step ZeRO-1 keeps the full buffer, ZeRO-3 only its slice; gradient,
+    m and v are slices (pipeline/sharded.py)."""
+    cfg = _tiny(pp=2, dp_shard=3, zero_stage=zero, microbatches=2)
+    cfg.model.tie_embeddings = False
+    cfg.validate(6)
+    for r in range(2):
+        shard = sum(math.ceil(g / 3) for g in _stage_groups(cfg, r))
+        st = model_state(cfg, r)
+        assert (st["params"], st["grads"], st["optim"]) == (4 * shard * (3 if zero == 1 else 1), 4 * shard, 8 * shard)
+
+
+def test_dualpipe_holds_two_parameter_copies():
+    """DualPipe at pp=2: each rank holds parts r and p-1-r, i.e. the whole model; DualPipeV one copy
+    split over the ranks."""
+    def cfg_of(name):
+        cfg = _tiny(pp=2, pp_schedule=name, microbatches=4, dp_replicate=1)
+        cfg.model.tie_embeddings = False
+        return cfg.validate(2)
+    psi = count_params(meta_model(cfg_of("dualpipe").model))
+    assert [model_state(cfg_of("dualpipe"), r)["params"] for r in range(2)] == [4 * psi, 4 * psi]
+    assert sum(model_state(cfg_of("dualpipev"), r)["params"] for r in range(2)) == 4 * psi
+
+
+def test_zb_h1_frees_the_graph_at_b_and_holds_the_w_stash():
+    """Every weight of the tiny Llama has a direct W (pipeline/wgrad.py), so ZB-H1's B frees the
+    graph: its saved activations equal 1F1B's on every rank, and the W stash is a separate term."""
+    from shardlab.analysis.predict import memory_per_rank
+
+    def ranks(name):
+        cfg = _tiny(pp=2, pp_schedule=name, microbatches=4)
+        cfg.model.tie_embeddings = False
+        return memory_per_rank(cfg.validate(2))
+    zb, one = ranks("zb-h1"), ranks("1f1b")
+    assert [r.activations for r in zb] == [r.activations for r in one]
+    assert all(r.wgrad > 0 for r in zb) and all(r.wgrad == 0 for r in one)
+
+
+def test_expert_weights_shard_over_edp():
+    """ZeRO-3 with ep=2 over dp_shard=4: expert weights (the rank's E/ep experts) shard over the
+    edp = 2 ranks holding the same experts, everything else over all 4 (zero.shard_groups)."""
+    cfg = _tiny(dp_shard=4, zero_stage=3)
+    m = cfg.model
+    m.n_experts, m.moe_top_k = 4, 2
+    cfg.parallel.ep = 2
+    cfg.validate(4)
+    st = model_state(cfg)
+    model = meta_model(m)
+    units = [list(b.named_parameters()) for b in model.layers.values()]
+    units.append([(n, p) for n, p in model.named_parameters() if not n.startswith("layers.")])
+    shard = 0
+    for named in units:
+        experts = [p.numel() // 2 for n, p in named if ".experts." in n]  # this rank's half of the experts
+        dense = [p for n, p in named if ".experts." not in n]
+        for g in (sum(p.numel() for p in dense if p.ndim >= 2), sum(p.numel() for p in dense if p.ndim < 2)):
+            shard += math.ceil(g / 4) if g else 0
+        shard += math.ceil(sum(experts) / 2) if experts else 0
+    assert (st["params"], st["grads"], st["optim"]) == (4 * shard, 4 * shard, 8 * shard)

@@ -1,0 +1,89 @@
+"""What a meta forward needs beyond shapes (analysis/shadow.py's trace): stand-ins for the MoE
+kernels that have no meta implementation, and a count of the operators the forward dispatches
+(the planner's CPU time model charges each operator a probed latency, docs/planner.md)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _GroupedMM(torch.autograd.Function):
+    """Stand-in for ``torch._grouped_mm`` on meta (whose meta kernel takes bf16 only): the
+    (rows, out) product, saving what the kernel's backward saves (both operands, the offsets)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty((a.shape[0], b.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - traces never run backward
+        a, b, _ = ctx.saved_tensors
+        return torch.zeros_like(a), torch.zeros_like(b), None
+
+
+@contextlib.contextmanager
+def meta_routing(state: dict):
+    """MoE layers (models/moe.py, parallel/expert.py) run on meta as they are: their shapes never
+    depend on the routing except expert parallel's split sizes. Within the trace ``bincount``
+    returns ``minlength`` counts, ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta tensor's
+    ``tolist`` (the all-to-all split sizes) gives ``state["rows"]`` (the current MoE layer's
+    ``T * top_k`` assignments) spread evenly: balanced routing, no drop. Autocast is off on meta
+    (``is_autocast_enabled("meta")`` is False rather than an error; a trace picks its dtype)."""
+    old_bc, old_gmm, old_tl = torch.bincount, getattr(torch, "_grouped_mm", None), torch.Tensor.tolist
+    old_ac = torch.is_autocast_enabled
+
+    def bincount(x, weights=None, minlength=0):
+        if x.is_meta:
+            return torch.zeros(minlength, dtype=torch.int64, device="meta")
+        return old_bc(x, weights, minlength)
+
+    def tolist(t):
+        if t.is_meta and t.dim() == 1:
+            n, rows = t.shape[0], state.get("rows", 0)
+            return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+        return old_tl(t)
+
+    torch.bincount, torch.Tensor.tolist = bincount, tolist
+    torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else old_ac(*a)
+    torch._grouped_mm = lambda a, b, offs=None, **kw: _GroupedMM.apply(a, b, offs)
+    try:
+        yield
+    finally:
+        torch.bincount, torch.Tensor.tolist, torch.is_autocast_enabled = old_bc, old_tl, old_ac
+        if old_gmm is not None:
+            torch._grouped_mm = old_gmm
+
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten operators of a forward by region, and the bytes the non-matmul ones write."""
+
+    def __init__(self, out, state):
+        super().__init__()
+        self.out, self.state = out, state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        region = self.state["region"]
+        self.out.ops[region] = self.out.ops.get(region, 0) + 1
+        if func.overloadpacket.__name__ not in _MATMULS:
+            ins = {a.untyped_storage()._cdata for a in _tensors(args) + _tensors((kwargs or {}).values())}
+            new = sum(t.numel() * t.element_size() for t in _tensors(res if isinstance(res, (tuple, list)) else [res])
+                      if t.untyped_storage()._cdata not in ins)
+            self.out.ew_bytes[region] = self.out.ew_bytes.get(region, 0) + new
+        return res
+
+
+def _tensors(xs) -> list:
+    out = []
+    for x in xs:
+        if torch.is_tensor(x):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            out += _tensors(x)
+    return out

@@ -242,3 +242,21 @@ def _gpu_worker(ctx):
     got = sh.all_to_all(inputs[r].to(dev), splits[r], [splits[i][r] for i in range(n)]).cpu()
     _check("cuda all_to_all", got, torch.cat([inputs[i].split(splits[i])[r] for i in range(n)]), errors, 0)
     return errors
+
+
+def test_bench_comm_shared_column(tmp_path, capsys):
+    """``shardlab bench comm --transport process_group,shared``: a shared column beside the
+    backend's, recording the backend's (ring-model) bytes; a bad transport fails before spawning."""
+    import json
+
+    from shardlab import cli
+    out = tmp_path / "comm.json"
+    assert cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce,all_to_all", "--sizes", "4K",
+                     "--algorithms", "backend", "--transport", "process_group,shared", "--iters", "1",
+                     "--warmup", "0", "--json", str(out)]) == 0
+    assert "shared" in capsys.readouterr().out
+    rows = {(r["op"], r["algorithm"]): r["sent_per_rank"] for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(op, a) for op in ("all_reduce", "all_to_all") for a in ("backend", "shared")}
+    assert rows[("all_reduce", "shared")] == rows[("all_reduce", "backend")] == 4096
+    assert cli.main(["bench", "comm", "--transport", "nvlink"]) == 2
+    assert "--transport" in capsys.readouterr().err

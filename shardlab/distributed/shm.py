@@ -23,8 +23,9 @@ Memories:
 
 The arena grows (collectively, never shrinks) when a bigger message arrives: every rank knows
 the size of all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
-per-rank sizes and splits through a small host control arena. The host barrier is the group's
-``dist.barrier``. Point-to-point (isend / irecv / exchange) and ``barrier`` are the base class's
+per-rank sizes and splits through a small host control arena. The host barrier is a counter per
+rank in that arena (x86-64; elsewhere, or with ``host_barrier="process_group"``, the group's
+``dist.barrier``). Point-to-point (isend / irecv / exchange) and ``barrier`` are the base class's
 (the process group). Bytes are counted in the ledger exactly as the base class counts backend
 collectives (ring model, "modelled"), so ledgers of both transports compare.
 """
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+import time
 import uuid
 
 import torch
@@ -66,8 +69,17 @@ class SharedComm(Comm):
     group, same order): it agrees on a name for the group's arena files."""
 
     def __init__(self, name, group, ranks, rank, ledger, algorithm="backend", flight=None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", host_barrier: str = "auto"):
+        """``host_barrier``: "shm" (flags in shared memory, x86-64 only), "process_group"
+        (``dist.barrier``) or "auto" (shm on x86-64)."""
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
+        if host_barrier not in ("auto", "shm", "process_group"):
+            raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
+        x86 = platform.machine().lower() in ("x86_64", "amd64")
+        if host_barrier == "shm" and not x86:
+            raise ValueError(f"host_barrier='shm' relies on x86-64 memory ordering; this is {platform.machine()}")
+        self.host_barrier = "shm" if host_barrier == "auto" and x86 else host_barrier
+        self._epoch = 0
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -82,11 +94,34 @@ class SharedComm(Comm):
     @property
     def _ctl(self) -> torch.Tensor:
         """The host control arena: row i = (bytes of rank i's all_to_all input, its in_splits,
-        its out_splits)."""
+        its out_splits); then one barrier counter per rank, each on its own 64-byte line."""
         if self._ctl_buf is None:
             n = self.size
-            self._ctl_buf = self._host(n * (2 * n + 1) * 8).view(torch.int64).view(n, 2 * n + 1)
+            buf = self._host(n * (2 * n + 1) * 8 + n * 64).view(torch.int64)
+            self._ctl_buf = buf[:n * (2 * n + 1)].view(n, 2 * n + 1)
+            self._flags = buf[n * (2 * n + 1):].view(n, 8)[:, 0]
         return self._ctl_buf
+
+    def _shm_barrier(self, timeout_s: float = 600.0):
+        """Each rank publishes how many barriers it has entered and waits until every counter has
+        reached its own: single-writer counters, no atomics. Correct on x86-64's ordering (stores
+        are seen in program order; loads are not moved before earlier loads or after later
+        stores), hence x86-64 only. Waits by yielding, then sleeping (2 cores, up to 8 ranks)."""
+        self._ctl  # created collectively on first use
+        self._epoch += 1
+        self._flags[self.rank] = self._epoch
+        t0, spins, nap = time.monotonic(), 0, 2e-5
+        while int(self._flags.min()) < self._epoch:
+            spins += 1
+            if spins < 64:
+                os.sched_yield()
+                continue
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+            if time.monotonic() - t0 > timeout_s:
+                late = [i for i in range(self.size) if int(self._flags[i]) < self._epoch]
+                raise RuntimeError(f"{self.name}: shared-memory barrier: group ranks {late} did not arrive "
+                                   f"in {timeout_s:.0f} s")
 
     def _host(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` mapped by every rank of the group (collective)."""
@@ -147,7 +182,10 @@ class SharedComm(Comm):
         its reads of others' regions done)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        dist.barrier(group=self.group)
+        if self.host_barrier == "shm":
+            self._shm_barrier()
+        else:
+            dist.barrier(group=self.group)
 
     def _write(self, t: torch.Tensor) -> int:
         """Copy ``t`` into this rank's free region; return the region written."""

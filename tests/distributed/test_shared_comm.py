@@ -144,10 +144,11 @@ def _worker(ctx):
     errors = []
     world = ctx.world_size
     pair = dist.new_group([0, 2])  # non-contiguous ranks: group-relative indices are exercised
-    for group, ranks in ((dist.group.WORLD, list(range(world))), (pair, [0, 2])):
+    # the world on the shared-memory barrier, the pair on the process group's barrier
+    for group, ranks, barrier in ((dist.group.WORLD, list(range(world)), "auto"), (pair, [0, 2], "process_group")):
         if ctx.rank not in ranks:
             continue
-        sh = SharedComm("g", group, ranks, ctx.rank, Ledger())
+        sh = SharedComm("g", group, ranks, ctx.rank, Ledger(), host_barrier=barrier)
         pg = Comm("g", group, ranks, ctx.rank, Ledger())
         _collective_checks(sh, pg, errors)
         _ledger_checks(group, ranks, ctx.rank, errors)

@@ -65,8 +65,9 @@ def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str):
 class SharedComm(Comm):
     """A :class:`Comm` whose collectives run through memory shared by the group's ranks (all on
     one host). Same interface and results as the process-group ``Comm``; ``algorithm`` is ignored
-    (the transport replaces the algorithm choice). Construct it collectively (every rank of the
-    group, same order): it agrees on a name for the group's arena files."""
+    (the transport replaces the algorithm choice). Constructing one is local; the first
+    collective sets up the arena (collectively). A tensor on another kind of device than
+    ``device`` goes through the process group instead (the base class)."""
 
     def __init__(self, name, group, ranks, rank, ledger, algorithm="backend", flight=None,
                  device: torch.device | str = "cpu", host_barrier: str = "auto"):
@@ -193,6 +194,9 @@ class SharedComm(Comm):
         self._region(self.rank, which, t.dtype, t.numel()).view(t.shape).copy_(t)
         return which
 
+    def _elsewhere(self, t: torch.Tensor) -> bool:
+        return t.device.type != self.device.type
+
     def _inputs(self, which: int, dtype, numel: int) -> list[torch.Tensor]:
         return [self._region(i, which, dtype, numel) for i in range(self.size)]
 
@@ -202,8 +206,8 @@ class SharedComm(Comm):
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
         if op == "avg" and not (t.is_floating_point() or t.is_complex()):
             raise ValueError(f"all_reduce(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
-        if self.size == 1:
-            return t
+        if self.size == 1 or self._elsewhere(t):
+            return super().all_reduce(t, op, "backend")
         self._count("all_reduce", _nbytes(t))
         m, n = t.numel(), self.size
         if m == 0:
@@ -230,8 +234,8 @@ class SharedComm(Comm):
     @_recorded("all_gather", _t_dim)
     def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
-        if self.size == 1:
-            return t
+        if self.size == 1 or self._elsewhere(t):
+            return super().all_gather(t, dim, "backend")
         self._count("all_gather", _nbytes(t) * self.size)
         if t.numel() == 0:
             return torch.cat([t] * self.size, dim=dim)
@@ -248,8 +252,8 @@ class SharedComm(Comm):
         """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
         if op == "avg" and not (t.is_floating_point() or t.is_complex()):
             raise ValueError(f"reduce_scatter(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
-        if self.size == 1:
-            return t
+        if self.size == 1 or self._elsewhere(t):
+            return super().reduce_scatter(t, dim, op, "backend")
         if t.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
         self._count("reduce_scatter", _nbytes(t))
@@ -272,8 +276,8 @@ class SharedComm(Comm):
     def all_to_all(self, t: torch.Tensor, in_splits: list[int] | None = None,
                    out_splits: list[int] | None = None, algorithm: str | None = None) -> torch.Tensor:
         """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
-        if self.size == 1:
-            return t
+        if self.size == 1 or self._elsewhere(t):
+            return super().all_to_all(t, in_splits, out_splits, "backend")
         n = self.size
         if in_splits is None:
             in_splits = [t.shape[0] // n] * n
@@ -316,8 +320,8 @@ class SharedComm(Comm):
     @_recorded("broadcast", _t_src)
     def broadcast(self, t: torch.Tensor, src: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """In place from group rank ``src``."""
-        if self.size == 1:
-            return t
+        if self.size == 1 or self._elsewhere(t):
+            return super().broadcast(t, src, "backend")
         self._count("broadcast", _nbytes(t))
         if t.numel() == 0:
             return t

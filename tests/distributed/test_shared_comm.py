@@ -242,6 +242,8 @@ def _gpu_worker(ctx):
     inputs = [_data(20 + i, (sum(splits[i]), 2), torch.float32) for i in range(n)]
     got = sh.all_to_all(inputs[r].to(dev), splits[r], [splits[i][r] for i in range(n)]).cpu()
     _check("cuda all_to_all", got, torch.cat([inputs[i].split(splits[i])[r] for i in range(n)]), errors, 0)
+    inputs = [_data(30 + s, (7,), torch.float64) for s in range(n)]  # a host tensor: the process group
+    _check("cpu tensor on the cuda SharedComm", sh.all_reduce(inputs[r].clone()), _reduce(inputs, "sum"), errors)
     return errors
 
 

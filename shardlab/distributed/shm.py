@@ -234,17 +234,23 @@ class SharedComm(Comm):
     @_recorded("all_gather", _t_dim)
     def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
+        return self._gather(t, dim)
+
+    def _gather(self, t: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """all_gather, written into ``out`` when given (no fresh result to allocate and fault in)."""
         if self.size == 1 or self._elsewhere(t):
-            return super().all_gather(t, dim, "backend")
+            res = super().all_gather(t, dim, "backend")
+            return res if out is None else out.copy_(res)
         self._count("all_gather", _nbytes(t) * self.size)
         if t.numel() == 0:
-            return torch.cat([t] * self.size, dim=dim)
+            res = torch.cat([t] * self.size, dim=dim)
+            return res if out is None else out.copy_(res)
         self._ensure(_nbytes(t))
         inp = self._write(t)
         self._sync()
-        out = torch.cat([x.view(t.shape) for x in self._inputs(inp, t.dtype, t.numel())], dim=dim)
+        res = torch.cat([x.view(t.shape) for x in self._inputs(inp, t.dtype, t.numel())], dim=dim, out=out)
         self._free = 1 - inp
-        return out
+        return res
 
     @_recorded("reduce_scatter", _t_rs)
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
@@ -345,8 +351,7 @@ class SharedComm(Comm):
     def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
                          algorithm: str | None = None) -> Pending:
         """A dim-0 all-gather of ``t`` now, into ``out`` if given; ``.wait()`` returns it."""
-        res = self.all_gather(t, 0)
-        return Pending(None, out.copy_(res) if out is not None else res)
+        return Pending(None, self._gather(t, 0, out))
 
     @_recorded("reduce_scatter", _t_op)
     def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:

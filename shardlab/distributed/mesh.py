@@ -21,6 +21,15 @@ from .topology import DERIVED, GROUPS, Topology
 ALL_GROUPS = tuple(GROUPS) + DERIVED
 
 
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
+
+
 @dataclass
 class Mesh:
     """One rank's view of the world: its coordinates and a process group per named axis."""
@@ -37,7 +46,8 @@ class Mesh:
     transport: str = "auto"
     """``parallel.comm_transport``: process_group, shared or auto (see :meth:`comm`)."""
     places: list = field(default_factory=list)
-    """(hostname, device) of every global rank, gathered once by :meth:`build`."""
+    """(host, device) of every global rank, gathered once by :meth:`build` (host: hostname and
+    kernel boot id, so that two machines with one hostname still differ)."""
     _comms: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -57,7 +67,7 @@ class Mesh:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         mesh.places = [None] * world
-        dist.all_gather_object(mesh.places, (socket.gethostname(), str(dev)))
+        dist.all_gather_object(mesh.places, (_host_id(), str(dev)))
         seen: dict[tuple, object] = {}
         for name in ALL_GROUPS:
             for ranks in topology.groups(name):

@@ -267,3 +267,23 @@ def test_bench_comm_shared_column(tmp_path, capsys):
     assert rows[("all_reduce", "shared")] == rows[("all_reduce", "backend")] == 4096
     assert cli.main(["bench", "comm", "--transport", "nvlink"]) == 2
     assert "--transport" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("transport, places, want", [
+    ("auto", [("h/1", "cuda:0"), ("h/1", "cuda:0")], True),      # N ranks on one GPU
+    ("auto", [("h/1", "cuda:0"), ("h/1", "cuda:1")], False),     # one GPU each: NCCL
+    ("auto", [("h/1", "cuda:0"), ("g/2", "cuda:0")], False),     # two hosts
+    ("auto", [("h/1", "cpu"), ("h/1", "cpu")], False),           # CPU keeps gloo unless asked
+    ("shared", [("h/1", "cpu"), ("h/1", "cpu")], True),
+    ("process_group", [("h/1", "cuda:0"), ("h/1", "cuda:0")], False),
+    ("shared", [("h/1", "cpu"), ("g/2", "cpu")], "spans hosts"),
+])
+def test_transport_choice(transport, places, want):
+    mesh = Mesh(Topology(dp_shard=2), 0, torch.device("cpu"), members={"dp": [0, 1], "tp": [0]},
+                transport=transport, places=places)
+    assert mesh._shared("tp") is False
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            mesh._shared("dp")
+    else:
+        assert mesh._shared("dp") is want

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
 
-.PHONY: venv demo test test-fast bench finetune clean
+.PHONY: venv demo test test-fast test-gpu bench finetune clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -q tests/unit
+
+# Only the tests marked gpu (they skip without CUDA; `make test` runs them too, skipped on CPU).
+test-gpu: venv
+	$(BIN)/python -m pytest -q -m gpu tests
 
 # LoRA fine-tune of the packaged SmolLM2-135M on Shakespeare (configs/smollm2-lora.toml), with a
 # generation from the base before and from the fine-tuned adapters after (docs/finetune.md).

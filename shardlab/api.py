@@ -142,7 +142,7 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None)
                         data.train.timeout_s if kind == "shardlab" else 60.0)
     cfg = resolve_config(config, ctx.world_size)
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm,
-                      check_collectives=cfg.parallel.check_collectives)
+                      check_collectives=cfg.parallel.check_collectives, transport=cfg.parallel.comm_transport)
     build, schedule = _optimizer_builder(optimizer, cfg, ctx.device)
     return ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule)
 

@@ -107,6 +107,12 @@ class ParallelConfig:
     wrap_policy: str = f("blocks", "ZeRO-3/FSDP units: blocks (the architecture's blocks), size:<N> (outermost "
                                    "modules with >= N parameters) or class:<Name>[,<Name>] (modules of those classes).", nonempty=True)
     comm_algorithm: str = f("backend", "Collective algorithm: backend, ring, tree, rhd or auto.", choices=('backend', 'ring', 'tree', 'rhd', 'auto'))
+    comm_transport: str = f("auto", "How a group's collectives move data: process_group (the backend: gloo / NCCL), "
+                                    "shared (shared memory between the group's ranks, which must be on one host; "
+                                    "/dev/shm on CPU, CUDA IPC on a GPU; comm_algorithm is then ignored) or auto "
+                                    "(shared only where all ranks of a group share one CUDA device). "
+                                    "docs/collectives.md, Shared-memory transport.",
+                            choices=('process_group', 'shared', 'auto'))
     check_collectives: bool = f(False, "Before each collective, all-gather a fingerprint (op, seq, shapes, dtypes, reduce "
                                        "op) over the group and fail at the first mismatch, naming both ranks; p2p "
                                        "messages carry it as a header (docs/faults.md, Hangs and desyncs). Costs one "

@@ -2,12 +2,14 @@
 backend's side by side, in one run on the same ranks.
 
     shardlab bench comm --nproc 4 --ops all_reduce --sizes 1K..64M --algorithms backend,ring,tree,rhd
+    shardlab bench comm --nproc 4 --ops all --algorithms backend --transport process_group,shared
 
 Conventions (nccl-tests): ``size`` is the message in bytes (all_reduce, broadcast), the gathered
 output (all_gather), the full input (reduce_scatter) or one rank's input (all_to_all).
 algbw = size / time; busbw = algbw * 2(N-1)/N for all_reduce, * (N-1)/N for all_gather,
 reduce_scatter and all_to_all, * 1 for broadcast: the per-link rate of a bandwidth-optimal
-algorithm, comparable across N. ``x bk`` is busbw relative to the backend column.
+algorithm, comparable across N. ``x bk`` is busbw relative to the backend column. The
+``shared`` column (``--transport shared``) is the shared-memory transport (distributed/shm.py).
 
 Timing (unlike nccl-tests, which averages back-to-back calls): the algorithms take turns call
 by call, each call starts after a barrier and is timed on every rank; ``time`` is the median
@@ -69,6 +71,9 @@ def configure(parser):
     parser.add_argument("--factor", type=int, default=2, help="step factor of a size range (default 2)")
     parser.add_argument("--algorithms", default="backend,ring,tree,rhd",
                         help="comma list of backend, ring, tree, rhd, auto")
+    parser.add_argument("--transport", default="process_group",
+                        help="comma list of process_group (the --algorithms columns) and shared "
+                             "(one column: shared memory, distributed/shm.py)")
     parser.add_argument("--dtype", default="float32", help="element type (float32, bfloat16, int64, ...)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per point (fewer for huge sizes)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per point")
@@ -89,13 +94,19 @@ def _settings(args) -> dict:
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad:
         raise ValueError(f"--algorithms: unknown {bad}; choose from {', '.join(ALGORITHMS)}")
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    bad = [t for t in transports if t not in ("process_group", "shared")] or ([] if transports else ["(none)"])
+    if bad:
+        raise ValueError(f"--transport: unknown {bad}; choose from process_group, shared")
+    if "process_group" not in transports:
+        algorithms = []
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype: {args.dtype!r} is not a torch dtype (float32, bfloat16, int64, ...)")
     if args.nproc < 2:
         raise ValueError("--nproc: collectives need at least 2 ranks")
     return dict(ops=ops, sizes=parse_sizes(args.sizes, args.factor), algorithms=algorithms,
-                dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile)
+                shared="shared" in transports, dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile)
 
 
 def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
@@ -115,13 +126,14 @@ def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
 def label(op: str, algorithm: str) -> str:
     from ..distributed.algorithms import select
 
-    if algorithm in ("backend", "auto"):
+    if algorithm in ("backend", "auto", "shared"):
         return algorithm
     impl = select(op, algorithm, 1)
     return algorithm if impl == algorithm else impl
 
 
-def _call(comm, op: str, x: torch.Tensor, algorithm: str, splits):
+def _call(comms, op: str, x: torch.Tensor, algorithm: str, splits):
+    comm = comms[algorithm == "shared"]
     if op == "all_reduce":
         comm.all_reduce(x, algorithm=algorithm)
     elif op == "all_gather":
@@ -155,10 +167,12 @@ def _worker(ctx, s):
 
     from ..distributed.collectives import Comm
     from ..distributed.ledger import Ledger
+    from ..distributed.shm import SharedComm
 
     n, dtype = ctx.world_size, getattr(torch, s["dtype"])
     ledger = Ledger()
     comm = Comm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger)
+    comms = (comm, SharedComm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger, device=ctx.device))
     prof = None
     if s["profile"]:
         from torch.profiler import ProfilerActivity, profile
@@ -169,13 +183,13 @@ def _worker(ctx, s):
         for size in s["sizes"]:
             x, splits = _input(op, size, n, dtype, ctx.device)
             iters = max(3, min(s["iters"], (256 << 20) // max(1, size)))
-            algos = columns(op, s["algorithms"], s["sizes"])
+            algos = columns(op, s["algorithms"], s["sizes"]) + (["shared"] if s["shared"] else [])
             sent = {}
             for algo in algos:
                 for _ in range(s["warmup"]):
-                    _call(comm, op, x, algo, splits)
+                    _call(comms, op, x, algo, splits)
                 before = ledger.snapshot()
-                _call(comm, op, x, algo, splits)
+                _call(comms, op, x, algo, splits)
                 sent[algo] = sum(e.bytes_sent for e in ledger.since(before).values())
             # Algorithms interleaved call by call, each call timed alone after a barrier, so that
             # the load of a shared machine drifts over all columns alike.
@@ -186,7 +200,7 @@ def _worker(ctx, s):
                     dist.barrier()
                     _sync(ctx.device)
                     t0 = time.perf_counter()
-                    _call(comm, op, x, algo, splits)
+                    _call(comms, op, x, algo, splits)
                     _sync(ctx.device)
                     times[a, i] = time.perf_counter() - t0
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per call: the slowest rank

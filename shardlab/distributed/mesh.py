@@ -6,6 +6,7 @@ it) as an argument. ``torch.distributed``'s default group must exist (it is what
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 import torch
@@ -14,9 +15,19 @@ import torch.distributed as dist
 from .collectives import Comm
 from .flight import Recorder
 from .ledger import Ledger
+from .shm import SharedComm
 from .topology import DERIVED, GROUPS, Topology
 
 ALL_GROUPS = tuple(GROUPS) + DERIVED
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
 
 
 @dataclass
@@ -32,11 +43,16 @@ class Mesh:
     algorithm: str = "backend"
     flight: Recorder | None = None
     """The rank's flight recorder (flight.py); ``mesh.flight.check = True``: check mode."""
+    transport: str = "auto"
+    """``parallel.comm_transport``: process_group, shared or auto (see :meth:`comm`)."""
+    places: list = field(default_factory=list)
+    """(host, device) of every global rank, gathered once by :meth:`build` (host: hostname and
+    kernel boot id, so that two machines with one hostname still differ)."""
     _comms: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, topology: Topology, device: torch.device | str = "cpu", algorithm: str = "backend",
-              check_collectives: bool = False) -> "Mesh":
+              check_collectives: bool = False, transport: str = "auto") -> "Mesh":
         """Create every named group (collectively: all ranks must call this, in the same order).
         ``algorithm``: the collectives' default (``parallel.comm_algorithm``; see algorithms.py).
         ``check_collectives``: fingerprint every collective first (``parallel.check_collectives``)."""
@@ -45,8 +61,13 @@ class Mesh:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != topology.world_size:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, world has {world}")
-        mesh = cls(topology, rank, torch.device(device), algorithm=algorithm)
+        mesh = cls(topology, rank, torch.device(device), algorithm=algorithm, transport=transport)
         mesh.flight.check = check_collectives
+        dev = mesh.device
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        mesh.places = [None] * world
+        dist.all_gather_object(mesh.places, (_host_id(), str(dev)))
         seen: dict[tuple, object] = {}
         for name in ALL_GROUPS:
             for ranks in topology.groups(name):
@@ -77,9 +98,22 @@ class Mesh:
     def comm(self, name: str) -> Comm:
         """The counted collectives handle of group ``name`` (see collectives.py)."""
         if name not in self._comms:
-            self._comms[name] = Comm(name, self.group(name), self.members[name], self.rank,
-                                     self.ledger, self.algorithm, self.flight)
+            args = (name, self.group(name), self.members[name], self.rank, self.ledger, self.algorithm, self.flight)
+            self._comms[name] = SharedComm(*args, device=self.device) if self._shared(name) else Comm(*args)
         return self._comms[name]
+
+    def _shared(self, name: str) -> bool:
+        """Whether group ``name`` runs on the shared-memory transport (shm.py): ``transport`` =
+        shared (its ranks must be on one host), or auto and its ranks all on one CUDA device."""
+        if self.transport not in ("process_group", "shared", "auto"):
+            raise ValueError(f"parallel.comm_transport = {self.transport!r}; choose process_group, shared or auto")
+        places = [self.places[r] for r in self.members[name]] if self.places else []
+        if self.transport == "process_group" or len(places) < 2:
+            return False
+        if self.transport == "shared" and len({h for h, _ in places}) > 1:
+            raise ValueError(f"parallel.comm_transport = shared, but group {name!r} spans hosts "
+                             f"{sorted({h for h, _ in places})}; use process_group or auto")
+        return self.transport == "shared" or (len(set(places)) == 1 and places[0][1].startswith("cuda"))
 
     def size(self, name: str) -> int:
         return len(self.members[name])

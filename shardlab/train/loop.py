@@ -213,6 +213,7 @@ class _Run:
                                       check_collectives=cfg.parallel.check_collectives)
         mesh.flight.run_dir = str(Path(cfg.logging.run_dir) / "flight")  # dumps on failure (docs/faults.md)
         mesh.algorithm = cfg.parallel.comm_algorithm
+        mesh.transport = cfg.parallel.comm_transport
         self.data = open_data(cfg, data_dir)
         self.run_dir, self.ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
         is_main = mesh.rank == 0

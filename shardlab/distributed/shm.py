@@ -1,0 +1,359 @@
+"""SharedComm: collectives through shared memory for the ranks of one host (docs/collectives.md,
+"Shared-memory transport").
+
+Every rank of the group owns two regions of a shared arena, ``a`` and ``b``, each ``cap`` bytes,
+and maps the regions of all the others. A collective writes the rank's input into its region,
+synchronises (a host barrier), then each rank reads or reduces what it needs straight from the
+others' regions: all_reduce is a reduce-scatter (rank r reduces chunk r of every input into its
+other region) then, after a second barrier, an all-gather of the reduced chunks.
+
+Which region a rank may write before the first barrier of a call alternates, so that no call
+needs a barrier at its end: a rank that has passed the last barrier of call k knows every other
+rank is at worst in the final phase of call k, reading the region that call k read last; call
+k+1 writes the other one first (``self._free``). Every region written after a barrier is read by
+others only after the next one.
+
+Memories:
+  CPU   one file under /dev/shm, mapped by every rank (``torch.from_file(shared=True)``); group
+        rank 0 creates it, the others map it, then it is unlinked (the mappings stay), so nothing
+        is left behind even if a rank dies later.
+  CUDA  each rank allocates its regions on its device; the handles are exchanged as CUDA IPC
+        handles (``torch.multiprocessing.reductions.reduce_tensor``) pickled over the group.
+        Before every barrier the rank synchronises its current stream. NOT YET RUN ON A GPU.
+
+The arena grows (collectively, never shrinks) when a bigger message arrives: every rank knows
+the size of all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
+per-rank sizes and splits through a small host control arena. The host barrier is a counter per
+rank in that arena (x86-64; elsewhere, or with ``host_barrier="process_group"``, the group's
+``dist.barrier``). Point-to-point (isend / irecv / exchange) and ``barrier`` are the base class's
+(the process group). Bytes are counted in the ledger exactly as the base class counts backend
+collectives (ring model, "modelled"), so ledgers of both transports compare.
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
+
+_ALIGN = 4096
+_MIN_CAP = 1 << 16
+
+
+def _round(nbytes: int) -> int:
+    return max(_MIN_CAP, -(-nbytes // _ALIGN) * _ALIGN)
+
+
+def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str):
+    """out <- op(parts[0], parts[1], ...) in the order of ``parts`` (sum for ``avg``)."""
+    fn = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return out
+    fn(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        fn(out, p, out=out)
+    return out
+
+
+class SharedComm(Comm):
+    """A :class:`Comm` whose collectives run through memory shared by the group's ranks (all on
+    one host). Same interface and results as the process-group ``Comm``; ``algorithm`` is ignored
+    (the transport replaces the algorithm choice). Constructing one is local; the first
+    collective sets up the arena (collectively). A tensor on another kind of device than
+    ``device`` goes through the process group instead (the base class)."""
+
+    def __init__(self, name, group, ranks, rank, ledger, algorithm="backend", flight=None,
+                 device: torch.device | str = "cpu", host_barrier: str = "auto"):
+        """``host_barrier``: "shm" (flags in shared memory, x86-64 only), "process_group"
+        (``dist.barrier``) or "auto" (shm on x86-64)."""
+        super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
+        if host_barrier not in ("auto", "shm", "process_group"):
+            raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
+        x86 = platform.machine().lower() in ("x86_64", "amd64")
+        if host_barrier == "shm" and not x86:
+            raise ValueError(f"host_barrier='shm' relies on x86-64 memory ordering; this is {platform.machine()}")
+        self.host_barrier = "shm" if host_barrier == "auto" and x86 else host_barrier
+        self._epoch = 0
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._token, self._gen, self._ctl_buf = None, 0, None
+        self.cap = 0
+        self._regions: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group rank: (a, b), uint8
+        self._free = 0  # which region (0: a, 1: b) this rank may write before a call's first barrier
+
+    # -- the arena -----------------------------------------------------------------------------
+    # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
+    # builds them in whatever order a rank first asks for them).
+    @property
+    def _ctl(self) -> torch.Tensor:
+        """The host control arena: row i = (bytes of rank i's all_to_all input, its in_splits,
+        its out_splits); then one barrier counter per rank, each on its own 64-byte line."""
+        if self._ctl_buf is None:
+            n = self.size
+            buf = self._host(n * (2 * n + 1) * 8 + n * 64).view(torch.int64)
+            self._ctl_buf = buf[:n * (2 * n + 1)].view(n, 2 * n + 1)
+            self._flags = buf[n * (2 * n + 1):].view(n, 8)[:, 0]
+        return self._ctl_buf
+
+    def _shm_barrier(self, timeout_s: float = 600.0):
+        """Each rank publishes how many barriers it has entered and waits until every counter has
+        reached its own: single-writer counters, no atomics. Correct on x86-64's ordering (stores
+        are seen in program order; loads are not moved before earlier loads or after later
+        stores), hence x86-64 only. Waits by yielding, then sleeping (2 cores, up to 8 ranks)."""
+        self._ctl  # created collectively on first use
+        self._epoch += 1
+        self._flags[self.rank] = self._epoch
+        t0, spins, nap = time.monotonic(), 0, 2e-5
+        while int(self._flags.min()) < self._epoch:
+            spins += 1
+            if spins < 64:
+                os.sched_yield()
+                continue
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+            if time.monotonic() - t0 > timeout_s:
+                late = [i for i in range(self.size) if int(self._flags[i]) < self._epoch]
+                raise RuntimeError(f"{self.name}: shared-memory barrier: group ranks {late} did not arrive "
+                                   f"in {timeout_s:.0f} s")
+
+    def _host(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` mapped by every rank of the group (collective)."""
+        if self._token is None:  # group rank 0 names the group's files
+            token = [uuid.uuid4().hex if self.rank == 0 else None]
+            dist.broadcast_object_list(token, src=self.ranks[0], group=self.group)
+            self._token = f"shardlab-{os.getuid()}-{token[0]}"
+        path = f"/dev/shm/{self._token}-{self._gen}"
+        self._gen += 1
+        if self.rank == 0:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+        try:
+            dist.barrier(group=self.group)
+            buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            dist.barrier(group=self.group)  # every rank has it mapped: the name can go
+        finally:
+            if self.rank == 0 and os.path.exists(path):
+                os.unlink(path)
+        return buf
+
+    def _device_regions(self, cap: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """CUDA: this rank's 2*cap bytes on its device, the others' opened from IPC handles."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        mine = torch.empty(2 * cap, dtype=torch.uint8, device=self.device)
+        self._own_alloc = mine  # keep it alive while others map it
+        rebuild, handle = reduce_tensor(mine)
+        handles = [None] * self.size
+        dist.all_gather_object(handles, handle, group=self.group)
+        bufs = [mine if i == self.rank else rebuild(*h) for i, h in enumerate(handles)]
+        return [(b[:cap], b[cap:]) for b in bufs]
+
+    def _ensure(self, nbytes: int):
+        """Grow every rank's regions to hold ``nbytes`` (collective; every rank passes the same)."""
+        if nbytes <= self.cap:
+            return
+        cap = _round(max(nbytes, 2 * self.cap))
+        self._regions = []  # drop the old mappings before making the new ones
+        if self.device.type == "cuda":
+            self._sync()
+            self._regions = self._device_regions(cap)
+        else:
+            arena = self._host(2 * self.size * cap)
+            self._regions = [(arena[2 * i * cap:(2 * i + 1) * cap], arena[(2 * i + 1) * cap:(2 * i + 2) * cap])
+                             for i in range(self.size)]
+        self.cap, self._free = cap, 0
+
+    def _region(self, i: int, which: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        es = torch.empty((), dtype=dtype).element_size()
+        return self._regions[i][which][:numel * es].view(dtype)
+
+    def _sync(self):
+        """The host barrier; on CUDA the current stream is drained first (its writes are visible,
+        its reads of others' regions done)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if self.host_barrier == "shm":
+            self._shm_barrier()
+        else:
+            dist.barrier(group=self.group)
+
+    def _write(self, t: torch.Tensor) -> int:
+        """Copy ``t`` into this rank's free region; return the region written."""
+        which = self._free
+        self._region(self.rank, which, t.dtype, t.numel()).view(t.shape).copy_(t)
+        return which
+
+    def _elsewhere(self, t: torch.Tensor) -> bool:
+        return t.device.type != self.device.type
+
+    def _inputs(self, which: int, dtype, numel: int) -> list[torch.Tensor]:
+        return [self._region(i, which, dtype, numel) for i in range(self.size)]
+
+    # -- collectives ---------------------------------------------------------------------------
+    @_recorded("all_reduce", _t_op)
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
+        """In place: t <- op over the group. ``op``: sum, avg, max, min."""
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"all_reduce(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
+        if self.size == 1 or self._elsewhere(t):
+            return super().all_reduce(t, op, "backend")
+        self._count("all_reduce", _nbytes(t))
+        m, n = t.numel(), self.size
+        if m == 0:
+            return t
+        self._ensure(_nbytes(t))
+        inp = self._write(t)
+        out = 1 - inp
+        bounds = [(i * m // n, (i + 1) * m // n) for i in range(n)]
+        self._sync()
+        lo, hi = bounds[self.rank]
+        _reduce_into(self._region(self.rank, out, t.dtype, hi - lo),
+                     [x[lo:hi] for x in self._inputs(inp, t.dtype, m)], op)
+        self._sync()
+        parts = [self._region(i, out, t.dtype, b - a) for i, (a, b) in enumerate(bounds)]
+        if t.is_contiguous():
+            flat = t.view(-1)
+            for (a, b), p in zip(bounds, parts):
+                flat[a:b].copy_(p)
+        else:
+            t.copy_(torch.cat(parts).view(t.shape))
+        # the last phase read region ``out``: the next call may write ``inp`` first (_free unchanged)
+        return t.div_(n) if op == "avg" else t
+
+    @_recorded("all_gather", _t_dim)
+    def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
+        return self._gather(t, dim)
+
+    def _gather(self, t: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """all_gather, written into ``out`` when given (no fresh result to allocate and fault in)."""
+        if self.size == 1 or self._elsewhere(t):
+            res = super().all_gather(t, dim, "backend")
+            return res if out is None else out.copy_(res)
+        self._count("all_gather", _nbytes(t) * self.size)
+        if t.numel() == 0:
+            res = torch.cat([t] * self.size, dim=dim)
+            return res if out is None else out.copy_(res)
+        self._ensure(_nbytes(t))
+        inp = self._write(t)
+        self._sync()
+        res = torch.cat([x.view(t.shape) for x in self._inputs(inp, t.dtype, t.numel())], dim=dim, out=out)
+        self._free = 1 - inp
+        return res
+
+    @_recorded("reduce_scatter", _t_rs)
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
+                       algorithm: str | None = None) -> torch.Tensor:
+        """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"reduce_scatter(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
+        if self.size == 1 or self._elsewhere(t):
+            return super().reduce_scatter(t, dim, op, "backend")
+        if t.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
+        self._count("reduce_scatter", _nbytes(t))
+        x = t.movedim(dim, 0)
+        shape = (x.shape[0] // self.size,) + tuple(x.shape[1:])
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        if t.numel() > 0:
+            self._ensure(_nbytes(t))
+            inp = self._write(x)
+            self._sync()
+            c = out.numel()
+            _reduce_into(out.view(-1), [p[self.rank * c:(self.rank + 1) * c]
+                                        for p in self._inputs(inp, t.dtype, t.numel())], op)
+            self._free = 1 - inp
+            if op == "avg":
+                out.div_(self.size)
+        return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+    @_recorded("all_to_all", _t_a2a)
+    def all_to_all(self, t: torch.Tensor, in_splits: list[int] | None = None,
+                   out_splits: list[int] | None = None, algorithm: str | None = None) -> torch.Tensor:
+        """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
+        if self.size == 1 or self._elsewhere(t):
+            return super().all_to_all(t, in_splits, out_splits, "backend")
+        n = self.size
+        if in_splits is None:
+            in_splits = [t.shape[0] // n] * n
+        if out_splits is None:
+            out_splits = in_splits
+        if len(in_splits) != n or len(out_splits) != n or sum(in_splits) != t.shape[0]:
+            raise ValueError(f"all_to_all: need {n} in/out splits with sum(in_splits) = "
+                             f"{t.shape[0]} rows, got {list(in_splits)} / {list(out_splits)}")
+        row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
+        self.ledger.record("all_to_all", self.name, row * (sum(in_splits) - in_splits[self.rank]),
+                           row * (sum(out_splits) - out_splits[self.rank]), modelled=True)
+        # Phase 1: agree on the arena size and learn where each sender put each receiver's rows.
+        self._ctl[self.rank, 0] = _nbytes(t)
+        self._ctl[self.rank, 1:] = torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64)
+        self._sync()
+        ctl = self._ctl.clone()
+        need = int(ctl[:, 0].max())
+        sends, expects = ctl[:, 1:n + 1], ctl[:, n + 1:]
+        if not torch.equal(sends, expects.t()):  # every rank sees every mismatch: all raise together
+            bad = next((i, j) for i in range(n) for j in range(n) if sends[i, j] != expects[j, i])
+            raise ValueError(f"all_to_all: group rank {bad[0]} sends {int(sends[bad])} rows to rank {bad[1]}, "
+                             f"which expects {int(expects[bad[1], bad[0]])}")
+        self._ensure(need)
+        inp = self._free
+        if t.numel():
+            self._write(t)
+        self._sync()  # phase 2 (also after an all-empty phase 1: ctl is rewritten by the next call)
+        rest = tuple(t.shape[1:])
+        out = t.new_empty((sum(out_splits),) + rest)
+        if need:
+            width, at = math.prod(rest), 0
+            for i in range(n):
+                start, rows = int(ctl[i, 1:1 + self.rank].sum()), out_splits[i]
+                src = self._region(i, inp, t.dtype, (start + rows) * width)[start * width:]
+                out[at:at + rows].copy_(src.view((rows,) + rest))
+                at += rows
+        self._free = 1 - inp
+        return out
+
+    @_recorded("broadcast", _t_src)
+    def broadcast(self, t: torch.Tensor, src: int = 0, algorithm: str | None = None) -> torch.Tensor:
+        """In place from group rank ``src``."""
+        if self.size == 1 or self._elsewhere(t):
+            return super().broadcast(t, src, "backend")
+        self._count("broadcast", _nbytes(t))
+        if t.numel() == 0:
+            return t
+        self._ensure(_nbytes(t))
+        inp = self._free
+        if self.rank == src:
+            self._write(t)
+        self._sync()
+        if self.rank != src:
+            t.copy_(self._region(src, inp, t.dtype, t.numel()).view(t.shape))
+        self._free = 1 - inp
+        return t
+
+    # -- "asynchronous" variants: run now, return a completed Pending -------------------------
+    @_recorded("all_reduce", _t_op)
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
+        """``all_reduce(t, op)`` now; ``.wait()`` returns ``t``."""
+        return Pending(None, self.all_reduce(t, op))
+
+    @_recorded("all_gather", _t_out)
+    def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
+                         algorithm: str | None = None) -> Pending:
+        """A dim-0 all-gather of ``t`` now, into ``out`` if given; ``.wait()`` returns it."""
+        return Pending(None, self._gather(t, 0, out))
+
+    @_recorded("reduce_scatter", _t_op)
+    def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
+        """A dim-0 reduce-scatter now; ``.wait()`` returns this rank's slice."""
+        return Pending(None, self.reduce_scatter(t, 0, op))

@@ -216,7 +216,7 @@ def _micro_rows(cfg: C.Config) -> list:
 
 def _worker(ctx, cfg: C.Config, data_dir: str, steps: int):
     from ..train.loop import Trainer
-    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport)
     tr = Trainer(cfg, mesh, TokenData(data_dir))
     losses = []
     snap = mesh.ledger.snapshot()

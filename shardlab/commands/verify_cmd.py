@@ -13,6 +13,9 @@ def configure(parser):
     parser.add_argument("--nproc", type=int, default=4, help="ranks per layout (default 4)")
     parser.add_argument("--layouts", default=None, help=f"comma-separated subset of: {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per layout")
+    parser.add_argument("--transport", default=None, choices=("process_group", "shared", "auto"),
+                        help="parallel.comm_transport of every layout (default: the config's, auto): "
+                             "shared runs the collectives through shared memory (docs/collectives.md)")
 
 
 def overrides(args) -> dict:
@@ -27,6 +30,8 @@ def overrides(args) -> dict:
     if "arch" in extra.get("model", {}):
         args.arch = extra["model"].pop("arch")
     C.check_ranges(C.load(None, extra))  # each value's type and range, one line naming the field
+    if getattr(args, "transport", None):
+        extra.setdefault("parallel", {})["comm_transport"] = args.transport
     return extra
 
 

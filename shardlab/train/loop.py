@@ -210,10 +210,10 @@ class _Run:
     def __init__(self, ctx, cfg: Config, data_dir: str):
         self.cfg, t, log = cfg, cfg.train, cfg.logging
         self.mesh = mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device,
-                                      check_collectives=cfg.parallel.check_collectives)
+                                      check_collectives=cfg.parallel.check_collectives,
+                                      transport=cfg.parallel.comm_transport)
         mesh.flight.run_dir = str(Path(cfg.logging.run_dir) / "flight")  # dumps on failure (docs/faults.md)
         mesh.algorithm = cfg.parallel.comm_algorithm
-        mesh.transport = cfg.parallel.comm_transport
         self.data = open_data(cfg, data_dir)
         self.run_dir, self.ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
         is_main = mesh.rank == 0

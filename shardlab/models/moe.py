@@ -148,11 +148,47 @@ class MoE(nn.Module):
         # group by expert with the dropped assignments last: shapes never depend on the routing
         # (no host read); the experts return zeros for the dropped rows, weighted by 0 anyway
         key = torch.where(r.keep, r.expert, self.n_experts)
-        sel = torch.argsort(key, stable=True)
+        sel = torch.argsort(key, stable=True)                 # row i of the experts' input: assignment sel[i]
+        inv = torch.empty_like(sel)
+        inv[sel] = torch.arange(sel.numel(), device=sel.device)
         counts = torch.bincount(key, minlength=self.n_experts + 1)[:self.n_experts]
-        y = self.run_experts(x[r.token[sel]], counts)
+        y = self.run_experts(_Spread.apply(x, sel, inv, self.top_k), counts)
         # combine in x's dtype (under autocast the experts return bf16/fp16, x is fp32)
         w = (r.weight * r.keep)[sel, None].to(x.dtype)
-        out = torch.zeros_like(x).index_add(0, r.token[sel], y.to(x.dtype) * w)
+        out = _Collect.apply(y.to(x.dtype) * w, sel, inv, self.top_k)
         self.last_routing = r
         return out.view(shape)
+
+
+# Token t's k assignments are t, T + t, ..., (k-1) T + t (priority order); sorted by expert,
+# assignment a sits at row inv[a] and row i holds assignment sel[i]. Spreading the tokens to
+# the sorted rows and collecting the rows back to the tokens are adjoint, so each one's backward
+# is the other: a gather and a sum over k, never a scatter-add (index_add) into the tokens.
+class _Spread(torch.autograd.Function):
+    """(T, D) tokens -> (kT, D) rows sorted by expert: ``x[sel % T]``."""
+
+    @staticmethod
+    def forward(ctx, x, sel, inv, k):
+        ctx.save_for_backward(sel, inv)
+        ctx.k = k
+        return x[sel % x.shape[0]]
+
+    @staticmethod
+    def backward(ctx, g):
+        sel, inv = ctx.saved_tensors
+        return _Collect.apply(g, sel, inv, ctx.k), None, None, None
+
+
+class _Collect(torch.autograd.Function):
+    """(kT, D) rows sorted by expert -> (T, D): token t sums the rows of its k assignments."""
+
+    @staticmethod
+    def forward(ctx, rows, sel, inv, k):
+        ctx.save_for_backward(sel, inv)
+        ctx.k = k
+        return rows[inv].view(k, -1, rows.shape[1]).sum(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        sel, inv = ctx.saved_tensors
+        return _Spread.apply(g, sel, inv, ctx.k), None, None, None

@@ -13,7 +13,8 @@ written once, not summed from E full-size zero tensors as autograd does for ``w[
   dW2[e] = dY_e^T A_e      dA = dY w2[e]      dH1 = dA * h3 * silu'(h1)      dH3 = dA * silu(h1)
   dW1[e] = dH1_e^T X_e     dW3[e] = dH3_e^T X_e     dX = dH1 w1[e] + dH3 w3[e]  (only if x needs it)
 
-with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h). Two kernels evaluate the per-expert products:
+with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h) (one ``aten.silu_backward``). Two kernels
+evaluate the per-expert products:
   grouped_mm  ``torch._grouped_mm`` with the cumulative counts as offsets (fp32/bf16/fp16, rows
               16-byte aligned, CUDA sm90+ or CPU): no host read, the offsets stay on the device;
               the elementwise SwiGLU runs once over all rows. ``auto`` picks it on CUDA.
@@ -63,11 +64,6 @@ def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
             and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)))
 
 
-def _silu_grad(h: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(h)
-    return s * (1 + h * (1 - s))
-
-
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, counts, w1, w3, w2, use_gmm):
@@ -110,7 +106,7 @@ class _Experts(torch.autograd.Function):
             dw2 = gmm(dy.t(), act * h3)
             da = gmm(dy, w2)
             dh3 = da * act
-            dh1 = da * h3 * _silu_grad(h1)
+            dh1 = torch.ops.aten.silu_backward(da * h3, h1)
             dw1, dw3 = gmm(dh1.t(), x), gmm(dh3.t(), x)
             dx = torch.where(valid, gmm(dh1, w1) + gmm(dh3, w3), 0) if need_x else None
             return dx, None, dw1, dw3, dw2, None
@@ -129,7 +125,7 @@ class _Experts(torch.autograd.Function):
                 torch.mm(dye.t(), act * he3, out=dw2[e])
                 da = dye @ w2[e]
                 dh3 = da * act
-                dh1 = da.mul_(he3).mul_(_silu_grad(he1))
+                dh1 = torch.ops.aten.silu_backward(da.mul_(he3), he1)
                 torch.mm(dh1.t(), x[s:t], out=dw1[e])
                 torch.mm(dh3.t(), x[s:t], out=dw3[e])
                 if need_x:

@@ -171,7 +171,7 @@ class _Spread(torch.autograd.Function):
     def forward(ctx, x, sel, inv, k):
         ctx.save_for_backward(sel, inv)
         ctx.k = k
-        return x[sel % x.shape[0]]
+        return x.index_select(0, sel % x.shape[0])
 
     @staticmethod
     def backward(ctx, g):
@@ -186,7 +186,7 @@ class _Collect(torch.autograd.Function):
     def forward(ctx, rows, sel, inv, k):
         ctx.save_for_backward(sel, inv)
         ctx.k = k
-        return rows[inv].view(k, -1, rows.shape[1]).sum(0)
+        return rows.index_select(0, inv).view(k, -1, rows.shape[1]).sum(0)
 
     @staticmethod
     def backward(ctx, g):

@@ -39,11 +39,16 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "g
                kernel: str = "auto") -> torch.Tensor:
     if impl == "loop":
         return _loop(x, counts, w1, w3, w2)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):   # compute in the autocast dtype, as F.linear would
+        dt = torch.get_autocast_dtype(dev)
+        x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
     if kernel == "auto":
         kernel = "grouped_mm" if x.is_cuda and _grouped_mm_ok(x, w1) else "segments"
     if kernel == "grouped_mm" and not _grouped_mm_ok(x, w1):
         raise ValueError(f"torch._grouped_mm cannot take {x.dtype} rows of width {x.shape[1]} here")
-    return _Experts.apply(x, counts, w1, w3, w2, kernel == "grouped_mm")
+    with torch.autocast(dev, enabled=False):
+        return _Experts.apply(x, counts, w1, w3, w2, kernel == "grouped_mm")
 
 
 def _loop(x, counts, w1, w3, w2):

@@ -4,7 +4,8 @@ the floor that the matrix products themselves allow on this machine.
 d 256, ffn 512, 8 experts top-2, dropless, for each dtype and token count T (k T = 2 T rows):
   layer       the whole MoE layer (router, grouping, experts, combine): loop vs grouped
   experts     the experts alone on rows grouped by expert: loop, grouped (``auto`` kernel: on CPU
-              the per-expert segments), and on fp32 also the ``torch._grouped_mm`` kernel
+              the per-expert segments), and the other kernels of models/moe_gemm.py: padded
+              ``bmm`` and (fp32) ``torch._grouped_mm``
   dense       the same products as ONE dense SwiGLU MLP over all k T rows (one weight set):
               exactly the experts' FLOPs in three large GEMMs forward and four backward, i.e.
               what a perfect grouped GEMM could reach here; loop / dense is the largest
@@ -68,6 +69,7 @@ def case(dtype, tokens: int, reps: int) -> dict:
     variants = {"layer loop": layer_with("loop"), "layer grouped": layer_with("grouped"),
                 "experts loop": experts("loop"), "experts grouped": experts("grouped"),
                 "dense": lambda: F.linear(F.silu(F.linear(rows, dense[0])) * F.linear(rows, dense[1]), dense[2])}
+    variants["experts padded"] = experts("grouped", "padded")
     if _grouped_mm_ok(rows, ex.w1):
         variants["experts grouped_mm"] = experts("grouped", "grouped_mm")
     times: dict = {}
@@ -89,8 +91,8 @@ def main():
           f"d {D}, ffn {H}, {E} experts top-{K}, dropless, median of {args.reps}; times in ms; GFLOP/s of the "
           "experts' 7 products")
     print("| dtype | tokens | layer loop | layer grouped | speed-up | experts loop | experts grouped | speed-up "
-          "| experts grouped_mm | dense, same FLOPs | GFLOP/s loop / grouped / dense | max speed-up (loop / dense) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| experts padded bmm | experts grouped_mm | dense, same FLOPs | GFLOP/s loop / grouped / dense | max speed-up (loop / dense) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dt in args.dtypes:
         for tokens in args.tokens:
             c = case(getattr(torch, dt), tokens, args.reps)
@@ -98,7 +100,8 @@ def main():
             gmm = f"{c['experts grouped_mm']:.1f}" if "experts grouped_mm" in c else "n/a"
             print(f"| {dt} | {tokens} | {c['layer loop']:.1f} | {c['layer grouped']:.1f} | "
                   f"{c['layer loop'] / c['layer grouped']:.2f}x | {c['experts loop']:.1f} | "
-                  f"{c['experts grouped']:.1f} | {c['experts loop'] / c['experts grouped']:.2f}x | {gmm} | "
+                  f"{c['experts grouped']:.1f} | {c['experts loop'] / c['experts grouped']:.2f}x | {c['experts padded']:.1f} | "
+                  f"{gmm} | "
                   f"{c['dense']:.1f} | {gf / c['experts loop']:.0f} / {gf / c['experts grouped']:.0f} / "
                   f"{gf / c['dense']:.0f} | {c['experts loop'] / c['dense']:.2f}x |", flush=True)
 

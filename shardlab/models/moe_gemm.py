@@ -7,24 +7,27 @@ puts its dropped assignments there, so shapes never depend on routing). Weights 
 
   h1 = w1[e_i] x_i,  h3 = w3[e_i] x_i,  a = silu(h1) * h3,  y_i = w2[e_i] a_i    e_i = expert of row i
 
-Backward (hand-written, so nothing is recomputed or padded and the weight gradients are
-written once, not summed from E full-size zero tensors as autograd does for ``w[e]``):
+Backward (hand-written: nothing recomputed but silu(h1), no per-expert autograd nodes, and
+each weight gradient written once, not summed from E full-size zero tensors as autograd does
+for the loop's ``w[e]``):
 
   dW2[e] = dY_e^T A_e      dA = dY w2[e]      dH1 = dA * h3 * silu'(h1)      dH3 = dA * silu(h1)
   dW1[e] = dH1_e^T X_e     dW3[e] = dH3_e^T X_e     dX = dH1 w1[e] + dH3 w3[e]  (only if x needs it)
 
-with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h) (one ``aten.silu_backward``). Two kernels
-evaluate the per-expert products:
-  grouped_mm  ``torch._grouped_mm`` with the cumulative counts as offsets (fp32/bf16/fp16, rows
-              16-byte aligned, CUDA sm90+ or CPU): no host read, the offsets stay on the device;
-              the elementwise SwiGLU runs once over all rows. ``auto`` picks it on CUDA.
+with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h) (one ``aten.silu_backward``). Kernels for the
+per-expert products (``kernel``; ``auto`` picks segments on CPU, grouped_mm on CUDA where it
+applies, else padded):
   segments    one ``mm`` per expert on its contiguous slice of rows, the SwiGLU computed per
-              slice while it is in cache (any dtype and width). It reads ``counts`` on the
-              host once per forward (free on CPU, where the tensor already lives in host
-              memory). ``auto`` picks it on CPU: measured faster there than ``torch._grouped_mm``,
-              whose CPU implementation is itself a loop of ``mm`` over the groups
-              (docs/expert-parallel.md, "Grouped GEMM on CPU").
+              slice while it is in cache (any dtype, width, device). Reads ``counts`` on the
+              host once per forward (on CPU the tensor is already in host memory: no sync).
+  grouped_mm  ``torch._grouped_mm`` with the cumulative counts as offsets (fp32/bf16/fp16, rows
+              16-byte aligned, CUDA sm90+ or CPU): no host read; the SwiGLU runs once over all
+              rows. On CPU ``torch._grouped_mm`` is itself a loop of ``mm`` over the groups and
+              measured slower than segments (its elementwise passes over the whole buffer).
+  padded      rows scattered into an (E, C, .) buffer, C = the largest count (one host read),
+              and ``bmm``: one kernel per product for all experts, any dtype; computes E C rows.
 ``impl = loop`` is the reference: one ``F.linear`` triple per expert under autograd.
+Measurements and the FLOP floor: docs/expert-parallel.md ("Grouped GEMM vs the per-expert loop").
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 IMPLS = ("grouped", "loop")
-KERNELS = ("auto", "grouped_mm", "segments")
+KERNELS = ("auto", "grouped_mm", "padded", "segments")
 
 
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "grouped",
@@ -44,11 +47,13 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "g
         dt = torch.get_autocast_dtype(dev)
         x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
     if kernel == "auto":
-        kernel = "grouped_mm" if x.is_cuda and _grouped_mm_ok(x, w1) else "segments"
+        kernel = "segments" if not x.is_cuda else "grouped_mm" if _grouped_mm_ok(x, w1) else "padded"
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown expert kernel {kernel!r}; one of {KERNELS}")
     if kernel == "grouped_mm" and not _grouped_mm_ok(x, w1):
         raise ValueError(f"torch._grouped_mm cannot take {x.dtype} rows of width {x.shape[1]} here")
     with torch.autocast(dev, enabled=False):
-        return _Experts.apply(x, counts, w1, w3, w2, kernel == "grouped_mm")
+        return _Experts.apply(x, counts, w1, w3, w2, kernel)
 
 
 def _loop(x, counts, w1, w3, w2):
@@ -69,18 +74,64 @@ def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
             and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)))
 
 
+class _GroupedRows:
+    """``torch._grouped_mm`` on the rows as they are, offsets = cumulative counts (on device)."""
+
+    def __init__(self, x, counts):
+        self.offs = counts.cumsum(0).to(torch.int32)
+        self.valid = (torch.arange(x.shape[0], device=x.device) < self.offs[-1])[:, None]
+
+    def pack(self, t):
+        return torch.where(self.valid, t, 0)
+
+    unpack = pack
+
+    def mm(self, a, w):     # rows of expert e times w[e]; rows past the groups are left unwritten
+        return torch.where(self.valid, torch._grouped_mm(a, w, offs=self.offs), 0)
+
+    def wmm(self, g, a):    # sum over the rows of expert e of g_i^T a_i -> (E, ., .)
+        return torch._grouped_mm(g.t(), a, offs=self.offs)
+
+
+class _Padded:
+    """Rows scattered into an (E, C, .) buffer, C = the largest count (read on the host), and
+    ``bmm``; padding rows are zeros and stay zeros (silu(0) * 0 = 0)."""
+
+    def __init__(self, x, counts):
+        E, n = counts.numel(), x.shape[0]
+        ends = counts.cumsum(0)
+        row = torch.arange(n, device=x.device)
+        e = torch.searchsorted(ends, row, right=True)                   # E for rows past the groups
+        ec = e.clamp(max=E - 1)
+        self.E, self.C = E, max(int(counts.max()), 1)                   # the host read of this kernel
+        self.slot = torch.where(e < E, ec * self.C + row - (ends - counts)[ec], E * self.C)  # E*C: spare row
+
+    def pack(self, t):
+        buf = t.new_zeros(self.E * self.C + 1, t.shape[1]).index_copy_(0, self.slot, t)
+        return buf[:-1].view(self.E, self.C, t.shape[1])
+
+    def unpack(self, t):
+        flat = t.reshape(self.E * self.C, -1)
+        return torch.cat([flat, flat.new_zeros(1, flat.shape[1])]).index_select(0, self.slot)
+
+    def mm(self, a, w):
+        return torch.bmm(a, w)
+
+    def wmm(self, g, a):
+        return torch.bmm(g.transpose(1, 2), a)
+
+
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counts, w1, w3, w2, use_gmm):
+    def forward(ctx, x, counts, w1, w3, w2, kernel):
         x = x.contiguous()
-        if use_gmm:
-            offs = counts.cumsum(0).to(torch.int32)
-            valid = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]
-            gmm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
-            # rows past the last offset are left unwritten (garbage, maybe NaN): ``where`` zeroes them
-            h1, h3 = torch.where(valid, gmm(x, w1), 0), torch.where(valid, gmm(x, w3), 0)
-            y = torch.where(valid, gmm(F.silu(h1) * h3, w2), 0)
-            ctx.save_for_backward(x, h1, h3, w1, w3, w2, offs, valid)
+        if kernel != "segments":
+            lay = (_GroupedRows if kernel == "grouped_mm" else _Padded)(x, counts)
+            xp = lay.pack(x)
+            h1, h3 = lay.mm(xp, w1.transpose(1, 2)), lay.mm(xp, w3.transpose(1, 2))
+            y = lay.unpack(lay.mm(F.silu(h1) * h3, w2.transpose(1, 2)))
+            ctx.lay = lay
+            ctx.save_for_backward(xp, h1, h3, w1, w3, w2)
         else:
             ends = counts.cumsum(0).tolist()                    # the host read of this kernel
             seg = list(zip([0] + ends[:-1], ends))
@@ -94,26 +145,25 @@ class _Experts(torch.autograd.Function):
                     torch.mm(xe, w1[e].t(), out=h1[s:t])
                     torch.mm(xe, w3[e].t(), out=h3[s:t])
                     torch.mm(F.silu(h1[s:t]) * h3[s:t], w2[e].t(), out=y[s:t])
-            ctx.seg = seg
+            ctx.seg, ctx.lay = seg, None
             ctx.save_for_backward(x, h1, h3, w1, w3, w2)
-        ctx.use_gmm = use_gmm
         return y
 
     @staticmethod
     def backward(ctx, dy):
         need_x = ctx.needs_input_grad[0]
         dy = dy.contiguous()
-        if ctx.use_gmm:
-            x, h1, h3, w1, w3, w2, offs, valid = ctx.saved_tensors
-            gmm = lambda a, b: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
-            dy = torch.where(valid, dy, 0)
+        if ctx.lay is not None:
+            lay = ctx.lay
+            xp, h1, h3, w1, w3, w2 = ctx.saved_tensors
+            dyp = lay.pack(dy)
             act = F.silu(h1)
-            dw2 = gmm(dy.t(), act * h3)
-            da = gmm(dy, w2)
+            dw2 = lay.wmm(dyp, act * h3)
+            da = lay.mm(dyp, w2)
             dh3 = da * act
             dh1 = torch.ops.aten.silu_backward(da * h3, h1)
-            dw1, dw3 = gmm(dh1.t(), x), gmm(dh3.t(), x)
-            dx = torch.where(valid, gmm(dh1, w1) + gmm(dh3, w3), 0) if need_x else None
+            dw1, dw3 = lay.wmm(dh1, xp), lay.wmm(dh3, xp)
+            dx = lay.unpack(lay.mm(dh1, w1) + lay.mm(dh3, w3)) if need_x else None
             return dx, None, dw1, dw3, dw2, None
         x, h1, h3, w1, w3, w2 = ctx.saved_tensors
         dw1, dw3, dw2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)

@@ -139,11 +139,12 @@ def _expert_case(dtype, seed=0):
     return x, counts, [t.requires_grad_() for t in w]
 
 
-@pytest.mark.parametrize("dtype, tol, kernel", [(torch.float64, 1e-12, "segments"), (torch.float32, 1e-4, "segments"),
+@pytest.mark.parametrize("dtype, tol, kernel", [(torch.float64, 1e-12, "segments"), (torch.float64, 1e-12, "padded"),
+                                                 (torch.float32, 1e-4, "segments"), (torch.float32, 1e-4, "padded"),
                                                  (torch.float32, 1e-4, "grouped_mm")])
 @pytest.mark.parametrize("x_grad", [True, False])
 def test_grouped_experts_equal_the_loop(dtype, tol, kernel, x_grad):
-    """Both grouped kernels (hand-written backward) against the per-expert loop under autograd:
+    """Every grouped kernel (hand-written backward) against the per-expert loop under autograd:
     outputs, zeros for rows past the groups, and every gradient (with and without dx)."""
     from shardlab.models import moe_gemm
     outs = {}

@@ -24,11 +24,12 @@ adds the statistics of the other data-parallel ranks, so a sharded run equals th
 global batch. Per-step statistics are kept as device tensors and read (``self.last_stats``:
 tokens per expert, dropped fraction) only by the metrics.
 
-Host reads. The forward has none on its grouped path (``model.moe_impl = grouped``): the
-assignments are grouped by expert with the dropped ones last, so every shape is T*k whatever
-the routing, and the experts run as grouped GEMMs (models/moe_gemm.py; its float64 fallback
-reads the largest count once). Expert parallel must read the all-to-all split sizes
-(parallel/expert.py); that is the one sync that remains there.
+Host reads. Routing, grouping and the combine have none: the assignments are grouped by
+expert with the dropped ones last, so every shape is T*k whatever the routing; tokens go to the
+grouped rows and back by gathers whose backward is the other gather (no scatter-add). The
+experts (models/moe_gemm.py) read nothing on CUDA with ``torch._grouped_mm``; the CPU kernel
+reads the counts, which on CPU already live in host memory. Expert parallel must read the
+all-to-all split sizes (parallel/expert.py); that is the one sync that remains there.
 
 Expert weights are stacked parameters ``experts.w1`` / ``experts.w3`` (E, H, D) and
 ``experts.w2`` (E, D, H) with global names, so ``init_tensor`` initialises them the same under

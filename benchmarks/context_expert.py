@@ -12,7 +12,8 @@ all ranks' tensors on one GPU, gloo transport).
    on shared CPUs the hidden fraction is a lower bound.
 3. MoE layer under ep = 1, 2, 4: forward all-to-all dispatch + combine time vs expert compute,
    with the experts as a per-expert loop (``model.moe_impl = loop``) and as grouped GEMMs
-   (``grouped``); on one process also the whole layer's forward+backward, loop vs grouped.
+   (``grouped``). The single-process kernel comparison (forward+backward, loop vs grouped vs
+   the dense-GEMM floor) is benchmarks/moe_kernel.py.
 4. ``--parts ulysses``: ring vs Ulysses (and unified 2x2 at cp 4) context parallel on a tiny
    Llama: fwd+bwd step time, bytes each rank sends per step (ledger), activation bytes saved.
 
@@ -263,39 +264,6 @@ def _ulysses_table(res, seq, device):
             print(f"| {n} | {impl} | {1e3 * g['step_s']:.0f} | {g['sent_MiB']:.2f} | {g['saved_MiB']:.1f} |")
 
 
-MOE_KERNEL_CASES = [(torch.float32, 256), (torch.float32, 2048), (torch.float64, 256), (torch.float64, 2048)]
-
-
-def moe_kernel(dev, reps=7):
-    """One process, d 256, ffn 512, 8 experts top-2, dropless: forward+backward of the whole MoE
-    layer (router, grouping, experts, combine) and of the experts alone, loop vs grouped; the two
-    implementations alternate, median of ``reps`` after a warm-up."""
-    out = {}
-    for dtype, tokens in MOE_KERNEL_CASES:
-        cfg = ModelConfig(d_model=256, ffn_hidden=512, n_experts=8, moe_top_k=2, n_layers=2, n_heads=4)
-        layer = MoE(cfg).to(dev, dtype)
-        g = torch.Generator(dev).manual_seed(0)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.normal_(0, 0.05, generator=g)
-        x = torch.randn(tokens, 256, dtype=dtype, generator=torch.Generator().manual_seed(1)).to(dev)
-        r = layer.route(x)  # the experts alone: rows grouped by expert, as the layer passes them
-        rows = x[r.token[torch.argsort(r.expert, stable=True)]]
-        counts = torch.bincount(r.expert, minlength=8)
-        times = {}
-        for impl in ("loop", "grouped") * (reps + 1):
-            layer.experts.impl = impl
-            for part, fn in (("layer", lambda: layer(x)), ("experts", lambda: layer.experts(rows, counts))):
-                _sync(dev)
-                t0 = time.perf_counter()
-                fn().square().mean().backward()
-                _sync(dev)
-                times.setdefault((impl, part), []).append(time.perf_counter() - t0)
-        out[f"{str(dtype).removeprefix('torch.')} {tokens}"] = {
-            f"{impl}_{part}_ms": 1e3 * statistics.median(v[1:]) for (impl, part), v in times.items()}
-    return out
-
-
 def worker(ctx, n, seq, device, parts):
     dev = torch.device(device)
     _exact_rss()
@@ -310,8 +278,6 @@ def worker(ctx, n, seq, device, parts):
     if "moe" in parts:
         ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
         out["moe"] = {impl: moe(ep_mesh, dev, impl=impl) for impl in ("loop", "grouped")}
-        if n == 1:
-            out["moe_kernel"] = moe_kernel(dev)
     return out
 
 
@@ -371,18 +337,6 @@ def main():
                 e = statistics.mean(r["moe"][impl]["experts_ms"] for r in rr)
                 mib = statistics.mean(r["moe"][impl]["a2a_MiB"] for r in rr)
                 print(f"| {n} | {impl} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
-        kernel = next((rr[0]["moe_kernel"] for rr in res.values() if "moe_kernel" in rr[0]), None)
-        if kernel:
-            print(f"\nMoE forward+backward on one process ({args.device}), d 256, ffn 512, 8 experts top-2, "
-                  "dropless (median of 7): the whole layer, and the experts alone")
-            print("| dtype | tokens | layer loop (ms) | layer grouped (ms) | speed-up | experts loop (ms) "
-                  "| experts grouped (ms) | speed-up |")
-            print("|---|---|---|---|---|---|---|---|")
-            for case, k in kernel.items():
-                dt, tokens = case.split()
-                print(f"| {dt} | {tokens} | {k['loop_layer_ms']:.1f} | {k['grouped_layer_ms']:.1f} | "
-                      f"{k['loop_layer_ms'] / k['grouped_layer_ms']:.2f}x | {k['loop_experts_ms']:.1f} | "
-                      f"{k['grouped_experts_ms']:.1f} | {k['loop_experts_ms'] / k['grouped_experts_ms']:.2f}x |")
     if "ulysses" in args.parts:
         _ulysses_table(res, args.seq, args.device)
     if args.json:

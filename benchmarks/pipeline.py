@@ -1,6 +1,7 @@
 """Pipeline parallel benchmark: shardlab schedules vs torch.distributed.pipelining, CPU gloo.
 
     PYTHONPATH=. python benchmarks/pipeline.py [--pp 2 4] [--steps 6] [--out docs/img]
+    PYTHONPATH=. python benchmarks/pipeline.py --split-costs   (one stage: backward vs B + W)
 
 Same model, same stage split (shardlab's parameter-balanced partition; torch gets the very same
 stage modules), m = 8 micro-batches, fp32, one thread per rank. Every engine is built up front
@@ -28,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -225,13 +225,75 @@ def summarise(pp, results, out_dir):
     return rows
 
 
+def split_costs(reps: int = 15) -> None:
+    """One stage of the pp = 4 split (2 of the 8 layers), one process, one thread, micro-batch
+    MB: 1F1B's full backward vs ZB's B (input grads) + W (wgrad.py), and W of k micro-batches
+    batched into one matmul per module (inputs and output grads concatenated, cat included)."""
+    from shardlab.parallel.pipeline.wgrad import direct_input, weight_grads
+    torch.set_num_threads(1)
+    cfg = make_cfg(1, "1f1b", 1)
+    cfg.model.n_layers = 2
+    model = build_model(cfg.model, 0)
+    blocks, cap, pos = list(model.layers.values()), [None], torch.arange(64)
+
+    def hook(mod, args, out):
+        if cap[0] is not None and torch.is_tensor(out) and out.requires_grad:
+            cap[0].append((mod, out, direct_input(mod, args)))
+    for mod in model.layers.modules():
+        if any(p.requires_grad for p in mod.parameters(recurse=False)):
+            mod.register_forward_hook(hook)
+    g = torch.Generator().manual_seed(0)
+    xs, gs = ([torch.randn(MB, 64, 128, generator=g) for _ in range(4)] for _ in range(2))
+
+    def fwd(i, capture):
+        x = xs[i].clone().requires_grad_()
+        cap[0], out = [] if capture else None, x
+        for b in blocks:
+            out = b(out, pos)
+        c, cap[0] = cap[0], None
+        return x, out, c
+
+    def w_pass(group):  # W of the micro-batches in ``group``, one matmul per module
+        for j, (mod, inp, gr) in enumerate(group[0]):
+            if gr is not None:
+                weight_grads(mod, torch.cat([e[j][1] for e in group]), torch.cat([e[j][2] for e in group]))
+    times: dict = {}
+
+    def timed(name, fn, per):
+        t0 = time.perf_counter()
+        out = fn()
+        times.setdefault(name, []).append(1e3 * (time.perf_counter() - t0) / per)
+        return out
+    for _ in range(reps + 2):
+        for i in range(4):
+            _, out, _ = fwd(i, False)
+            timed("full backward (1F1B)", lambda: torch.autograd.backward(out, gs[i]), 1)
+        entries = []
+        for i in range(4):
+            x, out, c = fwd(i, True)
+            grads = timed("B (ZB)", lambda: torch.autograd.grad(out, [x] + [z for _, z, _ in c], gs[i],
+                                                                   allow_unused=True), 1)
+            entries.append([(mod, inp, gr) for (mod, _, inp), gr in zip(c, grads[1:])])
+        timed("W one micro-batch at a time (ZB now)", lambda: [w_pass([e]) for e in entries], 4)
+        timed("W batched over 2 micro-batches", lambda: [w_pass(entries[k:k + 2]) for k in (0, 2)], 4)
+        timed("W batched over 4 micro-batches", lambda: w_pass(entries), 4)
+    print(f"\nOne pp = 4 stage (2 layers, d 128, seq 64, micro-batch {MB}), 1 thread, ms per micro-batch "
+          f"(median of {reps}):")
+    print("| pass | ms |\n|---|---|")
+    for name, v in times.items():
+        print(f"| {name} | {statistics.median(v[2 * len(v) // (reps + 2):]):.2f} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default="", help="folder for measured timeline PNGs")
+    ap.add_argument("--split-costs", action="store_true", help="only: one stage's full backward vs B + W, W batched")
     args = ap.parse_args(argv)
+    if args.split_costs:
+        return split_costs()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     all_rows = []

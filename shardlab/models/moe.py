@@ -24,11 +24,12 @@ adds the statistics of the other data-parallel ranks, so a sharded run equals th
 global batch. Per-step statistics are kept as device tensors and read (``self.last_stats``:
 tokens per expert, dropped fraction) only by the metrics.
 
-Host reads. The forward has none on its grouped path (``model.moe_impl = grouped``): the
-assignments are grouped by expert with the dropped ones last, so every shape is T*k whatever
-the routing, and the experts run as grouped GEMMs (models/moe_gemm.py; its float64 fallback
-reads the largest count once). Expert parallel must read the all-to-all split sizes
-(parallel/expert.py); that is the one sync that remains there.
+Host reads. Routing, grouping and the combine have none: the assignments are grouped by
+expert with the dropped ones last, so every shape is T*k whatever the routing; tokens go to the
+grouped rows and back by gathers whose backward is the other gather (no scatter-add). The
+experts (models/moe_gemm.py) read nothing on CUDA with ``torch._grouped_mm``; the CPU kernel
+reads the counts, which on CPU already live in host memory. Expert parallel must read the
+all-to-all split sizes (parallel/expert.py); that is the one sync that remains there.
 
 Expert weights are stacked parameters ``experts.w1`` / ``experts.w3`` (E, H, D) and
 ``experts.w2`` (E, D, H) with global names, so ``init_tensor`` initialises them the same under
@@ -148,11 +149,47 @@ class MoE(nn.Module):
         # group by expert with the dropped assignments last: shapes never depend on the routing
         # (no host read); the experts return zeros for the dropped rows, weighted by 0 anyway
         key = torch.where(r.keep, r.expert, self.n_experts)
-        sel = torch.argsort(key, stable=True)
+        sel = torch.argsort(key, stable=True)                 # row i of the experts' input: assignment sel[i]
+        inv = torch.empty_like(sel)
+        inv[sel] = torch.arange(sel.numel(), device=sel.device)
         counts = torch.bincount(key, minlength=self.n_experts + 1)[:self.n_experts]
-        y = self.run_experts(x[r.token[sel]], counts)
+        y = self.run_experts(_Spread.apply(x, sel, inv, self.top_k), counts)
         # combine in x's dtype (under autocast the experts return bf16/fp16, x is fp32)
         w = (r.weight * r.keep)[sel, None].to(x.dtype)
-        out = torch.zeros_like(x).index_add(0, r.token[sel], y.to(x.dtype) * w)
+        out = _Collect.apply(y.to(x.dtype) * w, sel, inv, self.top_k)
         self.last_routing = r
         return out.view(shape)
+
+
+# Token t's k assignments are t, T + t, ..., (k-1) T + t (priority order); sorted by expert,
+# assignment a sits at row inv[a] and row i holds assignment sel[i]. Spreading the tokens to
+# the sorted rows and collecting the rows back to the tokens are adjoint, so each one's backward
+# is the other: a gather and a sum over k, never a scatter-add (index_add) into the tokens.
+class _Spread(torch.autograd.Function):
+    """(T, D) tokens -> (kT, D) rows sorted by expert: ``x[sel % T]``."""
+
+    @staticmethod
+    def forward(ctx, x, sel, inv, k):
+        ctx.save_for_backward(sel, inv)
+        ctx.k = k
+        return x.index_select(0, sel % x.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        sel, inv = ctx.saved_tensors
+        return _Collect.apply(g, sel, inv, ctx.k), None, None, None
+
+
+class _Collect(torch.autograd.Function):
+    """(kT, D) rows sorted by expert -> (T, D): token t sums the rows of its k assignments."""
+
+    @staticmethod
+    def forward(ctx, rows, sel, inv, k):
+        ctx.save_for_backward(sel, inv)
+        ctx.k = k
+        return rows.index_select(0, inv).view(k, -1, rows.shape[1]).sum(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        sel, inv = ctx.saved_tensors
+        return _Spread.apply(g, sel, inv, ctx.k), None, None, None

@@ -1,20 +1,33 @@
-"""The experts' SwiGLU as grouped matrix products (one kernel per weight for all experts).
+"""The experts' SwiGLU as one autograd node over all experts (no per-expert autograd graph).
 
 Input: rows ``x`` (n, D) grouped by expert, ``counts[e]`` rows for expert e in order, as a
-tensor (it stays on the device); rows past ``counts.sum()`` belong to no expert and come back
-as zeros (the MoE layer puts its dropped assignments there, so shapes never depend on routing).
-Weights are stacked: ``w1``, ``w3`` (E, H, D) and ``w2`` (E, D, H).
+tensor; rows past ``counts.sum()`` belong to no expert and come back as zeros (the MoE layer
+puts its dropped assignments there, so shapes never depend on routing). Weights are stacked:
+``w1``, ``w3`` (E, H, D) and ``w2`` (E, D, H).
 
-  y_i = w2[e_i] (silu(w1[e_i] x_i) * w3[e_i] x_i)        e_i = the expert of row i
+  h1 = w1[e_i] x_i,  h3 = w3[e_i] x_i,  a = silu(h1) * h3,  y_i = w2[e_i] a_i    e_i = expert of row i
 
-Implementations (``model.moe_impl``):
-  grouped  ``torch._grouped_mm`` with the cumulative counts as offsets when the dtype is fp32,
-           bf16 or fp16 and the rows are 16-byte aligned: no Python loop over experts and no
-           host read (the offsets never leave the device). Otherwise (float64, odd widths) a
-           padded batched matmul: the rows are scattered into an (E, C, D) buffer, C = the
-           largest count, and three ``bmm`` cover every expert; reading C is the one host
-           read of this path.
-  loop     one ``F.linear`` triple per expert (the reference: ``counts`` read on the host).
+Backward (hand-written: nothing recomputed but silu(h1), no per-expert autograd nodes, and
+each weight gradient written once, not summed from E full-size zero tensors as autograd does
+for the loop's ``w[e]``):
+
+  dW2[e] = dY_e^T A_e      dA = dY w2[e]      dH1 = dA * h3 * silu'(h1)      dH3 = dA * silu(h1)
+  dW1[e] = dH1_e^T X_e     dW3[e] = dH3_e^T X_e     dX = dH1 w1[e] + dH3 w3[e]  (only if x needs it)
+
+with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h) (one ``aten.silu_backward``). Kernels for the
+per-expert products (``kernel``; ``auto`` picks segments on CPU, grouped_mm on CUDA where it
+applies, else padded):
+  segments    one ``mm`` per expert on its contiguous slice of rows, the SwiGLU computed per
+              slice while it is in cache (any dtype, width, device). Reads ``counts`` on the
+              host once per forward (on CPU the tensor is already in host memory: no sync).
+  grouped_mm  ``torch._grouped_mm`` with the cumulative counts as offsets (fp32/bf16/fp16, rows
+              16-byte aligned, CUDA sm90+ or CPU): no host read; the SwiGLU runs once over all
+              rows. On CPU ``torch._grouped_mm`` is itself a loop of ``mm`` over the groups and
+              measured slower than segments (its elementwise passes over the whole buffer).
+  padded      rows scattered into an (E, C, .) buffer, C = the largest count (one host read),
+              and ``bmm``: one kernel per product for all experts, any dtype; computes E C rows.
+``impl = loop`` is the reference: one ``F.linear`` triple per expert under autograd.
+Measurements and the FLOP floor: docs/expert-parallel.md ("Grouped GEMM vs the per-expert loop").
 """
 from __future__ import annotations
 
@@ -22,14 +35,25 @@ import torch
 import torch.nn.functional as F
 
 IMPLS = ("grouped", "loop")
+KERNELS = ("auto", "grouped_mm", "padded", "segments")
 
 
-def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "grouped") -> torch.Tensor:
+def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "grouped",
+               kernel: str = "auto") -> torch.Tensor:
     if impl == "loop":
         return _loop(x, counts, w1, w3, w2)
-    if _grouped_mm_ok(x, w1):
-        return _grouped_mm(x, counts, w1, w3, w2)
-    return _padded_bmm(x, counts, w1, w3, w2)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):   # compute in the autocast dtype, as F.linear would
+        dt = torch.get_autocast_dtype(dev)
+        x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
+    if kernel == "auto":
+        kernel = "segments" if not x.is_cuda else "grouped_mm" if _grouped_mm_ok(x, w1) else "padded"
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown expert kernel {kernel!r}; one of {KERNELS}")
+    if kernel == "grouped_mm" and not _grouped_mm_ok(x, w1):
+        raise ValueError(f"torch._grouped_mm cannot take {x.dtype} rows of width {x.shape[1]} here")
+    with torch.autocast(dev, enabled=False):
+        return _Experts.apply(x, counts, w1, w3, w2, kernel)
 
 
 def _loop(x, counts, w1, w3, w2):
@@ -50,40 +74,115 @@ def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
             and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)))
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (``_grouped_mm``'s
-    backward refuses expanded gradients, e.g. that of ``y.sum()``)."""
+class _GroupedRows:
+    """``torch._grouped_mm`` on the rows as they are, offsets = cumulative counts (on device)."""
+
+    def __init__(self, x, counts):
+        self.offs = counts.cumsum(0).to(torch.int32)
+        self.valid = (torch.arange(x.shape[0], device=x.device) < self.offs[-1])[:, None]
+
+    def pack(self, t):
+        return torch.where(self.valid, t, 0)
+
+    unpack = pack
+
+    def mm(self, a, w):     # rows of expert e times w[e]; rows past the groups are left unwritten
+        return torch.where(self.valid, torch._grouped_mm(a, w, offs=self.offs), 0)
+
+    def wmm(self, g, a):    # sum over the rows of expert e of g_i^T a_i -> (E, ., .)
+        return torch._grouped_mm(g.t(), a, offs=self.offs)
+
+
+class _Padded:
+    """Rows scattered into an (E, C, .) buffer, C = the largest count (read on the host), and
+    ``bmm``; padding rows are zeros and stay zeros (silu(0) * 0 = 0)."""
+
+    def __init__(self, x, counts):
+        E, n = counts.numel(), x.shape[0]
+        ends = counts.cumsum(0)
+        row = torch.arange(n, device=x.device)
+        e = torch.searchsorted(ends, row, right=True)                   # E for rows past the groups
+        ec = e.clamp(max=E - 1)
+        self.E, self.C = E, max(int(counts.max()), 1)                   # the host read of this kernel
+        self.slot = torch.where(e < E, ec * self.C + row - (ends - counts)[ec], E * self.C)  # E*C: spare row
+
+    def pack(self, t):
+        buf = t.new_zeros(self.E * self.C + 1, t.shape[1]).index_copy_(0, self.slot, t)
+        return buf[:-1].view(self.E, self.C, t.shape[1])
+
+    def unpack(self, t):
+        flat = t.reshape(self.E * self.C, -1)
+        return torch.cat([flat, flat.new_zeros(1, flat.shape[1])]).index_select(0, self.slot)
+
+    def mm(self, a, w):
+        return torch.bmm(a, w)
+
+    def wmm(self, g, a):
+        return torch.bmm(g.transpose(1, 2), a)
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, w1, w3, w2, kernel):
+        x = x.contiguous()
+        if kernel != "segments":
+            lay = (_GroupedRows if kernel == "grouped_mm" else _Padded)(x, counts)
+            xp = lay.pack(x)
+            h1, h3 = lay.mm(xp, w1.transpose(1, 2)), lay.mm(xp, w3.transpose(1, 2))
+            y = lay.unpack(lay.mm(F.silu(h1) * h3, w2.transpose(1, 2)))
+            ctx.lay = lay
+            ctx.save_for_backward(xp, h1, h3, w1, w3, w2)
+        else:
+            ends = counts.cumsum(0).tolist()                    # the host read of this kernel
+            seg = list(zip([0] + ends[:-1], ends))
+            n, H = x.shape[0], w1.shape[1]
+            h1, h3, y = x.new_empty(n, H), x.new_empty(n, H), x.new_empty(n, w2.shape[1])
+            for t in (h1, h3, y):
+                t[ends[-1] if ends else 0:].zero_()             # rows of no expert
+            for e, (s, t) in enumerate(seg):
+                if t > s:
+                    xe = x[s:t]
+                    torch.mm(xe, w1[e].t(), out=h1[s:t])
+                    torch.mm(xe, w3[e].t(), out=h3[s:t])
+                    torch.mm(F.silu(h1[s:t]) * h3[s:t], w2[e].t(), out=y[s:t])
+            ctx.seg, ctx.lay = seg, None
+            ctx.save_for_backward(x, h1, h3, w1, w3, w2)
+        return y
 
     @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-def _grouped_mm(x, counts, w1, w3, w2):
-    offs = counts.cumsum(0).to(torch.int32)
-    # rows past the last offset are left unwritten by the kernel, forward and backward: ``where``
-    # (not a product: garbage may be NaN) zeroes their outputs and their input gradients
-    valid = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]
-    mm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
-    x = torch.where(valid, x, 0)
-    h = _ContiguousGrad.apply(F.silu(mm(x, w1)) * mm(x, w3))
-    y = _ContiguousGrad.apply(mm(h, w2))
-    return torch.where(valid, y, 0)
-
-
-def _padded_bmm(x, counts, w1, w3, w2):
-    E, n, D = counts.numel(), x.shape[0], x.shape[1]
-    ends = counts.cumsum(0)
-    row = torch.arange(n, device=x.device)
-    e = torch.searchsorted(ends, row, right=True)                       # E for rows past the groups
-    ec = e.clamp(max=E - 1)
-    C = max(int(counts.max()), 1)                                       # the host read of this path
-    slot = torch.where(e < E, ec * C + row - (ends - counts)[ec], E * C)  # E*C: a spare row
-    xb = x.new_zeros(E * C + 1, D).index_add(0, slot, x)[:E * C].view(E, C, D)
-    h = F.silu(torch.bmm(xb, w1.transpose(1, 2))) * torch.bmm(xb, w3.transpose(1, 2))
-    y = torch.bmm(h, w2.transpose(1, 2)).reshape(E * C, -1)
-    return torch.cat([y, y.new_zeros(1, y.shape[1])])[slot]
+    def backward(ctx, dy):
+        need_x = ctx.needs_input_grad[0]
+        dy = dy.contiguous()
+        if ctx.lay is not None:
+            lay = ctx.lay
+            xp, h1, h3, w1, w3, w2 = ctx.saved_tensors
+            dyp = lay.pack(dy)
+            act = F.silu(h1)
+            dw2 = lay.wmm(dyp, act * h3)
+            da = lay.mm(dyp, w2)
+            dh3 = da * act
+            dh1 = torch.ops.aten.silu_backward(da * h3, h1)
+            dw1, dw3 = lay.wmm(dh1, xp), lay.wmm(dh3, xp)
+            dx = lay.unpack(lay.mm(dh1, w1) + lay.mm(dh3, w3)) if need_x else None
+            return dx, None, dw1, dw3, dw2, None
+        x, h1, h3, w1, w3, w2 = ctx.saved_tensors
+        dw1, dw3, dw2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)
+        dx = torch.empty_like(x) if need_x else None
+        if need_x:
+            dx[ctx.seg[-1][1] if ctx.seg else 0:].zero_()
+        for e, (s, t) in enumerate(ctx.seg):
+            if t == s:
+                for g in (dw1, dw3, dw2):
+                    g[e].zero_()
+            else:
+                he1, he3, dye = h1[s:t], h3[s:t], dy[s:t]
+                act = F.silu(he1)
+                torch.mm(dye.t(), act * he3, out=dw2[e])
+                da = dye @ w2[e]
+                dh3 = da * act
+                dh1 = torch.ops.aten.silu_backward(da.mul_(he3), he1)
+                torch.mm(dh1.t(), x[s:t], out=dw1[e])
+                torch.mm(dh3.t(), x[s:t], out=dw3[e])
+                if need_x:
+                    torch.addmm(dh1 @ w1[e], dh3, w3[e], out=dx[s:t])
+        return dx, None, dw1, dw3, dw2, None

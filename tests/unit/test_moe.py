@@ -44,6 +44,21 @@ def test_dropless_equals_per_token_loop(k):
     assert int(moe.last_stats["tokens_per_expert"].sum()) == 24 * k
 
 
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_layer_gradients_equal_per_token_loop(impl):
+    """Backward through routing, spread to the experts and collect back (permutation gathers,
+    hand-written expert backward) against autograd through the naive per-token loop."""
+    cfg, moe = make_moe(moe_capacity_factor=0.0)
+    moe.experts.impl = impl
+    x = torch.randn(20, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    c = torch.randn(20, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    params = [x, moe.router.weight, moe.experts.w1, moe.experts.w3, moe.experts.w2]
+    got = torch.autograd.grad((moe(x) * c).sum(), params)
+    want = torch.autograd.grad((naive(moe, x) * c).sum(), params)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() <= 1e-10 * b.abs().max().item()
+
+
 def test_capacity_drops_in_priority_order():
     cfg, moe = make_moe(moe_capacity_factor=0.5)
     x = torch.randn(40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -124,20 +139,31 @@ def _expert_case(dtype, seed=0):
     return x, counts, [t.requires_grad_() for t in w]
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-4)])
-def test_grouped_experts_equal_the_loop(dtype, tol):
-    """The grouped kernels (float64: padded bmm; float32: torch._grouped_mm) against the
-    per-expert loop: outputs, zeros for rows past the groups, and every gradient."""
+@pytest.mark.parametrize("dtype, tol, kernel", [(torch.float64, 1e-12, "segments"), (torch.float64, 1e-12, "padded"),
+                                                 (torch.float32, 1e-4, "segments"), (torch.float32, 1e-4, "padded"),
+                                                 (torch.float32, 1e-4, "grouped_mm")])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_grouped_experts_equal_the_loop(dtype, tol, kernel, x_grad):
+    """Every grouped kernel (hand-written backward) against the per-expert loop under autograd:
+    outputs, zeros for rows past the groups, and every gradient (with and without dx)."""
     from shardlab.models import moe_gemm
     outs = {}
     for impl in ("loop", "grouped"):
         x, counts, (w1, w3, w2) = _expert_case(dtype)
-        x.requires_grad_()
-        y = moe_gemm.expert_ffn(x, counts, w1, w3, w2, impl)
+        x.requires_grad_(x_grad)
+        y = moe_gemm.expert_ffn(x, counts, w1, w3, w2, impl, kernel)
         y.square().sum().backward()
-        outs[impl] = [y.detach(), x.grad, w1.grad, w3.grad, w2.grad]
+        outs[impl] = [y.detach(), w1.grad, w3.grad, w2.grad] + ([x.grad] if x_grad else [])
     assert torch.equal(outs["grouped"][0][17:], torch.zeros(3, 32, dtype=dtype))
+    assert torch.equal(outs["grouped"][1][1], torch.zeros(48, 32, dtype=dtype))      # the expert without rows
+    if x_grad:
+        assert torch.equal(outs["grouped"][4][17:], torch.zeros(3, 32, dtype=dtype))
     for a, b in zip(outs["loop"], outs["grouped"]):
         assert (a - b).abs().max().item() <= tol * max(1.0, a.abs().max().item())
-    x, _, (w1, _, _) = _expert_case(dtype)
-    assert moe_gemm._grouped_mm_ok(x, w1) == (dtype == torch.float32)  # which kernel was compared
+
+
+def test_grouped_mm_kernel_refused_where_unsupported():
+    from shardlab.models import moe_gemm
+    x, counts, (w1, w3, w2) = _expert_case(torch.float64)
+    with pytest.raises(ValueError):
+        moe_gemm.expert_ffn(x, counts, w1, w3, w2, "grouped", "grouped_mm")

@@ -43,7 +43,8 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "g
     if impl == "loop":
         return _loop(x, counts, w1, w3, w2)
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):   # compute in the autocast dtype, as F.linear would
+    autocast = torch.is_autocast_enabled(dev)
+    if autocast:   # compute in the autocast dtype, as F.linear would
         dt = torch.get_autocast_dtype(dev)
         x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
     if kernel == "auto":
@@ -52,6 +53,8 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "g
         raise ValueError(f"unknown expert kernel {kernel!r}; one of {KERNELS}")
     if kernel == "grouped_mm" and not _grouped_mm_ok(x, w1):
         raise ValueError(f"torch._grouped_mm cannot take {x.dtype} rows of width {x.shape[1]} here")
+    if not autocast:  # (torch.autocast cannot be entered for every device type, e.g. meta)
+        return _Experts.apply(x, counts, w1, w3, w2, kernel)
     with torch.autocast(dev, enabled=False):
         return _Experts.apply(x, counts, w1, w3, w2, kernel)
 

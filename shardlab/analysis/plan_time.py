@@ -35,18 +35,53 @@ activation and residual op as its own kernel (every one reads and writes its ten
 kernels (``parallel.compile``, or Megatron's hand-fused kernels) touch each tensor a few times."""
 
 
-def collective(kind: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
-    """Seconds of one collective of ``nbytes`` (full message) over ``n`` ranks."""
+def collective(kind: str, nbytes: float, n: int, bw, alpha: float) -> float:
+    """Seconds of one collective of ``nbytes`` (full message) over ``n`` ranks. ``bw`` is a bus
+    bandwidth, or on the CPU a :class:`Curve` (then ``alpha`` is unused). ``p2p``: one send."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if isinstance(bw, Curve):
+        return bw.seconds(kind, nbytes)
+    if kind == "p2p":
+        return alpha + nbytes / bw
     wire = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind] * nbytes * (n - 1) / n
     return 2 * math.log2(n) * alpha + wire / bw
 
 
-def link(topo, group: str, dev) -> tuple[float, float]:
+class Curve:
+    """CPU collectives as probed (devices.probe_cpu's ``comm_curve`` at the layout's world size):
+    the seconds an all-reduce of a given size adds between compute, interpolated linearly in
+    bytes (beyond the largest size probed, at the slope of the last two). Other kinds are read as
+    the all-reduce that puts as many bytes on the wire (all-gather, reduce-scatter, all-to-all
+    and a send of M bytes: an all-reduce of M / 2)."""
+
+    def __init__(self, points):
+        self.pts = sorted((float(b), float(t)) for b, t in points)
+
+    def seconds(self, kind: str, nbytes: float) -> float:
+        x = nbytes if kind == "all_reduce" else nbytes / 2
+        pts = self.pts
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if x <= b1:
+                return t0 + (t1 - t0) * (x - b0) / (b1 - b0)
+        (b0, t0), (b1, t1) = pts[-2], pts[-1]
+        return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (x - b1)
+
+
+def link(topo, group: str, dev) -> tuple:
     """(bus bandwidth, latency) of the ``group`` that contains rank 0: NVLink if its ranks share a
     node, else the network. CPU: gloo as the probe measured it with as many ranks as the layout
-    runs (the closest world size probed, not below it when one is)."""
+    runs (the closest world size probed, not below it when one is) and the group's size (a
+    pipeline send: a pair): its all-reduce curve between compute (:class:`Curve`, alpha 0) when
+    probed, else its back-to-back alpha and bandwidth."""
+    if dev.comm_curve:
+        w = topo.world_size
+        g = 2 if group == "pp" else len(_group_of_rank0(topo, group)) if group != "world" else w
+        pw = min({e[0] for e in dev.comm_curve}, key=lambda x: (x < w, abs(x - w)))
+        _, _, pts = min((e for e in dev.comm_curve if e[0] == pw), key=lambda e: (abs(e[1] - g), -e[1]))
+        return Curve(pts), 0.0
     if dev.comm_n:
         w = topo.world_size
         n, alpha, bw = min(dev.comm_n, key=lambda e: (e[0] < w, abs(e[0] - w)))
@@ -107,14 +142,17 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     tp_comm = 0.0
     if p.tp > 1:
         bw, al = link(topo, "tp", dev)
-        one = collective("all_reduce", act_bytes, p.tp, bw, al)
+        one = (collective("all_gather", act_bytes, p.tp, bw, al) + collective("reduce_scatter", act_bytes, p.tp, bw, al)) \
+            if p.sequence_parallel else collective("all_reduce", act_bytes, p.tp, bw, al)  # SP: two per site
         tp_comm = one * (4 * layers + 2 + (2 * layers if ac == "full" else 0))
+        # vocabulary-parallel cross-entropy (last stage, the slowest): max, sum of exp, target logit per token
+        tp_comm += 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
     cp_comm = ring = uly = 0.0
     u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
     if p.cp // u > 1:  # ring: cp/u - 1 exchanges of this rank's k and v per block, twice as much backward
         bw, al = link(topo, "cp", dev)
         kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
-        ring = (p.cp // u - 1) * (kv / bw + al) * 3 * layers
+        ring = (p.cp // u - 1) * collective("p2p", kv, 2, bw, al) * 3 * layers
         cp_comm = max(0.0, ring - (t_attn + (t_attn / 3 if ac != "none" else 0)))
     if u > 1:  # Ulysses (parallel/ulysses.py): q, k, v, out all-to-all forward, their gradients backward
         bw, al = link(topo, "cp", dev)
@@ -154,10 +192,9 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         n = p.dp_shard * p.cp
         bw, al = link(topo, "dp_shard_cp", dev)
         gathered = mem["gathered_total"]
-        per_mb = collective("all_gather", gathered, n, bw, al) * (2 if p.reshard_after_forward else 1) \
-            + collective("reduce_scatter", mem["reduce_total"], n, bw, al)
-        calls = 3 if p.reshard_after_forward else 2  # per unit: gather (forward, again backward), reduce-scatter
-        per_mb += (mem.get("units", 1) - 1) * calls * (2 * math.log2(n) * al if n > 1 else 0.0)
+        k = max(1, mem.get("units", 1))  # per unit: gather (forward, again backward), reduce-scatter
+        per_mb = k * (collective("all_gather", gathered / k, n, bw, al) * (2 if p.reshard_after_forward else 1)
+                      + collective("reduce_scatter", mem["reduce_total"] / k, n, bw, al))
         dp_total = per_mb * mbs
         units = max(1, m.n_layers)
         dp_exposed = dp_total if cpu else max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
@@ -181,7 +218,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     # the schedule
     if p.pp > 1:  # the schedule simulated once per (schedule, pp, m, v) with equal F, B, W
         bw, al = link(topo, "pp", dev)
-        p2p = 2 * (act_bytes / bw + al)  # the activation forward, its gradient backward
+        p2p = 2 * collective("p2p", act_bytes, 2, bw, al)  # the activation forward, its gradient backward
         f_st, b_st = f_mb + p.pp_virtual * p2p / 2, b_mb + p.pp_virtual * p2p / 2
         _, _, frac = schedule_peaks(p.pp_schedule, p.pp, mbs, p.pp_virtual)
         span = mbs * (f_st + b_st) / max(1e-9, 1 - frac)
@@ -191,7 +228,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     state = mem["params"] + mem["grads"] + mem["optim"]
     optimizer = 2 * state / dev.hbm_bw
     if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
-        bw, al = link(topo, "world", dev) if dev.comm_n else (dev.inter_bw, dev.inter_alpha)
+        bw, al = link(topo, "world", dev) if (dev.comm_n or dev.comm_curve) else (dev.inter_bw, dev.inter_alpha)
         optimizer += collective("all_reduce", 8, topo.world_size, bw, al)
     step = span + dp_exposed + optimizer
     compute = mbs * (fwd + bwd + recompute)

@@ -56,6 +56,12 @@ DEVICES = {
                    "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU"),
 }
 
+FITTED_EFFICIENCY = 0.825
+"""Not a device constant: the one global efficiency that, dividing the compute-bound time of the
+stated model, minimises the median error over the published runs of docs/planner.md (fitted by
+``benchmarks/planner_validation.py``, which prints the fit and its leave-one-out error). Used only
+by ``shardlab plan --efficiency fitted``; the default (``stated``) never applies it."""
+
 
 def get_device(kind: str, probe: dict | None = None) -> Device:
     """The constants of ``kind`` (h100, h100-gt, h200, a100, cpu). ``cpu`` needs the probe's numbers

@@ -5,7 +5,8 @@ Compute per micro-batch and rank (one pipeline stage):
   matmuls     (spec FLOPs per token - its attention term) x tokens / (tp x cp x stages)
               at peak x mm_eff; forward 1/3, backward 2/3; full recomputation repeats the
               blocks' forward, selective the attention's
-  attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
+  attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) x 3.5 / 3 (the
+              flash backward recomputes the scores: FLASH_BWD_EXTRA) at peak x attn_eff
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
 On a CPU (the probe's ``op_s`` and ``ew_bw``) the elementwise term is instead, per operator the
 traced forward dispatches, a probed latency (forward + backward) plus the bytes it writes at the
@@ -28,6 +29,12 @@ stretches the stages' busy time; stage-to-stage sends add to each stage's cost.
 from __future__ import annotations
 
 import math
+
+FLASH_BWD_EXTRA = 3.5 / 3
+"""Attention FLOPs executed per FLOP counted: the spec counts the attention core as forward + 2 x
+forward (12 L d S per token); fused (flash) kernels recompute the scores in backward, which is
+2.5 x the forward's FLOPs (Dao, "FlashAttention-2", 2023, section 3: 5 matmuls backward, 2
+forward; its benchmark counts forward + backward as 3.5 x forward), so 3.5 / 3 of the count."""
 
 ELEMENTWISE_PASSES = {"eager": 12.0, "fused": 4.0}
 """Bytes moved by elementwise work per byte autograd saves: eager PyTorch runs each norm, rotary,
@@ -119,7 +126,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     tokens = b * s
     attn_term = 12.0 * m.n_layers * m.d_model * s
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
-    attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp)
+    attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp) * FLASH_BWD_EXTRA
     peak = dev.peak_flops
     over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
     t_mm, t_attn = over * mm / (peak * dev.mm_eff), over * attn / (peak * dev.attn_eff)
@@ -135,7 +142,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
-    recompute = fwd if ac == "full" else (t_attn / 3 if ac == "selective" else 0.0)
+    recompute = fwd if ac == "full" else (t_attn / 3.5 if ac == "selective" else 0.0)
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
     layers = m.n_layers / p.pp
     act_bytes = b * (s // p.cp) * m.d_model * el
@@ -153,7 +160,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         bw, al = link(topo, "cp", dev)
         kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
         ring = (p.cp // u - 1) * collective("p2p", kv, 2, bw, al) * 3 * layers
-        cp_comm = max(0.0, ring - (t_attn + (t_attn / 3 if ac != "none" else 0)))
+        cp_comm = max(0.0, ring - (t_attn + (t_attn / 3.5 if ac != "none" else 0)))
     if u > 1:  # Ulysses (parallel/ulysses.py): q, k, v, out all-to-all forward, their gradients backward
         bw, al = link(topo, "cp", dev)
         x = b * (s // p.cp) * m.d_model / p.tp * el

@@ -45,18 +45,31 @@ class Device:
 
 
 GiB = 2**30
+# Sources of the constants (docs/planner.md, "Device constants"):
+#   peak bf16 dense: NVIDIA datasheets (H100 SXM 989 TFLOP/s, A100 312); HBM: datasheets (the
+#     96 GB HBM2e part: 2.4 TB/s, torchtitan's docs/performance.md platform).
+#   mm_eff: stated below the measured ceilings of large bf16 GEMMs at their best shapes (Bekman,
+#     "Machine Learning Engineering", Maximum Achievable Matmul FLOPS table: H100 SXM 792 of 989,
+#     80%; A100 SXM 268 of 312, 86%): a model's GEMMs (backward transposes, the LM head, smaller
+#     widths) run below that ceiling. Not measured here, not fitted.
+#   attn_eff (H100): 0.35, FlashAttention-2 on H100 (Shah et al., "FlashAttention-3", 2024:
+#     "only 35% utilization on the H100"; torchtitan eager uses SDPA's FlashAttention-2 kernel).
+#     A100: 0.45, below FlashAttention-2's 50-73% forward + backward on A100 (Dao 2023): the
+#     2021 Megatron rows ran unfused attention.
+#   links: NVLink bus bandwidth about 80% of the per-direction figure, the network about 90% of
+#     the NIC's line rate; alpha per ring step (NCCL, order of magnitude).
 DEVICES = {
-    "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.40, 360e9, 10e-6, 45e9, 20e-6, 8,
+    "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU"),
-    "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.40, 360e9, 10e-6,
+    "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.35, 360e9, 10e-6,
                       45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU"),
-    "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.40, 360e9, 10e-6, 45e9, 20e-6, 8,
+    "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute with HBM3e"),
     "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, 0.45, 230e9, 10e-6, 22e9, 20e-6, 8,
                    "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU"),
 }
 
-FITTED_EFFICIENCY = 0.825
+FITTED_EFFICIENCY = 0.770
 """Not a device constant: the one global efficiency that, dividing the compute-bound time of the
 stated model, minimises the median error over the published runs of docs/planner.md (fitted by
 ``benchmarks/planner_validation.py``, which prints the fit and its leave-one-out error). Used only

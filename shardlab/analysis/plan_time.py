@@ -77,15 +77,16 @@ class Curve:
         return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (x - b1)
 
 
-def link(topo, group: str, dev) -> tuple:
+def link(topo, group: str, dev, size: int = 0) -> tuple:
     """(bus bandwidth, latency) of the ``group`` that contains rank 0: NVLink if its ranks share a
     node, else the network. CPU: gloo as the probe measured it with as many ranks as the layout
     runs (the closest world size probed, not below it when one is) and the group's size (a
     pipeline send: a pair): its all-reduce curve between compute (:class:`Curve`, alpha 0) when
-    probed, else its back-to-back alpha and bandwidth."""
+    probed, else its back-to-back alpha and bandwidth. ``size``: the group's size when it is a
+    part of ``group`` (a ring or Ulysses group inside cp)."""
     if dev.comm_curve:
         w = topo.world_size
-        g = 2 if group == "pp" else len(_group_of_rank0(topo, group)) if group != "world" else w
+        g = size or (2 if group == "pp" else len(_group_of_rank0(topo, group)) if group != "world" else w)
         pw = min({e[0] for e in dev.comm_curve}, key=lambda x: (x < w, abs(x - w)))
         _, _, pts = min((e for e in dev.comm_curve if e[0] == pw), key=lambda e: (abs(e[1] - g), -e[1]))
         return Curve(pts), 0.0
@@ -156,18 +157,20 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         tp_comm += 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
     cp_comm = ring = uly = 0.0
     u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
-    if p.cp // u > 1:  # ring: cp/u - 1 exchanges of this rank's k and v per block, twice as much backward
-        bw, al = link(topo, "cp", dev)
+    if p.cp // u > 1:  # ring (parallel/context.py), per block and ring size r: forward r - 1 exchanges
+        r = p.cp // u  # of k, v; backward r + 1: k, v first, k, v with the passed dK, dV, the last dK, dV, the final
+        bw, al = link(topo, "cp", dev, r)
         kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
-        ring = (p.cp // u - 1) * collective("p2p", kv, 2, bw, al) * 3 * layers
+        one, two = collective("p2p", kv, 2, bw, al), collective("p2p", 2 * kv, 2, bw, al)
+        ring = layers * ((r - 1) * one + 3 * one + (r - 2) * two)
         cp_comm = max(0.0, ring - (t_attn + (t_attn / 3.5 if ac != "none" else 0)))
     if u > 1:  # Ulysses (parallel/ulysses.py): q, k, v, out all-to-all forward, their gradients backward
-        bw, al = link(topo, "cp", dev)
+        bw, al = link(topo, "cp", dev, u)
         x = b * (s // p.cp) * m.d_model / p.tp * el
         kvh = max(m.kv_heads / p.tp, u) if m.kv_heads / p.tp < u else m.kv_heads / p.tp
         heads = m.d_model / m.head_dim / p.tp
         uly = layers * (2 * collective("all_to_all", x, u, bw, al) + 2 * collective("all_to_all", x * kvh / heads, u, bw, al))
-        uly *= 3 + (1 if ac != "none" else 0)  # backward moves twice the forward's bytes; recompute repeats it
+        uly *= 2 + (1 if ac != "none" else 0)  # backward: one all-to-all per forward one; recompute repeats them
         cp_comm += uly  # between dependent kernels: exposed
     ep_comm = 0.0
     if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats

@@ -14,7 +14,8 @@ Published figures (not measured here):
     Rows: 1.7B, 3.6B, 7.5B, 18.4B, 39.1B, 76.1B, 145.6B (batch 2304), 310.1B, 529.6B, 1T.
 The device constants are those of analysis/devices.py (docs/planner.md), the same for all rows.
 Assumed where the publications do not say: Megatron micro-batch 1, 1F1B, DDP, sequence parallel
-off (2021), its fused kernels modelled as ``parallel.compile``; torchtitan TP with sequence
+off (2021), its fused kernels modelled as ``parallel.compile``, its data-parallel all-reduce after
+the backward (Megatron-LM's DDP of that time: ``overlap_comm`` off); torchtitan TP with sequence
 parallel. The 70B row ran with torch.compile and Float8 matmuls, which the model does not have:
 it is shown, and the median is also given without it.
 """
@@ -25,7 +26,8 @@ import statistics
 import sys
 import time
 
-from shardlab.analysis.predict import predict
+from shardlab.analysis.devices import FITTED_EFFICIENCY
+from shardlab.analysis.predict import predict, scaled_step
 from shardlab.config import Config
 
 LLAMA = {"8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
@@ -73,6 +75,7 @@ def megatron_cfg(h, heads, layers, tp, pp, gpus, batch):
     p.microbatches = batch // p.dp_shard  # micro-batch of 1 sequence
     p.activation_checkpointing = "full"
     p.compile = True  # Megatron's fused kernels (bias-GeLU, scaled masked softmax, fused LayerNorm)
+    p.overlap_comm = False  # Megatron-LM (2021): its DDP all-reduces the gradient buffer after the backward
     return cfg.validate(gpus)
 
 
@@ -103,9 +106,7 @@ def main(argv=None) -> int:
     # step(eta) = (step - exposed communication - optimizer) / eta + the rest. Fitted to minimise
     # the median absolute error; leave-one-out: each row predicted with eta fitted on the others.
     def scaled(row, eta):
-        b = row[7]
-        fixed = b["exposed_comm"] + b["optimizer"]
-        return row[3] * b["step_s"] / ((b["step_s"] - fixed) / eta + fixed)
+        return row[3] * row[7]["step_s"] / scaled_step(row[7], eta)
 
     def fit(subset):
         grid = [0.40 + 0.005 * i for i in range(161)]
@@ -130,6 +131,8 @@ def main(argv=None) -> int:
     print(f"one global efficiency constant fitted over all rows: eta = {eta:.3f} (compute time / eta); "
           f"leave-one-out median absolute error {100 * statistics.median(loo_errs):.1f}% "
           f"({time.perf_counter() - t0:.1f} s)")
+    print(f"shardlab plan --efficiency fitted uses devices.FITTED_EFFICIENCY = {FITTED_EFFICIENCY:.3f}"
+          + ("" if abs(FITTED_EFFICIENCY - eta) < 1e-9 else f" (differs from this fit: update it to {eta:.3f})"))
     return 0
 
 

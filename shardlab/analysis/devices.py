@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,19 +41,39 @@ class Device:
     op_s: float = 0.0          # CPU: seconds of one small differentiable operator, forward + backward
     ew_bw: float = 0.0         # CPU: forward output bytes/s of elementwise operators, forward + backward
     comm_n: tuple = ()         # CPU: ((world size, alpha, bus bandwidth), ...) measured at that many ranks
+    comm_curve: tuple = ()     # CPU: ((world, group size, ((bytes, seconds), ...)), ...): all-reduce between compute
 
 
 GiB = 2**30
+# Sources of the constants (docs/planner.md, "Device constants"):
+#   peak bf16 dense: NVIDIA datasheets (H100 SXM 989 TFLOP/s, A100 312); HBM: datasheets (the
+#     96 GB HBM2e part: 2.4 TB/s, torchtitan's docs/performance.md platform).
+#   mm_eff: stated below the measured ceilings of large bf16 GEMMs at their best shapes (Bekman,
+#     "Machine Learning Engineering", Maximum Achievable Matmul FLOPS table: H100 SXM 792 of 989,
+#     80%; A100 SXM 268 of 312, 86%): a model's GEMMs (backward transposes, the LM head, smaller
+#     widths) run below that ceiling. Not measured here, not fitted.
+#   attn_eff (H100): 0.35, FlashAttention-2 on H100 (Shah et al., "FlashAttention-3", 2024:
+#     "only 35% utilization on the H100"; torchtitan eager uses SDPA's FlashAttention-2 kernel).
+#     A100: 0.45, below FlashAttention-2's 50-73% forward + backward on A100 (Dao 2023): the
+#     2021 Megatron rows ran unfused attention.
+#   links: NVLink bus bandwidth about 80% of the per-direction figure, the network about 90% of
+#     the NIC's line rate; alpha per ring step (NCCL, order of magnitude).
 DEVICES = {
-    "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.40, 360e9, 10e-6, 45e9, 20e-6, 8,
+    "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU"),
-    "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.40, 360e9, 10e-6,
+    "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.35, 360e9, 10e-6,
                       45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU"),
-    "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.40, 360e9, 10e-6, 45e9, 20e-6, 8,
+    "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute with HBM3e"),
     "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, 0.45, 230e9, 10e-6, 22e9, 20e-6, 8,
                    "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU"),
 }
+
+FITTED_EFFICIENCY = 0.770
+"""Not a device constant: the one global efficiency that, dividing the compute-bound time of the
+stated model, minimises the median error over the published runs of docs/planner.md (fitted by
+``benchmarks/planner_validation.py``, which prints the fit and its leave-one-out error). Used only
+by ``shardlab plan --efficiency fitted``; the default (``stated``) never applies it."""
 
 
 def get_device(kind: str, probe: dict | None = None) -> Device:
@@ -63,7 +84,8 @@ def get_device(kind: str, probe: dict | None = None) -> Device:
         return Device("CPU (probe)", pr["flops"], pr.get("memory", 16e9), pr.get("mem_bw", 5e9), pr.get("mm_eff", 1.0),
                       0.5 * pr.get("mm_eff", 1.0), pr["bw"], pr["alpha"], pr["bw"], pr["alpha"], 1 << 20,
                       "measured by probe_cpu", pr.get("cores", 0), pr.get("op_s", 0.0), pr.get("ew_bw", 0.0),
-                      tuple(tuple(x) for x in pr.get("comm", ())))
+                      tuple(tuple(x) for x in pr.get("comm", ())),
+                      tuple((w, n, tuple(tuple(pt) for pt in pts)) for w, n, pts in pr.get("comm_curve", ())))
     if kind not in DEVICES:
         raise ConfigError("--gpu", f"unknown device {kind!r}; known: {', '.join(sorted(DEVICES))}, cpu "
                                    "(the planner never guesses a device's peak)")
@@ -76,8 +98,12 @@ def with_nodes(dev: Device, gpus_per_node: int | None) -> Device:
 
 # -- CPU probe ---------------------------------------------------------------------------------------
 
+CURVE_BYTES = (4, 2**16, 2**18, 2**20, 2**22)
+"""Message sizes of the probed all-reduce curve (the tiny models' collectives lie between)."""
+
+
 def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2,
-              comm_sizes: tuple = (2, 4, 8)) -> dict:
+              comm_sizes: tuple = (2, 4, 8), reps: int = 15) -> dict:
     """Measured {flops, mm_eff, cores, alpha, bw, mem_bw, op_s, ew_bw, comm}: one thread's fp32
     matmul FLOP/s (train/metrics.py's probe), the fraction of it a transformer-shaped linear
     reaches forward and backward (mm_eff), the cores ranks share, gloo all-reduce of 4 bytes
@@ -86,7 +112,15 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     per operator, the dispatch and autograd cost) and on 2^18 (``ew_bw``: output bytes per second
     beyond that); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
     [[n, alpha, bw]], alpha per 2 log2(n) steps as plan_time.collective counts them: with more
-    ranks than cores it includes their waiting for a core). Cached in ``cache_dir/cpu_probe.json``."""
+    ranks than cores it includes their waiting for a core); and ``comm_curve``: per world size and
+    group size (2, world / 2, world; every rank in some group), the seconds an all-reduce of each
+    of CURVE_BYTES adds to a loop that alternates a fixed piece of
+    compute with it (median of ``reps``, minus the compute's share: its single-rank time x
+    max(1, ranks / cores)). That is the regime of a training step: ranks reach the collective
+    at different times, and with more ranks than cores the waiting ranks give up their core
+    (gloo's back-to-back all-reduces, ``comm``, see none of this: at 8 ranks on 2 cores a 1 MB
+    all-reduce between compute measured ~20 ms against ~1 ms back to back). Cached in
+    ``cache_dir/cpu_probe.json``."""
     path = Path(cache_dir) / "cpu_probe.json"
     if path.exists() and not refresh:
         return json.loads(path.read_text())
@@ -115,20 +149,27 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     op_s = _chain(16)
     ew_bw = 2**18 * 4 / max(_chain(2**18) - op_s, 1e-9)
     small, big = 4, 4 * 2**20
-    comm = []
+    comm, curve = [], []
+    cores = os.cpu_count() or 1
+    work = _median_time(_work, reps)
     try:
         from ..launch import run
-        times = run(_probe_comm, nproc, [small, big], threads=1, timeout_s=60)[0]
+        times = run(_probe_comm, nproc, [small, big], reps, threads=1, timeout_s=60)[0][0]
         steps = 2 * (nproc - 1)
         alpha = times[0] / steps
         bw = 2 * big * (nproc - 1) / nproc / max(times[1] - times[0], 1e-9)
         for n in comm_sizes:
-            t = run(_probe_comm, n, [small, big], threads=1, timeout_s=120)[0]
+            res = run(_probe_comm, n, [small, big, *CURVE_BYTES], reps, threads=1, timeout_s=240)
+            t = [statistics.median(r[0][i] for r in res) for i in range(2)]
             comm.append([n, t[0] / (2 * math.log2(n)), 2 * big * (n - 1) / n / max(t[1] - t[0], 1e-9)])
+            share = max(1.0, n / cores) * work
+            for g in res[0][1]:
+                it = [statistics.median(r[1][g][i] for r in res) for i in range(len(CURVE_BYTES))]
+                curve.append([n, g, [[b, max(1e-6, x - share)] for b, x in zip(CURVE_BYTES, it)]])
     except Exception:  # no processes can be started: DESIGN's measured gloo figures (N=2)
         alpha, bw = 0.3e-3 / 2, 2 * big * 0.5 / 4.7e-3
     out = {"flops": flops, "mm_eff": mm_eff, "cores": os.cpu_count() or 1, "alpha": alpha, "bw": bw,
-           "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "comm": comm,
+           "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "comm": comm, "comm_curve": curve,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
@@ -150,22 +191,52 @@ def _chain(n: int, k: int = 100, reps: int = 5) -> float:
     return best / k
 
 
-def _probe_comm(ctx, sizes):
+_WORK = []
+
+
+def _work():
+    """A fixed piece of single-thread compute (~1 ms): four 256 x 256 matmuls."""
+    import torch
+    if not _WORK:
+        _WORK.extend([torch.randn(256, 256), torch.randn(256, 256)])
+    a, b = _WORK
+    for _ in range(4):
+        a @ b
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _probe_comm(ctx, sizes, reps: int = 15):
+    """(median seconds of one all-reduce back to back over all ranks, for the first two sizes) and
+    {group size: [median seconds of compute + one all-reduce in groups of that size, for the sizes
+    after them]}: groups of 2 (``tp``), world / 2 (``dp_shard``) and the world, every rank busy."""
     import torch
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
-    mesh = Mesh.build(Topology(dp_shard=ctx.world_size))
-    comm = mesh.comm("world")
-    out = []
-    for n in sizes:
+    w = ctx.world_size
+    mesh = Mesh.build(Topology(tp=2, dp_shard=w // 2) if w >= 4 else Topology(dp_shard=w))
+    world = mesh.comm("world")
+    sync, mixed = [], {}
+    for n in sizes[:2]:
         x = torch.zeros(max(1, n // 4))
-        for _ in range(2):
+        world.all_reduce(x)
+        sync.append(_median_time(lambda: world.all_reduce(x), reps))
+    groups = {w: world} if w < 4 else {2: mesh.comm("tp"), w // 2: mesh.comm("dp_shard"), w: world}
+    for g, comm in groups.items():
+        mixed[g] = []
+        for n in sizes[2:]:
+            x = torch.zeros(max(1, n // 4))
             comm.all_reduce(x)
-        reps, t0 = 5, time.perf_counter()
-        for _ in range(reps):
-            comm.all_reduce(x)
-        out.append((time.perf_counter() - t0) / reps)
-    return out
+            mixed[g].append(_median_time(lambda: (_work(), comm.all_reduce(x)), reps))
+    return sync, mixed
 
 
 def describe(dev: Device) -> dict:

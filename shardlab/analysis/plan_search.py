@@ -148,13 +148,13 @@ def _schedules(pp, layers, fixed, zero=0):
     return out
 
 
-def evaluate(cfg, device: str, gpus_per_node: int, capacity: float):
+def evaluate(cfg, device: str, gpus_per_node: int, capacity: float, efficiency: float = 1.0):
     """A Candidate, or None when the layout does not fit (model state first, then all terms)."""
     from .predict import predict
     p = cfg.parallel
     if not state_fits(cfg, capacity):
         return None
-    pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False)
+    pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False, efficiency=efficiency)
     peak = pred.peak
     if peak.total > capacity:
         return None
@@ -173,7 +173,8 @@ def _edge_ranks(pp: int) -> list[int]:
     return sorted({0, pp - 1})
 
 
-def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | None = None):
+def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | None = None,
+           efficiency: float = 1.0):
     """(ranked candidates that fit, number of valid layouts, number dropped for memory). A layout
     with recomputation is not evaluated when the same layout without it fits (it cannot be
     faster); it still counts as valid."""
@@ -186,7 +187,7 @@ def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | N
         key = _without_ac(cfg)
         if key in fit_without_ac:  # dominated: recomputation only adds time (plan_time), and the
             continue               # same layout without it already fits
-        c = evaluate(cfg, device, gpus_per_node, capacity)
+        c = evaluate(cfg, device, gpus_per_node, capacity, efficiency)
         if c is not None and cfg.parallel.activation_checkpointing == "none":
             fit_without_ac.add(key)
         if c is None:

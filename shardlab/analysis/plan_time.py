@@ -5,7 +5,8 @@ Compute per micro-batch and rank (one pipeline stage):
   matmuls     (spec FLOPs per token - its attention term) x tokens / (tp x cp x stages)
               at peak x mm_eff; forward 1/3, backward 2/3; full recomputation repeats the
               blocks' forward, selective the attention's
-  attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) at peak x attn_eff
+  attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) x 3.5 / 3 (the
+              flash backward recomputes the scores: FLASH_BWD_EXTRA) at peak x attn_eff
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
 On a CPU (the probe's ``op_s`` and ``ew_bw``) the elementwise term is instead, per operator the
 traced forward dispatches, a probed latency (forward + backward) plus the bytes it writes at the
@@ -29,24 +30,66 @@ from __future__ import annotations
 
 import math
 
+FLASH_BWD_EXTRA = 3.5 / 3
+"""Attention FLOPs executed per FLOP counted: the spec counts the attention core as forward + 2 x
+forward (12 L d S per token); fused (flash) kernels recompute the scores in backward, which is
+2.5 x the forward's FLOPs (Dao, "FlashAttention-2", 2023, section 3: 5 matmuls backward, 2
+forward; its benchmark counts forward + backward as 3.5 x forward), so 3.5 / 3 of the count."""
+
 ELEMENTWISE_PASSES = {"eager": 12.0, "fused": 4.0}
 """Bytes moved by elementwise work per byte autograd saves: eager PyTorch runs each norm, rotary,
 activation and residual op as its own kernel (every one reads and writes its tensors); fused
 kernels (``parallel.compile``, or Megatron's hand-fused kernels) touch each tensor a few times."""
 
 
-def collective(kind: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
-    """Seconds of one collective of ``nbytes`` (full message) over ``n`` ranks."""
+def collective(kind: str, nbytes: float, n: int, bw, alpha: float) -> float:
+    """Seconds of one collective of ``nbytes`` (full message) over ``n`` ranks. ``bw`` is a bus
+    bandwidth, or on the CPU a :class:`Curve` (then ``alpha`` is unused). ``p2p``: one send."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if isinstance(bw, Curve):
+        return bw.seconds(kind, nbytes)
+    if kind == "p2p":
+        return alpha + nbytes / bw
     wire = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[kind] * nbytes * (n - 1) / n
     return 2 * math.log2(n) * alpha + wire / bw
 
 
-def link(topo, group: str, dev) -> tuple[float, float]:
+class Curve:
+    """CPU collectives as probed (devices.probe_cpu's ``comm_curve`` at the layout's world size):
+    the seconds an all-reduce of a given size adds between compute, interpolated linearly in
+    bytes (beyond the largest size probed, at the slope of the last two). Other kinds are read as
+    the all-reduce that puts as many bytes on the wire (all-gather, reduce-scatter, all-to-all
+    and a send of M bytes: an all-reduce of M / 2)."""
+
+    def __init__(self, points):
+        self.pts = sorted((float(b), float(t)) for b, t in points)
+
+    def seconds(self, kind: str, nbytes: float) -> float:
+        x = nbytes if kind == "all_reduce" else nbytes / 2
+        pts = self.pts
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if x <= b1:
+                return t0 + (t1 - t0) * (x - b0) / (b1 - b0)
+        (b0, t0), (b1, t1) = pts[-2], pts[-1]
+        return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (x - b1)
+
+
+def link(topo, group: str, dev, size: int = 0) -> tuple:
     """(bus bandwidth, latency) of the ``group`` that contains rank 0: NVLink if its ranks share a
     node, else the network. CPU: gloo as the probe measured it with as many ranks as the layout
-    runs (the closest world size probed, not below it when one is)."""
+    runs (the closest world size probed, not below it when one is) and the group's size (a
+    pipeline send: a pair): its all-reduce curve between compute (:class:`Curve`, alpha 0) when
+    probed, else its back-to-back alpha and bandwidth. ``size``: the group's size when it is a
+    part of ``group`` (a ring or Ulysses group inside cp)."""
+    if dev.comm_curve:
+        w = topo.world_size
+        g = size or (2 if group == "pp" else len(_group_of_rank0(topo, group)) if group != "world" else w)
+        pw = min({e[0] for e in dev.comm_curve}, key=lambda x: (x < w, abs(x - w)))
+        _, _, pts = min((e for e in dev.comm_curve if e[0] == pw), key=lambda e: (abs(e[1] - g), -e[1]))
+        return Curve(pts), 0.0
     if dev.comm_n:
         w = topo.world_size
         n, alpha, bw = min(dev.comm_n, key=lambda e: (e[0] < w, abs(e[0] - w)))
@@ -84,7 +127,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     tokens = b * s
     attn_term = 12.0 * m.n_layers * m.d_model * s
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
-    attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp)
+    attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp) * FLASH_BWD_EXTRA
     peak = dev.peak_flops
     over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
     t_mm, t_attn = over * mm / (peak * dev.mm_eff), over * attn / (peak * dev.attn_eff)
@@ -100,29 +143,34 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
-    recompute = fwd if ac == "full" else (t_attn / 3 if ac == "selective" else 0.0)
+    recompute = fwd if ac == "full" else (t_attn / 3.5 if ac == "selective" else 0.0)
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
     layers = m.n_layers / p.pp
     act_bytes = b * (s // p.cp) * m.d_model * el
     tp_comm = 0.0
     if p.tp > 1:
         bw, al = link(topo, "tp", dev)
-        one = collective("all_reduce", act_bytes, p.tp, bw, al)
+        one = (collective("all_gather", act_bytes, p.tp, bw, al) + collective("reduce_scatter", act_bytes, p.tp, bw, al)) \
+            if p.sequence_parallel else collective("all_reduce", act_bytes, p.tp, bw, al)  # SP: two per site
         tp_comm = one * (4 * layers + 2 + (2 * layers if ac == "full" else 0))
+        # vocabulary-parallel cross-entropy (last stage, the slowest): max, sum of exp, target logit per token
+        tp_comm += 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
     cp_comm = ring = uly = 0.0
     u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
-    if p.cp // u > 1:  # ring: cp/u - 1 exchanges of this rank's k and v per block, twice as much backward
-        bw, al = link(topo, "cp", dev)
+    if p.cp // u > 1:  # ring (parallel/context.py), per block and ring size r: forward r - 1 exchanges
+        r = p.cp // u  # of k, v; backward r + 1: k, v first, k, v with the passed dK, dV, the last dK, dV, the final
+        bw, al = link(topo, "cp", dev, r)
         kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
-        ring = (p.cp // u - 1) * (kv / bw + al) * 3 * layers
-        cp_comm = max(0.0, ring - (t_attn + (t_attn / 3 if ac != "none" else 0)))
+        one, two = collective("p2p", kv, 2, bw, al), collective("p2p", 2 * kv, 2, bw, al)
+        ring = layers * ((r - 1) * one + 3 * one + (r - 2) * two)
+        cp_comm = max(0.0, ring - (t_attn + (t_attn / 3.5 if ac != "none" else 0)))
     if u > 1:  # Ulysses (parallel/ulysses.py): q, k, v, out all-to-all forward, their gradients backward
-        bw, al = link(topo, "cp", dev)
+        bw, al = link(topo, "cp", dev, u)
         x = b * (s // p.cp) * m.d_model / p.tp * el
         kvh = max(m.kv_heads / p.tp, u) if m.kv_heads / p.tp < u else m.kv_heads / p.tp
         heads = m.d_model / m.head_dim / p.tp
         uly = layers * (2 * collective("all_to_all", x, u, bw, al) + 2 * collective("all_to_all", x * kvh / heads, u, bw, al))
-        uly *= 3 + (1 if ac != "none" else 0)  # backward moves twice the forward's bytes; recompute repeats it
+        uly *= 2 + (1 if ac != "none" else 0)  # backward: one all-to-all per forward one; recompute repeats them
         cp_comm += uly  # between dependent kernels: exposed
     ep_comm = 0.0
     if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats
@@ -154,10 +202,9 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         n = p.dp_shard * p.cp
         bw, al = link(topo, "dp_shard_cp", dev)
         gathered = mem["gathered_total"]
-        per_mb = collective("all_gather", gathered, n, bw, al) * (2 if p.reshard_after_forward else 1) \
-            + collective("reduce_scatter", mem["reduce_total"], n, bw, al)
-        calls = 3 if p.reshard_after_forward else 2  # per unit: gather (forward, again backward), reduce-scatter
-        per_mb += (mem.get("units", 1) - 1) * calls * (2 * math.log2(n) * al if n > 1 else 0.0)
+        k = max(1, mem.get("units", 1))  # per unit: gather (forward, again backward), reduce-scatter
+        per_mb = k * (collective("all_gather", gathered / k, n, bw, al) * (2 if p.reshard_after_forward else 1)
+                      + collective("reduce_scatter", mem["reduce_total"] / k, n, bw, al))
         dp_total = per_mb * mbs
         units = max(1, m.n_layers)
         dp_exposed = dp_total if cpu else max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
@@ -181,7 +228,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     # the schedule
     if p.pp > 1:  # the schedule simulated once per (schedule, pp, m, v) with equal F, B, W
         bw, al = link(topo, "pp", dev)
-        p2p = 2 * (act_bytes / bw + al)  # the activation forward, its gradient backward
+        p2p = 2 * collective("p2p", act_bytes, 2, bw, al)  # the activation forward, its gradient backward
         f_st, b_st = f_mb + p.pp_virtual * p2p / 2, b_mb + p.pp_virtual * p2p / 2
         _, _, frac = schedule_peaks(p.pp_schedule, p.pp, mbs, p.pp_virtual)
         span = mbs * (f_st + b_st) / max(1e-9, 1 - frac)
@@ -191,7 +238,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     state = mem["params"] + mem["grads"] + mem["optim"]
     optimizer = 2 * state / dev.hbm_bw
     if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
-        bw, al = link(topo, "world", dev) if dev.comm_n else (dev.inter_bw, dev.inter_alpha)
+        bw, al = link(topo, "world", dev) if (dev.comm_n or dev.comm_curve) else (dev.inter_bw, dev.inter_alpha)
         optimizer += collective("all_reduce", 8, topo.world_size, bw, al)
     step = span + dp_exposed + optimizer
     compute = mbs * (fwd + bwd + recompute)

@@ -72,9 +72,19 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 
+def scaled_step(breakdown: dict, efficiency: float) -> float:
+    """Step seconds with its compute-bound part (all but exposed communication and the optimizer:
+    compute and the bubble it stretches) divided by ``efficiency`` (docs/planner.md, ``shardlab
+    plan --efficiency fitted``)."""
+    fixed = breakdown["exposed_comm"] + breakdown["optimizer"]
+    return (breakdown["step_s"] - fixed) / efficiency + fixed
+
+
 def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = None,
-            per_rank: bool = True) -> Prediction:
-    """Predicted memory per rank and step time for ``cfg`` (validated) on ``device``."""
+            per_rank: bool = True, efficiency: float = 1.0) -> Prediction:
+    """Predicted memory per rank and step time for ``cfg`` (validated) on ``device``.
+    ``efficiency`` < 1 divides the compute-bound time by it (:func:`scaled_step`; 1: the stated
+    device constants only)."""
     from ..distributed.topology import Topology
     from ..models.spec import get_spec
     from .devices import get_device, with_nodes
@@ -100,6 +110,10 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     slowest = max(stages, key=lambda r: stages[r]["params"] + stages[r]["optim"])
     traced = chunk_activations(_no_ac(cfg), 0, device) if spec.task == "lm" else {}
     parts = step_time(cfg, dev, stages[slowest], flops, traced)
+    if efficiency != 1.0:
+        step = scaled_step(parts, efficiency)
+        parts = {**parts, "step_s": step, "compute": parts["compute"] / efficiency,
+                 "bubble": parts["bubble"] / efficiency, "efficiency": efficiency}
     tokens = micro_batch(cfg) * p.microbatches * p.dp * t.seq_len
     tps = tokens / parts["step_s"] if parts["step_s"] > 0 else 0.0
     mfu = None

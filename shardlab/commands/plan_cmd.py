@@ -26,6 +26,9 @@ def configure(p):
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's)")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
     p.add_argument("--top", type=int, default=5, help="layouts to print")
+    p.add_argument("--efficiency", choices=("stated", "fitted"), default="stated",
+                   help="stated: the device constants only (default); fitted: compute-bound time also divided by "
+                        "the one global efficiency fitted to published runs (devices.FITTED_EFFICIENCY, docs/planner.md)")
     p.add_argument("--plot", default="", help="save a memory-breakdown bar chart of the top layouts here (PNG)")
     for name in ("tp", "pp", "cp"):
         p.add_argument(f"--{name}", type=int, default=0, help=f"fix parallel.{name}")
@@ -56,7 +59,7 @@ def load_model(arg: str):
 
 
 def main(args) -> int:
-    from ..analysis.devices import get_device
+    from ..analysis.devices import FITTED_EFFICIENCY, get_device
     from ..analysis.plan_search import HEADROOM, search, smallest_cluster, why
     t0 = time.perf_counter()
     base = load_model(args.model)
@@ -78,10 +81,12 @@ def main(args) -> int:
     if args.ac:
         fixed["ac"] = args.ac
     _check_fixed(base, args.gpus, fixed)
-    fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed)
+    eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
+    fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed, eta)
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: "
-          f"{valid} valid layouts, {len(fits)} fit (search: {time.perf_counter() - t0:.1f} s wall)")
+          f"{valid} valid layouts, {len(fits)} fit (search: {time.perf_counter() - t0:.1f} s wall)"
+          + (f"; compute time / {eta:.3f} (--efficiency fitted)" if eta != 1.0 else ""))
     if not fits:
         n = smallest_cluster(base, args.gpus, args.gpu, args.gpus_per_node, fixed)
         where = f"the smallest cluster that fits is {n} GPUs" if n else "no cluster up to 2^20 GPUs fits"

@@ -170,3 +170,37 @@ def test_expert_weights_shard_over_edp():
             shard += math.ceil(g / 4) if g else 0
         shard += math.ceil(sum(experts) / 2) if experts else 0
     assert (st["params"], st["grads"], st["optim"]) == (4 * shard, 4 * shard, 8 * shard)
+
+
+def test_cpu_collectives_read_the_probed_curve():
+    """On the CPU a collective costs what the probe measured for an all-reduce between compute at
+    the layout's world size and group size: linear in bytes between probed sizes, the slope of the
+    last two beyond, other kinds as the all-reduce putting as many bytes on the wire (M / 2)."""
+    from types import SimpleNamespace
+
+    from shardlab.analysis.plan_time import Curve, collective, link
+    from shardlab.distributed.topology import Topology
+    pts = ((4, 1e-3), (1000, 2e-3), (2000, 5e-3))
+    dev = SimpleNamespace(comm_curve=((2, 2, ((4, 9.0), (8, 9.0))), (4, 2, pts), (4, 4, ((4, 7.0), (8, 7.0)))))
+    bw, al = link(Topology(tp=2, dp_shard=2), "tp", dev)  # world 4, a group of 2
+    assert isinstance(bw, Curve) and al == 0.0
+    assert collective("all_reduce", 1500, 2, bw, al) == pytest.approx(3.5e-3)
+    assert collective("all_reduce", 3000, 2, bw, al) == pytest.approx(8e-3)
+    assert collective("all_gather", 2000, 2, bw, al) == pytest.approx(2e-3)
+    assert collective("all_reduce", 1, 2, bw, al) == pytest.approx(1e-3)
+    assert collective("all_reduce", 1000, 1, bw, al) == 0.0  # a group of one moves nothing
+    bw4, _ = link(Topology(tp=2, dp_shard=2), "world", dev)
+    assert bw4.seconds("all_reduce", 6) == 7.0
+
+
+def test_fitted_efficiency_divides_only_the_compute_bound_time():
+    """--efficiency fitted: (step - exposed communication - optimizer) / eta + both, and nothing
+    else moves; eta = 1 is the stated model."""
+    from shardlab.analysis.predict import predict
+    cfg = _tiny(dp_shard=2, zero_stage=3)
+    cfg.train.precision = "bf16"
+    a, b = predict(cfg, "h100"), predict(cfg, "h100", efficiency=0.5)
+    fixed = a.breakdown["exposed_comm"] + a.breakdown["optimizer"]
+    assert b.step_time_s == pytest.approx((a.step_time_s - fixed) / 0.5 + fixed)
+    assert b.tokens_per_s == pytest.approx(a.tokens_per_s * a.step_time_s / b.step_time_s)
+    assert [r.total for r in a.ranks] == [r.total for r in b.ranks]

@@ -16,7 +16,9 @@ rank's idle time is filled by another rank's work and the measured step mostly f
 total CPU work, not the bubble). Simulated with shared cores: the same simulator with the
 ranks time-sharing ``--cores`` cores (default: this machine's count), each action costing the
 fastest duration observed for its kind and stage over all measured steps (an action with a core
-to itself; under sharing a span only stretches), plus the hop latency. Activation
+to itself; under sharing a span only stretches), plus the hop latency; two policies bracket the
+OS scheduler: processor sharing (every ready rank progresses, stretched) and run to completion
+(at most ``cores`` actions at once, a rank waiting for a core is idle). Activation
 memory: peak bytes of tensors saved for backward (autograd saved-tensor hooks, storage
 de-duplicated, parameters excluded), one extra step per engine; for the split-backward schedules
 (zb-h1, dualpipev) also the peak bytes held outside autograd for the deferred W (each module's
@@ -217,11 +219,12 @@ def summarise(pp, results, out_dir, cores):
             for a, s, e in (x for tl in tls for rank_tl in tl for x in rank_tl):
                 alone.setdefault(a.stage, {})[a.kind] = min(e - s, alone.get(a.stage, {}).get(a.kind, float("inf")))
             shared = simulate(sched, comm=lat, stage_costs=alone, cores=cores)
+            fifo = simulate(sched, comm=lat, stage_costs=alone, cores=cores, sharing="fifo")
             row.update(bubble=measured_bubble(fastest), bubble_med=statistics.median(map(measured_bubble, tls)),
                        sim=sim.bubble, sim_ms=1e3 * sim.makespan, lat=lat,
                        sim_lat=simulate(sched, comm=lat, stage_costs=per_stage).bubble,
                        theory=theoretical_bubble(kind, pp, M, v), shared=shared.bubble,
-                       shared_ms=1e3 * shared.makespan)
+                       shared_ms=1e3 * shared.makespan, fifo=fifo.bubble, fifo_ms=1e3 * fifo.makespan)
             if out_dir:
                 plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}.png"),
                      f"measured {name}, pp={pp}, m={M} (fastest of {n} steps): bubble {row['bubble']:.3f}")
@@ -314,13 +317,15 @@ def main(argv=None):
     print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
           "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
-          f"| simulated step ms, one core per rank | simulated, {args.cores} cores shared (step ms) | peak saved activations MiB | + held for deferred W MiB "
+          f"| simulated step ms, one core per rank | simulated, {args.cores} cores shared: processor sharing "
+          "/ run to completion (step ms) | peak saved activations MiB | + held for deferred W MiB "
           "| parameters MiB, largest rank |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in all_rows:
         ratio = f"{r['ratio']:.2f}x / {r['ratio_best']:.2f}x" if "ratio" in r else ""
         bub = (f"{r['bubble']:.3f} / {r['bubble_med']:.3f} | {r['sim']:.3f} | {r['sim_lat']:.3f} "
-               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f} | {r['sim_ms']:.1f} | {r['shared']:.3f} ({r['shared_ms']:.1f})"
+               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f} | {r['sim_ms']:.1f} | {r['shared']:.3f} ({r['shared_ms']:.1f}) / "
+               f"{r['fifo']:.3f} ({r['fifo_ms']:.1f})"
                if "bubble" in r else "- | - | - | - | - | -")
         wm = f"{r['wmem']:.2f}" if r["wmem"] else "-"
         print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} | {wm} | {r['pmem']:.2f} |")

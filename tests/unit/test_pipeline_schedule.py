@@ -1,6 +1,7 @@
 """Pipeline schedules and their simulator: known bubble fractions, memory bounds, deadlock
 detection, clear errors. Pure Python (no processes)."""
 import argparse
+import itertools
 
 import pytest
 
@@ -202,6 +203,13 @@ def test_shared_cores_hand_computed():
     spans = [x for tl in res.timeline for _, s, e in tl for x in (s, e)]
     assert spans == pytest.approx([0, 1, 1, 2.5, 6.5, 10, 10, 12, 1.5, 3, 3, 4, 4, 6, 6, 9.5])
     assert res.makespan == pytest.approx(12) and res.bubble == pytest.approx(1 - 16 / 24)
+    # run to completion: at t = 1 rank 0's F1 and rank 1's F0 are both ready, rank 0 goes first
+    # (tie: lower rank); F0s1 waits [1,2] idle. At t = 6 rank 0's B0 and rank 1's B1 tie again.
+    res = check(build("gpipe", 2, 2), cores=1, sharing="fifo")
+    spans = [[(str(a), s, e) for a, s, e in tl] for tl in res.timeline]
+    assert spans == [[("F0s0", 0, 1), ("F1s0", 1, 2), ("B0s0", 6, 8), ("B1s0", 10, 12)],
+                     [("F0s1", 2, 3), ("F1s1", 3, 4), ("B0s1", 4, 6), ("B1s1", 8, 10)]]
+    assert res.makespan == 12 and res.bubble == pytest.approx(1 - 12 / 24)
 
 
 @pytest.mark.parametrize("name,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 2, 2),
@@ -213,12 +221,19 @@ def test_shared_cores_enough_cores_is_one_core_per_rank(name, p, v):
     costs = {st: {"F": 1 + 0.1 * st, "B": 2 - 0.2 * (st % 3), "W": 0.7 + 0.05 * st} for st in range(s.n_stages)}
     for kw in ({}, {"stage_costs": costs, "comm": 0.3}):
         ref = simulate(s, **kw)
-        for cores in (p, p + 1):
-            got = simulate(s, cores=cores, **kw)
+        for cores, sharing in itertools.product((p, p + 1), ("ps", "fifo")):
+            got = simulate(s, cores=cores, sharing=sharing, **kw)
             assert got.makespan == pytest.approx(ref.makespan) and got.bubble == pytest.approx(ref.bubble)
             assert [[(a, st, e) for a, st, e in tl] for tl in got.timeline] == \
                 [[(a, pytest.approx(st), pytest.approx(e)) for a, st, e in tl] for tl in ref.timeline]
         work = sum(e - st for tl in ref.timeline for _, st, e in tl)
-        one = simulate(s, cores=1, **kw)
-        assert one.makespan >= work - 1e-9 and one.peak_inflight == ref.peak_inflight
-        assert ref.makespan - 1e-9 <= simulate(s, cores=p - 1, **kw).makespan <= one.makespan + 1e-9
+        for sharing in ("ps", "fifo"):
+            one = simulate(s, cores=1, sharing=sharing, **kw)
+            assert one.makespan >= work - 1e-9 and one.peak_inflight == ref.peak_inflight
+            # fewer cores than ranks: never faster than a core each (the per-rank-clock run is the
+            # earliest every action can start)
+            assert simulate(s, cores=p - 1, sharing=sharing, **kw).makespan >= ref.makespan - 1e-9
+        # one core, run to completion: never two actions at once, each lasts exactly its cost
+        spans = sorted((st, e) for tl in one.timeline for _, st, e in tl)
+        assert all(e0 <= s1 + 1e-9 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+        assert sum(e - st for st, e in spans) == pytest.approx(work)

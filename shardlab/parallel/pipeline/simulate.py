@@ -11,7 +11,10 @@ Shared cores (``cores``, optional): the p ranks time-share ``cores`` processors.
 action's cost is then its duration with a core to itself; while k ranks are in a compute
 action, each progresses at rate min(1, cores / k) (processor sharing), so an action's span
 stretches and, as in a measured timeline, the stretched span counts as busy. Event-driven:
-time advances to the next completion or the next receive that comes due.
+time advances to the next completion or the next receive that comes due. ``sharing="fifo"``
+is the other extreme: an action that gets a core runs to completion at full speed; a rank
+ready to compute while all cores are busy waits (in order of readiness, then rank), and that
+wait is idle, as in a measured timeline, where the action is time-stamped once it runs.
 """
 from __future__ import annotations
 
@@ -41,11 +44,13 @@ def costs(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> di
 
 
 def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
-             comm: float = 0.0, stage_costs: dict | None = None, cores: int | None = None) -> SimResult:
+             comm: float = 0.0, stage_costs: dict | None = None, cores: int | None = None,
+             sharing: str = "ps") -> SimResult:
     """``stage_costs``: optional {stage: {"F": t, "B": t, "W": t}} durations of one action at
     that stage (e.g. measured), overriding the uniform f, b, w. ``cores``: None = one core per
     rank; else the ranks share that many cores (module docstring) and the timeline, makespan
-    and bubble are those of the shared run (memory peaks depend only on the order: unchanged)."""
+    and bubble are those of the shared run (memory peaks depend only on the order: unchanged);
+    ``sharing``: "ps" (processor sharing) or "fifo" (run to completion), module docstring."""
     p = sched.p
     uniform = costs(sched, f, b, w)
     cost = (lambda a: stage_costs[a.stage][a.kind]) if stage_costs else (lambda a: uniform[a.kind])  # noqa: E731
@@ -118,7 +123,7 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
         miss = sorted(expected - done)
         return SimResult(False, f"incomplete: {miss[0] if miss else 'extra actions'} never runs", timeline)
     if cores is not None:
-        timeline = _shared(sched, cost, comm, cores)
+        timeline = _shared(sched, cost, comm, cores, sharing)
         clock = [tl[-1][2] if tl else 0.0 for tl in timeline]
     makespan = max(clock)
     busy = sum(end - start for tl in timeline for _, start, end in tl)
@@ -126,13 +131,14 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     return SimResult(True, "", timeline, makespan, bubble, peak_in, peak_held)
 
 
-def _shared(sched: Schedule, cost, comm: float, cores: int) -> list:
+def _shared(sched: Schedule, cost, comm: float, cores: int, sharing: str) -> list:
     """Timeline of an already validated schedule when its ranks share ``cores`` cores."""
-    if cores < 1:
-        raise ValueError(f"cores must be >= 1, got {cores}")
+    if cores < 1 or sharing not in ("ps", "fifo"):
+        raise ValueError(f"need cores >= 1 and sharing 'ps' or 'fifo', got {cores}, {sharing!r}")
     p, now = sched.p, 0.0
     pos, posted = [0] * p, {}
     running: dict[int, list] = {}                 # rank -> [action, start, remaining work]
+    queue: dict[int, tuple] = {}                  # rank -> (ready since, action) waiting for a core
     timeline: list[list] = [[] for _ in range(p)]
     while True:
         due = []                                  # times at which a waiting receive comes due
@@ -141,7 +147,7 @@ def _shared(sched: Schedule, cost, comm: float, cores: int) -> list:
             moved = False
             for r in range(p):
                 acts = sched.ranks[r]
-                while r not in running and pos[r] < len(acts):
+                while r not in running and r not in queue and pos[r] < len(acts):
                     a = acts[pos[r]]
                     if a.kind.startswith("SEND"):
                         posted[(a.kind[-1], a.mb, a.stage)] = now
@@ -153,9 +159,13 @@ def _shared(sched: Schedule, cost, comm: float, cores: int) -> list:
                                 due.append(t + comm)
                             break
                     else:
-                        running[r] = [a, now, cost(a)]
+                        queue[r] = (now, a)
                     pos[r] += 1
                     moved = True
+        while queue and (sharing == "ps" or len(running) < cores):
+            r = min(queue, key=lambda q: (queue[q][0], q))  # longest waiting, then lowest rank
+            a = queue.pop(r)[1]
+            running[r] = [a, now, cost(a)]
         if not running and not due:
             return timeline                       # validated: every rank has finished
         rate = min(1.0, cores / len(running)) if running else 1.0

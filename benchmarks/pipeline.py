@@ -13,7 +13,12 @@ timestamps; simulated bubble: the simulator with the measured median F, B, W dur
 each stage (and again adding the measured hop latency of a message), and the step time that
 simulation predicts when every rank has a core of its own (here 4 ranks share 2 cores, so a
 rank's idle time is filled by another rank's work and the measured step mostly follows the
-total CPU work, not the bubble). Activation
+total CPU work, not the bubble). Simulated with shared cores: the same simulator with the
+ranks time-sharing ``--cores`` cores (default: this machine's count), each action costing the
+fastest duration observed for its kind and stage over all measured steps (an action with a core
+to itself; under sharing a span only stretches), plus the hop latency; two policies bracket the
+OS scheduler: processor sharing (every ready rank progresses, stretched) and run to completion
+(at most ``cores`` actions at once, a rank waiting for a core is idle). Activation
 memory: peak bytes of tensors saved for backward (autograd saved-tensor hooks, storage
 de-duplicated, parameters excluded), one extra step per engine; for the split-backward schedules
 (zb-h1, dualpipev) also the peak bytes held outside autograd for the deferred W (each module's
@@ -23,6 +28,7 @@ the largest parameter bytes held by one rank (dualpipe holds two stages per rank
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -185,7 +191,7 @@ def hop_latency(timeline, n_stages: int) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def summarise(pp, results, out_dir):
+def summarise(pp, results, out_dir, cores):
     """Per engine: median and fastest step time (slowest rank); for shardlab schedules the
     measured bubble of the fastest step and of the median, and the simulated bubble with the
     step's median F, B, W durations per stage (with and without the measured hop latency)."""
@@ -209,10 +215,16 @@ def summarise(pp, results, out_dir):
             sched = build(kind, pp, M, v)
             lat = hop_latency(fastest, sched.n_stages)
             sim = simulate(sched, stage_costs=per_stage)
+            alone = {}  # fastest span of each action kind at each stage over all measured steps
+            for a, s, e in (x for tl in tls for rank_tl in tl for x in rank_tl):
+                alone.setdefault(a.stage, {})[a.kind] = min(e - s, alone.get(a.stage, {}).get(a.kind, float("inf")))
+            shared = simulate(sched, comm=lat, stage_costs=alone, cores=cores)
+            fifo = simulate(sched, comm=lat, stage_costs=alone, cores=cores, sharing="fifo")
             row.update(bubble=measured_bubble(fastest), bubble_med=statistics.median(map(measured_bubble, tls)),
                        sim=sim.bubble, sim_ms=1e3 * sim.makespan, lat=lat,
                        sim_lat=simulate(sched, comm=lat, stage_costs=per_stage).bubble,
-                       theory=theoretical_bubble(kind, pp, M, v))
+                       theory=theoretical_bubble(kind, pp, M, v), shared=shared.bubble,
+                       shared_ms=1e3 * shared.makespan, fifo=fifo.bubble, fifo_ms=1e3 * fifo.makespan)
             if out_dir:
                 plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}.png"),
                      f"measured {name}, pp={pp}, m={M} (fastest of {n} steps): bubble {row['bubble']:.3f}")
@@ -289,6 +301,8 @@ def main(argv=None):
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="cores the ranks share, for the shared-cores simulation (default: this machine's)")
     ap.add_argument("--out", default="", help="folder for measured timeline PNGs")
     ap.add_argument("--split-costs", action="store_true", help="only: one stage's full backward vs B + W, W batched")
     args = ap.parse_args(argv)
@@ -299,17 +313,20 @@ def main(argv=None):
     all_rows = []
     for pp in args.pp:
         results = run(worker, pp, pp, args.steps, args.warmup, timeout_s=600, threads=1)
-        all_rows += summarise(pp, results, args.out)
+        all_rows += summarise(pp, results, args.out, args.cores)
     print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
           "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
-          "| simulated step ms, one core per rank | peak saved activations MiB | + held for deferred W MiB "
+          f"| simulated step ms, one core per rank | simulated, {args.cores} cores shared: processor sharing "
+          "/ run to completion (step ms) | peak saved activations MiB | + held for deferred W MiB "
           "| parameters MiB, largest rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in all_rows:
         ratio = f"{r['ratio']:.2f}x / {r['ratio_best']:.2f}x" if "ratio" in r else ""
         bub = (f"{r['bubble']:.3f} / {r['bubble_med']:.3f} | {r['sim']:.3f} | {r['sim_lat']:.3f} "
-               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f} | {r['sim_ms']:.1f}" if "bubble" in r else "- | - | - | - | -")
+               f"({1e3 * r['lat']:.1f} ms) | {r['theory']:.3f} | {r['sim_ms']:.1f} | {r['shared']:.3f} ({r['shared_ms']:.1f}) / "
+               f"{r['fifo']:.3f} ({r['fifo_ms']:.1f})"
+               if "bubble" in r else "- | - | - | - | - | -")
         wm = f"{r['wmem']:.2f}" if r["wmem"] else "-"
         print(f"| {r['pp']} | {r['engine']} | {r['ms']:.1f} | {r['best']:.1f} | {ratio} | {bub} | {r['mem']:.2f} | {wm} | {r['pmem']:.2f} |")
 

@@ -1,6 +1,7 @@
 """Pipeline schedules and their simulator: known bubble fractions, memory bounds, deadlock
 detection, clear errors. Pure Python (no processes)."""
 import argparse
+import itertools
 
 import pytest
 
@@ -184,3 +185,55 @@ def test_stage_views_follow_replaced_blocks():
     model.layers[key] = torch.nn.Sequential()  # e.g. a wrapper applied after the split
     assert chunks[0].layers[key] is not model.layers[key]
     assert stage_views(model, get_spec(cfg), ranges, [0])[0].layers[key] is model.layers[key]
+
+
+def test_shared_cores_hand_computed():
+    # GPipe, p = 2, m = 2, F = 1, B = 2 (unsplit), both ranks on 1 core. Rank 0: F0 [0,1] alone;
+    # F1 and rank 1's F0 share the core (rate 1/2): both [1,3]; rank 1: F1 [3,4], B0 [4,6] alone;
+    # rank 0's B0 and rank 1's B1 share: both [6,10]; rank 0: B1 [10,12]. Busy 9 per rank.
+    res = check(build("gpipe", 2, 2), cores=1)
+    spans = [[(str(a), s, e) for a, s, e in tl] for tl in res.timeline]
+    assert spans == [[("F0s0", 0, 1), ("F1s0", 1, 3), ("B0s0", 6, 10), ("B1s0", 10, 12)],
+                     [("F0s1", 1, 3), ("F1s1", 3, 4), ("B0s1", 4, 6), ("B1s1", 6, 10)]]
+    assert res.makespan == 12 and res.bubble == pytest.approx(1 - 18 / 24)
+    # with a hop of 0.5: rank 0's F1 runs alone [1,1.5], shares [1.5,2.5] with rank 1's F0,
+    # which finishes alone at 3; F1s1 [3,4] (sent 2.5 + 0.5); B0s1 [4,6]; B1s1 alone [6,6.5],
+    # shared until 9.5; rank 0's B0 [6.5,10] (0.5 left at 9.5, alone); B1s0 [10,12]. Busy 8 each.
+    res = check(build("gpipe", 2, 2), cores=1, comm=0.5)
+    spans = [x for tl in res.timeline for _, s, e in tl for x in (s, e)]
+    assert spans == pytest.approx([0, 1, 1, 2.5, 6.5, 10, 10, 12, 1.5, 3, 3, 4, 4, 6, 6, 9.5])
+    assert res.makespan == pytest.approx(12) and res.bubble == pytest.approx(1 - 16 / 24)
+    # run to completion: at t = 1 rank 0's F1 and rank 1's F0 are both ready, rank 0 goes first
+    # (tie: lower rank); F0s1 waits [1,2] idle. At t = 6 rank 0's B0 and rank 1's B1 tie again.
+    res = check(build("gpipe", 2, 2), cores=1, sharing="fifo")
+    spans = [[(str(a), s, e) for a, s, e in tl] for tl in res.timeline]
+    assert spans == [[("F0s0", 0, 1), ("F1s0", 1, 2), ("B0s0", 6, 8), ("B1s0", 10, 12)],
+                     [("F0s1", 2, 3), ("F1s1", 3, 4), ("B0s1", 4, 6), ("B1s1", 8, 10)]]
+    assert res.makespan == 12 and res.bubble == pytest.approx(1 - 12 / 24)
+
+
+@pytest.mark.parametrize("name,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 2, 2),
+                                      ("zb-h1", 4, 1), ("dualpipev", 4, 1), ("dualpipe", 4, 1)])
+def test_shared_cores_enough_cores_is_one_core_per_rank(name, p, v):
+    # the event-driven run with a core for every rank gives the per-rank-clock timeline, also with
+    # uneven measured-like costs and a hop latency; fewer cores: never faster than total work / cores
+    s = build(name, p, 8, v)
+    costs = {st: {"F": 1 + 0.1 * st, "B": 2 - 0.2 * (st % 3), "W": 0.7 + 0.05 * st} for st in range(s.n_stages)}
+    for kw in ({}, {"stage_costs": costs, "comm": 0.3}):
+        ref = simulate(s, **kw)
+        for cores, sharing in itertools.product((p, p + 1), ("ps", "fifo")):
+            got = simulate(s, cores=cores, sharing=sharing, **kw)
+            assert got.makespan == pytest.approx(ref.makespan) and got.bubble == pytest.approx(ref.bubble)
+            assert [[(a, st, e) for a, st, e in tl] for tl in got.timeline] == \
+                [[(a, pytest.approx(st), pytest.approx(e)) for a, st, e in tl] for tl in ref.timeline]
+        work = sum(e - st for tl in ref.timeline for _, st, e in tl)
+        for sharing in ("ps", "fifo"):
+            one = simulate(s, cores=1, sharing=sharing, **kw)
+            assert one.makespan >= work - 1e-9 and one.peak_inflight == ref.peak_inflight
+            # fewer cores than ranks: never faster than a core each (the per-rank-clock run is the
+            # earliest every action can start)
+            assert simulate(s, cores=p - 1, sharing=sharing, **kw).makespan >= ref.makespan - 1e-9
+        # one core, run to completion: never two actions at once, each lasts exactly its cost
+        spans = sorted((st, e) for tl in one.timeline for _, st, e in tl)
+        assert all(e0 <= s1 + 1e-9 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+        assert sum(e - st for st, e in spans) == pytest.approx(work)

@@ -6,6 +6,15 @@ costs 1/v of it, a DualPipe chunk is a whole stage; an unsplit backward costs B 
 blocks until the matching SEND has been posted (plus ``comm`` time). If no rank can advance
 and some are unfinished, the program deadlocks, and the reason names the first blocked
 receive. Every schedule is simulated (:func:`check`) before the executor runs it.
+
+Shared cores (``cores``, optional): the p ranks time-share ``cores`` processors. A compute
+action's cost is then its duration with a core to itself; while k ranks are in a compute
+action, each progresses at rate min(1, cores / k) (processor sharing), so an action's span
+stretches and, as in a measured timeline, the stretched span counts as busy. Event-driven:
+time advances to the next completion or the next receive that comes due. ``sharing="fifo"``
+is the other extreme: an action that gets a core runs to completion at full speed; a rank
+ready to compute while all cores are busy waits (in order of readiness, then rank), and that
+wait is idle, as in a measured timeline, where the action is time-stamped once it runs.
 """
 from __future__ import annotations
 
@@ -35,9 +44,13 @@ def costs(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> di
 
 
 def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
-             comm: float = 0.0, stage_costs: dict | None = None) -> SimResult:
+             comm: float = 0.0, stage_costs: dict | None = None, cores: int | None = None,
+             sharing: str = "ps") -> SimResult:
     """``stage_costs``: optional {stage: {"F": t, "B": t, "W": t}} durations of one action at
-    that stage (e.g. measured), overriding the uniform f, b, w."""
+    that stage (e.g. measured), overriding the uniform f, b, w. ``cores``: None = one core per
+    rank; else the ranks share that many cores (module docstring) and the timeline, makespan
+    and bubble are those of the shared run (memory peaks depend only on the order: unchanged);
+    ``sharing``: "ps" (processor sharing) or "fifo" (run to completion), module docstring."""
     p = sched.p
     uniform = costs(sched, f, b, w)
     cost = (lambda a: stage_costs[a.stage][a.kind]) if stage_costs else (lambda a: uniform[a.kind])  # noqa: E731
@@ -109,10 +122,63 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     if done != expected:
         miss = sorted(expected - done)
         return SimResult(False, f"incomplete: {miss[0] if miss else 'extra actions'} never runs", timeline)
+    if cores is not None:
+        timeline = _shared(sched, cost, comm, cores, sharing)
+        clock = [tl[-1][2] if tl else 0.0 for tl in timeline]
     makespan = max(clock)
     busy = sum(end - start for tl in timeline for _, start, end in tl)
     bubble = 1.0 - busy / (p * makespan) if makespan else 0.0
     return SimResult(True, "", timeline, makespan, bubble, peak_in, peak_held)
+
+
+def _shared(sched: Schedule, cost, comm: float, cores: int, sharing: str) -> list:
+    """Timeline of an already validated schedule when its ranks share ``cores`` cores."""
+    if cores < 1 or sharing not in ("ps", "fifo"):
+        raise ValueError(f"need cores >= 1 and sharing 'ps' or 'fifo', got {cores}, {sharing!r}")
+    p, now = sched.p, 0.0
+    pos, posted = [0] * p, {}
+    running: dict[int, list] = {}                 # rank -> [action, start, remaining work]
+    queue: dict[int, tuple] = {}                  # rank -> (ready since, action) waiting for a core
+    timeline: list[list] = [[] for _ in range(p)]
+    while True:
+        due = []                                  # times at which a waiting receive comes due
+        moved = True
+        while moved:                              # run non-compute actions until all wait/compute
+            moved = False
+            for r in range(p):
+                acts = sched.ranks[r]
+                while r not in running and r not in queue and pos[r] < len(acts):
+                    a = acts[pos[r]]
+                    if a.kind.startswith("SEND"):
+                        posted[(a.kind[-1], a.mb, a.stage)] = now
+                    elif a.kind.startswith("RECV"):
+                        src = sched.prev_stage(a.stage) if a.kind == "RECV_F" else sched.next_stage(a.stage)
+                        t = posted.get((a.kind[-1], a.mb, src))
+                        if t is None or t + comm > now:
+                            if t is not None:
+                                due.append(t + comm)
+                            break
+                    else:
+                        queue[r] = (now, a)
+                    pos[r] += 1
+                    moved = True
+        while queue and (sharing == "ps" or len(running) < cores):
+            r = min(queue, key=lambda q: (queue[q][0], q))  # longest waiting, then lowest rank
+            a = queue.pop(r)[1]
+            running[r] = [a, now, cost(a)]
+        if not running and not due:
+            return timeline                       # validated: every rank has finished
+        rate = min(1.0, cores / len(running)) if running else 1.0
+        step = min([rem / rate for _, _, rem in running.values()] + [t - now for t in due])
+        now += step
+        for r in list(running):
+            a, start, rem = running[r]
+            rem -= rate * step
+            if rem <= 1e-12 * (1.0 + now):
+                timeline[r].append((a, start, now))
+                del running[r]
+            else:
+                running[r][2] = rem
 
 
 def _missing_input(a: Action, done: set, received: set, sched: Schedule) -> str:

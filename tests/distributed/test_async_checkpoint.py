@@ -158,6 +158,7 @@ def test_error_is_raised_at_the_next_save_and_nothing_is_published(tmp_path, mon
     assert not ckpt.staging_dir(tmp_path, 2).exists()  # removed by the next commit
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_snapshot_is_pinned_and_taken_at_the_step(tmp_path):
     saver, mesh, w = async_save.AsyncSaver(), _Mesh(), torch.zeros(256, 256, device="cuda")

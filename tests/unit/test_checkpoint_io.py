@@ -256,6 +256,7 @@ def test_damaged_index_and_header_are_named(tmp_path):
         ckpt.Reader(path)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_pieces_and_rng(tmp_path):
     dev = torch.device("cuda", 0)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the GPU issue: docs/benchmarks.md, "GPU"): run every GPU check
+# shardlab has and write each table to $OUT (default ./gpu_out). Written on a CPU-only machine
+# and NOT yet run on a GPU: expect to fix what the first run shows. Each step is independent
+# (a failing step is logged and the next one runs); the whole batch is sized for ~25 minutes.
+#
+#   OUT=/path bash benchmarks/gpu_session.sh            # everything
+#   OUT=/path STEPS="tests comm" bash benchmarks/gpu_session.sh
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+PY=${PY:-python}
+export PYTHONPATH=${PYTHONPATH:-.}
+STEPS=${STEPS:-"env tests comm verify single planner"}
+
+step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.txt
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*" | tee -a "$OUT/summary.txt"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+
+for s in $STEPS; do
+  case $s in
+    env)
+      step env 60 bash -c "nvidia-smi; $PY -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'" ;;
+    tests)  # the gpu-marked tests (CUDA IPC transport, pinned snapshots, CUDA RNG in checkpoints)
+      step test_gpu 300 "$PY" -m pytest -q -m gpu tests ;;
+    comm)   # N ranks on one GPU: gloo (host-staged) vs the shared-memory transport over CUDA IPC
+      for n in 2 4 8; do
+        step "comm_n$n" 240 "$PY" -m shardlab.cli bench comm --device cuda --nproc "$n" \
+          --ops all_reduce,all_gather,reduce_scatter,all_to_all --sizes 1M..64M --factor 4 \
+          --algorithms backend --transport process_group,shared
+      done ;;
+    verify)  # the parity matrix with the ranks sharing the GPU (float64; auto transport = shared)
+      for n in 2 4; do step "verify_n$n" 420 "$PY" -m shardlab.cli verify --nproc "$n"; done ;;
+    single)  # shardlab's loop vs a plain compiled loop, bf16
+      step single_gpt2 300 "$PY" benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda
+      step single_llama1b 420 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda ;;
+    planner)  # predicted vs torch.cuda.max_memory_allocated
+      step planner 420 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "dp:1,fsdp:2,tp2:2,pp2-1f1b:2" \
+        --out "$OUT/planner_calibration_cuda.md" ;;
+    *) echo "unknown step $s" | tee -a "$OUT/summary.txt" ;;
+  esac
+done

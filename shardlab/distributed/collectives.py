@@ -164,12 +164,37 @@ class Comm:
         self._record(op, link)
         return t
 
+    @staticmethod
+    def _check_avg(what: str, t: torch.Tensor, op: str):
+        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"{what}(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
+
+    def _check_divisible(self, t: torch.Tensor, dim: int):
+        if t.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
+
+    def _a2a_splits(self, t: torch.Tensor, in_splits, out_splits) -> tuple[list[int], list[int]]:
+        """all_to_all's splits: even by default, out = in unless given; checked against ``t``."""
+        if in_splits is None:
+            in_splits = [t.shape[0] // self.size] * self.size
+        if out_splits is None:
+            out_splits = in_splits
+        if len(in_splits) != self.size or len(out_splits) != self.size or sum(in_splits) != t.shape[0]:
+            raise ValueError(f"all_to_all: need {self.size} in/out splits with sum(in_splits) = "
+                             f"{t.shape[0]} rows, got {list(in_splits)} / {list(out_splits)}")
+        return list(in_splits), list(out_splits)
+
+    def _count_a2a(self, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+        """The rows this rank sends to and receives from the others (its own chunk stays)."""
+        row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
+        self.ledger.record("all_to_all", self.name, row * (sum(in_splits) - in_splits[self.rank]),
+                           row * (sum(out_splits) - out_splits[self.rank]), modelled=True)
+
     # -- collectives (in place where torch is) -----------------------------------------------
     @_recorded("all_reduce", _t_op)
     def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
-        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(f"all_reduce(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
+        self._check_avg("all_reduce", t, op)
         if self.size == 1:
             return t
         algo = self._choose("all_reduce", t, algorithm, _nbytes(t))
@@ -180,9 +205,7 @@ class Comm:
             return t.div_(self.size) if op == "avg" else t
         self._count("all_reduce", _nbytes(t))
         dist.all_reduce(t, op=_OPS["sum" if op == "avg" else op], group=self.group)
-        if op == "avg":
-            t.div_(self.size)
-        return t
+        return t.div_(self.size) if op == "avg" else t
 
     @_recorded("all_gather", _t_dim)
     def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
@@ -213,12 +236,10 @@ class Comm:
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
                        algorithm: str | None = None) -> torch.Tensor:
         """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
-        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(f"reduce_scatter(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
+        self._check_avg("reduce_scatter", t, op)
         if self.size == 1:
             return t
-        if t.shape[dim] % self.size:
-            raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
+        self._check_divisible(t, dim)
         if self._choose("reduce_scatter", t, algorithm, _nbytes(t)) != "backend":
             if self._host_staged(t):
                 return self.reduce_scatter(t.cpu(), dim, op, algorithm).to(t.device)
@@ -248,13 +269,7 @@ class Comm:
         """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
         if self.size == 1:
             return t
-        if in_splits is None:
-            in_splits = [t.shape[0] // self.size] * self.size
-        if out_splits is None:
-            out_splits = in_splits
-        if len(in_splits) != self.size or len(out_splits) != self.size or sum(in_splits) != t.shape[0]:
-            raise ValueError(f"all_to_all: need {self.size} in/out splits with sum(in_splits) = "
-                             f"{t.shape[0]} rows, got {list(in_splits)} / {list(out_splits)}")
+        in_splits, out_splits = self._a2a_splits(t, in_splits, out_splits)
         out = torch.empty((sum(out_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         if self._choose("all_to_all", t, algorithm, _nbytes(t)) != "backend":
             if self._host_staged(t):
@@ -263,10 +278,7 @@ class Comm:
             algos.pairwise_all_to_all(link, t.contiguous(), out, list(in_splits), list(out_splits))
             self._record("all_to_all", link)
             return out
-        row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
-        sent = row * (sum(in_splits) - in_splits[self.rank])
-        recv = row * (sum(out_splits) - out_splits[self.rank])
-        self.ledger.record("all_to_all", self.name, sent, recv, modelled=True)
+        self._count_a2a(t, in_splits, out_splits)
         dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
@@ -317,8 +329,7 @@ class Comm:
         """Start a dim-0 reduce-scatter; ``.wait()`` returns this rank's slice."""
         if self._sync_instead(algorithm):
             return Pending(None, self.reduce_scatter(t, 0, op, algorithm))
-        if t.shape[0] % self.size:
-            raise ValueError(f"reduce_scatter: dim 0 of size {t.shape[0]} not divisible by {self.size}")
+        self._check_divisible(t, 0)
         self._count("reduce_scatter", _nbytes(t))
         out = torch.empty((t.shape[0] // self.size,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         work = _reduce_scatter_single(out, t.contiguous(), op=_OPS["sum" if op == "avg" else op],

@@ -204,8 +204,7 @@ class SharedComm(Comm):
     @_recorded("all_reduce", _t_op)
     def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
-        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(f"all_reduce(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
+        self._check_avg("all_reduce", t, op)
         if self.size == 1 or self._elsewhere(t):
             return super().all_reduce(t, op, "backend")
         self._count("all_reduce", _nbytes(t))
@@ -256,12 +255,10 @@ class SharedComm(Comm):
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
                        algorithm: str | None = None) -> torch.Tensor:
         """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
-        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            raise ValueError(f"reduce_scatter(op='avg') of a {t.dtype} tensor is not exact; use op='sum' and divide")
+        self._check_avg("reduce_scatter", t, op)
         if self.size == 1 or self._elsewhere(t):
             return super().reduce_scatter(t, dim, op, "backend")
-        if t.shape[dim] % self.size:
-            raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {self.size}")
+        self._check_divisible(t, dim)
         self._count("reduce_scatter", _nbytes(t))
         x = t.movedim(dim, 0)
         shape = (x.shape[0] // self.size,) + tuple(x.shape[1:])
@@ -285,19 +282,11 @@ class SharedComm(Comm):
         if self.size == 1 or self._elsewhere(t):
             return super().all_to_all(t, in_splits, out_splits, "backend")
         n = self.size
-        if in_splits is None:
-            in_splits = [t.shape[0] // n] * n
-        if out_splits is None:
-            out_splits = in_splits
-        if len(in_splits) != n or len(out_splits) != n or sum(in_splits) != t.shape[0]:
-            raise ValueError(f"all_to_all: need {n} in/out splits with sum(in_splits) = "
-                             f"{t.shape[0]} rows, got {list(in_splits)} / {list(out_splits)}")
-        row = _nbytes(t) // max(1, t.shape[0]) if t.shape[0] else 0
-        self.ledger.record("all_to_all", self.name, row * (sum(in_splits) - in_splits[self.rank]),
-                           row * (sum(out_splits) - out_splits[self.rank]), modelled=True)
+        in_splits, out_splits = self._a2a_splits(t, in_splits, out_splits)
+        self._count_a2a(t, in_splits, out_splits)
         # Phase 1: agree on the arena size and learn where each sender put each receiver's rows.
         self._ctl[self.rank, 0] = _nbytes(t)
-        self._ctl[self.rank, 1:] = torch.tensor(list(in_splits) + list(out_splits), dtype=torch.int64)
+        self._ctl[self.rank, 1:] = torch.tensor(in_splits + out_splits, dtype=torch.int64)
         self._sync()
         ctl = self._ctl.clone()
         need = int(ctl[:, 0].max())

@@ -74,8 +74,8 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
                 if a.kind in ("F", "B", "W") and sched.rank_of(a.stage) != r:
                     return invalid(r, a, f"stage {a.stage} lives on rank {sched.rank_of(a.stage)}")
                 if a.kind.startswith("RECV"):
-                    src = sched.prev_stage(a.stage) if a.kind == "RECV_F" else sched.next_stage(a.stage)
-                    key = (a.kind[-1], a.mb, src)
+                    key = _recv_key(sched, a)
+                    src = key[2]
                     if key not in posted:
                         break  # blocked until the peer sends
                     t, dst = posted[key]
@@ -131,6 +131,12 @@ def simulate(sched: Schedule, f: float = 1.0, b: float = 1.0, w: float = 1.0,
     return SimResult(True, "", timeline, makespan, bubble, peak_in, peak_held)
 
 
+def _recv_key(sched: Schedule, a: Action) -> tuple:
+    """The message a RECV action waits for: (F or B, micro-batch, the sending stage)."""
+    src = sched.prev_stage(a.stage) if a.kind == "RECV_F" else sched.next_stage(a.stage)
+    return a.kind[-1], a.mb, src
+
+
 def _shared(sched: Schedule, cost, comm: float, cores: int, sharing: str) -> list:
     """Timeline of an already validated schedule when its ranks share ``cores`` cores."""
     if cores < 1 or sharing not in ("ps", "fifo"):
@@ -152,8 +158,7 @@ def _shared(sched: Schedule, cost, comm: float, cores: int, sharing: str) -> lis
                     if a.kind.startswith("SEND"):
                         posted[(a.kind[-1], a.mb, a.stage)] = now
                     elif a.kind.startswith("RECV"):
-                        src = sched.prev_stage(a.stage) if a.kind == "RECV_F" else sched.next_stage(a.stage)
-                        t = posted.get((a.kind[-1], a.mb, src))
+                        t = posted.get(_recv_key(sched, a))
                         if t is None or t + comm > now:
                             if t is not None:
                                 due.append(t + comm)

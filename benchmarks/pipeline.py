@@ -52,11 +52,13 @@ from shardlab.parallel.pipeline.stage import split_model  # noqa: E402
 M, MB = 8, 2
 
 
-def make_cfg(pp: int, schedule: str, v: int) -> Config:
+def make_cfg(pp: int, schedule: str, v: int, size: tuple = (128, 64)) -> Config:
+    """``size``: (d_model, seq_len); 4 heads, 8 layers, vocabulary 256 whatever the size."""
     cfg = Config()
     m = cfg.model
-    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len = 256, 128, 8, 4, 64
-    cfg.train.seq_len, cfg.train.global_batch = 64, M * MB
+    d, seq = size
+    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len = 256, d, 8, 4, seq
+    cfg.train.seq_len, cfg.train.global_batch = seq, M * MB
     p = cfg.parallel
     p.pp, p.pp_schedule, p.pp_virtual, p.microbatches = pp, schedule, v, M
     return cfg.validate(pp)
@@ -107,8 +109,8 @@ class _Held:
         self.meter.release(self.ptr)
 
 
-def shardlab_engine(mesh, pp, schedule, v):
-    cfg = make_cfg(pp, schedule, v)
+def shardlab_engine(mesh, pp, schedule, v, size):
+    cfg = make_cfg(pp, schedule, v, size)
     engine = apply(build_model(cfg.model, 0), mesh, cfg, get_spec(cfg.model))
     x, y = data(cfg)
     mbs = list(zip(x.chunk(M), y.chunk(M)))
@@ -119,9 +121,9 @@ def shardlab_engine(mesh, pp, schedule, v):
     return step, engine
 
 
-def torch_engine(mesh, pp, v):
+def torch_engine(mesh, pp, v, size):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-    cfg = make_cfg(pp, "interleaved" if v > 1 else "1f1b", v)
+    cfg = make_cfg(pp, "interleaved" if v > 1 else "1f1b", v, size)
     model, chunks, _ = split_model(build_model(cfg.model, 0), get_spec(cfg.model), mesh.local_rank("pp"), pp, v)
     group = mesh.group("pp")
     stages = [PipelineStage(chunk, s, pp * v, torch.device("cpu"), group=group) for s, chunk in sorted(chunks.items())]
@@ -144,12 +146,13 @@ ENGINES = [("shardlab 1f1b", "1f1b", 1), ("torch Schedule1F1B", "torch", 1),
            ("shardlab dualpipe", "dualpipe", 1)]
 
 
-def worker(ctx, pp, steps, warmup):
+def worker(ctx, pp, steps, warmup, size, names):
     mesh = Mesh.build(Topology(pp=pp))
     comm = mesh.comm("pp")
     engines = {}
     for name, kind, v in ENGINES:
-        engines[name] = torch_engine(mesh, pp, v) if kind == "torch" else shardlab_engine(mesh, pp, kind, v)
+        if name in names:
+            engines[name] = torch_engine(mesh, pp, v, size) if kind == "torch" else shardlab_engine(mesh, pp, kind, v, size)
     times = {name: [] for name in engines}
     timelines = {name: [] for name in engines}
     for i in range(warmup + steps):
@@ -191,14 +194,15 @@ def hop_latency(timeline, n_stages: int) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def summarise(pp, results, out_dir, cores):
+def summarise(pp, results, out_dir, cores, size, names):
     """Per engine: median and fastest step time (slowest rank); for shardlab schedules the
     measured bubble of the fastest step and of the median, and the simulated bubble with the
     step's median F, B, W durations per stage (with and without the measured hop latency)."""
     rows = []
-    n = len(results[0]["times"][ENGINES[0][0]])
-    steps = {name: [max(r["times"][name][i] for r in results) for i in range(n)] for name, _, _ in ENGINES}
-    for name, kind, v in ENGINES:
+    engines = [e for e in ENGINES if e[0] in names]
+    n = len(results[0]["times"][engines[0][0]])
+    steps = {name: [max(r["times"][name][i] for r in results) for i in range(n)] for name, _, _ in engines}
+    for name, kind, v in engines:
         row = dict(pp=pp, engine=name, ms=1e3 * statistics.median(steps[name]), best=1e3 * min(steps[name]),
                    mem=max(r["memory"][name] for r in results) / 2**20,
                    wmem=max(r["wmem"][name] for r in results) / 2**20,
@@ -226,27 +230,31 @@ def summarise(pp, results, out_dir, cores):
                        theory=theoretical_bubble(kind, pp, M, v), shared=shared.bubble,
                        shared_ms=1e3 * shared.makespan, fifo=fifo.bubble, fifo_ms=1e3 * fifo.makespan)
             if out_dir:
-                plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}.png"),
+                tag = "" if size == (128, 64) else f"_d{size[0]}_s{size[1]}"
+                plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}{tag}.png"),
                      f"measured {name}, pp={pp}, m={M} (fastest of {n} steps): bubble {row['bubble']:.3f}")
         rows.append(row)
     for mine, ref in (("shardlab 1f1b", "torch Schedule1F1B"),
                       ("shardlab interleaved v=2", "torch ScheduleInterleaved1F1B v=2")):
+        if mine not in steps or ref not in steps:
+            continue
         row = next(r for r in rows if r["engine"] == mine)
         row["ratio"] = statistics.median(steps[mine]) / statistics.median(steps[ref])
         row["ratio_best"] = min(steps[mine]) / min(steps[ref])
     return rows
 
 
-def split_costs(reps: int = 15) -> None:
+def split_costs(reps: int = 15, size: tuple = (128, 64)) -> None:
     """One stage of the pp = 4 split (2 of the 8 layers), one process, one thread, micro-batch
     MB: 1F1B's full backward vs ZB's B (input grads) + W (wgrad.py), and W of k micro-batches
     batched into one matmul per module (inputs and output grads concatenated, cat included)."""
     from shardlab.parallel.pipeline.wgrad import direct_input, weight_grads
     torch.set_num_threads(1)
-    cfg = make_cfg(1, "1f1b", 1)
+    cfg = make_cfg(1, "1f1b", 1, size)
     cfg.model.n_layers = 2
+    d, seq = size
     model = build_model(cfg.model, 0)
-    blocks, cap, pos = list(model.layers.values()), [None], torch.arange(64)
+    blocks, cap, pos = list(model.layers.values()), [None], torch.arange(seq)
 
     def hook(mod, args, out):
         if cap[0] is not None and torch.is_tensor(out) and out.requires_grad:
@@ -255,7 +263,7 @@ def split_costs(reps: int = 15) -> None:
         if any(p.requires_grad for p in mod.parameters(recurse=False)):
             mod.register_forward_hook(hook)
     g = torch.Generator().manual_seed(0)
-    xs, gs = ([torch.randn(MB, 64, 128, generator=g) for _ in range(4)] for _ in range(2))
+    xs, gs = ([torch.randn(MB, seq, d, generator=g) for _ in range(4)] for _ in range(2))
 
     def fwd(i, capture):
         x = xs[i].clone().requires_grad_()
@@ -289,7 +297,7 @@ def split_costs(reps: int = 15) -> None:
         timed("W one micro-batch at a time (ZB now)", lambda: [w_pass([e]) for e in entries], 4)
         timed("W batched over 2 micro-batches", lambda: [w_pass(entries[k:k + 2]) for k in (0, 2)], 4)
         timed("W batched over 4 micro-batches", lambda: w_pass(entries), 4)
-    print(f"\nOne pp = 4 stage (2 layers, d 128, seq 64, micro-batch {MB}), 1 thread, ms per micro-batch "
+    print(f"\nOne pp = 4 stage (2 layers, d {d}, seq {seq}, micro-batch {MB}), 1 thread, ms per micro-batch "
           f"(median of {reps}):")
     print("| pass | ms |\n|---|---|")
     for name, v in times.items():
@@ -305,16 +313,26 @@ def main(argv=None):
                     help="cores the ranks share, for the shared-cores simulation (default: this machine's)")
     ap.add_argument("--out", default="", help="folder for measured timeline PNGs")
     ap.add_argument("--split-costs", action="store_true", help="only: one stage's full backward vs B + W, W batched")
+    ap.add_argument("--d-model", type=int, default=128, help="model width (default 128: overhead-bound steps)")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    ap.add_argument("--engines", default="", help="comma-separated schedules to run, e.g. 1f1b,zb-h1 (default: all, "
+                    "and torch's); 'torch' names torch.distributed.pipelining's")
     args = ap.parse_args(argv)
+    size = (args.d_model, args.seq)
     if args.split_costs:
-        return split_costs()
+        return split_costs(size=size)
+    kinds = set(filter(None, args.engines.split(",")))
+    names = [n for n, k, _ in ENGINES if not kinds or k in kinds]
+    if not names:
+        sys.exit(f"--engines: none of {sorted(kinds)} is a schedule here; pick from "
+                 f"{sorted({k for _, k, _ in ENGINES})}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     all_rows = []
     for pp in args.pp:
-        results = run(worker, pp, pp, args.steps, args.warmup, timeout_s=600, threads=1)
-        all_rows += summarise(pp, results, args.out, args.cores)
-    print(f"\nmodel: 8 layers, d_model 128, seq 64, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
+        results = run(worker, pp, pp, args.steps, args.warmup, size, names, timeout_s=600, threads=1)
+        all_rows += summarise(pp, results, args.out, args.cores, size, names)
+    print(f"\nmodel: 8 layers, d_model {size[0]}, seq {size[1]}, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
           "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
           f"| simulated step ms, one core per rank | simulated, {args.cores} cores shared: processor sharing "

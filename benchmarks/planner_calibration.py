@@ -63,6 +63,8 @@ LAYOUTS = [
     ("ac-full", "dp-ac-full", 2, "llama", TINY),
     ("tp2-ac-selective", "tp2-ac-selective", 2, "llama", TINY),
     ("fsdp-ac-full", "fsdp-ac-full", 2, "llama", TINY),
+    ("fsdp-ac-op", "fsdp-ac-op", 2, "llama", TINY),
+    ("tp2-sp-ac-op", "tp2-sp-ac-op", 2, "llama", TINY),
     ("ep2", "ep2", 2, "llama", MOE),
     ("moe-dp", "moe-dp", 2, "llama", MOE),
     ("pp2-fsdp", "pp2-fsdp", 4, "llama", TINY),
@@ -78,6 +80,7 @@ LAYOUTS = [
     ("gpt2 dp", "dp", 2, "gpt2", GPT2),
     ("gpt2 tp2", "tp2", 2, "gpt2", GPT2),
     ("gpt2 pp2-1f1b", "pp2-1f1b", 2, "gpt2", GPT2),
+    ("gpt2 ac-op", "dp-ac-op", 2, "gpt2", GPT2),
 ]
 
 

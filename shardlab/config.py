@@ -102,7 +102,7 @@ class ParallelConfig:
     pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev (DeepSeek's V shape, 2*pp stages, microbatches >= 2*pp) or dualpipe (bidirectional, two parameter copies per rank: 2x parameter memory; pp and microbatches even, microbatches >= 2*pp).", choices=('gpipe', '1f1b', 'interleaved', 'zb-h1', 'dualpipev', 'dualpipe'))
     pp_virtual: int = f(1, "Virtual stages per pipeline rank (interleaved schedule).", ge=1, le=1024)
     microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).", ge=1, le=2**20)
-    activation_checkpointing: str = f("none", "Activation recomputation: none, full or selective.", choices=('none', 'full', 'selective'))
+    activation_checkpointing: str = f("none", "Activation recomputation: none, full (each block keeps its input), selective (Megatron's: the attention core) or op (torchtitan's per-operator policy: each block keeps its attention output and every other matrix product's; docs/planner.md).", choices=('none', 'full', 'selective', 'op'))
     compile: bool = f(False, "Wrap each block with torch.compile.")
     wrap_policy: str = f("blocks", "ZeRO-3/FSDP units: blocks (the architecture's blocks), size:<N> (outermost "
                                    "modules with >= N parameters) or class:<Name>[,<Name>] (modules of those classes).", nonempty=True)

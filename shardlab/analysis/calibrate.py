@@ -59,6 +59,7 @@ class SavedActivations:
     def __init__(self, exclude=()):
         self.skip = {t.untyped_storage()._cdata for t in exclude if torch.is_tensor(t)}
         self.live: dict[int, list] = {}  # storage -> [bytes, saved references alive]
+        self.kept: dict[int, tuple] = {}  # op-policy outputs: storage -> (weak reference, bytes)
         self.current = self.peak = self.total = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -74,7 +75,24 @@ class SavedActivations:
             self.total += entry[0]
             self.peak = max(self.peak, self.current)
         entry[1] += 1
+        self.peak = max(self.peak, self.current + self._kept_live())
         return _Held(t.detach(), key, self)
+
+    def keep(self, t):
+        """An output the ``op`` recomputation policy keeps (recompute.observe_kept): held outside
+        autograd's saved tensors until its block's recomputation; counted while alive."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.skip or key in self.kept or not st.nbytes():
+            return
+        self.kept[key] = (StorageWeakRef(st), st.nbytes())
+        if key not in self.live:
+            self.total += st.nbytes()
+        self.peak = max(self.peak, self.current + self._kept_live())
+
+    def _kept_live(self) -> int:
+        return sum(n for k, (ref, n) in self.kept.items() if k not in self.live and not ref.expired())
 
     @staticmethod
     def _unpack(x):
@@ -181,7 +199,8 @@ def _worker(ctx, cfg, warmup: int, steps: int):
             torch.cuda.synchronize(mesh.device)
         times.append(time.perf_counter() - t0)
     max_alloc = float(torch.cuda.max_memory_allocated(mesh.device)) if cuda else None
-    with SavedActivations(model_state_tensors(engine)) as acts:
+    from ..parallel.recompute import observe_kept
+    with SavedActivations(model_state_tensors(engine)) as acts, observe_kept(acts.keep):
         engine.forward_backward(micro, 1.0, autocast)
     opt.zero_grad(set_to_none=True)
     s = state[0]

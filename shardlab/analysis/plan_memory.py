@@ -318,6 +318,8 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
             return tr.block_input.get(name, 0)
         if mode == "selective":
             return full - tr.core_only.get(name, 0) + tr.core_inputs.get(name, 0) + tr.core_outputs.get(name, 0)
+        if mode == "op":  # the checkpoint keeps the block's input and the outputs recompute.op_keeps names
+            return tr.block_input.get(name, 0) + tr.op_kept.get(name, 0)
         return full
 
     per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))
@@ -347,7 +349,8 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
                 e += tr.ew_bytes.get(region, 0)
         out[s], stash[s], ops[s], ew[s] = b, w, o, e
     out["stash"], out["graph_kept"], out["ops"], out["ew"] = stash, tr.graph_kept, ops, ew
-    out["recompute"] = full_block if mode == "full" else 0
+    out["recompute"] = full_block if mode in ("full", "op") else 0
+    out.update(tr.op_shares(cfg.model.n_layers))  # the op policy's recomputation (plan_time.py)
     out["logits"] = tr.logits
     return out
 

@@ -95,7 +95,7 @@ def enumerate_layouts(base, gpus: int, gpus_per_node: int, fixed: dict | None = 
                             micro = t.global_batch // (dp * mbs)
                             if pp > 1 and (micro < pp or micro > 512):
                                 continue
-                            for ac in ([fixed["ac"]] if "ac" in fixed else ["none", "selective", "full"]):
+                            for ac in ([fixed["ac"]] if "ac" in fixed else ["none", "selective", "op", "full"]):
                                 cfg = copy.deepcopy(base)
                                 p = cfg.parallel
                                 p.tp, p.pp, p.cp, p.zero_stage = tp, pp, cp, zero

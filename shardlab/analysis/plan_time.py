@@ -4,7 +4,8 @@ their links, the pipeline schedule simulated, and what each engine overlaps (doc
 Compute per micro-batch and rank (one pipeline stage):
   matmuls     (spec FLOPs per token - its attention term) x tokens / (tp x cp x stages)
               at peak x mm_eff; forward 1/3, backward 2/3; full recomputation repeats the
-              blocks' forward, selective the attention's
+              blocks' forward, selective the attention's, op the blocks' elementwise forward
+              and the products recompute.op_keeps drops (FLOPs from the trace)
   attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) x 3.5 / 3 (the
               flash backward recomputes the scores: FLASH_BWD_EXTRA) at peak x attn_eff
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
@@ -138,12 +139,15 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         half = 0.5 if p.pp > 1 and p.pp_schedule == "dualpipe" else 1.0  # a micro-batch runs one copy
         ops, ew = half * sum(traced.get("ops", {}).values()), half * sum(traced.get("ew", {}).values())
         t_elem = over * (ops * dev.op_s + ew / dev.ew_bw)
+        elem_blocks = over * (ops * traced.get("op_ops", 0) * dev.op_s + ew * traced.get("op_ew", 0) / dev.ew_bw)
     else:
         t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
+        elem_blocks = t_elem * traced.get("op_saved", 0)
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
-    recompute = fwd if ac == "full" else (t_attn / 3.5 if ac == "selective" else 0.0)
+    recompute = {"full": fwd, "selective": t_attn / 3.5,  # op: the blocks' elementwise work and
+                 "op": (t_mm * traced.get("op_mm", 0) + elem_blocks) / 3}.get(ac, 0.0)  # the products it drops
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
     layers = m.n_layers / p.pp
     act_bytes = b * (s // p.cp) * m.d_model * el
@@ -152,7 +156,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         bw, al = link(topo, "tp", dev)
         one = (collective("all_gather", act_bytes, p.tp, bw, al) + collective("reduce_scatter", act_bytes, p.tp, bw, al)) \
             if p.sequence_parallel else collective("all_reduce", act_bytes, p.tp, bw, al)  # SP: two per site
-        tp_comm = one * (4 * layers + 2 + (2 * layers if ac == "full" else 0))
+        tp_comm = one * (4 * layers + 2 + (2 * layers if ac in ("full", "op") else 0))
         # vocabulary-parallel cross-entropy (last stage, the slowest): max, sum of exp, target logit per token
         tp_comm += 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
     cp_comm = ring = uly = 0.0
@@ -163,7 +167,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
         kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
         one, two = collective("p2p", kv, 2, bw, al), collective("p2p", 2 * kv, 2, bw, al)
         ring = layers * ((r - 1) * one + 3 * one + (r - 2) * two)
-        cp_comm = max(0.0, ring - (t_attn + (t_attn / 3.5 if ac != "none" else 0)))
+        cp_comm = max(0.0, ring - (t_attn + (t_attn / 3.5 if ac in ("full", "selective") else 0)))
     if u > 1:  # Ulysses (parallel/ulysses.py): q, k, v, out all-to-all forward, their gradients backward
         bw, al = link(topo, "cp", dev, u)
         x = b * (s // p.cp) * m.d_model / p.tp * el

@@ -150,11 +150,15 @@ class _Fused(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def fused_attention():
-    """Within the block, ``F.scaled_dot_product_attention`` behaves (for memory) like flash attention."""
+def fused_attention(on_call=None):
+    """Within the block, ``F.scaled_dot_product_attention`` behaves (for memory) like flash attention.
+    ``on_call(nbytes)``: told the bytes of each call's output and log-sum-exp."""
     old = F.scaled_dot_product_attention
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if on_call is not None:
+            lse = 4 if q.dtype in (torch.float16, torch.bfloat16) else q.element_size()
+            on_call(q.numel() * q.element_size() + q.numel() // q.shape[-1] * lse)
         return _Fused.apply(q, k, v)
 
     F.scaled_dot_product_attention = sdpa
@@ -191,6 +195,13 @@ class SavedTrace:
     ew_bytes: dict = field(default_factory=dict)
     """{region: bytes written by the forward's operators other than matrix products (new
     storages only; views and in-place ops write none)}: the elementwise traffic."""
+    mm_flops: dict = field(default_factory=dict)
+    """{region: forward FLOPs of its 2-D matrix products (``mm``/``addmm``: the Linears)}."""
+    op_recompute_flops: dict = field(default_factory=dict)
+    """{region: forward FLOPs of the products the ``op`` recomputation policy recomputes}."""
+    op_kept: dict = field(default_factory=dict)
+    """{region: bytes of the outputs the ``op`` policy keeps (its kept products, the attention
+    kernel's output and log-sum-exp)}."""
     graph_kept: bool = False
     """Some parameter-owning module's W needs autograd (not ``direct_input``): B retains the
     graph, so a micro-batch's saved tensors stay until its W."""
@@ -198,6 +209,23 @@ class SavedTrace:
     @property
     def total(self) -> int:
         return sum(self.regions.values())
+
+    def op_shares(self, n_layers: int) -> dict:
+        """What the ``op`` policy recomputes in a model of ``n_layers`` blocks, as shares of the
+        whole forward: ``op_mm`` of the matrix-product FLOPs, ``op_ops`` / ``op_ew`` / ``op_saved``
+        of the operators / elementwise bytes written / bytes saved (the blocks' part: all of a
+        block's non-product work is recomputed). Per-block figures are the traced blocks' mean."""
+        blocks = [r for r in self.regions if r not in ("first", "last")]
+
+        def mean(d):
+            return sum(d.get(b, 0) for b in blocks) / max(1, len(blocks))
+
+        def share(d):
+            whole = n_layers * mean(d) + sum(d.get(r, 0) for r in ("first", "last"))
+            return n_layers * mean(d) / whole if whole else 0.0
+        mm = mean(self.mm_flops)
+        return {"op_mm": share(self.mm_flops) * (mean(self.op_recompute_flops) / mm if mm else 0.0),
+                "op_ops": share(self.ops), "op_ew": share(self.ew_bytes), "op_saved": share(self.regions)}
 
 
 def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: int = 0) -> SavedTrace:
@@ -290,7 +318,9 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
             hooks.append(mod.register_forward_hook(owner_post))
     try:
         batch = _meta_batch(cfg, spec, model, micro_batch, seq_len, dtype)
-        with fused_attention(), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        def attn(nbytes):
+            out.op_kept[state["region"]] = out.op_kept.get(state["region"], 0) + nbytes
+        with fused_attention(attn), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 OpCount(out, state):
             model(*batch)
     finally:

@@ -61,17 +61,31 @@ _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
 
 
 class OpCount(TorchDispatchMode):
-    """Counts the aten operators of a forward by region, and the bytes the non-matmul ones write."""
+    """Counts the aten operators of a forward by region, and the bytes the non-matmul ones write.
+    Per region also the forward FLOPs of its 2-D matrix products (``mm_flops``) and, applying
+    recompute.op_keeps to them in order (the count restarting at each region, as the policy's
+    restarts at each checkpointed block), the FLOPs the ``op`` policy recomputes
+    (``op_recompute_flops``) and the bytes of the outputs it keeps (``op_kept``)."""
 
     def __init__(self, out, state):
         super().__init__()
-        self.out, self.state = out, state
+        self.out, self.state, self.mms = out, state, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from ..parallel.recompute import is_product, op_keeps
         res = func(*args, **(kwargs or {}))
         region = self.state["region"]
         self.out.ops[region] = self.out.ops.get(region, 0) + 1
-        if func.overloadpacket.__name__ not in _MATMULS:
+        name = func.overloadpacket.__name__
+        if is_product(func):  # out (M, N) = a (M, K) @ b (K, N) [+ bias]
+            k = self.mms[region] = self.mms.get(region, 0) + 1
+            flops = 2 * res.numel() * args[-1].shape[0]
+            self.out.mm_flops[region] = self.out.mm_flops.get(region, 0) + flops
+            if op_keeps(name, k):
+                self.out.op_kept[region] = self.out.op_kept.get(region, 0) + res.numel() * res.element_size()
+            else:
+                self.out.op_recompute_flops[region] = self.out.op_recompute_flops.get(region, 0) + flops
+        if name not in _MATMULS:
             ins = {a.untyped_storage()._cdata for a in _tensors(args) + _tensors((kwargs or {}).values())}
             new = sum(t.numel() * t.element_size() for t in _tensors(res if isinstance(res, (tuple, list)) else [res])
                       if t.untyped_storage()._cdata not in ins)

@@ -34,7 +34,7 @@ def configure(p):
         p.add_argument(f"--{name}", type=int, default=0, help=f"fix parallel.{name}")
     p.add_argument("--zero", type=int, default=-1, help="fix parallel.zero_stage (0-3)")
     p.add_argument("--schedule", default="", help="fix parallel.pp_schedule")
-    p.add_argument("--ac", default="", help="fix parallel.activation_checkpointing (none, selective, full)")
+    p.add_argument("--ac", default="", help="fix parallel.activation_checkpointing (none, selective, op, full)")
 
 
 def load_model(arg: str):

@@ -6,7 +6,8 @@ closed forms, and the planner's memory prediction against the measurement on a C
 * A real run of 2 ranks (tiny Llama, fp32): DDP model state equals 4/4/8 bytes per parameter
   exactly; pipeline stages hold the schedule's in-flight micro-batches (GPipe m, 1F1B p - stage)
   of saved activations at their peak.
-* ``predict()`` on dp, zero2, fsdp, tp2, pp2-1f1b, pp2-zb, pp2-dualpipev, moe-dp at N = 2 and
+* ``predict()`` on dp, zero2, fsdp, tp2, pp2-1f1b, pp2-zb, pp2-dualpipev, moe-dp, tp2-sp-ac-op (the
+  ``op`` recomputation policy: its kept outputs measured through recompute.observe_kept) at N = 2 and
   zero2, fsdp, pp2-tp2, pp2-fsdp, ep2-zero2 at N = 4: per-rank model-state bytes exactly the
   measured ones, activations within 5% of the measured peak, and the split backward's W stash
   within 5% of the engine's ``wgrad_peak_bytes``.
@@ -22,7 +23,7 @@ from shardlab.models import build_model, count_params
 N = 2
 FP32 = {"train": {"precision": "fp32"}}
 PROBE = {"flops": 1e10, "alpha": 1e-4, "bw": 1e9, "mem_bw": 1e10}  # time constants: memory does not use them
-NAMES = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "pp2-zb", "pp2-dualpipev", "moe-dp"]
+NAMES = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-gpipe", "pp2-zb", "pp2-dualpipev", "moe-dp", "tp2-sp-ac-op"]
 
 
 def test_saved_activations_peak_and_release():
@@ -73,7 +74,8 @@ def test_measured_state_and_schedule_in_flight(measured):
 @pytest.mark.parametrize("n", [2, 4])
 def test_predicted_memory_matches_measured(measured, n):
     runs = measured if n == 2 else _measure(NAMES4, 4)
-    names = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-zb", "pp2-dualpipev", "moe-dp"] if n == 2 else NAMES4
+    names = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "pp2-zb", "pp2-dualpipev", "moe-dp", "tp2-sp-ac-op"] \
+        if n == 2 else NAMES4
     for name in names:
         cfg, ranks = runs[name]
         pred = predict(cfg, device="cpu", probe=PROBE)

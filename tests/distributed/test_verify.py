@@ -6,10 +6,10 @@ from shardlab.train.data import prepare
 
 
 def test_verify_subset_passes(capsys):
-    rc = cli_main(["verify", "--nproc", "2", "--layouts", "dp,zero2,fsdp,tp2-sp,pp2-zb,cp2,ep2"])
+    rc = cli_main(["verify", "--nproc", "2", "--layouts", "dp,zero2,fsdp,tp2-sp,pp2-zb,cp2,ep2,tp2-sp-ac-op"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert out.count("| pass |") == 7 and "7 passed, 0 failed" in out
+    assert out.count("| pass |") == 8 and "8 passed, 0 failed" in out
 
 
 def test_verify_can_fail():

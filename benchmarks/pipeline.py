@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardlab.analysis.timeline import measured_bubble, plot  # noqa: E402
+from shardlab.analysis.timeline import measured_bubble, plot_grid  # noqa: E402
 from shardlab.config import Config  # noqa: E402
 from shardlab.distributed.mesh import Mesh  # noqa: E402
 from shardlab.distributed.topology import Topology  # noqa: E402
@@ -231,8 +231,11 @@ def summarise(pp, results, out_dir, cores, size, names):
                        shared_ms=1e3 * shared.makespan, fifo=fifo.bubble, fifo_ms=1e3 * fifo.makespan)
             if out_dir:
                 tag = "" if size == (128, 64) else f"_d{size[0]}_s{size[1]}"
-                plot(fastest, str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}{tag}.png"),
-                     f"measured {name}, pp={pp}, m={M} (fastest of {n} steps): bubble {row['bubble']:.3f}")
+                sim_hop = simulate(sched, comm=lat, stage_costs=per_stage)
+                plot_grid([(fastest, f"measured {name}, pp={pp}, m={M} (fastest of {n} steps): bubble {row['bubble']:.3f}"),
+                           (sim_hop.timeline, f"simulated with its stage costs and {1e3 * lat:.1f} ms hops: "
+                                              f"bubble {sim_hop.bubble:.3f}")],
+                          str(Path(out_dir) / f"pipeline_measured_{kind}_pp{pp}{tag}.png"))
         rows.append(row)
     for mine, ref in (("shardlab 1f1b", "torch Schedule1F1B"),
                       ("shardlab interleaved v=2", "torch ScheduleInterleaved1F1B v=2")):

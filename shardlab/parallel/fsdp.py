@@ -99,6 +99,9 @@ class FSDPEngine(ShardedEngine):
         self.comm = mesh.comm(self.shard_group)
         self.reshard, self.prefetch = p.reshard_after_forward, p.prefetch
         self.home = torch.device("cpu") if p.offload else mesh.device  # where shards live
+        # offload to a GPU run: shards in pinned host memory, copied to the device without blocking
+        # (the copy is queued on the current stream, which the collective that reads it follows)
+        self.pin = self.home.type == "cpu" and mesh.device.type == "cuda"
         t = cfg.train  # gathered (compute) and reduce-scatter dtypes; None: the shards' dtype
         self.compute_dtype = DTYPES[t.param_dtype] if t.param_dtype else _DTYPES.get(t.precision)
         self.reduce_dtype = DTYPES.get(t.reduce_dtype)
@@ -137,6 +140,8 @@ class FSDPEngine(ShardedEngine):
                 full = self.mesh.comm("dp_cp" if gname == self.shard_group else gname).broadcast(
                     f.flatten([p for _, p in group]), 0)
                 f.shard = nn.Parameter(f.own(full).clone().to(self.home))
+            if self.pin:
+                f.shard.data = f.shard.data.pin_memory()
             f.shard.grad = torch.zeros_like(f.shard)
             dtype = self.compute_dtype or f.shard.dtype
             f.full = torch.empty(f.padded, dtype=dtype, device=self.mesh.device, requires_grad=True)
@@ -173,7 +178,7 @@ class FSDPEngine(ShardedEngine):
             f.full.untyped_storage().resize_(f.padded * f.full.element_size())
             self.gathered_bytes += f.padded * f.full.element_size()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-            src = f.shard.detach().to(self.mesh.device, f.full.dtype)
+            src = f.shard.detach().to(self.mesh.device, f.full.dtype, non_blocking=self.pin)
             # ``.data``: writing the gathered values must not bump the version counter that
             # autograd checks on the views it saved in forward.
             u.pending.append(f.comm.all_gather_async(src, out=f.full.data))

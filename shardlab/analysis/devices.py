@@ -42,6 +42,8 @@ class Device:
     ew_bw: float = 0.0         # CPU: forward output bytes/s of elementwise operators, forward + backward
     comm_n: tuple = ()         # CPU: ((world size, alpha, bus bandwidth), ...) measured at that many ranks
     comm_curve: tuple = ()     # CPU: ((world, group size, ((bytes, seconds), ...)), ...): all-reduce between compute
+    ckpt_s: tuple = ()         # CPU: ((recompute mode, seconds), ...): what a checkpointed block costs per operator
+                               # beyond its recomputed forward (saved-tensor hooks, the op policy's dispatch modes)
 
 
 GiB = 2**30
@@ -85,7 +87,8 @@ def get_device(kind: str, probe: dict | None = None) -> Device:
                       0.5 * pr.get("mm_eff", 1.0), pr["bw"], pr["alpha"], pr["bw"], pr["alpha"], 1 << 20,
                       "measured by probe_cpu", pr.get("cores", 0), pr.get("op_s", 0.0), pr.get("ew_bw", 0.0),
                       tuple(tuple(x) for x in pr.get("comm", ())),
-                      tuple((w, n, tuple(tuple(pt) for pt in pts)) for w, n, pts in pr.get("comm_curve", ())))
+                      tuple((w, n, tuple(tuple(pt) for pt in pts)) for w, n, pts in pr.get("comm_curve", ())),
+                      tuple(sorted(pr.get("ckpt_s", {}).items())))
     if kind not in DEVICES:
         raise ConfigError("--gpu", f"unknown device {kind!r}; known: {', '.join(sorted(DEVICES))}, cpu "
                                    "(the planner never guesses a device's peak)")
@@ -110,7 +113,9 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     (latency per ring step) and of 4 MB over ``nproc`` ranks (bus bandwidth), a large copy's
     bandwidth; a chain of SiLU operators forward and backward on 16 elements (``op_s``: seconds
     per operator, the dispatch and autograd cost) and on 2^18 (``ew_bw``: output bytes per second
-    beyond that); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
+    beyond that); the 16-element chain again as one checkpointed block, full and under the op
+    policy (``ckpt_s``: seconds per operator beyond the plain chain and its recomputed forward:
+    the checkpoint's saved-tensor hooks and, for op, its two dispatch modes); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
     [[n, alpha, bw]], alpha per 2 log2(n) steps as plan_time.collective counts them: with more
     ranks than cores it includes their waiting for a core); and ``comm_curve``: per world size and
     group size (2, world / 2, world; every rank in some group), the seconds an all-reduce of each
@@ -148,6 +153,8 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     mem_bw = 2 * a.numel() * 4 * 5 / (time.perf_counter() - t0)
     op_s = _chain(16)
     ew_bw = 2**18 * 4 / max(_chain(2**18) - op_s, 1e-9)
+    # the same chain checkpointed (recompute.py): the extra per operator beyond its recomputed forward
+    ckpt_s = {mode: max(0.0, _chain(16, mode=mode) - op_s - op_s / 3) for mode in ("full", "op")}
     small, big = 4, 4 * 2**20
     comm, curve = [], []
     cores = os.cpu_count() or 1
@@ -169,23 +176,32 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     except Exception:  # no processes can be started: DESIGN's measured gloo figures (N=2)
         alpha, bw = 0.3e-3 / 2, 2 * big * 0.5 / 4.7e-3
     out = {"flops": flops, "mm_eff": mm_eff, "cores": os.cpu_count() or 1, "alpha": alpha, "bw": bw,
-           "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "comm": comm, "comm_curve": curve,
+           "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "ckpt_s": ckpt_s, "comm": comm,
+           "comm_curve": curve,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     return out
 
 
-def _chain(n: int, k: int = 100, reps: int = 5) -> float:
-    """Seconds per operator of a chain of ``k`` SiLUs on ``n`` elements, forward and backward (best of reps)."""
+def _chain(n: int, k: int = 100, reps: int = 5, mode: str = "none") -> float:
+    """Seconds per operator of a chain of ``k`` SiLUs on ``n`` elements, forward and backward (best
+    of reps); ``mode`` full / op: the chain is one block checkpointed as parallel/recompute.py does."""
     import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from ..parallel.recompute import _op_contexts
+
+    def chain(y):
+        for _ in range(k):
+            y = torch.nn.functional.silu(y)
+        return y
+    extra = {"context_fn": _op_contexts} if mode == "op" else {}
     x = torch.randn(n, requires_grad=True)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        y = x
-        for _ in range(k):
-            y = torch.nn.functional.silu(y)
+        y = chain(x) if mode == "none" else checkpoint(chain, x, use_reentrant=False, **extra)
         y.sum().backward()
         best = min(best, time.perf_counter() - t0)
     return best / k

@@ -148,6 +148,8 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     ac = p.activation_checkpointing
     recompute = {"full": fwd, "selective": t_attn / 3.5,  # op: the blocks' elementwise work and
                  "op": (t_mm * traced.get("op_mm", 0) + elem_blocks) / 3}.get(ac, 0.0)  # the products it drops
+    if cpu and ac in ("full", "op"):  # the checkpoint's own per-operator cost (probed, devices.ckpt_s)
+        recompute += over * ops * traced.get("op_ops", 0) * dict(dev.ckpt_s).get(ac, 0.0)
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
     layers = m.n_layers / p.pp
     act_bytes = b * (s // p.cp) * m.d_model * el

@@ -31,6 +31,7 @@ collectives (ring model, "modelled"), so ledgers of both transports compare.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -39,11 +40,25 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
 
 _ALIGN = 4096
 _MIN_CAP = 1 << 16
+
+
+def _modes_off(fn):
+    """Run a collective with the Python dispatch modes (``TorchDispatchMode``) switched off. Its
+    internals (spins on the shared counters, a first call's mapping of the arena) dispatch a
+    number of operators that differs from call to call; a mode that must see the same operators
+    in the same order each time (selective recomputation's: the ``op`` policy replays a block's
+    forward) would fail. Collectives are never kept by such policies: they run again."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 def _round(nbytes: int) -> int:
@@ -202,6 +217,7 @@ class SharedComm(Comm):
 
     # -- collectives ---------------------------------------------------------------------------
     @_recorded("all_reduce", _t_op)
+    @_modes_off
     def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
         self._check_avg("all_reduce", t, op)
@@ -235,6 +251,7 @@ class SharedComm(Comm):
         """Concatenate every rank's ``t`` along ``dim`` (equal shapes)."""
         return self._gather(t, dim)
 
+    @_modes_off
     def _gather(self, t: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """all_gather, written into ``out`` when given (no fresh result to allocate and fault in)."""
         if self.size == 1 or self._elsewhere(t):
@@ -252,6 +269,7 @@ class SharedComm(Comm):
         return res
 
     @_recorded("reduce_scatter", _t_rs)
+    @_modes_off
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
                        algorithm: str | None = None) -> torch.Tensor:
         """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
@@ -276,6 +294,7 @@ class SharedComm(Comm):
         return out if dim == 0 else out.movedim(0, dim).contiguous()
 
     @_recorded("all_to_all", _t_a2a)
+    @_modes_off
     def all_to_all(self, t: torch.Tensor, in_splits: list[int] | None = None,
                    out_splits: list[int] | None = None, algorithm: str | None = None) -> torch.Tensor:
         """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
@@ -313,6 +332,7 @@ class SharedComm(Comm):
         return out
 
     @_recorded("broadcast", _t_src)
+    @_modes_off
     def broadcast(self, t: torch.Tensor, src: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """In place from group rank ``src``."""
         if self.size == 1 or self._elsewhere(t):

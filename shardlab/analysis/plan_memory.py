@@ -27,7 +27,8 @@ whole on every rank and take no gradient or optimizer state.
 
 Activations: :func:`shadow.trace_saved` of one micro-batch at the rank's local sequence
 (seq_len / cp), per region; full recomputation keeps each block's input, selective frees what
-only the attention core saved and keeps the core's inputs and (a fresh storage) its output.
+only the attention core saved and keeps the core's inputs and (a fresh storage) its output, op
+keeps the block's input and the outputs recompute.op_keeps names (traced: SavedTrace.op_kept).
 MoE layers are traced as they run (shadow_ops.meta_routing; expert parallel with balanced
 routing). Pipeline ranks: their action list walked in order (plan_pipeline.walk_peak): F adds
 the stage's micro-batch, B frees it (a split backward whose W are all direct frees the graph and
@@ -318,9 +319,7 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
             return tr.block_input.get(name, 0)
         if mode == "selective":
             return full - tr.core_only.get(name, 0) + tr.core_inputs.get(name, 0) + tr.core_outputs.get(name, 0)
-        if mode == "op":  # the checkpoint keeps the block's input and the outputs recompute.op_keeps names
-            return tr.block_input.get(name, 0) + tr.op_kept.get(name, 0)
-        return full
+        return tr.block_input.get(name, 0) + tr.op_kept.get(name, 0) if mode == "op" else full
 
     per_block = sum(block_bytes(b) for b in blocks) / max(1, len(blocks))
     stash_block = sum(tr.wgrad.get(b, 0) for b in blocks) / max(1, len(blocks))
@@ -349,10 +348,8 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
                 e += tr.ew_bytes.get(region, 0)
         out[s], stash[s], ops[s], ew[s] = b, w, o, e
     out["stash"], out["graph_kept"], out["ops"], out["ew"] = stash, tr.graph_kept, ops, ew
-    out["recompute"] = full_block if mode in ("full", "op") else 0
-    out.update(tr.op_shares(cfg.model.n_layers))  # the op policy's recomputation (plan_time.py)
-    out["logits"] = tr.logits
-    return out
+    out["recompute"], out["logits"] = full_block if mode in ("full", "op") else 0, tr.logits
+    return {**out, **tr.op_shares(cfg.model.n_layers)}  # the op policy's recomputation (plan_time.py)
 
 
 def _small_cfg(cfg):

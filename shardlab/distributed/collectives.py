@@ -9,18 +9,16 @@ sent and received. The ledger labels the first "modelled" and the second "measur
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
-
-import functools
 
 from . import algorithms as algos
 from . import flight as fl
 from .ledger import Ledger, ring_bytes
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn); keep both working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

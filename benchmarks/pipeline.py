@@ -327,8 +327,9 @@ def main(argv=None):
     kinds = set(filter(None, args.engines.split(",")))
     names = [n for n, k, _ in ENGINES if not kinds or k in kinds]
     if not names:
-        sys.exit(f"--engines: none of {sorted(kinds)} is a schedule here; pick from "
-                 f"{sorted({k for _, k, _ in ENGINES})}")
+        print(f"--engines: none of {sorted(kinds)} is a schedule here; pick from "
+              f"{sorted({k for _, k, _ in ENGINES})}", file=sys.stderr)
+        sys.exit(2)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     all_rows = []

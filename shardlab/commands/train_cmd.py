@@ -199,6 +199,9 @@ def _report(cfg, s) -> None:
         f"  plot:        {plot if plot else 'not drawn'}",
         f"  checkpoints: {s['checkpoint_dir'] or 'disabled'}",
     ]
+    if cfg.logging.profile_steps and (run_dir / "profile").is_dir():
+        from ..analysis.overlap import report
+        lines.append(f"  profile:     {run_dir / 'profile'} (Chrome traces; {report(run_dir / 'profile')})")
     if s.get("resumed_from"):
         lines.append(f"  resumed from {s['resumed_from']}")
     print("\n".join(lines))

@@ -1,0 +1,95 @@
+"""How much of a step's communication ran while compute ran, read from a Chrome trace
+(``shardlab train --profile N`` writes one per rank: ``RUN/profile/rank<r>.json``).
+
+A trace holds complete events (``"ph": "X"``) with a start and a duration. Two kinds are sorted
+out of them:
+
+* on a GPU trace (one with ``kernel`` events): communication = kernels whose name names a
+  collective library (``nccl``) or a collective; compute = every other kernel. Both run on
+  streams; overlap is two streams busy at once.
+* on a CPU trace: communication = the collective's own span on its backend thread (gloo's
+  ``gloo:<op>`` annotations: gloo runs the collective on a thread of its own); compute = the
+  operators (``cpu_op``) of the thread that runs the training loop (the one with the most
+  events), other than the collective calls and waits themselves.
+
+Each kind's intervals are merged (their union), and the fraction is
+``|union(comm) & union(compute)| / |union(comm)|``: the share of the time spent communicating
+during which something was also computed. 0 when the trace has no communication.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+COMM_WORDS = ("nccl", "gloo:", "allreduce", "all_reduce", "reduce_scatter", "reducescatter",
+              "all_gather", "allgather", "alltoall", "all_to_all", "broadcast", "sendrecv")
+"""Substrings (lower case) of a communication event's name."""
+NOT_COMPUTE = ("c10d::", "wait", "record_param_comms", "profilerstep")
+"""CPU operators of the loop's thread that are not compute: collective calls, waits, markers."""
+
+
+def merge(spans) -> list[tuple[float, float]]:
+    """The union of ``[(start, end), ...]`` as sorted, disjoint intervals."""
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def intersect(xs, ys) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _is_comm(name: str) -> bool:
+    n = name.lower()
+    return any(w in n for w in COMM_WORDS)
+
+
+def overlap(trace) -> dict:
+    """{comm_us, overlapped_us, fraction, device} of a Chrome trace (a path or the loaded dict)."""
+    if not isinstance(trace, dict):
+        trace = json.loads(Path(trace).read_text())
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:
+        comm = [e for e in kernels if _is_comm(e["name"])]
+        compute = [e for e in kernels if not _is_comm(e["name"])]
+        device = "gpu"
+    else:
+        ops = [e for e in events if e.get("cat") == "cpu_op"]
+        main = Counter(e.get("tid") for e in ops).most_common(1)
+        tid = main[0][0] if main else None
+        comm = [e for e in events if e["name"].lower().startswith("gloo:") or
+                (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"]))]
+        compute = [e for e in ops if e.get("tid") == tid and not any(w in e["name"].lower() for w in NOT_COMPUTE)]
+        device = "cpu"
+    c = merge((e["ts"], e["ts"] + e["dur"]) for e in comm)
+    k = merge((e["ts"], e["ts"] + e["dur"]) for e in compute)
+    comm_us = sum(b - a for a, b in c)
+    both = intersect(c, k)
+    return {"comm_us": comm_us, "overlapped_us": both, "fraction": both / comm_us if comm_us else 0.0,
+            "device": device}
+
+
+def report(profile_dir) -> str:
+    """One line per rank trace in ``profile_dir``: communication time and the share that overlapped compute."""
+    rows = []
+    for path in sorted(Path(profile_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:] or 0)):
+        o = overlap(path)
+        rows.append(f"{path.stem}: {o['comm_us'] / 1e3:.1f} ms communicating, "
+                    f"{100 * o['fraction']:.0f}% of it overlapped with compute")
+    return "; ".join(rows)

@@ -1,0 +1,39 @@
+"""analysis/overlap.py: the share of communication time that overlapped compute, read from a
+Chrome trace, against hand-computed interval arithmetic."""
+import json
+
+from shardlab.analysis.overlap import intersect, merge, overlap, report
+
+
+def _x(name, ts, dur, cat, tid=1):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": 1, "tid": tid}
+
+
+def test_merge_and_intersect():
+    assert merge([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert intersect([(0, 3), (5, 8)], [(2, 6)]) == 1 + 1
+    assert intersect([(0, 1)], [(2, 3)]) == 0
+
+
+def test_gpu_trace_kernels_on_two_streams():
+    """NCCL kernel 100-200 us; compute kernels 0-150 and 180-190: 50 + 10 us of the 100 overlap."""
+    tr = {"traceEvents": [_x("ampere_sgemm", 0, 150, "kernel"), _x("ncclDevKernel_AllReduce_Sum_f32", 100, 100, "kernel", 7),
+                          _x("vectorized_elementwise", 180, 10, "kernel"), _x("aten::mm", 0, 400, "cpu_op")]}
+    o = overlap(tr)
+    assert o["device"] == "gpu" and o["comm_us"] == 100 and o["overlapped_us"] == 60
+    assert abs(o["fraction"] - 0.6) < 1e-12
+
+
+def test_cpu_trace_gloo_thread_against_the_loop_thread(tmp_path):
+    """gloo:all_reduce on its own thread 50-150; the loop thread computes 0-80 (aten::mm) and
+    waits 80-150 (c10d wait, not compute): 30 of 100 us overlap. A second collective 200-220
+    with nothing computing: 30 of 120."""
+    events = [_x("aten::mm", 0, 80, "cpu_op"), _x("aten::mm", 10, 20, "cpu_op"),  # nested: counted once
+              _x("c10d::wait", 80, 70, "cpu_op"), _x("gloo:all_reduce", 50, 100, "user_annotation", tid=9),
+              _x("gloo:all_reduce", 200, 20, "user_annotation", tid=9), _x("aten::add", 300, 5, "cpu_op")]
+    o = overlap({"traceEvents": events})
+    assert o["device"] == "cpu" and o["comm_us"] == 120 and o["overlapped_us"] == 30
+    (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "rank1.json").write_text(json.dumps({"traceEvents": []}))
+    line = report(tmp_path)
+    assert "rank0: 0.1 ms communicating, 25% of it overlapped" in line and "rank1: 0.0 ms" in line

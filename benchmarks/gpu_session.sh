@@ -11,7 +11,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python}
 export PYTHONPATH=${PYTHONPATH:-.}
-STEPS=${STEPS:-"env tests comm verify single planner"}
+STEPS=${STEPS:-"env tests comm verify single planner overlap"}
 
 step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.txt
   local name=$1 limit=$2
@@ -43,6 +43,13 @@ for s in $STEPS; do
     planner)  # predicted vs torch.cuda.max_memory_allocated
       step planner 420 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "dp:1,fsdp:2,tp2:2,pp2-1f1b:2" \
         --out "$OUT/planner_calibration_cuda.md" ;;
+    overlap)  # 2 ranks sharing the GPU over gloo (asynchronous, unlike the shared transport): DDP
+              # and FSDP traces, and how much of each rank's communication overlapped its compute
+      for zero in 0 3; do
+        step "overlap_zero$zero" 300 "$PY" -m shardlab.cli train configs/llama-350m.toml --nproc 2 \
+          --train.device=cuda --train.precision=bf16 --train.steps=6 --profile 2 --parallel.zero_stage=$zero \
+          --parallel.comm_transport=process_group --checkpoint.save=false --logging.run_dir="$OUT/overlap_zero$zero"
+      done ;;
     *) echo "unknown step $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done

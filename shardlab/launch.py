@@ -155,8 +155,17 @@ def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, resu
 _TEST_KILL: tuple[int, str] | None = None
 
 
-def _arm_test_hooks(rank: int) -> None:
+def test_env() -> dict:
+    """TEST-ONLY: this process's ``SHARDLAB_TEST_*`` variables, for a launcher whose workers do not
+    inherit the environment (launch_ray.py forwards them and passes them to ``_arm_test_hooks``)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SHARDLAB_TEST_")}
+
+
+def _arm_test_hooks(rank: int, forwarded: dict | None = None) -> None:
+    """``forwarded``: ``test_env()`` of the launching process, set here before the hooks read it."""
     global _TEST_KILL
+    if forwarded:
+        os.environ.update(forwarded)
     spec = os.environ.get("SHARDLAB_TEST_KILL_AT_STEP")
     if spec:
         r, step, once = spec.split(":", 2)

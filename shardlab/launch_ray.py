@@ -102,11 +102,6 @@ def ensure_ray(opts: RayOptions, nproc: int) -> bool:
     return True
 
 
-def _test_env() -> dict:
-    """TEST-ONLY fault-injection variables (launch.py), forwarded to the Ray workers."""
-    return {k: v for k, v in os.environ.items() if k.startswith("SHARDLAB_TEST_")}
-
-
 def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0,
         opts: RayOptions | None = None, report_checkpoints: bool = False):
     """Run ``fn(ctx, *args)`` on ``nproc`` Ray Train workers; rank 0's return value in a one-item list
@@ -117,7 +112,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     started = ensure_ray(opts, nproc)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from .launch import choose_backend, default_threads
+    from .launch import choose_backend, default_threads, test_env
     use_gpu = choose_backend(device, 1)[1] == "cuda" if device != "auto" else _cluster_has_gpus()
     backend = "nccl" if use_gpu else "gloo"
     storage = opts.storage_path or tempfile.mkdtemp(prefix="shardlab-ray-")
@@ -125,7 +120,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     import ray
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()  # rank 0's return value comes back through it
     loop_config = {"mailbox": mailbox, "fn": fn, "args": args, "threads": threads or default_threads(nproc), "use_gpu": use_gpu,
-                   "test_env": _test_env(), "report": report_checkpoints,
+                   "test_env": test_env(), "report": report_checkpoints,
                    "run_storage": str(Path(storage).resolve() / name)}
     trainer = TorchTrainer(
         _worker, train_loop_config=loop_config,
@@ -176,8 +171,7 @@ def _worker(config: dict) -> None:
     from . import launch
     tc = ray.train.get_context()
     rank, world, local_rank = tc.get_world_rank(), tc.get_world_size(), tc.get_local_rank()
-    os.environ.update(config["test_env"])
-    launch._arm_test_hooks(rank)
+    launch._arm_test_hooks(rank, config["test_env"])
     torch.set_num_threads(config["threads"])
     if config["use_gpu"]:
         import ray.train.torch

@@ -29,7 +29,7 @@ def one_of(value, options, field_name: str) -> None:
 
 def validate(cfg, world_size: int | None = None) -> None:
     from .models.spec import get_spec
-    from .parallel import context, expert, tensor, zero
+    from .parallel import context, expert, recompute, tensor, zero
     from .parallel.pipeline import schedule
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "microbatches", "pp_virtual"):
@@ -49,7 +49,7 @@ def validate(cfg, world_size: int | None = None) -> None:
     schedule.check_config(cfg)
     zero.check_config(cfg)
     one_of(p.comm_algorithm, ("backend", "ring", "tree", "rhd", "auto"), "parallel.comm_algorithm")
-    one_of(p.activation_checkpointing, ("none", "full", "selective", "op"), "parallel.activation_checkpointing")
+    one_of(p.activation_checkpointing, recompute.MODES, "parallel.activation_checkpointing")
     one_of(t.precision, ("fp32", "fp64", "bf16", "fp16"), "train.precision")
     if spec.task == "lm":
         require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

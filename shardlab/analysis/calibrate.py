@@ -73,7 +73,6 @@ class SavedActivations:
             entry = self.live[key] = [st.nbytes(), 0]
             self.current += entry[0]
             self.total += entry[0]
-            self.peak = max(self.peak, self.current)
         entry[1] += 1
         self.peak = max(self.peak, self.current + self._kept_live())
         return _Held(t.detach(), key, self)

@@ -190,13 +190,13 @@ def _chain(n: int, k: int = 100, reps: int = 5, mode: str = "none") -> float:
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from ..parallel.recompute import _op_contexts
+    from ..parallel.recompute import op_contexts
 
     def chain(y):
         for _ in range(k):
             y = torch.nn.functional.silu(y)
         return y
-    extra = {"context_fn": _op_contexts} if mode == "op" else {}
+    extra = {"context_fn": op_contexts} if mode == "op" else {}
     x = torch.randn(n, requires_grad=True)
     best = float("inf")
     for _ in range(reps):

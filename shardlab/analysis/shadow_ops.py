@@ -81,7 +81,7 @@ class OpCount(TorchDispatchMode):
             k = self.mms[region] = self.mms.get(region, 0) + 1
             flops = 2 * res.numel() * args[-1].shape[0]
             self.out.mm_flops[region] = self.out.mm_flops.get(region, 0) + flops
-            if op_keeps(name, k):
+            if op_keeps(func, k):
                 self.out.op_kept[region] = self.out.op_kept.get(region, 0) + res.numel() * res.element_size()
             else:
                 self.out.op_recompute_flops[region] = self.out.op_recompute_flops.get(region, 0) + flops

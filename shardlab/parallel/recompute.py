@@ -37,13 +37,13 @@ def is_product(func) -> bool:
     return func.overloadpacket.__name__ in OP_MATMULS and func._overloadname == "default"
 
 
-def op_keeps(name: str, matmuls_so_far: int) -> bool:
-    """The ``op`` policy: keep the output of operator ``name`` (an aten overload packet's name)?
-    ``matmuls_so_far``: the block's matrix products dispatched so far, this one included.
-    Attention kernels: kept; matrix products: the odd-numbered ones; anything else: recomputed."""
-    if name in OP_ATTENTION:
+def op_keeps(func, matmuls_so_far: int) -> bool:
+    """The ``op`` policy: keep the output of aten overload ``func``? ``matmuls_so_far``: the
+    block's matrix products (:func:`is_product`) dispatched so far, this one included. Attention
+    kernels: kept; matrix products: the odd-numbered ones; anything else: recomputed."""
+    if func.overloadpacket.__name__ in OP_ATTENTION:
         return True
-    return name in OP_MATMULS and matmuls_so_far % 2 == 1
+    return is_product(func) and matmuls_so_far % 2 == 1
 
 
 _observers: list = []
@@ -62,11 +62,9 @@ def observe_kept(fn):
 
 def _op_policy(counts: dict, ctx, func, *args, **kwargs):
     mode = "recompute" if ctx.is_recompute else "forward"
-    name = func.overloadpacket.__name__
-    product = is_product(func)
-    if product:
+    if is_product(func):
         counts[mode] += 1
-    keep = op_keeps(name, counts[mode]) if product or name in OP_ATTENTION else False
+    keep = op_keeps(func, counts[mode])
     if keep and _observers and not ctx.is_recompute:
         outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
         for fn in _observers:
@@ -76,14 +74,14 @@ def _op_policy(counts: dict, ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _op_contexts():
+def op_contexts():
     """A fresh policy per checkpointed call: the matmul count restarts at each block."""
     return create_selective_checkpoint_contexts(functools.partial(_op_policy, {"forward": 0, "recompute": 0}))
 
 
 def _wrap(module: nn.Module, per_op: bool = False) -> None:
     inner = module.forward
-    extra = {"context_fn": _op_contexts} if per_op else {}
+    extra = {"context_fn": op_contexts} if per_op else {}
 
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)

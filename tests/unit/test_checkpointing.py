@@ -70,7 +70,9 @@ def test_op_policy_recomputes_every_second_matmul_and_no_attention():
 
 
 def test_op_keeps_rule():
-    keeps = [checkpointing.op_keeps("mm", i) for i in range(1, 8)]
+    aten = torch.ops.aten
+    keeps = [checkpointing.op_keeps(aten.mm.default, i) for i in range(1, 8)]
     assert keeps == [True, False, True, False, True, False, True]
-    assert checkpointing.op_keeps("_scaled_dot_product_flash_attention", 2)
-    assert not checkpointing.op_keeps("silu", 1) and not checkpointing.op_keeps("mul", 3)
+    assert checkpointing.op_keeps(aten._scaled_dot_product_flash_attention.default, 2)
+    assert not checkpointing.op_keeps(aten.silu.default, 1) and not checkpointing.op_keeps(aten.mul.Tensor, 3)
+    assert not checkpointing.op_keeps(aten.mm.out, 1)  # an out= product writes a caller's buffer

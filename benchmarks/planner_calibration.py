@@ -81,6 +81,7 @@ LAYOUTS = [
     ("gpt2 tp2", "tp2", 2, "gpt2", GPT2),
     ("gpt2 pp2-1f1b", "pp2-1f1b", 2, "gpt2", GPT2),
     ("gpt2 ac-op", "dp-ac-op", 2, "gpt2", GPT2),
+    ("gpt2 tp2 math", "tp2", 2, "gpt2", {**GPT2, "model": {**GPT2["model"], "attention": "math", "dropout": 0.1}}),
 ]
 
 

@@ -71,6 +71,7 @@ def megatron_cfg(h, heads, layers, tp, pp, gpus, batch):
     m = cfg.model
     m.arch, m.vocab_size, m.d_model, m.n_heads, m.n_layers = "gpt2", 51200, h, heads, layers
     m.max_seq_len = cfg.train.seq_len = 2048
+    m.attention, m.dropout = "math", 0.1  # 2021: scores materialised (no flash kernels yet), dropout 0.1
     cfg.train.precision, cfg.train.global_batch = "bf16", batch
     p = cfg.parallel
     p.tp, p.pp, p.dp_shard = tp, pp, gpus // (tp * pp)

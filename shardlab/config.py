@@ -59,6 +59,7 @@ class ModelConfig:
     moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).", ge=1, le=4096)
     moe_impl: str = f("grouped", "Expert kernel: grouped (grouped GEMM / batched matmul over experts) or loop (one matmul per expert, the reference).", choices=("grouped", "loop"))
     dropout: float = f(0.0, "Dropout probability (gpt2, cnn); 0 for parity tests and modern pretraining.", ge=0, lt=1)
+    attention: str = f("sdpa", "Attention core kernel: sdpa (PyTorch's fused scaled_dot_product_attention: flash/efficient kernels, the scores never stored) or math (q k^T, causal mask, softmax, attention dropout (gpt2: model.dropout), times v: the seq x seq scores materialised, as GPT-2 and Megatron-LM (2021) ran; docs/models.md). Ring context parallel brings its own kernel: math needs cp_impl = ulysses.", choices=("sdpa", "math"))
     n_classes: int = f(10, "cnn: number of classes of the image classifier.", ge=2, le=2**20)
 
     @property

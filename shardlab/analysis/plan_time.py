@@ -7,7 +7,9 @@ Compute per micro-batch and rank (one pipeline stage):
               blocks' forward, selective the attention's, op the blocks' elementwise forward
               and the products recompute.op_keeps drops (FLOPs from the trace)
   attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) x 3.5 / 3 (the
-              flash backward recomputes the scores: FLASH_BWD_EXTRA) at peak x attn_eff
+              flash backward recomputes the scores: FLASH_BWD_EXTRA) at peak x attn_eff; the
+              ``math`` core (model.attention) the whole term at peak x mm_eff, its materialised
+              scores' traffic counted with the elementwise bytes (they are saved tensors)
   elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
 On a CPU (the probe's ``op_s`` and ``ew_bw``) the elementwise term is instead, per operator the
 traced forward dispatches, a probed latency (forward + backward) plus the bytes it writes at the
@@ -128,10 +130,15 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     tokens = b * s
     attn_term = 12.0 * m.n_layers * m.d_model * s
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
-    attn = 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp) * FLASH_BWD_EXTRA
     peak = dev.peak_flops
     over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
-    t_mm, t_attn = over * mm / (peak * dev.mm_eff), over * attn / (peak * dev.attn_eff)
+    t_mm = over * mm / (peak * dev.mm_eff)
+    math_core = m.attention == "math"
+    if math_core:  # scores materialised: the whole S x S products as batched matmuls, backward without
+        # recomputing them; their mask / softmax / dropout traffic is in the traced bytes (elementwise)
+        t_attn = over * attn_term * tokens / (p.tp * p.cp * p.pp) / (peak * dev.mm_eff)
+    else:
+        t_attn = over * 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp) * FLASH_BWD_EXTRA / (peak * dev.attn_eff)
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
     cpu = dev.op_s > 0
@@ -146,7 +153,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
-    recompute = {"full": fwd, "selective": t_attn / 3.5,  # op: the blocks' elementwise work and
+    recompute = {"full": fwd, "selective": t_attn / (3.0 if math_core else 3.5),  # op: the blocks' elementwise work and
                  "op": (t_mm * traced.get("op_mm", 0) + elem_blocks) / 3}.get(ac, 0.0)  # the products it drops
     if cpu and ac in ("full", "op"):  # the checkpoint's own per-operator cost (probed, devices.ckpt_s)
         recompute += over * ops * traced.get("op_ops", 0) * dict(dev.ckpt_s).get(ac, 0.0)

@@ -317,6 +317,11 @@ def check_config(cfg) -> None:
     if cp > 1 and seq % (2 * cp):
         raise ConfigError("train.seq_len", f"{seq} must be divisible by 2*cp={2 * cp} for load-balanced "
                                            "context parallel")
+    u = {"ring": 1, "ulysses": cp, "unified": cfg.parallel.cp_ulysses}.get(cfg.parallel.cp_impl, 1)
+    if cp // u > 1 and cfg.model.attention != "sdpa":
+        raise ConfigError("model.attention", f"{cfg.model.attention!r} cannot run under ring context parallel "
+                                             "(the ring has its own kernel); set parallel.cp_impl = \"ulysses\" or "
+                                             "model.attention = \"sdpa\"")
     ulysses.check_config(cfg)
 
 

@@ -85,3 +85,24 @@ def test_predicted_memory_matches_measured(measured, n):
             assert abs(p.activations - m.act_peak) <= 0.05 * m.act_peak, (name, m.rank, p.activations, m.act_peak)
             # split backward: the W stash (inputs and output gradients held from B to W) as the engine counts it
             assert abs(p.wgrad - m.wgrad_peak) <= 0.05 * max(m.wgrad_peak, 1.0), (name, m.rank, p.wgrad, m.wgrad_peak)
+
+
+def test_predicted_memory_math_attention():
+    """``model.attention = "math"`` (gpt2 with attention dropout, tp2): the materialised scores,
+    the softmax output and the dropout masks are saved tensors; the planner's trace counts them as
+    the run saves them (model state exact, activations within 5%)."""
+    cfg = layout_config("tp2", N, arch="gpt2", extra={**FP32, "model": {"attention": "math", "dropout": 0.1}})
+    ranks = cal.measure_layouts([cfg], N, warmup=1, steps=0)[0]
+    pred = predict(cfg, device="cpu", probe=PROBE)
+    sdpa = predict(layout_config("tp2", N, arch="gpt2", extra={**FP32, "model": {"dropout": 0.1}}),
+                   device="cpu", probe=PROBE)
+    s, b = cfg.train.seq_len, cfg.train.global_batch // cfg.parallel.dp // cfg.parallel.microbatches
+    heads = cfg.model.n_heads // cfg.parallel.tp
+    for m in ranks:
+        p = pred.ranks[m.rank]
+        assert (p.params, p.grads, p.optim) == (m.params, m.grads, m.optim), m.rank
+        assert abs(p.activations - m.act_peak) <= 0.05 * m.act_peak, (m.rank, p.activations, m.act_peak)
+        # at least the fp32 probabilities of every layer beyond what the fused kernel saves
+        extra = p.activations - sdpa.ranks[m.rank].activations
+        assert extra >= cfg.model.n_layers * b * heads * s * s * 4, (m.rank, extra)
+

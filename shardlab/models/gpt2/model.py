@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.c_k = nn.Linear(d, d)
         self.c_v = nn.Linear(d, d)
         self.c_proj = nn.Linear(d, d)
-        self.core = SDPA()
+        self.core = SDPA(cfg.attention, cfg.dropout)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cache=None):

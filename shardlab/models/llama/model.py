@@ -51,14 +51,29 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 
 class SDPA(nn.Module):
-    """Attention core: softmax(q k^T / sqrt(d)) v. Context parallel replaces this module."""
+    """Attention core: softmax(q k^T / sqrt(d)) v. ``kind`` (model.attention): ``sdpa`` calls
+    PyTorch's fused kernel (flash/efficient: the scores are never stored); ``math`` computes the
+    product, the causal mask, the softmax and attention dropout ``p`` as separate operators, so the
+    (S x S) scores are materialised and saved for backward, as GPT-2 and Megatron-LM (2021) ran.
+    Context parallel replaces this module (ring) or wraps it (Ulysses)."""
+
+    def __init__(self, kind: str = "sdpa", p: float = 0.0):
+        super().__init__()
+        self.kind, self.p = kind, p
 
     def forward(self, q, k, v, causal: bool = True):
         # q: (B, Hq, S, D); k, v: (B, Hkv, S, D). Repeat kv heads for grouped-query attention.
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if self.kind == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        if causal:  # query i sees keys 0..i (top-left aligned, as the fused kernel's is_causal)
+            s, t = scores.shape[-2:]
+            scores = scores.masked_fill(torch.ones(s, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        probs = F.dropout(torch.softmax(scores, dim=-1), self.p, self.training)
+        return torch.matmul(probs, v)
 
 
 def cached_attention(core, q, k, v, cache):
@@ -91,7 +106,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
-        self.core = SDPA()
+        self.core = SDPA(cfg.attention)
 
     def forward(self, x, positions, cache=None):
         """``cache`` (generation only): a per-layer cache with ``update(k, v) -> (k_all, v_all)``

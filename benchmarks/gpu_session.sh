@@ -32,7 +32,7 @@ for s in $STEPS; do
     comm)   # N ranks on one GPU: gloo (host-staged) vs the shared-memory transport over CUDA IPC
       for n in 2 4 8; do
         step "comm_n$n" 240 "$PY" -m shardlab.cli bench comm --device cuda --nproc "$n" \
-          --ops all_reduce,all_gather,reduce_scatter,all_to_all --sizes 1M..64M --factor 4 \
+          --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --sizes 1M..64M --factor 4 \
           --algorithms backend --transport process_group,shared
       done ;;
     verify)  # the parity matrix with the ranks sharing the GPU (float64; auto transport = shared)

@@ -8,7 +8,9 @@ Conventions (nccl-tests): ``size`` is the message in bytes (all_reduce, broadcas
 output (all_gather), the full input (reduce_scatter) or one rank's input (all_to_all).
 algbw = size / time; busbw = algbw * 2(N-1)/N for all_reduce, * (N-1)/N for all_gather,
 reduce_scatter and all_to_all, * 1 for broadcast: the per-link rate of a bandwidth-optimal
-algorithm, comparable across N. ``x bk`` is busbw relative to the backend column. The
+algorithm, comparable across N. ``sendrecv`` (nccl-tests' sendrecv_perf): every rank sends
+``size`` bytes to the next rank and receives as many from the previous one (``Comm.exchange``,
+point-to-point: only the backend's column and the shared one), busbw = algbw. ``x bk`` is busbw relative to the backend column. The
 ``shared`` column (``--transport shared``) is the shared-memory transport (distributed/shm.py).
 
 Timing (unlike nccl-tests, which averages back-to-back calls): the algorithms take turns call
@@ -25,10 +27,10 @@ import time
 
 import torch
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-       "broadcast": lambda n: 1.0}
+       "broadcast": lambda n: 1.0, "sendrecv": lambda n: 1.0}
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30}
 
@@ -114,6 +116,8 @@ def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
     is the ring for all_gather), so that no implementation is timed twice under two names."""
     from ..distributed.algorithms import select
 
+    if op == "sendrecv":  # point-to-point has no algorithm choice: the backend's
+        return [a for a in algorithms if a == "backend"][:1] or algorithms[:1]
     out, seen = [], set()
     for a in algorithms:
         key = tuple(select(op, a, size) for size in sizes)
@@ -126,8 +130,8 @@ def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
 def label(op: str, algorithm: str) -> str:
     from ..distributed.algorithms import select
 
-    if algorithm in ("backend", "auto", "shared"):
-        return algorithm
+    if algorithm in ("backend", "auto", "shared") or op == "sendrecv":
+        return algorithm if op != "sendrecv" or algorithm == "shared" else "backend"
     impl = select(op, algorithm, 1)
     return algorithm if impl == algorithm else impl
 
@@ -142,8 +146,11 @@ def _call(comms, op: str, x: torch.Tensor, algorithm: str, splits):
         comm.reduce_scatter(x, algorithm=algorithm)
     elif op == "all_to_all":
         comm.all_to_all(x, splits, splits, algorithm=algorithm)
-    else:
+    elif op == "broadcast":
         comm.broadcast(x, 0, algorithm=algorithm)
+    else:  # sendrecv: ``splits`` is the receive buffer
+        for w in comm.exchange([(x, (comm.rank + 1) % comm.size)], [(splits, (comm.rank - 1) % comm.size)]):
+            w.wait()
 
 
 def _input(op: str, size: int, n: int, dtype, device):
@@ -154,7 +161,8 @@ def _input(op: str, size: int, n: int, dtype, device):
         count = max(1, count // n)
     if op in ("reduce_scatter", "all_to_all"):
         count = max(n, count // n * n)
-    return torch.ones(count, dtype=dtype, device=device), [count // n] * n
+    x = torch.ones(count, dtype=dtype, device=device)
+    return x, (torch.empty_like(x) if op == "sendrecv" else [count // n] * n)
 
 
 def _sync(device):

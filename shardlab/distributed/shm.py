@@ -25,8 +25,9 @@ The arena grows (collectively, never shrinks) when a bigger message arrives: eve
 the size of all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
 per-rank sizes and splits through a small host control arena. The host barrier is a counter per
 rank in that arena (x86-64; elsewhere, or with ``host_barrier="process_group"``, the group's
-``dist.barrier``). Point-to-point (isend / irecv / exchange) and ``barrier`` are the base class's
-(the process group). Bytes are counted in the ledger exactly as the base class counts backend
+``dist.barrier``). Point-to-point (isend / irecv / exchange) goes through a byte ring per pair
+of ranks and direction in shared memory (shm_p2p.py; x86-64, not in check mode: there the process
+group's); ``barrier`` is the base class's. Bytes are counted in the ledger exactly as the base class counts backend
 collectives (ring model, "modelled"), so ledgers of both transports compare.
 """
 from __future__ import annotations
@@ -85,9 +86,10 @@ class SharedComm(Comm):
     ``device`` goes through the process group instead (the base class)."""
 
     def __init__(self, name, group, ranks, rank, ledger, algorithm="backend", flight=None,
-                 device: torch.device | str = "cpu", host_barrier: str = "auto"):
+                 device: torch.device | str = "cpu", host_barrier: str = "auto", p2p_cap: int = 16 << 20):
         """``host_barrier``: "shm" (flags in shared memory, x86-64 only), "process_group"
-        (``dist.barrier``) or "auto" (shm on x86-64)."""
+        (``dist.barrier``) or "auto" (shm on x86-64). ``p2p_cap``: bytes of each point-to-point
+        ring (per pair and direction; longer messages stream through it)."""
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
         if host_barrier not in ("auto", "shm", "process_group"):
             raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
@@ -103,6 +105,7 @@ class SharedComm(Comm):
         self.cap = 0
         self._regions: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group rank: (a, b), uint8
         self._free = 0  # which region (0: a, 1: b) this rank may write before a call's first barrier
+        self._channels, self.p2p_cap = None, p2p_cap
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
@@ -349,6 +352,37 @@ class SharedComm(Comm):
             t.copy_(self._region(src, inp, t.dtype, t.numel()).view(t.shape))
         self._free = 1 - inp
         return t
+
+    # -- point to point: byte rings in shared memory per pair (shm_p2p.py) ----------------------
+    def _p2p(self):
+        """The rings, or None where point-to-point stays the process group's: on a host without
+        the shared-memory barrier's ordering, and in check mode (its headers ride the group)."""
+        if self.host_barrier != "shm" or self.flight.check:
+            return None
+        if self._channels is None:
+            from .shm_p2p import Channels
+            self._channels = Channels(self, self.p2p_cap)
+        return self._channels
+
+    def _post(self, kind: str, t: torch.Tensor, peer: int):
+        self.ledger.record(kind, self.name, *((_nbytes(t), 0) if kind == "send" else (0, _nbytes(t))))
+        return self._channels.post(kind, t, peer, self.flight.enter(self, kind, (t,), None, peer))
+
+    def isend(self, t: torch.Tensor, peer: int):
+        """Non-blocking send to group rank ``peer`` through the pair's ring (shm_p2p.py); ``t`` must
+        stay unchanged until ``wait()``. Matched with the peer's receives in issue order."""
+        return super().isend(t, peer) if self._p2p() is None else self._post("send", t.detach().contiguous(), peer)
+
+    def irecv(self, t: torch.Tensor, peer: int):
+        """Non-blocking receive into ``t`` (contiguous) of the earliest unreceived message from ``peer``."""
+        return super().irecv(t, peer) if self._p2p() is None else self._post("recv", t, peer)
+
+    def exchange(self, sends=(), recvs=()) -> list:
+        """Receives then sends, each list in its order, all queued before any is waited for (two
+        ranks that send to each other progress both ways while they wait)."""
+        if self._p2p() is None:
+            return super().exchange(sends, recvs)
+        return [self.irecv(t, peer) for t, peer in recvs] + [self.isend(t, peer) for t, peer in sends]
 
     # -- "asynchronous" variants: run now, return a completed Pending -------------------------
     @_recorded("all_reduce", _t_op)

@@ -248,6 +248,14 @@ def _gpu_worker(ctx):
     _check("cuda all_to_all", got, torch.cat([inputs[i].split(splits[i])[r] for i in range(n)]), errors, 0)
     inputs = [_data(30 + s, (7,), torch.float64) for s in range(n)]  # a host tensor: the process group
     _check("cpu tensor on the cuda SharedComm", sh.all_reduce(inputs[r].clone()), _reduce(inputs, "sum"), errors)
+    # point-to-point of CUDA tensors through the host rings (shm_p2p.py), one longer than a ring
+    for numel in (3, 5_000_000):
+        inputs = [_data(40 + s, (numel,), torch.float32) for s in range(n)]
+        buf = torch.empty(numel, dtype=torch.float32, device=dev)
+        works = sh.exchange([(inputs[r].to(dev), (r + 1) % n)], [(buf, (r - 1) % n)])
+        for w in works:
+            w.wait()
+        _check(f"cuda sendrecv {numel}", buf.cpu(), inputs[(r - 1) % n], errors, 0)
     return errors
 
 
@@ -258,13 +266,16 @@ def test_bench_comm_shared_column(tmp_path, capsys):
 
     from shardlab import cli
     out = tmp_path / "comm.json"
-    assert cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce,all_to_all", "--sizes", "4K",
-                     "--algorithms", "backend", "--transport", "process_group,shared", "--iters", "1",
+    assert cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce,all_to_all,sendrecv", "--sizes", "4K",
+                     "--algorithms", "backend,ring", "--transport", "process_group,shared", "--iters", "1",
                      "--warmup", "0", "--json", str(out)]) == 0
     assert "shared" in capsys.readouterr().out
     rows = {(r["op"], r["algorithm"]): r["sent_per_rank"] for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {(op, a) for op in ("all_reduce", "all_to_all") for a in ("backend", "shared")}
+    # sendrecv has no algorithm choice: the backend's column and the shared one only
+    assert set(rows) == {(op, a) for op in ("all_reduce", "all_to_all") for a in ("backend", "ring", "shared")} \
+        | {("sendrecv", "backend"), ("sendrecv", "shared")}
     assert rows[("all_reduce", "shared")] == rows[("all_reduce", "backend")] == 4096
+    assert rows[("sendrecv", "shared")] == rows[("sendrecv", "backend")] == 4096  # one message of 4 KiB
     assert cli.main(["bench", "comm", "--transport", "nvlink"]) == 2
     assert "--transport" in capsys.readouterr().err
 

@@ -34,8 +34,10 @@ def test_verify_on_the_shared_memory_transport(capsys):
     """`--transport shared`: the layouts run their collectives through SharedComm and still equal
     the single-process reference (the whole matrix: benchmarks/results/verify_shared_n4.md).
     tp2-sp-ac-op: collectives inside blocks that the ``op`` policy replays in backward (its
-    dispatch modes must see the same operators twice: SharedComm runs with the modes off)."""
-    rc = cli_main(["verify", "--nproc", "2", "--layouts", "tp2-sp-ac-op,ep2", "--transport", "shared"])
+    dispatch modes must see the same operators twice: SharedComm runs with the modes off).
+    pp2-dualpipe and cp2: point-to-point through the shared-memory rings (shm_p2p.py), both
+    directions at once and ring attention's exchanges."""
+    rc = cli_main(["verify", "--nproc", "2", "--layouts", "tp2-sp-ac-op,ep2,pp2-dualpipe,cp2", "--transport", "shared"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "--parallel.comm_transport=shared" in out and "2 passed, 0 failed" in out
+    assert "--parallel.comm_transport=shared" in out and "4 passed, 0 failed" in out

@@ -1,0 +1,238 @@
+"""Point-to-point messages through shared memory, for :class:`shm.SharedComm` (docs/collectives.md,
+"Shared-memory transport").
+
+Each pair of group ranks that exchanges messages gets one file under /dev/shm holding two byte
+rings, one per direction. A ring is a single-producer, single-consumer queue: the sender copies
+bytes in and then advances ``written``, the receiver copies them out and then advances ``read``;
+each counter has one writer and sits on its own cache line. That ordering (data stored before
+the counter that publishes it; the counter loaded before the data) holds on x86-64, as for the
+shared-memory barrier; elsewhere SharedComm keeps the process group's point-to-point.
+
+A message is an 8-byte length then its bytes, so a receive whose size differs from the send it
+matches fails with both sizes instead of reading garbage. Messages between two ranks are matched
+by issue order only (no tags), exactly as the process group's (NCCL's) point-to-point. A message
+longer than the ring streams through it: sends and receives are queued per peer and advanced by
+:meth:`Channels.progress`, which every point-to-point call and every ``wait()`` runs, so two
+ranks sending each other more than a ring holds both make progress while they wait.
+
+The pair's file is set up lazily and without blocking: the lower group rank creates it at its
+first message to or from the peer and sends its name through the process group (one small
+``isend``); the higher rank posts the matching ``irecv`` at its first message and maps the file
+(and unlinks the name) once that arrived. Tensors of any device go through the host rings (a
+CUDA tensor is copied to and from host memory synchronously).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import uuid
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+LINE = 64          # bytes: one counter per cache line
+NAME = 32          # bytes of a pair file's name token (uuid4 hex)
+SPINS = 512       # yields before a waiting rank starts to sleep (doubling naps up to 1 ms)
+DEFAULT_CAP = 16 << 20
+"""Bytes of one ring (per direction and pair); longer messages stream through it."""
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of the contiguous tensor ``t`` (writes through to ``t``)."""
+    return t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+class Ring:
+    """One direction of a pair: ``written`` / ``read`` byte counters and ``cap`` data bytes."""
+
+    def __init__(self, buf: torch.Tensor, cap: int):
+        ctr = buf[:2 * LINE].view(torch.int64)
+        self.written, self.read = ctr[0:1], ctr[LINE // 8:LINE // 8 + 1]
+        self.data, self.cap = buf[2 * LINE:2 * LINE + cap], cap
+
+    @staticmethod
+    def nbytes(cap: int) -> int:
+        return 2 * LINE + cap
+
+    def put(self, src: torch.Tensor, off: int) -> int:
+        """Copy as many bytes of ``src[off:]`` as fit; returns how many."""
+        w = int(self.written[0])
+        n = min(src.numel() - off, self.cap - (w - int(self.read[0])))
+        if n <= 0:
+            return 0
+        at = w % self.cap
+        first = min(n, self.cap - at)
+        self.data[at:at + first].copy_(src[off:off + first])
+        if n > first:
+            self.data[:n - first].copy_(src[off + first:off + n])
+        self.written[0] = w + n  # publish after the data
+        return n
+
+    def take(self, dst: torch.Tensor, off: int) -> int:
+        """Copy as many available bytes as ``dst[off:]`` needs; returns how many."""
+        r = int(self.read[0])
+        n = min(dst.numel() - off, int(self.written[0]) - r)
+        if n <= 0:
+            return 0
+        at = r % self.cap
+        first = min(n, self.cap - at)
+        dst[off:off + first].copy_(self.data[at:at + first])
+        if n > first:
+            dst[off + first:off + n].copy_(self.data[:n - first])
+        self.read[0] = r + n  # release after the copy
+        return n
+
+
+class Op:
+    """A queued send or receive; ``wait()`` advances every queued message until this one is done."""
+
+    def __init__(self, chans: "Channels", kind: str, peer: int, t: torch.Tensor, entry=None):
+        self.chans, self.kind, self.peer, self.entry = chans, kind, peer, entry
+        self.tensor = t
+        self.head = torch.tensor([t.numel() * t.element_size()], dtype=torch.int64)
+        self.parts = [_bytes(self.head), _bytes(t)]  # a send reads them, a receive fills them
+        self.part, self.off, self.done = 0, 0, False
+
+    def is_completed(self) -> bool:
+        with _disable_current_modes():
+            self.chans.progress()
+        return self.done
+
+    def wait(self, *a, **k) -> bool:
+        with _disable_current_modes():  # spins dispatch a varying number of operators (shm._modes_off)
+            self.chans.wait_until(lambda: self.done, f"{self.kind} {'to' if self.kind == 'send' else 'from'} "
+                                                     f"group rank {self.peer}")
+        if self.entry is not None:
+            self.entry[-1] = True
+        return True
+
+
+class Channels:
+    """The shared-memory point-to-point state of one SharedComm: per peer its rings (once set up)
+    and its queues of sends and receives."""
+
+    def __init__(self, comm, cap: int = DEFAULT_CAP, timeout_s: float = 600.0):
+        self.comm, self.cap, self.timeout_s = comm, cap, timeout_s
+        self.rings: dict[int, tuple[Ring, Ring]] = {}  # peer -> (out, in)
+        self.setup: dict[int, tuple] = {}              # peer -> (work, name buffer) until its name arrived
+        self._names: list = []                          # (work, name buffer) this rank sent
+        self.sends: dict[int, deque] = {}
+        self.recvs: dict[int, deque] = {}
+        self._maps: list[torch.Tensor] = []
+
+    def post(self, kind: str, t: torch.Tensor, peer: int, entry=None) -> Op:
+        if peer == self.comm.rank or not 0 <= peer < self.comm.size:
+            raise ValueError(f"{self.comm.name}: {kind} peer {peer} must be another rank of the group "
+                             f"(0..{self.comm.size - 1}, this is {self.comm.rank})")
+        if not t.is_contiguous():
+            raise ValueError(f"{self.comm.name}: a {kind} buffer must be contiguous")
+        with _disable_current_modes():
+            self._connect(peer)
+            op = Op(self, kind, peer, t, entry)
+            (self.sends if kind == "send" else self.recvs).setdefault(peer, deque()).append(op)
+            self.progress()
+        return op
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _connect(self, peer: int) -> None:
+        if peer in self.rings or peer in self.setup:
+            return
+        c = self.comm
+        if c.rank < peer:  # create, map, send the name
+            token = uuid.uuid4().hex
+            path = f"/dev/shm/shardlab-{os.getuid()}-p2p-{token}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, 2 * Ring.nbytes(self.cap))
+            finally:
+                os.close(fd)
+            buf = torch.tensor(list(token.encode()), dtype=torch.uint8)
+            self._names.append((dist.isend(buf, dst=c.ranks[peer], group=c.group), buf))  # alive until sent
+            self._map(peer, path, first=True)
+            atexit.register(_unlink, path)  # the peer unlinks it once mapped; this covers a peer that never does
+        else:
+            buf = torch.empty(NAME, dtype=torch.uint8)
+            self.setup[peer] = (dist.irecv(buf, src=c.ranks[peer], group=c.group), buf)
+
+    def _map(self, peer: int, path: str, first: bool) -> None:
+        size = Ring.nbytes(self.cap)
+        arena = torch.from_file(path, shared=True, size=2 * size, dtype=torch.uint8)
+        # fault every page in now (the creator writes them, the peer reads them), not in the
+        # first messages: a fresh ring's pages would otherwise cost a fault per 4 KiB for a whole lap
+        if first:
+            arena.zero_()
+        else:
+            arena.view(torch.int64).sum()
+        self._maps.append(arena)
+        lo, hi = Ring(arena[:size], self.cap), Ring(arena[size:], self.cap)  # lo: lower rank -> higher
+        self.rings[peer] = (lo, hi) if first else (hi, lo)
+
+    def _advance_setup(self, block: bool = False) -> None:
+        """Map the pairs whose name arrived. gloo's irecv reports completion only from ``wait()``
+        (``is_completed()`` stays false), so the name buffer itself is polled: 32 non-zero bytes
+        (hex digits) once written. ``block``: wait for the names still missing (a backend that
+        does not receive into the buffer directly)."""
+        for peer, (work, buf) in list(self.setup.items()):
+            if block or bool((buf != 0).all()):
+                work.wait()
+                path = f"/dev/shm/shardlab-{os.getuid()}-p2p-{bytes(buf.tolist()).decode()}"
+                self._map(peer, path, first=False)
+                _unlink(path)  # both ranks have it mapped: the name can go
+                del self.setup[peer]
+
+    # -- progress ----------------------------------------------------------------------------
+    def progress(self) -> bool:
+        """Move every queued message as far as the rings allow; True if any byte moved."""
+        if self.setup:
+            self._advance_setup()
+        moved = False
+        for queues, out in ((self.sends, True), (self.recvs, False)):
+            for peer, q in queues.items():
+                if peer not in self.rings:
+                    continue
+                ring = self.rings[peer][0 if out else 1]
+                while q:
+                    op = q[0]
+                    n = (ring.put if out else ring.take)(op.parts[op.part], op.off)
+                    op.off += n
+                    moved |= n > 0
+                    if op.off < op.parts[op.part].numel():
+                        break
+                    if op.part == 0 and not out and int(op.head[0]) != op.tensor.numel() * op.tensor.element_size():
+                        raise RuntimeError(
+                            f"{self.comm.name}: group rank {peer} sent a message of {int(op.head[0])} bytes "
+                            f"where this rank's receive expects {op.tensor.numel() * op.tensor.element_size()} "
+                            "(sends and receives between two ranks must be issued in the same order)")
+                    op.part, op.off = op.part + 1, 0
+                    if op.part == 2:
+                        op.done = True
+                        q.popleft()
+        return moved
+
+    def wait_until(self, cond, what: str) -> None:
+        t0, spins, nap = time.monotonic(), 0, 2e-5
+        while not cond():
+            if self.progress():
+                t0, spins, nap = time.monotonic(), 0, 2e-5
+                continue
+            spins += 1
+            if spins < SPINS:
+                os.sched_yield()
+                continue
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+            if self.setup and time.monotonic() - t0 > 1.0:
+                self._advance_setup(block=True)  # names flow from lower to higher ranks: no cycle
+            if time.monotonic() - t0 > self.timeout_s:
+                raise RuntimeError(f"{self.comm.name}: shared-memory {what}: no progress in "
+                                   f"{self.timeout_s:.0f} s (did the peer issue the matching call?)")

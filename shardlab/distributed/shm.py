@@ -356,8 +356,9 @@ class SharedComm(Comm):
     # -- point to point: byte rings in shared memory per pair (shm_p2p.py) ----------------------
     def _p2p(self):
         """The rings, or None where point-to-point stays the process group's: on a host without
-        the shared-memory barrier's ordering, and in check mode (its headers ride the group)."""
-        if self.host_barrier != "shm" or self.flight.check:
+        the shared-memory barrier's ordering, in check mode (its headers ride the group), and on
+        a group that is not gloo's (the rings' set-up polls a gloo receive, shm_p2p.py)."""
+        if self.host_barrier != "shm" or self.flight.check or dist.get_backend(self.group) != "gloo":
             return None
         if self._channels is None:
             from .shm_p2p import Channels

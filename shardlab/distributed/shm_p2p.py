@@ -156,10 +156,10 @@ class Channels:
                 os.ftruncate(fd, 2 * Ring.nbytes(self.cap))
             finally:
                 os.close(fd)
+            self._map(peer, path, first=True)  # before the name goes out: the peer unlinks it once mapped
+            atexit.register(_unlink, path)  # for a peer that never maps it
             buf = torch.tensor(list(token.encode()), dtype=torch.uint8)
             self._names.append((dist.isend(buf, dst=c.ranks[peer], group=c.group), buf))  # alive until sent
-            self._map(peer, path, first=True)
-            atexit.register(_unlink, path)  # the peer unlinks it once mapped; this covers a peer that never does
         else:
             buf = torch.empty(NAME, dtype=torch.uint8)
             self.setup[peer] = (dist.irecv(buf, src=c.ranks[peer], group=c.group), buf)
@@ -177,13 +177,13 @@ class Channels:
         lo, hi = Ring(arena[:size], self.cap), Ring(arena[size:], self.cap)  # lo: lower rank -> higher
         self.rings[peer] = (lo, hi) if first else (hi, lo)
 
-    def _advance_setup(self, block: bool = False) -> None:
+    def _advance_setup(self) -> None:
         """Map the pairs whose name arrived. gloo's irecv reports completion only from ``wait()``
-        (``is_completed()`` stays false), so the name buffer itself is polled: 32 non-zero bytes
-        (hex digits) once written. ``block``: wait for the names still missing (a backend that
-        does not receive into the buffer directly)."""
+        (``is_completed()`` stays false) but receives straight into the buffer, so the buffer is
+        polled: 32 non-zero bytes (hex digits) once written. Never blocks: a rank waiting for a
+        name keeps moving its other messages (SharedComm uses the rings only on gloo groups)."""
         for peer, (work, buf) in list(self.setup.items()):
-            if block or bool((buf != 0).all()):
+            if bool((buf != 0).all()):
                 work.wait()
                 path = f"/dev/shm/shardlab-{os.getuid()}-p2p-{bytes(buf.tolist()).decode()}"
                 self._map(peer, path, first=False)
@@ -231,8 +231,6 @@ class Channels:
                 continue
             time.sleep(nap)
             nap = min(2 * nap, 1e-3)
-            if self.setup and time.monotonic() - t0 > 1.0:
-                self._advance_setup(block=True)  # names flow from lower to higher ranks: no cycle
             if time.monotonic() - t0 > self.timeout_s:
                 raise RuntimeError(f"{self.comm.name}: shared-memory {what}: no progress in "
                                    f"{self.timeout_s:.0f} s (did the peer issue the matching call?)")

@@ -36,6 +36,18 @@ def test_gpt2_layouts_match_single_process(data_dir, nproc):
         assert r["ok"] and r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
 
 
+def test_gpt2_math_attention_layouts_match_single_process(data_dir):
+    """``model.attention = "math"`` (scores materialised; tests/unit/test_attention_kernel.py holds
+    it equal to the fused kernel) under tensor + sequence parallel (a head shard per rank),
+    Ulysses (all heads' shards gathered around the core) and a pipeline: each equals one process."""
+    extra = {**TINY, "model": {**TINY["model"], "attention": "math"}}
+    layouts = ["tp2-sp", "cp2-ulysses", "pp2-1f1b"]
+    rows = verify.run_layouts(layouts, 2, data_dir, STEPS, {}, "gpt2", extra)
+    assert [r["layout"] for r in rows] == layouts
+    for r in rows:
+        assert r["ok"] and r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+
+
 def _grad_case(ctx, tie):
     cfg = Config()
     cfg.model = ModelConfig(arch="gpt2", vocab_size=67, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,

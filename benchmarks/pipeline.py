@@ -146,8 +146,8 @@ ENGINES = [("shardlab 1f1b", "1f1b", 1), ("torch Schedule1F1B", "torch", 1),
            ("shardlab dualpipe", "dualpipe", 1)]
 
 
-def worker(ctx, pp, steps, warmup, size, names):
-    mesh = Mesh.build(Topology(pp=pp))
+def worker(ctx, pp, steps, warmup, size, names, transport="process_group"):
+    mesh = Mesh.build(Topology(pp=pp), transport=transport)
     comm = mesh.comm("pp")
     engines = {}
     for name, kind, v in ENGINES:
@@ -318,6 +318,9 @@ def main(argv=None):
     ap.add_argument("--split-costs", action="store_true", help="only: one stage's full backward vs B + W, W batched")
     ap.add_argument("--d-model", type=int, default=128, help="model width (default 128: overhead-bound steps)")
     ap.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    ap.add_argument("--transport", default="process_group", choices=("process_group", "shared"),
+                    help="shardlab's stage-to-stage messages: gloo (default) or the shared-memory rings "
+                         "(distributed/shm_p2p.py); torch's engines always use gloo")
     ap.add_argument("--engines", default="", help="comma-separated schedules to run, e.g. 1f1b,zb-h1 (default: all, "
                     "and torch's); 'torch' names torch.distributed.pipelining's")
     args = ap.parse_args(argv)
@@ -334,9 +337,10 @@ def main(argv=None):
         Path(args.out).mkdir(parents=True, exist_ok=True)
     all_rows = []
     for pp in args.pp:
-        results = run(worker, pp, pp, args.steps, args.warmup, size, names, timeout_s=600, threads=1)
+        results = run(worker, pp, pp, args.steps, args.warmup, size, names, args.transport, timeout_s=600, threads=1)
         all_rows += summarise(pp, results, args.out, args.cores, size, names)
-    print(f"\nmodel: 8 layers, d_model {size[0]}, seq {size[1]}, micro-batch {MB}, m = {M}, fp32, CPU gloo, 1 thread/rank")
+    print(f"\nmodel: 8 layers, d_model {size[0]}, seq {size[1]}, micro-batch {MB}, m = {M}, fp32, CPU, "
+          f"stage messages: {args.transport}, 1 thread/rank")
     print("| pp | engine | step ms median | fastest | vs torch (median / fastest) | bubble measured "
           "(fastest step / median) | simulated, measured stage costs | + measured hop latency | theory F=B=W "
           f"| simulated step ms, one core per rank | simulated, {args.cores} cores shared: processor sharing "

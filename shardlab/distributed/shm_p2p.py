@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 LINE = 64          # bytes: one counter per cache line
 NAME = 32          # bytes of a pair file's name token (uuid4 hex)
-SPINS = 512       # yields before a waiting rank starts to sleep (doubling naps up to 1 ms)
+SPINS = 64        # yields before a waiting rank starts to sleep (doubling naps up to 1 ms)
 DEFAULT_CAP = 16 << 20
 """Bytes of one ring (per direction and pair); longer messages stream through it."""
 

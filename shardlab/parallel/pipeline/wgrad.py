@@ -6,7 +6,8 @@ hold most weights this is one expression, so W costs a matmul per module instead
 autograd call per module (graph task, node walk, accumulate), and B no longer needs to keep
 the autograd graph alive for W (it frees it; only the inputs and ``g`` wait):
 
-  nn.Linear      y = x A^T + b      dA = g^T x (rows flattened: one matmul), db = sum of g rows
+  nn.Linear      y = x A^T + b      dA = g^T x (rows flattened: one matmul, accumulated into
+                                    .grad by the GEMM itself: addmm_), db = sum of g rows
   nn.Embedding   y = A[idx]         dA = index_add of g's rows at idx
   a module with  ``weight_grad(x, g) -> {param name: grad}`` (e.g. the models' RMSNorm)
 
@@ -54,8 +55,12 @@ def weight_grads(mod: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
     """Add ``mod``'s weight gradients for input ``x`` and output gradient ``g`` to ``.grad``."""
     if type(mod) is nn.Linear:
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        if mod.weight.requires_grad:
-            _accumulate(mod.weight, g2.t() @ x2)
+        w = mod.weight
+        if w.requires_grad:
+            if w.grad is None:
+                w.grad = g2.t() @ x2
+            else:  # accumulate inside the GEMM (beta = 1): no separate pass over the gradient
+                w.grad.addmm_(g2.t(), x2)
         if mod.bias is not None and mod.bias.requires_grad:
             _accumulate(mod.bias, g2.sum(0))
     elif type(mod) is nn.Embedding:

@@ -57,10 +57,10 @@ def weight_grads(mod: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         w = mod.weight
         if w.requires_grad:
-            if w.grad is None:
-                w.grad = g2.t() @ x2
-            else:  # accumulate inside the GEMM (beta = 1): no separate pass over the gradient
-                w.grad.addmm_(g2.t(), x2)
+            if w.grad is not None and w.grad.dtype == g2.dtype:
+                w.grad.addmm_(g2.t(), x2)  # accumulate inside the GEMM (beta = 1): no separate pass
+            else:
+                _accumulate(w, g2.t() @ x2)
         if mod.bias is not None and mod.bias.requires_grad:
             _accumulate(mod.bias, g2.sum(0))
     elif type(mod) is nn.Embedding:

@@ -117,7 +117,7 @@ def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
     from ..distributed.algorithms import select
 
     if op == "sendrecv":  # point-to-point has no algorithm choice: the backend's
-        return [a for a in algorithms if a == "backend"][:1] or algorithms[:1]
+        return ["backend"] if algorithms else []
     out, seen = [], set()
     for a in algorithms:
         key = tuple(select(op, a, size) for size in sizes)
@@ -130,8 +130,8 @@ def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
 def label(op: str, algorithm: str) -> str:
     from ..distributed.algorithms import select
 
-    if algorithm in ("backend", "auto", "shared") or op == "sendrecv":
-        return algorithm if op != "sendrecv" or algorithm == "shared" else "backend"
+    if algorithm in ("backend", "auto", "shared"):
+        return algorithm
     impl = select(op, algorithm, 1)
     return algorithm if impl == algorithm else impl
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
+from .shm_p2p import RingPointToPoint
 
 _ALIGN = 4096
 _MIN_CAP = 1 << 16
@@ -78,7 +79,7 @@ def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str):
     return out
 
 
-class SharedComm(Comm):
+class SharedComm(RingPointToPoint, Comm):
     """A :class:`Comm` whose collectives run through memory shared by the group's ranks (all on
     one host). Same interface and results as the process-group ``Comm``; ``algorithm`` is ignored
     (the transport replaces the algorithm choice). Constructing one is local; the first
@@ -105,7 +106,7 @@ class SharedComm(Comm):
         self.cap = 0
         self._regions: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group rank: (a, b), uint8
         self._free = 0  # which region (0: a, 1: b) this rank may write before a call's first barrier
-        self._channels, self.p2p_cap = None, p2p_cap
+        self.p2p_cap = p2p_cap  # point-to-point (RingPointToPoint, shm_p2p.py)
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
@@ -352,38 +353,6 @@ class SharedComm(Comm):
             t.copy_(self._region(src, inp, t.dtype, t.numel()).view(t.shape))
         self._free = 1 - inp
         return t
-
-    # -- point to point: byte rings in shared memory per pair (shm_p2p.py) ----------------------
-    def _p2p(self):
-        """The rings, or None where point-to-point stays the process group's: on a host without
-        the shared-memory barrier's ordering, in check mode (its headers ride the group), and on
-        a group that is not gloo's (the rings' set-up polls a gloo receive, shm_p2p.py)."""
-        if self.host_barrier != "shm" or self.flight.check or dist.get_backend(self.group) != "gloo":
-            return None
-        if self._channels is None:
-            from .shm_p2p import Channels
-            self._channels = Channels(self, self.p2p_cap)
-        return self._channels
-
-    def _post(self, kind: str, t: torch.Tensor, peer: int):
-        self.ledger.record(kind, self.name, *((_nbytes(t), 0) if kind == "send" else (0, _nbytes(t))))
-        return self._channels.post(kind, t, peer, self.flight.enter(self, kind, (t,), None, peer))
-
-    def isend(self, t: torch.Tensor, peer: int):
-        """Non-blocking send to group rank ``peer`` through the pair's ring (shm_p2p.py); ``t`` must
-        stay unchanged until ``wait()``. Matched with the peer's receives in issue order."""
-        return super().isend(t, peer) if self._p2p() is None else self._post("send", t.detach().contiguous(), peer)
-
-    def irecv(self, t: torch.Tensor, peer: int):
-        """Non-blocking receive into ``t`` (contiguous) of the earliest unreceived message from ``peer``."""
-        return super().irecv(t, peer) if self._p2p() is None else self._post("recv", t, peer)
-
-    def exchange(self, sends=(), recvs=()) -> list:
-        """Receives then sends, each list in its order, all queued before any is waited for (two
-        ranks that send to each other progress both ways while they wait)."""
-        if self._p2p() is None:
-            return super().exchange(sends, recvs)
-        return [self.irecv(t, peer) for t, peer in recvs] + [self.isend(t, peer) for t, peer in sends]
 
     # -- "asynchronous" variants: run now, return a completed Pending -------------------------
     @_recorded("all_reduce", _t_op)

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .collectives import _nbytes
+
 LINE = 64          # bytes: one counter per cache line
 NAME = 32          # bytes of a pair file's name token (uuid4 hex)
 SPINS = 64        # yields before a waiting rank starts to sleep (doubling naps up to 1 ms)
@@ -234,3 +236,41 @@ class Channels:
             if time.monotonic() - t0 > self.timeout_s:
                 raise RuntimeError(f"{self.comm.name}: shared-memory {what}: no progress in "
                                    f"{self.timeout_s:.0f} s (did the peer issue the matching call?)")
+
+
+class RingPointToPoint:
+    """SharedComm's isend / irecv / exchange through the rings. Mixed in before ``Comm``, so
+    ``super()`` is the process group's point-to-point, which stays in use on a host without the
+    shared-memory barrier's x86-64 ordering, in check mode (its headers ride the group), and on
+    a group that is not gloo's (the set-up polls a gloo receive). Decided once, at first use."""
+
+    _channels: Channels | None = None
+    _rings_on: bool | None = None
+
+    def _p2p(self) -> bool:
+        if self._rings_on is None:
+            self._rings_on = (self.host_barrier == "shm" and not self.flight.check
+                              and dist.get_backend(self.group) == "gloo")
+            if self._rings_on:
+                self._channels = Channels(self, self.p2p_cap)
+        return self._rings_on
+
+    def _post(self, kind: str, t: torch.Tensor, peer: int) -> Op:
+        self.ledger.record(kind, self.name, *((_nbytes(t), 0) if kind == "send" else (0, _nbytes(t))))
+        return self._channels.post(kind, t, peer, self.flight.enter(self, kind, (t,), None, peer))
+
+    def isend(self, t: torch.Tensor, peer: int):
+        """Non-blocking send to group rank ``peer`` through the pair's ring; ``t`` must stay
+        unchanged until ``wait()``. Matched with the peer's receives in issue order."""
+        return self._post("send", t.detach().contiguous(), peer) if self._p2p() else super().isend(t, peer)
+
+    def irecv(self, t: torch.Tensor, peer: int):
+        """Non-blocking receive into ``t`` (contiguous) of the earliest unreceived message from ``peer``."""
+        return self._post("recv", t, peer) if self._p2p() else super().irecv(t, peer)
+
+    def exchange(self, sends=(), recvs=()) -> list:
+        """Receives then sends, each list in its order, all queued before any is waited for (two
+        ranks that send to each other progress both ways while they wait)."""
+        if not self._p2p():
+            return super().exchange(sends, recvs)
+        return [self.irecv(t, peer) for t, peer in recvs] + [self.isend(t, peer) for t, peer in sends]

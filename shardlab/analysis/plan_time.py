@@ -133,12 +133,11 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     peak = dev.peak_flops
     over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
     t_mm = over * mm / (peak * dev.mm_eff)
-    math_core = m.attention == "math"
-    if math_core:  # scores materialised: the whole S x S products as batched matmuls, backward without
-        # recomputing them; their mask / softmax / dropout traffic is in the traced bytes (elementwise)
-        t_attn = over * attn_term * tokens / (p.tp * p.cp * p.pp) / (peak * dev.mm_eff)
-    else:
-        t_attn = over * 0.5 * attn_term * tokens / (p.tp * p.cp * p.pp) * FLASH_BWD_EXTRA / (peak * dev.attn_eff)
+    attn = attn_term * tokens / (p.tp * p.cp * p.pp)
+    math_core = m.attention == "math"  # scores materialised: the whole S x S products as batched matmuls,
+    # backward without recomputing them; their mask / softmax / dropout traffic is in the traced bytes
+    t_attn = over * (attn / (peak * dev.mm_eff) if math_core
+                     else 0.5 * attn * FLASH_BWD_EXTRA / (peak * dev.attn_eff))
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
     cpu = dev.op_s > 0

@@ -17,6 +17,10 @@ all ranks' tensors on one GPU, gloo transport).
 4. ``--parts ulysses``: ring vs Ulysses (and unified 2x2 at cp 4) context parallel on a tiny
    Llama: fwd+bwd step time, bytes each rank sends per step (ledger), activation bytes saved.
 
+5. ``--parts dispatch``: an MoE layer with capacity factor 1.25 under ep = 2, 4, the expert-parallel
+   rows padded to the capacity (fixed all-to-all sizes, no host read) vs exact (only the kept rows,
+   split sizes read on the host): forward+backward time, all-to-all bytes.
+
     PYTHONPATH=. python benchmarks/context_expert.py [--seq 8192] [--device cpu]
     PYTHONPATH=. python benchmarks/context_expert.py --parts ulysses --sizes 2 4
 
@@ -199,25 +203,32 @@ def ring(mesh, seq, dev, iters=3):
     return {key: statistics.median(vals) for key, vals in rec.items()}
 
 
-def moe(mesh, dev, tokens=2048, iters=3, impl="grouped"):
-    cfg = ModelConfig(d_model=256, ffn_hidden=512, n_experts=8, moe_top_k=2, n_layers=2, n_heads=4, moe_impl=impl)
+def moe(mesh, dev, tokens=2048, iters=3, impl="grouped", capacity=0.0, dispatch="padded", backward=False):
+    cfg = ModelConfig(d_model=256, ffn_hidden=512, n_experts=8, moe_top_k=2, n_layers=2, n_heads=4, moe_impl=impl,
+                      moe_capacity_factor=capacity)
     ref = MoE(cfg).to(dev)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.05)
-    layer = expert.ExpertParallelMoE(ref, mesh, cfg, "layers.0.feed_forward")
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg, "layers.0.feed_forward", dispatch)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(mesh.rank)).to(dev)
+    walls = []
     for it in range(iters + 1):
         if it == 1:
             layer.timing = {k: 0.0 for k in layer.timing}
             snap = mesh.ledger.snapshot()
         mesh.comm("ep").barrier()
-        layer(x)
+        t0 = time.perf_counter()
+        y = layer(x)
+        if backward:
+            y.square().sum().backward()
         _sync(dev)
+        walls.append(time.perf_counter() - t0)
     tm, n = layer.timing, layer.timing["calls"]
     sent = sum(e.bytes_sent for (op, grp), e in mesh.ledger.since(snap).items() if op == "all_to_all")
     return {"a2a_ms": 1e3 * (tm["dispatch_s"] + tm["combine_s"]) / n, "experts_ms": 1e3 * tm["experts_s"] / n,
-            "a2a_MiB": sent / n / 2**20}
+            "a2a_MiB": sent / n / 2**20, "wall_ms": 1e3 * statistics.median(walls[1:]),
+            "dropped": float(layer.last_stats.get("dropped_fraction", 0.0))}
 
 
 def ulysses(n, seq, dev, iters=3):
@@ -278,6 +289,10 @@ def worker(ctx, n, seq, device, parts):
     if "moe" in parts:
         ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n)) if n > 1 else mesh
         out["moe"] = {impl: moe(ep_mesh, dev, impl=impl) for impl in ("loop", "grouped")}
+    if "dispatch" in parts and n > 1:  # with a capacity: padded (fixed sizes, no host read) vs exact
+        ep_mesh = Mesh.build(Topology(dp_shard=n, ep=n))
+        out["dispatch"] = {d: moe(ep_mesh, dev, iters=5, capacity=1.25, dispatch=d, backward=True)
+                           for d in ("padded", "exact", "padded", "exact")}  # (second pair: after warm-up)
     return out
 
 
@@ -287,7 +302,7 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default="")
-    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe ulysses")
+    ap.add_argument("--parts", nargs="+", default=["memory", "ring", "moe"], help="memory ring moe ulysses dispatch")
     args = ap.parse_args()
     res = {}
     for n in args.sizes:
@@ -337,6 +352,20 @@ def main():
                 e = statistics.mean(r["moe"][impl]["experts_ms"] for r in rr)
                 mib = statistics.mean(r["moe"][impl]["a2a_MiB"] for r in rr)
                 print(f"| {n} | {impl} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
+    if "dispatch" in args.parts:
+        print("\nMoE layer forward+backward with capacity factor 1.25, expert-parallel dispatch padded to the "
+              "capacity vs exact, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, fp32 (mean over ranks; "
+              "forward split into all-to-all and experts)")
+        print("| ep | dispatch | fwd+bwd (ms) | fwd all-to-all (ms) | fwd experts (ms) | a2a sent per rank (MiB) "
+              "| dropped |")
+        print("|---|---|---|---|---|---|---|")
+        for n, rr in res.items():
+            for d in ("padded", "exact"):
+                if "dispatch" not in rr[0]:
+                    continue
+                g = {k: statistics.mean(r["dispatch"][d][k] for r in rr) for k in rr[0]["dispatch"][d]}
+                print(f"| {n} | {d} | {g['wall_ms']:.1f} | {g['a2a_ms']:.2f} | {g['experts_ms']:.2f} "
+                      f"| {g['a2a_MiB']:.2f} | {g['dropped']:.3f} |")
     if "ulysses" in args.parts:
         _ulysses_table(res, args.seq, args.device)
     if args.json:

@@ -93,6 +93,11 @@ class ParallelConfig:
     cp_ulysses: int = f(1, "cp_impl=unified: the Ulysses (all-to-all) degree inside cp; must divide cp and the "
                            "attention heads per tp rank. cp/cp_ulysses ranks form each ring.", ge=1, le=2**16)
     ep: int = f(1, "Expert-parallel degree; borrows ranks from dp_shard*cp (must divide it).", ge=1, le=2**16)
+    ep_dispatch: str = f("padded", "Expert-parallel all-to-all with a capacity (model.moe_capacity_factor > 0): padded "
+                                   "sends every (rank, expert) block padded to the capacity C, as GShard: fixed sizes, no "
+                                   "host read, activation memory set by C; exact sends only the kept rows (fewer bytes; "
+                                   "split sizes read on the host). Dropless runs (capacity 0) always use exact.",
+                         choices=("padded", "exact"))
     zero_stage: int = f(0, "0 = DDP over all data-parallel ranks; 1/2 = ZeRO-1/2; 3 = ZeRO-3/FSDP over dp_shard.", choices=(0, 1, 2, 3))
     bucket_cap_mb: float = f(25.0, "DDP / ZeRO gradient bucket size in MiB.", gt=0, le=2**20)
     overlap_comm: bool = f(True, "Reduce gradient buckets while backward is still running.")

@@ -132,7 +132,7 @@ def _fast_key(cfg, *extra) -> tuple:
     return (tuple(sorted(vars(cfg.model).items())), t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.precision,
             t.param_dtype, t.reduce_dtype, t.weight_decay, t.seq_len, p.tp, p.pp, p.pp_virtual, p.ep, p.zero_stage,
             p.dp_replicate, p.dp_shard, p.cp, p.bucket_cap_mb, p.wrap_policy, p.prefetch, p.sequence_parallel,
-            p.pp_schedule, p.cp_impl, p.cp_ulysses,
+            p.pp_schedule, p.cp_impl, p.cp_ulysses, p.ep_dispatch,
             t.global_batch // p.dp // p.microbatches) + extra
 
 

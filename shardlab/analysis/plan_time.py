@@ -188,6 +188,9 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats
         moe_layers = m.n_layers / max(1, m.moe_every) / p.pp
         rows = b * (s // p.cp) * m.moe_top_k * m.d_model * el
+        if m.moe_capacity_factor > 0 and p.ep_dispatch == "padded":  # E blocks of C rows (parallel/expert.py)
+            rows = m.n_experts * math.ceil(m.moe_capacity_factor * b * (s // p.cp) * m.moe_top_k / m.n_experts) \
+                * m.d_model * el
         if p.ep > 1:
             bw, al = link(topo, "ep", dev)
             ep_comm += moe_layers * (4 * collective("all_to_all", rows, p.ep, bw, al)

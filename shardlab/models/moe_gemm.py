@@ -98,18 +98,25 @@ class _GroupedRows:
         return torch._grouped_mm(g.t(), a, offs=self.offs)
 
 
+def padded_slots(counts: torch.Tensor, n: int, C: int) -> torch.Tensor:
+    """For ``n`` rows grouped by expert (``counts[e]`` rows each, in order, at most ``C``; rows past
+    ``counts.sum()`` belong to no expert): row i's slot in an (E, C) buffer, ``e * C + (i - first
+    row of e)``, and ``E * C`` (one spare slot) for the rows of no expert. On device, no host read."""
+    E = counts.numel()
+    ends = counts.cumsum(0)
+    row = torch.arange(n, device=counts.device)
+    e = torch.searchsorted(ends, row, right=True)                       # E for rows past the groups
+    ec = e.clamp(max=E - 1)
+    return torch.where(e < E, ec * C + row - (ends - counts)[ec], E * C)
+
+
 class _Padded:
     """Rows scattered into an (E, C, .) buffer, C = the largest count (read on the host), and
     ``bmm``; padding rows are zeros and stay zeros (silu(0) * 0 = 0)."""
 
     def __init__(self, x, counts):
-        E, n = counts.numel(), x.shape[0]
-        ends = counts.cumsum(0)
-        row = torch.arange(n, device=x.device)
-        e = torch.searchsorted(ends, row, right=True)                   # E for rows past the groups
-        ec = e.clamp(max=E - 1)
-        self.E, self.C = E, max(int(counts.max()), 1)                   # the host read of this kernel
-        self.slot = torch.where(e < E, ec * self.C + row - (ends - counts)[ec], E * self.C)  # E*C: spare row
+        self.E, self.C = counts.numel(), max(int(counts.max()), 1)      # the host read of this kernel
+        self.slot = padded_slots(counts, x.shape[0], self.C)
 
     def pack(self, t):
         buf = t.new_zeros(self.E * self.C + 1, t.shape[1]).index_copy_(0, self.slot, t)

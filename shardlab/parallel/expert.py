@@ -8,11 +8,17 @@ sharded_over=("ep",))``); the router and everything else stay replicated.
 One MoE layer on one rank (forward; backward runs the same all-to-alls in reverse):
   1. route the local tokens (models/moe.py): k assignments per token, capacity per local tokens
   2. sort kept assignments by expert; count[q] = rows for the experts of ep rank q
-  3. all-to-all of the counts (E integers), then all-to-all of the rows with uneven splits
-     (dispatch); received rows are grouped by (source rank, local expert) -> regroup by expert
+  3. all-to-all of the counts (E integers), then all-to-all of the rows (dispatch); received
+     rows are grouped by (source rank, local expert) -> regroup by expert
   4. run the local experts, undo the regrouping, all-to-all back (combine), weight and sum.
-Bytes per rank and layer: dispatch and combine each send the rows bound for other ranks,
-~ k T d (ep-1)/ep elements for balanced routing (the ledger records the exact uneven amount).
+The rows of step 3 travel one of two ways (``parallel.ep_dispatch``):
+  padded  (with a capacity C, the default there) every (rank, expert) block padded to C rows,
+          as GShard: equal splits of E/ep * C rows, so no host read, and every shape, hence the
+          activation memory, is fixed by C; the experts skip the padding. Bytes per rank and
+          layer, dispatch and combine each: E C d (ep-1)/ep elements.
+  exact   (always when dropless) only the kept rows: uneven splits, read on the host (the one
+          sync of the layer); ~ k T d (ep-1)/ep elements each way for balanced routing (the ledger
+          records the exact amount), and memory that follows the routing.
 
 Gradients. The combine's backward brings every rank's loss gradient back to the expert that
 used it, so an expert's gradient already sums over the ep group; the Engine then sums it over
@@ -41,6 +47,7 @@ from torch import nn
 from ..distributed.autograd import all_to_all
 from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE, Experts
+from ..models.moe_gemm import padded_slots
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -60,13 +67,14 @@ class _SumOverRanks(torch.autograd.Function):
 class ExpertParallelMoE(MoE):
     """An MoE layer whose experts live on the ep ranks. Parameter names are unchanged."""
 
-    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str):
+    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str, dispatch: str = "padded"):
         with torch.device("meta"):
             super().__init__(model_cfg)
         self.router = moe.router
         self.ep, self.batch = mesh.comm("ep"), mesh.comm("dp_cp")
         E, ep = self.n_experts, self.ep.size
         self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
+        self.padded = dispatch == "padded" and self.capacity_factor > 0
         src = moe.experts
         self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
@@ -81,37 +89,54 @@ class ExpertParallelMoE(MoE):
         return _SumOverRanks.apply(t, self.batch) if self.batch.size > 1 else t
 
     def run_experts(self, x, counts):
-        ep, n_local, tm = self.ep.size, self.n_local, self.timing
+        ep, n_local = self.ep.size, self.n_local
         t0 = time.perf_counter()
         if ep == 1:
             out = self.experts(x, counts)
-            tm["experts_s"] += time.perf_counter() - t0
-            tm["calls"] += 1
+            self._time(t0, t0, time.perf_counter(), None)
             return out
         send = counts.view(ep, n_local)
         recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
-        # the one host read of the layer: all-to-all needs its split sizes
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        total, arrived = sum(in_splits), sum(out_splits)
-        rows = all_to_all(x[:total], self.ep, in_splits, out_splits)  # dispatch (dropped rows stay)
-        # received: [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...] -> by expert
+        # received rows come as [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...]; the
+        # experts want them by expert: key (source s, expert e) -> e*ep + s
         block = torch.arange(ep * n_local, device=x.device).view(ep, n_local)
-        key = (block % n_local) * ep + block // n_local             # (source s, expert e) -> e*ep + s
-        key = torch.repeat_interleave(key.flatten(), recv.flatten(), output_size=arrived)
+        key = (block % n_local) * ep + block // n_local
+        if self.padded:
+            # GShard's dispatch: every (rank, expert) block padded to the capacity C, so the
+            # all-to-alls have fixed equal splits (E C rows each way) and nothing is read on the
+            # host; the padding sorts last and the experts skip it (they get the received counts)
+            C = self.capacity(x.shape[0] // self.top_k)
+            slot = padded_slots(counts, x.shape[0], C)                # kept row -> e C + position
+            buf = x.new_zeros(self.n_experts * C + 1, x.shape[1]).index_copy(0, slot, x)
+            rows = all_to_all(buf[:-1], self.ep)                        # [source s][local expert e][C]
+            valid = (torch.arange(C, device=x.device) < recv[:, :, None]).flatten()
+            key = torch.where(valid, key[:, :, None].expand(ep, n_local, C).flatten(), ep * n_local)
+            in_splits = out_splits = None
+        else:
+            # the one host read of the layer: all-to-all needs its split sizes
+            in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+            total, arrived = sum(in_splits), sum(out_splits)
+            rows = all_to_all(x[:total], self.ep, in_splits, out_splits)  # dispatch (dropped rows stay)
+            key = torch.repeat_interleave(key.flatten(), recv.flatten(), output_size=arrived)
         perm = torch.argsort(key, stable=True)
         t1 = time.perf_counter()
         y = self.experts(rows[perm], recv.sum(0))
         back = torch.empty_like(perm)
-        back[perm] = torch.arange(arrived, device=x.device)
+        back[perm] = torch.arange(perm.numel(), device=x.device)
         y = y[back]                                                    # back to arrival order
         t2 = time.perf_counter()
-        out = all_to_all(y, self.ep, out_splits, in_splits)           # combine
-        t3 = time.perf_counter()
+        out = all_to_all(y, self.ep, out_splits, in_splits)           # combine: rows as they were sent
+        self._time(t0, t1, t2, time.perf_counter())
+        if self.padded:
+            return torch.cat([out, out.new_zeros(1, out.shape[1])]).index_select(0, slot)
+        return torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
+
+    def _time(self, t0, t1, t2, t3):
+        tm = self.timing
         tm["dispatch_s"] += t1 - t0
         tm["experts_s"] += t2 - t1
-        tm["combine_s"] += t3 - t2
+        tm["combine_s"] += (t3 - t2) if t3 is not None else 0.0
         tm["calls"] += 1
-        return torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
 
 
 def moe_layers(model: nn.Module):
@@ -137,7 +162,8 @@ def apply(model: nn.Module, mesh, cfg) -> nn.Module:
         return model
     for name, moe in moe_layers(model):
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, ExpertParallelMoE(moe, mesh, cfg.model, name))
+        setattr(model.get_submodule(parent), attr,
+                ExpertParallelMoE(moe, mesh, cfg.model, name, cfg.parallel.ep_dispatch))
     return model
 
 

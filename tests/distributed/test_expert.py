@@ -71,24 +71,72 @@ def _train_step(mesh, cfg):
             metrics["moe/all_to_all_bytes"] > 0 or mesh.size("ep") == 1)
 
 
-def _capacity_layer(mesh, cfg):
+class _NoHostRead:
+    """Within: ``Tensor.tolist`` / ``item`` raise, except inside the experts' kernel (on CPU it reads
+    its counts, which live in host memory there)."""
+
+    def __init__(self, layer):
+        self.layer, self.saved = layer, (torch.Tensor.tolist, torch.Tensor.item)
+
+    def _forbid(self, *a, **k):
+        raise AssertionError("host read in the expert-parallel dispatch")
+
+    def __enter__(self):
+        experts, saved = self.layer.experts, self.saved
+        run = experts.forward
+
+        def allowed(x, counts):
+            torch.Tensor.tolist, torch.Tensor.item = saved
+            try:
+                return run(x, counts)
+            finally:
+                torch.Tensor.tolist = torch.Tensor.item = self._forbid
+        experts.forward = allowed
+        torch.Tensor.tolist = torch.Tensor.item = self._forbid
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.item = self.saved
+        del self.layer.experts.forward
+
+
+def _capacity_layer(mesh, cfg, dispatch):
     """Each rank's tokens through the ep layer vs the single-process MoE on the same tokens:
-    same kept/dropped assignments, same output; all-to-all bytes equal the rows sent away."""
+    same kept/dropped assignments, same output and input/router gradients; expert gradients equal
+    the reference's summed over the ep ranks; all-to-all bytes equal the rows sent away (exact)
+    or the padded blocks (padded, which must not read anything on the host)."""
     ref = build_model(cfg.model, seed=4, dtype=torch.float64).layers["0"].feed_forward
     with torch.no_grad():  # a peaked router so that experts overflow
         ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
-    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward")
-    x = torch.randn(24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + mesh.rank))
-    y_ref = ref(x)
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", dispatch)
+    gen = torch.Generator().manual_seed(10 + mesh.rank)
+    x = torch.randn(24, 32, dtype=torch.float64, generator=gen)
+    w = torch.randn(24, 32, dtype=torch.float64, generator=gen)
+    xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = ref(xr)
+    (y_ref * w).sum().backward()
     snap = mesh.ledger.snapshot()
-    y = layer(x)
+    if dispatch == "padded":
+        with _NoHostRead(layer):
+            y = layer(xe)
+    else:
+        y = layer(xe)
     sent = sum(e.bytes_sent for (op, grp), e in mesh.ledger.since(snap).items() if op == "all_to_all")
+    (y * w).sum().backward()
+    ep_comm = mesh.comm("ep")
+    grad_err = max((xe.grad - xr.grad).abs().max().item(),
+                   (layer.router.weight.grad - ref.router.weight.grad).abs().max().item())
+    for name in ("w1", "w2", "w3"):
+        full = ep_comm.all_reduce(getattr(ref.experts, name).grad.clone())
+        grad_err = max(grad_err, (getattr(layer.experts, name).grad
+                                  - full[layer.first:layer.first + layer.n_local]).abs().max().item())
     r, rr = layer.last_routing, ref.last_routing
     ep, n_local = mesh.size("ep"), layer.n_local
     me = mesh.local_rank("ep")
     rows_to = {mesh.ranks("ep")[q]: int((r.keep & (r.expert // n_local == q)).sum()) for q in range(ep) if q != me}
+    if dispatch == "padded":  # every block holds C rows, whatever the routing
+        rows_to = {q: n_local * layer.capacity(x.shape[0]) for q in rows_to}
     return (torch.equal(r.keep, rr.keep) and torch.equal(r.expert, rr.expert), (y - y_ref).abs().max().item(),
-            int((~r.keep).sum()), sent, rows_to, n_local, ep)
+            int((~r.keep).sum()), sent, rows_to, n_local, ep, grad_err)
 
 
 def worker(ctx, topologies):
@@ -101,7 +149,8 @@ def worker(ctx, topologies):
         tag = "x".join(f"{k}{v}" for k, v in topo.items()) + ("" if algorithm == "backend" else f" {algorithm}")
         for k in (1, 2):
             out[f"{tag} top{k} step"] = _train_step(mesh, make_cfg(topo, top_k=k))
-        out[f"{tag} capacity"] = _capacity_layer(mesh, make_cfg(topo, capacity=1.0))
+        for dispatch in ("padded", "exact"):
+            out[f"{tag} capacity {dispatch}"] = _capacity_layer(mesh, make_cfg(topo, capacity=1.0), dispatch)
     return out
 
 
@@ -112,8 +161,8 @@ def _check(res, rank, all_res):
             assert max(loss_err, grad_err, param_err) <= ATOL, (name, vals)
             assert tpe_ok and a2a_ok, (name, vals)
         else:
-            same_drops, out_err, dropped, sent, rows_to, n_local, ep = vals
-            assert same_drops and out_err <= ATOL, (name, vals)
+            same_drops, out_err, dropped, sent, rows_to, n_local, ep, grad_err = vals
+            assert same_drops and max(out_err, grad_err) <= ATOL, (name, vals)
             # dispatch sends the rows bound for other ranks, combine returns the rows they sent us,
             # plus the exchange of n_local int64 counts with each other rank
             incoming = sum(other[name][4].get(rank, 0) for other in all_res)
@@ -123,7 +172,7 @@ def _check(res, rank, all_res):
 
 def test_expert_parallel_ep2():
     res = run(worker, 2, [dict(dp_shard=2, ep=2), dict(dp_shard=2, ep=2, algorithm="ring")])
-    assert sum(v[2] for r in res for k, v in r.items() if k.endswith("capacity")) > 0  # drops happened
+    assert sum(v[2] for r in res for k, v in r.items() if "capacity" in k) > 0  # drops happened
     for rank, r in enumerate(res):
         _check(r, rank, res)
 
@@ -132,5 +181,5 @@ def test_expert_parallel_ep4_and_ep_x_dp_and_ep_over_cp():
     res = run(worker, 4, [dict(dp_shard=4, ep=4), dict(dp_replicate=2, dp_shard=2, ep=2),
                           dict(dp_shard=2, cp=2, ep=4), dict(dp_shard=2, tp=2, ep=2)])
     for rank, r in enumerate(res):
-        assert len(r) == 12
+        assert len(r) == 16
         _check(r, rank, res)

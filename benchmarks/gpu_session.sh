@@ -11,7 +11,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python}
 export PYTHONPATH=${PYTHONPATH:-.}
-STEPS=${STEPS:-"env tests comm verify single planner overlap"}
+STEPS=${STEPS:-"env tests comm verify single planner overlap moe pipeline"}
 
 step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.txt
   local name=$1 limit=$2
@@ -50,6 +50,13 @@ for s in $STEPS; do
           --train.device=cuda --train.precision=bf16 --train.steps=6 --profile 2 --parallel.zero_stage=$zero \
           --parallel.comm_transport=process_group --checkpoint.save=false --logging.run_dir="$OUT/overlap_zero$zero"
       done ;;
+    moe)    # the experts' kernels on the GPU: per-expert loop vs torch._grouped_mm (bf16, fp32)
+      step moe_kernel 240 "$PY" benchmarks/moe_kernel.py --device cuda --dtypes bfloat16 float32 \
+        --tokens 2048 8192 ;;
+    pipeline)  # the machine's 16 CPU cores: pp = 4 ranks with a core each (on the 2-core CI host four
+               # ranks share two cores, so no schedule can turn its bubble into speed: ZB-H1 vs 1F1B)
+      step pipeline_cpu_pp4 420 "$PY" benchmarks/pipeline.py --pp 4 --d-model 256 --steps 8 \
+        --engines 1f1b,zb-h1,dualpipe,interleaved ;;
     *) echo "unknown step $s" | tee -a "$OUT/summary.txt" ;;
   esac
 done

@@ -16,6 +16,7 @@ tensor without grad). GFLOP/s = those FLOPs / median time. The variants alternat
 ``--reps`` after a warm-up. Run it alone (flock): the machine's two cores are shared.
 
     PYTHONPATH=. python benchmarks/moe_kernel.py [--tokens 256 2048 8192] [--dtypes float32 float64]
+    PYTHONPATH=. python benchmarks/moe_kernel.py --device cuda --dtypes bfloat16 float32 --tokens 2048 8192
 """
 from __future__ import annotations
 
@@ -37,13 +38,17 @@ from shardlab.models.moe_gemm import expert_ffn, _grouped_mm_ok  # noqa: E402
 D, H, E, K = 256, 512, 8, 2
 
 
-def _time(fn) -> float:
+def _time(fn, dev: str) -> float:
+    if dev == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn().square().mean().backward()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
-def case(dtype, tokens: int, reps: int) -> dict:
+def case(dtype, tokens: int, reps: int, dev: str = "cpu") -> dict:
     cfg = ModelConfig(d_model=D, ffn_hidden=H, n_experts=E, moe_top_k=K, n_layers=2, n_heads=4)
     layer = MoE(cfg).to(dtype=dtype)
     g = torch.Generator().manual_seed(0)
@@ -51,6 +56,7 @@ def case(dtype, tokens: int, reps: int) -> dict:
         for p in layer.parameters():
             p.normal_(0, 0.05, generator=g)
     x = torch.randn(tokens, D, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    layer, x = layer.to(dev), x.to(dev)
     r = layer.route(x)  # the experts alone: rows grouped by expert, as the layer passes them
     rows = x[r.token[torch.argsort(r.expert, stable=True)]]
     counts = torch.bincount(r.expert, minlength=E)
@@ -75,7 +81,7 @@ def case(dtype, tokens: int, reps: int) -> dict:
     times: dict = {}
     for _ in range(reps + 1):
         for name, fn in variants.items():
-            times.setdefault(name, []).append(_time(fn))
+            times.setdefault(name, []).append(_time(fn, dev))
     out = {name: 1e3 * statistics.median(v[1:]) for name, v in times.items()}
     out["gflop"] = 7 * 2 * K * tokens * D * H / 1e9
     return out
@@ -86,8 +92,12 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the grouped kernel is torch._grouped_mm "
+                                                    "where it applies: bf16/fp32 on sm90+)")
     args = ap.parse_args()
-    print(f"MoE forward+backward on one process (cpu, {torch.get_num_threads()} threads, torch {torch.__version__}), "
+    where = (f"cpu, {torch.get_num_threads()} threads" if args.device == "cpu"
+             else torch.cuda.get_device_name(0))
+    print(f"MoE forward+backward on one process ({where}, torch {torch.__version__}), "
           f"d {D}, ffn {H}, {E} experts top-{K}, dropless, median of {args.reps}; times in ms; GFLOP/s of the "
           "experts' 7 products")
     print("| dtype | tokens | layer loop | layer grouped | speed-up | experts loop | experts grouped | speed-up "
@@ -95,7 +105,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dt in args.dtypes:
         for tokens in args.tokens:
-            c = case(getattr(torch, dt), tokens, args.reps)
+            c = case(getattr(torch, dt), tokens, args.reps, args.device)
             gf = c["gflop"] * 1e3
             gmm = f"{c['experts grouped_mm']:.1f}" if "experts grouped_mm" in c else "n/a"
             print(f"| {dt} | {tokens} | {c['layer loop']:.1f} | {c['layer grouped']:.1f} | "

@@ -27,18 +27,13 @@ class _GroupedMM(torch.autograd.Function):
 @contextlib.contextmanager
 def meta_routing(state: dict):
     """MoE layers (models/moe.py, parallel/expert.py) run on meta as they are: their shapes never
-    depend on the routing except expert parallel's split sizes. Within the trace ``bincount``
-    returns ``minlength`` counts, ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta tensor's
+    depend on the routing except expert parallel's split sizes (exact dispatch) and the CPU
+    kernel's segments. Within the trace ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta tensor's
     ``tolist`` (the all-to-all split sizes) gives ``state["rows"]`` (the current MoE layer's
     ``T * top_k`` assignments) spread evenly: balanced routing, no drop. Autocast is off on meta
     (``is_autocast_enabled("meta")`` is False rather than an error; a trace picks its dtype)."""
-    old_bc, old_gmm, old_tl = torch.bincount, getattr(torch, "_grouped_mm", None), torch.Tensor.tolist
+    old_gmm, old_tl = getattr(torch, "_grouped_mm", None), torch.Tensor.tolist
     old_ac = torch.is_autocast_enabled
-
-    def bincount(x, weights=None, minlength=0):
-        if x.is_meta:
-            return torch.zeros(minlength, dtype=torch.int64, device="meta")
-        return old_bc(x, weights, minlength)
 
     def tolist(t):
         if t.is_meta and t.dim() == 1:
@@ -46,13 +41,13 @@ def meta_routing(state: dict):
             return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
         return old_tl(t)
 
-    torch.bincount, torch.Tensor.tolist = bincount, tolist
+    torch.Tensor.tolist = tolist
     torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else old_ac(*a)
     torch._grouped_mm = lambda a, b, offs=None, **kw: _GroupedMM.apply(a, b, offs)
     try:
         yield
     finally:
-        torch.bincount, torch.Tensor.tolist, torch.is_autocast_enabled = old_bc, old_tl, old_ac
+        torch.Tensor.tolist, torch.is_autocast_enabled = old_tl, old_ac
         if old_gmm is not None:
             torch._grouped_mm = old_gmm
 

@@ -45,6 +45,12 @@ from torch import nn
 from .moe_gemm import expert_ffn
 
 
+def count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in ``index``: ``bincount`` without its host read (CUDA's
+    ``bincount`` reads the maximum to size its output); integer adds, so exact in any order."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+
+
 class Experts(nn.Module):
     """``n`` SwiGLU experts with stacked weights. ``forward(x, counts)``: the rows of ``x`` are
     grouped by expert, ``counts[e]`` rows for expert e, in order (a tensor); rows past
@@ -117,7 +123,7 @@ class MoE(nn.Module):
         expert = idx.t().reshape(-1)                                      # priority order: choice, token
         token = torch.arange(T, device=x.device).repeat(k)
         weight = gate.t().reshape(-1)
-        counts = torch.bincount(expert, minlength=E)
+        counts = count(expert, E)
         keep = torch.ones_like(expert, dtype=torch.bool)
         cap = self.capacity(T)
         if cap:
@@ -131,7 +137,7 @@ class MoE(nn.Module):
         dropped = (~keep).sum()
         vec = torch.cat([probs.sum(0), torch.logsumexp(lf, -1).pow(2).sum()[None],
                          counts.to(lf.dtype), dropped.to(lf.dtype)[None],
-                         torch.tensor([float(T)], dtype=lf.dtype, device=x.device)])
+                         lf.new_full((1,), float(T))])
         vec = self.batch_sum(vec)
         prob_sum, z_sum, g_counts, g_dropped, g_tokens = vec[:E], vec[E], vec[E + 1:2 * E + 1], vec[-2], vec[-1]
         f = g_counts / (g_tokens * k)
@@ -152,7 +158,7 @@ class MoE(nn.Module):
         sel = torch.argsort(key, stable=True)                 # row i of the experts' input: assignment sel[i]
         inv = torch.empty_like(sel)
         inv[sel] = torch.arange(sel.numel(), device=sel.device)
-        counts = torch.bincount(key, minlength=self.n_experts + 1)[:self.n_experts]
+        counts = count(key, self.n_experts + 1)[:self.n_experts]
         y = self.run_experts(_Spread.apply(x, sel, inv, self.top_k), counts)
         # combine in x's dtype (under autocast the experts return bf16/fp16, x is fp32)
         w = (r.weight * r.keep)[sel, None].to(x.dtype)

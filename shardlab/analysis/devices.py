@@ -101,6 +101,8 @@ def with_nodes(dev: Device, gpus_per_node: int | None) -> Device:
 
 # -- CPU probe ---------------------------------------------------------------------------------------
 
+PROBE_ROUNDS = 7
+"""Alternating timing rounds of the matmul probes (each rate is the median of its rounds)."""
 CURVE_BYTES = (4, 2**16, 2**18, 2**20, 2**22)
 """Message sizes of the probed all-reduce curve (the tiny models' collectives lie between)."""
 
@@ -133,17 +135,23 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     from ..train.metrics import cpu_probe_flops
     import os
     torch.set_num_threads(1)
-    flops = cpu_probe_flops(0.3, 256)
-    # a transformer-shaped matmul, forward and backward: its rate over the square probe's is mm_eff
+    # a transformer-shaped matmul, forward and backward: its rate over the square probe's is mm_eff.
+    # Both rates in alternating rounds, each the median of its rounds: a single timing window moved
+    # the linear rate by up to 14% between runs on this shared machine (and every matmul with it)
     x = torch.randn(2048, 128, requires_grad=True)
     w = torch.randn(352, 128, requires_grad=True)
     for _ in range(2):
         torch.nn.functional.linear(x, w).sum().backward()
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.3:
-        torch.nn.functional.linear(x, w).sum().backward()
-        reps += 1
-    mm_eff = min(1.0, 3 * 2 * 2048 * 128 * 352 * reps / (time.perf_counter() - t0) / flops)
+    squares, linears = [], []
+    for _ in range(PROBE_ROUNDS):
+        squares.append(cpu_probe_flops(0.6 / PROBE_ROUNDS, 256))
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.6 / PROBE_ROUNDS:
+            torch.nn.functional.linear(x, w).sum().backward()
+            reps += 1
+        linears.append(3 * 2 * 2048 * 128 * 352 * reps / (time.perf_counter() - t0))
+    flops = statistics.median(squares)
+    mm_eff = min(1.0, statistics.median(linears) / flops)
     a = torch.empty(2**23)
     b = torch.empty_like(a)
     b.copy_(a)

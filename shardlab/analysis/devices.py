@@ -105,6 +105,11 @@ PROBE_ROUNDS = 7
 """Alternating timing rounds of the matmul probes (each rate is the median of its rounds)."""
 CURVE_BYTES = (4, 2**16, 2**18, 2**20, 2**22)
 """Message sizes of the probed all-reduce curve (the tiny models' collectives lie between)."""
+CURVE_REPS, CURVE_TRIM = 40, 0.05
+"""The curve's statistic: the mean of 40 compute + all-reduce rounds without the slowest 5%. Not
+the median: on this shared 2-core machine a 4-byte all-reduce between ~1-13 ms of compute adds a
+median 0.3-1.4 ms but a mean 1.0-2.2 ms (rare stalls of several ms, 2026-11-25), and a step pays
+the sum of its collectives, i.e. their mean; the trim keeps a one-off stall out."""
 
 
 def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2,
@@ -122,7 +127,7 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     ranks than cores it includes their waiting for a core); and ``comm_curve``: per world size and
     group size (2, world / 2, world; every rank in some group), the seconds an all-reduce of each
     of CURVE_BYTES adds to a loop that alternates a fixed piece of
-    compute with it (median of ``reps``, minus the compute's share: its single-rank time x
+    compute with it (the mean of CURVE_REPS without the slowest 5%, minus the compute's share: its single-rank time x
     max(1, ranks / cores)). That is the regime of a training step: ranks reach the collective
     at different times, and with more ranks than cores the waiting ranks give up their core
     (gloo's back-to-back all-reduces, ``comm``, see none of this: at 8 ranks on 2 cores a 1 MB
@@ -238,10 +243,23 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _upper_trimmed_mean_time(fn, reps: int, trim: float = CURVE_TRIM) -> float:
+    """Mean seconds of ``fn`` over ``reps`` calls, the slowest ``trim`` of them left out."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return statistics.mean(ts[:max(1, round(len(ts) * (1 - trim)))])
+
+
 def _probe_comm(ctx, sizes, reps: int = 15):
     """(median seconds of one all-reduce back to back over all ranks, for the first two sizes) and
-    {group size: [median seconds of compute + one all-reduce in groups of that size, for the sizes
-    after them]}: groups of 2 (``tp``), world / 2 (``dp_shard``) and the world, every rank busy."""
+    {group size: [mean seconds (CURVE_REPS calls, upper-trimmed) of compute + one all-reduce in
+    groups of that size, for the sizes after them]}: groups of 2 (``tp``), world / 2
+    (``dp_shard``) and the world, every rank busy."""
     import torch
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
@@ -259,7 +277,7 @@ def _probe_comm(ctx, sizes, reps: int = 15):
         for n in sizes[2:]:
             x = torch.zeros(max(1, n // 4))
             comm.all_reduce(x)
-            mixed[g].append(_median_time(lambda: (_work(), comm.all_reduce(x)), reps))
+            mixed[g].append(_upper_trimmed_mean_time(lambda: (_work(), comm.all_reduce(x)), CURVE_REPS))
     return sync, mixed
 
 

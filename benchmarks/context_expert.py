@@ -296,6 +296,11 @@ def worker(ctx, n, seq, device, parts):
     return out
 
 
+def _rank_mean(rr, part, variant) -> dict:
+    """Each figure of ``part`` / ``variant``, averaged over the ranks' results ``rr``."""
+    return {k: statistics.mean(r[part][variant][k] for r in rr) for k in rr[0][part][variant]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=8192)
@@ -348,10 +353,9 @@ def main():
         print("|---|---|---|---|---|---|")
         for n, rr in res.items():
             for impl in ("loop", "grouped"):
-                a = statistics.mean(r["moe"][impl]["a2a_ms"] for r in rr)
-                e = statistics.mean(r["moe"][impl]["experts_ms"] for r in rr)
-                mib = statistics.mean(r["moe"][impl]["a2a_MiB"] for r in rr)
-                print(f"| {n} | {impl} | {a:.2f} | {e:.2f} | {a / e:.2f} | {mib:.2f} |")
+                g = _rank_mean(rr, "moe", impl)
+                print(f"| {n} | {impl} | {g['a2a_ms']:.2f} | {g['experts_ms']:.2f} | {g['a2a_ms'] / g['experts_ms']:.2f} "
+                      f"| {g['a2a_MiB']:.2f} |")
     if "dispatch" in args.parts:
         print("\nMoE layer forward+backward with capacity factor 1.25, expert-parallel dispatch padded to the "
               "capacity vs exact, d 256, ffn 512, 8 experts top-2, 2048 tokens per rank, fp32 (mean over ranks; "
@@ -363,7 +367,7 @@ def main():
             for d in ("padded", "exact"):
                 if "dispatch" not in rr[0]:
                     continue
-                g = {k: statistics.mean(r["dispatch"][d][k] for r in rr) for k in rr[0]["dispatch"][d]}
+                g = _rank_mean(rr, "dispatch", d)
                 print(f"| {n} | {d} | {g['wall_ms']:.1f} | {g['a2a_ms']:.2f} | {g['experts_ms']:.2f} "
                       f"| {g['a2a_MiB']:.2f} | {g['dropped']:.3f} |")
     if "ulysses" in args.parts:

@@ -105,11 +105,15 @@ PROBE_ROUNDS = 7
 """Alternating timing rounds of the matmul probes (each rate is the median of its rounds)."""
 CURVE_BYTES = (4, 2**16, 2**18, 2**20, 2**22)
 """Message sizes of the probed all-reduce curve (the tiny models' collectives lie between)."""
-CURVE_REPS, CURVE_TRIM = 40, 0.05
-"""The curve's statistic: the mean of 40 compute + all-reduce rounds without the slowest 5%. Not
+CURVE_REPS, CURVE_TRIM = 100, 0.05
+"""The curve's statistic: the mean of 100 compute + all-reduce rounds without the slowest 5%. Not
 the median: on this shared 2-core machine a 4-byte all-reduce between ~1-13 ms of compute adds a
-median 0.3-1.4 ms but a mean 1.0-2.2 ms (rare stalls of several ms, 2026-11-25), and a step pays
-the sum of its collectives, i.e. their mean; the trim keeps a one-off stall out."""
+median 0.3-1.4 ms but a mean 1.0-2.2 ms (stalls of several ms, 2026-11-25), and a step pays the
+sum of its collectives, i.e. their mean; the trim keeps a one-off stall out. 100 rounds: three
+probes a minute apart gave 0.87-0.91 / 2.20-2.41 / 2.27-3.03 ms at 4 B / 256 KiB / 1 MiB with
+200 rounds, where 15-round medians spread 0.77-0.86 / 1.70-4.73 / 2.66-2.88 ms. (Between runs
+minutes apart the machine itself moves more: 4 B measured 0.2 ms in one calibration, 0.8 in
+another.)"""
 
 
 def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2,
@@ -233,25 +237,24 @@ def _work():
         a @ b
 
 
-def _median_time(fn, reps: int) -> float:
+def _times(fn, reps: int) -> list:
+    """Seconds of each of ``reps`` calls of ``fn``, after one untimed call."""
     fn()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return ts
+
+
+def _median_time(fn, reps: int) -> float:
+    return statistics.median(_times(fn, reps))
 
 
 def _upper_trimmed_mean_time(fn, reps: int, trim: float = CURVE_TRIM) -> float:
     """Mean seconds of ``fn`` over ``reps`` calls, the slowest ``trim`` of them left out."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
+    ts = sorted(_times(fn, reps))
     return statistics.mean(ts[:max(1, round(len(ts) * (1 - trim)))])
 
 

@@ -15,7 +15,8 @@ The rows of step 3 travel one of two ways (``parallel.ep_dispatch``):
   padded  (with a capacity C, the default there) every (rank, expert) block padded to C rows,
           as GShard: equal splits of E/ep * C rows, so no host read, and every shape, hence the
           activation memory, is fixed by C; the experts skip the padding. Bytes per rank and
-          layer, dispatch and combine each: E C d (ep-1)/ep elements.
+          layer, dispatch and combine each: E C d (ep-1)/ep elements. Every ep rank routes the
+          same number of tokens per call (the engines' micro-batches are equal), so C agrees.
   exact   (always when dropless) only the kept rows: uneven splits, read on the host (the one
           sync of the layer); ~ k T d (ep-1)/ep elements each way for balanced routing (the ledger
           records the exact amount), and memory that follows the routing.

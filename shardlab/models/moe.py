@@ -25,11 +25,13 @@ global batch. Per-step statistics are kept as device tensors and read (``self.la
 tokens per expert, dropped fraction) only by the metrics.
 
 Host reads. Routing, grouping and the combine have none: the assignments are grouped by
-expert with the dropped ones last, so every shape is T*k whatever the routing; tokens go to the
-grouped rows and back by gathers whose backward is the other gather (no scatter-add). The
+expert with the dropped ones last, so every shape is T*k whatever the routing; counts are
+integer scatter-adds (CUDA's ``bincount`` would read its maximum); tokens go to the grouped rows
+and back by gathers whose backward is the other gather (no scatter-add into the tokens). The
 experts (models/moe_gemm.py) read nothing on CUDA with ``torch._grouped_mm``; the CPU kernel
-reads the counts, which on CPU already live in host memory. Expert parallel must read the
-all-to-all split sizes (parallel/expert.py); that is the one sync that remains there.
+reads the counts, which on CPU already live in host memory. Expert parallel with a capacity pads
+its all-to-all to it and reads nothing either; dropless (or ``parallel.ep_dispatch = exact``) it
+must read the split sizes (parallel/expert.py), the one sync that remains there.
 
 Expert weights are stacked parameters ``experts.w1`` / ``experts.w3`` (E, H, D) and
 ``experts.w2`` (E, D, H) with global names, so ``init_tensor`` initialises them the same under

@@ -44,6 +44,8 @@ class Device:
     comm_curve: tuple = ()     # CPU: ((world, group size, ((bytes, seconds), ...)), ...): all-reduce between compute
     ckpt_s: tuple = ()         # CPU: ((recompute mode, seconds), ...): what a checkpointed block costs per operator
                                # beyond its recomputed forward (saved-tensor hooks, the op policy's dispatch modes)
+    busy: float = 1.0          # CPU: compute time with every core running a rank over the time alone (shared
+                               # caches and memory bandwidth), applied when a layout's ranks fill the cores
 
 
 GiB = 2**30
@@ -88,7 +90,7 @@ def get_device(kind: str, probe: dict | None = None) -> Device:
                       "measured by probe_cpu", pr.get("cores", 0), pr.get("op_s", 0.0), pr.get("ew_bw", 0.0),
                       tuple(tuple(x) for x in pr.get("comm", ())),
                       tuple((w, n, tuple(tuple(pt) for pt in pts)) for w, n, pts in pr.get("comm_curve", ())),
-                      tuple(sorted(pr.get("ckpt_s", {}).items())))
+                      tuple(sorted(pr.get("ckpt_s", {}).items())), pr.get("busy", 1.0))
     if kind not in DEVICES:
         raise ConfigError("--gpu", f"unknown device {kind!r}; known: {', '.join(sorted(DEVICES))}, cpu "
                                    "(the planner never guesses a device's peak)")
@@ -126,7 +128,9 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     per operator, the dispatch and autograd cost) and on 2^18 (``ew_bw``: output bytes per second
     beyond that); the 16-element chain again as one checkpointed block, full and under the op
     policy (``ckpt_s``: seconds per operator beyond the plain chain and its recomputed forward:
-    the checkpoint's saved-tensor hooks and, for op, its two dispatch modes); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
+    the checkpoint's saved-tensor hooks and, for op, its two dispatch modes); ``busy``: a small
+    transformer block's forward + backward timed in one process per core at once over alone (ranks
+    that fill the cores share caches and memory bandwidth: 1.07-1.16 measured here); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
     [[n, alpha, bw]], alpha per 2 log2(n) steps as plan_time.collective counts them: with more
     ranks than cores it includes their waiting for a core); and ``comm_curve``: per world size and
     group size (2, world / 2, world; every rank in some group), the seconds an all-reduce of each
@@ -176,8 +180,12 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     comm, curve = [], []
     cores = os.cpu_count() or 1
     work = _median_time(_work, reps)
+    busy = 1.0
     try:
         from ..launch import run
+        if cores > 1:  # the same block alone and in one process per core at once
+            alone = _block_time()
+            busy = max(1.0, statistics.mean(run(_probe_busy, cores, threads=1, timeout_s=60)) / alone)
         times = run(_probe_comm, nproc, [small, big], reps, threads=1, timeout_s=60)[0][0]
         steps = 2 * (nproc - 1)
         alpha = times[0] / steps
@@ -193,7 +201,7 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     except Exception:  # no processes can be started: DESIGN's measured gloo figures (N=2)
         alpha, bw = 0.3e-3 / 2, 2 * big * 0.5 / 4.7e-3
     out = {"flops": flops, "mm_eff": mm_eff, "cores": os.cpu_count() or 1, "alpha": alpha, "bw": bw,
-           "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "ckpt_s": ckpt_s, "comm": comm,
+           "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "ckpt_s": ckpt_s, "busy": busy, "comm": comm,
            "comm_curve": curve,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,6 +233,42 @@ def _chain(n: int, k: int = 100, reps: int = 5, mode: str = "none") -> float:
 
 
 _WORK = []
+
+
+def _block_time(rounds: int = 7, seconds: float = 0.1) -> float:
+    """Median seconds of one small transformer-shaped block forward + backward (RMSNorm, a
+    128 -> 352 -> 128 SiLU MLP on 1,024 rows: matmuls and elementwise work), over ``rounds``
+    windows of ``seconds``, on one thread."""
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 128, generator=g, requires_grad=True)
+    w1 = torch.randn(352, 128, generator=g, requires_grad=True)
+    w2 = torch.randn(128, 352, generator=g, requires_grad=True)
+    scale = torch.ones(128, requires_grad=True)
+
+    def block():
+        y = F.linear(F.silu(F.linear(F.rms_norm(x, (128,), scale), w1)), w2)
+        (y * y).mean().backward()
+    for _ in range(3):
+        block()
+    out = []
+    for _ in range(rounds):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            block()
+            n += 1
+        out.append((time.perf_counter() - t0) / n)
+    return statistics.median(out)
+
+
+def _probe_busy(ctx) -> float:
+    """One rank of the busy-cores probe: :func:`_block_time` while every rank runs it."""
+    from ..distributed.mesh import Mesh
+    from ..distributed.topology import Topology
+    Mesh.build(Topology(dp_shard=ctx.world_size)).comm("world").barrier()
+    return _block_time()
 
 
 def _work():

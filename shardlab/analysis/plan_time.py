@@ -132,6 +132,8 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
     peak = dev.peak_flops
     over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
+    if dev.cores > 1 and topo.world_size > 1:  # and the caches / memory bandwidth (probed: busy)
+        over *= 1.0 + (dev.busy - 1.0) * min(1.0, (topo.world_size - 1) / (dev.cores - 1))
     t_mm = over * mm / (peak * dev.mm_eff)
     attn = attn_term * tokens / (p.tp * p.cp * p.pp)
     math_core = m.attention == "math"  # scores materialised: the whole S x S products as batched matmuls,

@@ -204,3 +204,21 @@ def test_fitted_efficiency_divides_only_the_compute_bound_time():
     assert b.step_time_s == pytest.approx((a.step_time_s - fixed) / 0.5 + fixed)
     assert b.tokens_per_s == pytest.approx(a.tokens_per_s * a.step_time_s / b.step_time_s)
     assert [r.total for r in a.ranks] == [r.total for r in b.ranks]
+
+
+def test_cpu_compute_slows_by_the_probed_busy_factor_when_ranks_fill_the_cores():
+    """The probe's ``busy`` (a block's time with one process per core at once over alone)
+    multiplies the compute of layouts whose ranks fill the cores, in proportion up to that, and
+    leaves one rank, the collectives and the optimizer alone."""
+    from shardlab.analysis.predict import predict
+    probe = {"flops": 1e10, "mm_eff": 0.8, "alpha": 1e-4, "bw": 1e9, "mem_bw": 1e10, "cores": 4,
+             "op_s": 4e-6, "ew_bw": 3e9}
+
+    def parts(busy, n):
+        cfg = _tiny(dp_shard=n)
+        cfg.train.precision = "fp32"
+        return predict(cfg, "cpu", probe={**probe, "busy": busy}).breakdown
+    for n, share in ((1, 0.0), (2, 1 / 3), (4, 1.0)):
+        plain, slow = parts(1.0, n), parts(1.3, n)
+        assert slow["compute"] == pytest.approx(plain["compute"] * (1 + 0.3 * share))
+        assert slow["optimizer"] == plain["optimizer"] and slow["exposed_comm"] == pytest.approx(plain["exposed_comm"])

@@ -14,6 +14,7 @@ Compute per micro-batch and rank (one pipeline stage):
 On a CPU (the probe's ``op_s`` and ``ew_bw``) the elementwise term is instead, per operator the
 traced forward dispatches, a probed latency (forward + backward) plus the bytes it writes at the
 probed elementwise rate; a host whose ranks outnumber its cores slows compute by ranks / cores,
+and ranks that fill the cores by the probed ``busy`` factor (shared caches and memory bandwidth),
 its collectives use the gloo figures probed with as many ranks as the layout runs, and nothing
 overlaps (gloo computes on the same cores).
 Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /

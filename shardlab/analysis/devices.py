@@ -107,6 +107,8 @@ PROBE_ROUNDS = 7
 """Alternating timing rounds of the matmul probes (each rate is the median of its rounds)."""
 CURVE_BYTES = (4, 2**16, 2**18, 2**20, 2**22)
 """Message sizes of the probed all-reduce curve (the tiny models' collectives lie between)."""
+BUSY_PAIRS = 5
+"""Alone / busy timing pairs of the busy-cores probe (its figure is their median ratio)."""
 CURVE_REPS, CURVE_TRIM = 100, 0.05
 """The curve's statistic: the mean of 100 compute + all-reduce rounds without the slowest 5%. Not
 the median: on this shared 2-core machine a 4-byte all-reduce between ~1-13 ms of compute adds a
@@ -130,7 +132,8 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     policy (``ckpt_s``: seconds per operator beyond the plain chain and its recomputed forward:
     the checkpoint's saved-tensor hooks and, for op, its two dispatch modes); ``busy``: a small
     transformer block's forward + backward timed in one process per core at once over alone (ranks
-    that fill the cores share caches and memory bandwidth: 1.07-1.16 measured here); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
+    that fill the cores share caches and memory bandwidth: 1.05-1.10 measured here, the median of
+    BUSY_PAIRS alternating pairs); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
     [[n, alpha, bw]], alpha per 2 log2(n) steps as plan_time.collective counts them: with more
     ranks than cores it includes their waiting for a core); and ``comm_curve``: per world size and
     group size (2, world / 2, world; every rank in some group), the seconds an all-reduce of each
@@ -184,8 +187,7 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     try:
         from ..launch import run
         if cores > 1:  # the same block alone and in one process per core at once
-            alone = _block_time()
-            busy = max(1.0, statistics.mean(run(_probe_busy, cores, threads=1, timeout_s=60)) / alone)
+            busy = max(1.0, run(_probe_busy, cores, threads=1, timeout_s=120)[0])
         times = run(_probe_comm, nproc, [small, big], reps, threads=1, timeout_s=60)[0][0]
         steps = 2 * (nproc - 1)
         alpha = times[0] / steps
@@ -263,12 +265,24 @@ def _block_time(rounds: int = 7, seconds: float = 0.1) -> float:
     return statistics.median(out)
 
 
-def _probe_busy(ctx) -> float:
-    """One rank of the busy-cores probe: :func:`_block_time` while every rank runs it."""
+def _probe_busy(ctx, pairs: int = BUSY_PAIRS) -> float:
+    """The busy-cores probe, one process per core: ``pairs`` times, rank 0 times
+    :func:`_block_time` alone (the others wait in a barrier), then every rank times it at once;
+    returns (rank 0) the median over the pairs of the ranks' mean busy time over rank 0's alone
+    time. Alternating in the same processes: one alone / busy pair moved 1.04-1.18 over six
+    trials, mostly with the alone time."""
+    import torch
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
-    Mesh.build(Topology(dp_shard=ctx.world_size)).comm("world").barrier()
-    return _block_time()
+    world = Mesh.build(Topology(dp_shard=ctx.world_size)).comm("world")
+    ratios = []
+    for _ in range(pairs):
+        world.barrier()
+        alone = _block_time(3) if ctx.rank == 0 else 0.0
+        world.barrier()
+        busy = float(world.all_reduce(torch.tensor([_block_time(3)], dtype=torch.float64))[0]) / ctx.world_size
+        ratios.append(busy / alone if ctx.rank == 0 else 0.0)
+    return statistics.median(ratios)
 
 
 def _work():

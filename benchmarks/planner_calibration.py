@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from shardlab.analysis import calibrate as cal  # noqa: E402
 from shardlab.analysis import verify  # noqa: E402
+from shardlab.parallel.expert import padded_dispatch  # noqa: E402
 
 
 def _preset(name: str, keep=("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
@@ -167,7 +168,7 @@ def routed(cfg) -> bool:
     unpadded (``parallel.ep_dispatch = exact``, or dropless); with the padded dispatch they are set
     by the capacity (parallel/expert.py)."""
     m, p = cfg.model, cfg.parallel
-    return bool(m.n_experts) and p.ep > 1 and (p.ep_dispatch == "exact" or m.moe_capacity_factor <= 0)
+    return bool(m.n_experts) and p.ep > 1 and not padded_dispatch(p.ep_dispatch, m.moe_capacity_factor)
 
 
 def summary(rows: list[dict]) -> str:

@@ -123,6 +123,8 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     model-state bytes (plan_memory.model_state); ``traced``: activation bytes of one micro-batch
     per stage without recomputation (plan_memory.chunk_activations)."""
     from ..distributed.topology import Topology
+    from ..models.moe import expert_capacity
+    from ..parallel.expert import padded_dispatch
     from .plan_memory import act_dtype, micro_batch, schedule_peaks
     p, m, t = cfg.parallel, cfg.model, cfg.train
     topo = Topology.from_config(p)
@@ -191,9 +193,9 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats
         moe_layers = m.n_layers / max(1, m.moe_every) / p.pp
         rows = b * (s // p.cp) * m.moe_top_k * m.d_model * el
-        if m.moe_capacity_factor > 0 and p.ep_dispatch == "padded":  # E blocks of C rows (parallel/expert.py)
-            rows = m.n_experts * math.ceil(m.moe_capacity_factor * b * (s // p.cp) * m.moe_top_k / m.n_experts) \
-                * m.d_model * el
+        if padded_dispatch(p.ep_dispatch, m.moe_capacity_factor):  # E blocks of C rows (parallel/expert.py)
+            rows = m.n_experts * expert_capacity(m.moe_capacity_factor, b * (s // p.cp), m.moe_top_k,
+                                                 m.n_experts) * m.d_model * el
         if p.ep > 1:
             bw, al = link(topo, "ep", dev)
             ep_comm += moe_layers * (4 * collective("all_to_all", rows, p.ep, bw, al)

@@ -47,6 +47,12 @@ from torch import nn
 from .moe_gemm import expert_ffn
 
 
+def expert_capacity(factor: float, n_tokens: int, top_k: int, n_experts: int) -> int:
+    """Assignments each expert may take of ``n_tokens`` routed tokens: ceil(factor T k / E);
+    0 = unlimited (dropless, ``factor`` 0)."""
+    return math.ceil(factor * n_tokens * top_k / n_experts) if factor > 0 else 0
+
+
 def count(index: torch.Tensor, n: int) -> torch.Tensor:
     """How often each of 0..n-1 occurs in ``index``: ``bincount`` without its host read (CUDA's
     ``bincount`` reads the maximum to size its output); integer adds, so exact in any order."""
@@ -110,9 +116,7 @@ class MoE(nn.Module):
     # -- routing ---------------------------------------------------------------------------------
     def capacity(self, n_tokens: int) -> int:
         """Assignments each expert may take (0 = unlimited)."""
-        if self.capacity_factor <= 0:
-            return 0
-        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+        return expert_capacity(self.capacity_factor, n_tokens, self.top_k, self.n_experts)
 
     def route(self, x: torch.Tensor) -> Routing:
         T, E, k = x.shape[0], self.n_experts, self.top_k

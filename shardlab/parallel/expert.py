@@ -75,7 +75,7 @@ class ExpertParallelMoE(MoE):
         self.ep, self.batch = mesh.comm("ep"), mesh.comm("dp_cp")
         E, ep = self.n_experts, self.ep.size
         self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
-        self.padded = dispatch == "padded" and self.capacity_factor > 0
+        self.padded = padded_dispatch(dispatch, self.capacity_factor)
         src = moe.experts
         self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
@@ -94,7 +94,8 @@ class ExpertParallelMoE(MoE):
         t0 = time.perf_counter()
         if ep == 1:
             out = self.experts(x, counts)
-            self._time(t0, t0, time.perf_counter(), None)
+            t1 = time.perf_counter()
+            self._time(t0, t0, t1, t1)
             return out
         send = counts.view(ep, n_local)
         recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
@@ -136,8 +137,14 @@ class ExpertParallelMoE(MoE):
         tm = self.timing
         tm["dispatch_s"] += t1 - t0
         tm["experts_s"] += t2 - t1
-        tm["combine_s"] += (t3 - t2) if t3 is not None else 0.0
+        tm["combine_s"] += t3 - t2
         tm["calls"] += 1
+
+
+def padded_dispatch(dispatch: str, capacity_factor: float) -> bool:
+    """Whether the all-to-all pads every (rank, expert) block to the capacity: ``parallel.ep_dispatch
+    = padded`` with a capacity (dropless has none to pad to, so it always sends the exact rows)."""
+    return dispatch == "padded" and capacity_factor > 0
 
 
 def moe_layers(model: nn.Module):

@@ -62,7 +62,9 @@ def time_step(step_fn, x, y) -> float:
 
 # -- the contenders: each returns (step function, extra measurements or None) ---------------------
 def own(cfg):
-    mesh = Mesh.build(Topology.from_config(cfg.parallel))
+    # gloo, as every contender here: the comparison is of engines, not of transports (shardlab's
+    # default on one CPU host is its shared-memory transport: docs/collectives.md)
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), transport="process_group")
     engine = parallelize(build_model(cfg.model, 0), mesh, cfg)
     opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=LR))
 

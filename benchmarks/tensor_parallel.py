@@ -96,7 +96,7 @@ def _worker(ctx, sp: bool, steps: int, warmup: int):
     from torch.distributed.tensor.parallel import loss_parallel
     n = ctx.world_size
     cfg = make_cfg(n, sp)
-    mesh = Mesh.build(Topology(tp=n))
+    mesh = Mesh.build(Topology(tp=n), transport="process_group")  # gloo, as DTensor's: engines compared, not transports
     ours = tensor.apply(build_model(cfg.model, cfg.train.seed), mesh, cfg, get_spec(cfg.model).tp_plan)
     theirs = dtensor_model(cfg, init_device_mesh("cpu", (n,)))
     g = torch.Generator().manual_seed(1)

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..distributed.shm_host import X86
 from ..errors import ConfigError
 
 
@@ -46,6 +47,8 @@ class Device:
                                # beyond its recomputed forward (saved-tensor hooks, the op policy's dispatch modes)
     busy: float = 1.0          # CPU: compute time with every core running a rank over the time alone (shared
                                # caches and memory bandwidth), applied when a layout's ranks fill the cores
+    comm_curves: tuple = ()    # CPU: ((transport, comm_curve), ...) per transport probed; comm_curve above is
+                               # the one ``parallel.comm_transport = auto`` picks here (for_transport)
 
 
 GiB = 2**30
@@ -88,13 +91,28 @@ def get_device(kind: str, probe: dict | None = None) -> Device:
         return Device("CPU (probe)", pr["flops"], pr.get("memory", 16e9), pr.get("mem_bw", 5e9), pr.get("mm_eff", 1.0),
                       0.5 * pr.get("mm_eff", 1.0), pr["bw"], pr["alpha"], pr["bw"], pr["alpha"], 1 << 20,
                       "measured by probe_cpu", pr.get("cores", 0), pr.get("op_s", 0.0), pr.get("ew_bw", 0.0),
-                      tuple(tuple(x) for x in pr.get("comm", ())),
-                      tuple((w, n, tuple(tuple(pt) for pt in pts)) for w, n, pts in pr.get("comm_curve", ())),
-                      tuple(sorted(pr.get("ckpt_s", {}).items())), pr.get("busy", 1.0))
+                      tuple(tuple(x) for x in pr.get("comm", ())), _curve(pr.get("comm_curve", ())),
+                      tuple(sorted(pr.get("ckpt_s", {}).items())), pr.get("busy", 1.0),
+                      tuple((tr, _curve(c)) for tr, c in sorted(pr.get("comm_curves", {}).items())))
     if kind not in DEVICES:
         raise ConfigError("--gpu", f"unknown device {kind!r}; known: {', '.join(sorted(DEVICES))}, cpu "
                                    "(the planner never guesses a device's peak)")
     return DEVICES[kind]
+
+
+def _curve(entries) -> tuple:
+    return tuple((w, n, tuple(tuple(pt) for pt in pts)) for w, n, pts in entries)
+
+
+def for_transport(dev: Device, transport: str) -> Device:
+    """``dev`` with ``comm_curve`` the probed curve of ``parallel.comm_transport`` (auto: the
+    shared-memory transport on x86-64, where auto picks it for CPU ranks on one host; else the
+    process group). Unchanged when that transport was not probed (GPUs, an older probe)."""
+    if not getattr(dev, "comm_curves", ()):
+        return dev
+    want = {"auto": _AUTO}.get(transport, transport)
+    curves = dict(dev.comm_curves)
+    return replace(dev, comm_curve=curves[want]) if want in curves else dev
 
 
 def with_nodes(dev: Device, gpus_per_node: int | None) -> Device:
@@ -109,6 +127,8 @@ CURVE_BYTES = (4, 2**16, 2**18, 2**20, 2**22)
 """Message sizes of the probed all-reduce curve (the tiny models' collectives lie between)."""
 BUSY_PAIRS = 5
 """Alone / busy timing pairs of the busy-cores probe (its figure is their median ratio)."""
+_AUTO = "shared" if X86 else "process_group"
+"""The CPU transport ``parallel.comm_transport = auto`` picks on one host (distributed.mesh)."""
 CURVE_REPS, CURVE_TRIM = 100, 0.05
 """The curve's statistic: the mean of 100 compute + all-reduce rounds without the slowest 5%. Not
 the median: on this shared 2-core machine a 4-byte all-reduce between ~1-13 ms of compute adds a
@@ -180,7 +200,7 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     # the same chain checkpointed (recompute.py): the extra per operator beyond its recomputed forward
     ckpt_s = {mode: max(0.0, _chain(16, mode=mode) - op_s - op_s / 3) for mode in ("full", "op")}
     small, big = 4, 4 * 2**20
-    comm, curve = [], []
+    comm, curves = [], {}
     cores = os.cpu_count() or 1
     work = _median_time(_work, reps)
     busy = 1.0
@@ -193,18 +213,20 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
         alpha = times[0] / steps
         bw = 2 * big * (nproc - 1) / nproc / max(times[1] - times[0], 1e-9)
         for n in comm_sizes:
-            res = run(_probe_comm, n, [small, big, *CURVE_BYTES], reps, threads=1, timeout_s=240)
+            res = run(_probe_comm, n, [small, big, *CURVE_BYTES], reps, threads=1, timeout_s=360)
             t = [statistics.median(r[0][i] for r in res) for i in range(2)]
             comm.append([n, t[0] / (2 * math.log2(n)), 2 * big * (n - 1) / n / max(t[1] - t[0], 1e-9)])
             share = max(1.0, n / cores) * work
-            for g in res[0][1]:
-                it = [statistics.median(r[1][g][i] for r in res) for i in range(len(CURVE_BYTES))]
-                curve.append([n, g, [[b, max(1e-6, x - share)] for b, x in zip(CURVE_BYTES, it)]])
+            for tr in res[0][1]:
+                for g in res[0][1][tr]:
+                    it = [statistics.median(r[1][tr][g][i] for r in res) for i in range(len(CURVE_BYTES))]
+                    curves.setdefault(tr, []).append(
+                        [n, g, [[b, max(1e-6, x - share)] for b, x in zip(CURVE_BYTES, it)]])
     except Exception:  # no processes can be started: DESIGN's measured gloo figures (N=2)
         alpha, bw = 0.3e-3 / 2, 2 * big * 0.5 / 4.7e-3
     out = {"flops": flops, "mm_eff": mm_eff, "cores": os.cpu_count() or 1, "alpha": alpha, "bw": bw,
            "mem_bw": mem_bw, "nproc": nproc, "op_s": op_s, "ew_bw": ew_bw, "ckpt_s": ckpt_s, "busy": busy, "comm": comm,
-           "comm_curve": curve,
+           "comm_curve": curves.get(_AUTO, []), "comm_curves": curves,
            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
@@ -317,28 +339,33 @@ def _upper_trimmed_mean_time(fn, reps: int, trim: float = CURVE_TRIM) -> float:
 
 
 def _probe_comm(ctx, sizes, reps: int = 15):
-    """(median seconds of one all-reduce back to back over all ranks, for the first two sizes) and
-    {group size: [mean seconds (CURVE_REPS calls, upper-trimmed) of compute + one all-reduce in
-    groups of that size, for the sizes after them]}: groups of 2 (``tp``), world / 2
-    (``dp_shard``) and the world, every rank busy."""
+    """(median seconds of one all-reduce back to back over all ranks, for the first two sizes, on
+    the transport auto picks) and {transport: {group size: [mean seconds (CURVE_REPS calls,
+    upper-trimmed) of compute + one all-reduce in groups of that size, for the sizes after
+    them]}}: groups of 2 (``tp``), world / 2 (``dp_shard``) and the world, every rank busy; for
+    the process group and, on x86-64, the shared-memory transport (one host)."""
     import torch
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
     w = ctx.world_size
-    mesh = Mesh.build(Topology(tp=2, dp_shard=w // 2) if w >= 4 else Topology(dp_shard=w))
-    world = mesh.comm("world")
+    topo = Topology(tp=2, dp_shard=w // 2) if w >= 4 else Topology(dp_shard=w)
     sync, mixed = [], {}
-    for n in sizes[:2]:
-        x = torch.zeros(max(1, n // 4))
-        world.all_reduce(x)
-        sync.append(_median_time(lambda: world.all_reduce(x), reps))
-    groups = {w: world} if w < 4 else {2: mesh.comm("tp"), w // 2: mesh.comm("dp_shard"), w: world}
-    for g, comm in groups.items():
-        mixed[g] = []
-        for n in sizes[2:]:
-            x = torch.zeros(max(1, n // 4))
-            comm.all_reduce(x)
-            mixed[g].append(_upper_trimmed_mean_time(lambda: (_work(), comm.all_reduce(x)), CURVE_REPS))
+    for transport in (("shared", "process_group") if X86 else ("process_group",)):
+        mesh = Mesh.build(topo, transport=transport)
+        world = mesh.comm("world")
+        if transport == _AUTO:
+            for n in sizes[:2]:
+                x = torch.zeros(max(1, n // 4))
+                world.all_reduce(x)
+                sync.append(_median_time(lambda: world.all_reduce(x), reps))
+        groups = {w: world} if w < 4 else {2: mesh.comm("tp"), w // 2: mesh.comm("dp_shard"), w: world}
+        mixed[transport] = {}
+        for g, comm in groups.items():
+            mixed[transport][g] = []
+            for n in sizes[2:]:
+                x = torch.zeros(max(1, n // 4))
+                comm.all_reduce(x)
+                mixed[transport][g].append(_upper_trimmed_mean_time(lambda: (_work(), comm.all_reduce(x)), CURVE_REPS))
     return sync, mixed
 
 

@@ -8,9 +8,11 @@ out of them:
   collective library (``nccl``) or a collective; compute = every other kernel. Both run on
   streams; overlap is two streams busy at once.
 * on a CPU trace: communication = the collective's own span on its backend thread (gloo's
-  ``gloo:<op>`` annotations: gloo runs the collective on a thread of its own); compute = the
-  operators (``cpu_op``) of the thread that runs the training loop (the one with the most
-  events), other than the collective calls and waits themselves.
+  ``gloo:<op>`` annotations: gloo runs the collective on a thread of its own), and the
+  shared-memory transport's ``shm:<op>`` spans (it runs each collective inline, on the loop's
+  thread: never overlapped); compute = the operators (``cpu_op``) of the thread that runs the
+  training loop (the one with the most events), other than the collective calls and waits
+  themselves and the copies inside ``shm:`` spans.
 
 Each kind's intervals are merged (their union), and the fraction is
 ``|union(comm) & union(compute)| / |union(comm)|``: the share of the time spent communicating
@@ -54,6 +56,23 @@ def intersect(xs, ys) -> float:
     return total
 
 
+def subtract(xs, ys) -> list[tuple[float, float]]:
+    """``xs`` without ``ys`` (both sorted disjoint interval lists)."""
+    out, j = [], 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while a < b and k < len(ys) and ys[k][0] < b:
+            if ys[k][0] > a:
+                out.append((a, ys[k][0]))
+            a = max(a, ys[k][1])
+            k += 1
+        if a < b:
+            out.append((a, b))
+    return out
+
+
 def _is_comm(name: str) -> bool:
     n = name.lower()
     return any(w in n for w in COMM_WORDS)
@@ -73,12 +92,15 @@ def overlap(trace) -> dict:
         ops = [e for e in events if e.get("cat") == "cpu_op"]
         main = Counter(e.get("tid") for e in ops).most_common(1)
         tid = main[0][0] if main else None
-        comm = [e for e in events if e["name"].lower().startswith("gloo:") or
-                (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"]))]
+        inline = [e for e in events if e["name"].startswith("shm:")]
+        comm = inline + [e for e in events if e["name"].lower().startswith("gloo:") or
+                         (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"]))]
         compute = [e for e in ops if e.get("tid") == tid and not any(w in e["name"].lower() for w in NOT_COMPUTE)]
         device = "cpu"
     c = merge((e["ts"], e["ts"] + e["dur"]) for e in comm)
     k = merge((e["ts"], e["ts"] + e["dur"]) for e in compute)
+    if device == "cpu":  # the shared transport's copies and reductions are its communication
+        k = subtract(k, merge((e["ts"], e["ts"] + e["dur"]) for e in inline))
     comm_us = sum(b - a for a, b in c)
     both = intersect(c, k)
     return {"comm_us": comm_us, "overlapped_us": both, "fraction": both / comm_us if comm_us else 0.0,

@@ -126,7 +126,9 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     from ..models.moe import expert_capacity
     from ..parallel.expert import padded_dispatch
     from .plan_memory import act_dtype, micro_batch, schedule_peaks
+    from .devices import for_transport
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    dev = for_transport(dev, p.comm_transport)  # CPU: the probed curve of this layout's transport
     topo = Topology.from_config(p)
     el = act_dtype(cfg, "gpu" if dev.gpus_per_node < 1 << 20 else "cpu").itemsize
     b, s = micro_batch(cfg), t.seq_len

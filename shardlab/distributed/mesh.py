@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .collectives import Comm
 from .flight import Recorder
 from .ledger import Ledger
-from .shm import SharedComm
+from .shm import X86 as _X86, SharedComm
 from .topology import DERIVED, GROUPS, Topology
 
 ALL_GROUPS = tuple(GROUPS) + DERIVED
@@ -104,7 +104,9 @@ class Mesh:
 
     def _shared(self, name: str) -> bool:
         """Whether group ``name`` runs on the shared-memory transport (shm.py): ``transport`` =
-        shared (its ranks must be on one host), or auto and its ranks all on one CUDA device."""
+        shared (its ranks must be on one host), or auto and its ranks all on one CUDA device, or
+        auto, CPU and one x86-64 host (where its barrier is a counter in shared memory:
+        docs/collectives.md, "Shared-memory transport")."""
         if self.transport not in ("process_group", "shared", "auto"):
             raise ValueError(f"parallel.comm_transport = {self.transport!r}; choose process_group, shared or auto")
         places = [self.places[r] for r in self.members[name]] if self.places else []
@@ -113,7 +115,9 @@ class Mesh:
         if self.transport == "shared" and len({h for h, _ in places}) > 1:
             raise ValueError(f"parallel.comm_transport = shared, but group {name!r} spans hosts "
                              f"{sorted({h for h, _ in places})}; use process_group or auto")
-        return self.transport == "shared" or (len(set(places)) == 1 and places[0][1].startswith("cuda"))
+        if self.transport == "shared" or len(set(places)) > 1:
+            return self.transport == "shared"
+        return places[0][1].startswith("cuda") or (places[0][1] == "cpu" and _X86)
 
     def size(self, name: str) -> int:
         return len(self.members[name])

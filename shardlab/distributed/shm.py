@@ -36,7 +36,6 @@ import functools
 import math
 import os
 import platform
-import time
 import uuid
 
 import torch
@@ -44,6 +43,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
+from . import shm_host
+from .shm_host import X86
 from .shm_p2p import RingPointToPoint
 
 _ALIGN = 4096
@@ -55,11 +56,17 @@ def _modes_off(fn):
     internals (spins on the shared counters, a first call's mapping of the arena) dispatch a
     number of operators that differs from call to call; a mode that must see the same operators
     in the same order each time (selective recomputation's: the ``op`` policy replays a block's
-    forward) would fail. Collectives are never kept by such policies: they run again."""
+    forward) would fail. Collectives are never kept by such policies: they run again. Under the
+    profiler the call is one ``shm:<op>`` span (analysis/overlap.py counts it as communication)."""
+    span = "shm:" + {"_gather": "all_gather"}.get(fn.__name__, fn.__name__)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with _disable_current_modes():
-            return fn(*args, **kwargs)
+            if not torch.autograd._profiler_enabled():
+                return fn(*args, **kwargs)
+            with torch.profiler.record_function(span):
+                return fn(*args, **kwargs)
     return wrapper
 
 
@@ -94,19 +101,20 @@ class SharedComm(RingPointToPoint, Comm):
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
         if host_barrier not in ("auto", "shm", "process_group"):
             raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
-        x86 = platform.machine().lower() in ("x86_64", "amd64")
-        if host_barrier == "shm" and not x86:
+        if host_barrier == "shm" and not X86:
             raise ValueError(f"host_barrier='shm' relies on x86-64 memory ordering; this is {platform.machine()}")
-        self.host_barrier = "shm" if host_barrier == "auto" and x86 else host_barrier
+        self.host_barrier = "shm" if host_barrier == "auto" and X86 else host_barrier
         self._epoch = 0
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._token, self._gen, self._ctl_buf = None, 0, None
+        self._sig = (0, 0)  # the collective this rank is in (shm_host.signature), checked at each barrier
         self.cap = 0
         self._regions: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group rank: (a, b), uint8
         self._free = 0  # which region (0: a, 1: b) this rank may write before a call's first barrier
         self.p2p_cap = p2p_cap  # point-to-point (RingPointToPoint, shm_p2p.py)
+        self.timeout_s = shm_host.group_timeout(group)  # how long a barrier or a ring may wait
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
@@ -119,29 +127,28 @@ class SharedComm(RingPointToPoint, Comm):
             n = self.size
             buf = self._host(n * (2 * n + 1) * 8 + n * 64).view(torch.int64)
             self._ctl_buf = buf[:n * (2 * n + 1)].view(n, 2 * n + 1)
-            self._flags = buf[n * (2 * n + 1):].view(n, 8)[:, 0]
+            self._lines = buf[n * (2 * n + 1):].view(n, 8)  # per rank: counter, then two signatures
+            self._flags = self._lines[:, 0]
         return self._ctl_buf
 
-    def _shm_barrier(self, timeout_s: float = 600.0):
+    def _shm_barrier(self):
         """Each rank publishes how many barriers it has entered and waits until every counter has
         reached its own: single-writer counters, no atomics. Correct on x86-64's ordering (stores
         are seen in program order; loads are not moved before earlier loads or after later
-        stores), hence x86-64 only. Waits by yielding, then sleeping (2 cores, up to 8 ranks)."""
+        stores), hence x86-64 only. Waits by yielding, then sleeping (shm_host.wait; 2 cores, up
+        to 8 ranks), at most the group's timeout."""
         self._ctl  # created collectively on first use
         self._epoch += 1
-        self._flags[self.rank] = self._epoch
-        t0, spins, nap = time.monotonic(), 0, 2e-5
-        while int(self._flags.min()) < self._epoch:
-            spins += 1
-            if spins < 64:
-                os.sched_yield()
-                continue
-            time.sleep(nap)
-            nap = min(2 * nap, 1e-3)
-            if time.monotonic() - t0 > timeout_s:
-                late = [i for i in range(self.size) if int(self._flags[i]) < self._epoch]
-                raise RuntimeError(f"{self.name}: shared-memory barrier: group ranks {late} did not arrive "
-                                   f"in {timeout_s:.0f} s")
+        epoch = self._epoch
+        at = 1 + 2 * (epoch % 2)  # this collective's signature (shm_host.signature) before the counter;
+        self._lines[self.rank, at], self._lines[self.rank, at + 1] = self._sig  # a peer can be one barrier ahead
+        self._flags[self.rank] = epoch
+        shm_host.wait(lambda: int(self._flags.min()) >= epoch, self.timeout_s,
+                      lambda: f"{self.name}: shared-memory barrier: group ranks "
+                              f"{[i for i in range(self.size) if int(self._flags[i]) < epoch]} did not arrive")
+        bad = shm_host.mismatch(self.name, self._lines[:, at:at + 2].tolist())
+        if bad:
+            raise RuntimeError(bad)
 
     def _host(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` mapped by every rank of the group (collective)."""
@@ -151,14 +158,16 @@ class SharedComm(RingPointToPoint, Comm):
             self._token = f"shardlab-{os.getuid()}-{token[0]}"
         path = f"/dev/shm/{self._token}-{self._gen}"
         self._gen += 1
+        failed = [None]
         if self.rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
+                shm_host.reserve(path, nbytes)
+            except RuntimeError as e:  # no room: every rank raises it, none maps a short file
+                failed[0] = str(e)
         try:
-            dist.barrier(group=self.group)
+            dist.broadcast_object_list(failed, src=self.ranks[0], group=self.group)
+            if failed[0]:
+                raise RuntimeError(f"{self.name}: {failed[0]}")
             buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             dist.barrier(group=self.group)  # every rank has it mapped: the name can go
         finally:
@@ -228,6 +237,7 @@ class SharedComm(RingPointToPoint, Comm):
         if self.size == 1 or self._elsewhere(t):
             return super().all_reduce(t, op, "backend")
         self._count("all_reduce", _nbytes(t))
+        self._sig = shm_host.signature("all_reduce", t, _nbytes(t), op)
         m, n = t.numel(), self.size
         if m == 0:
             return t
@@ -262,6 +272,7 @@ class SharedComm(RingPointToPoint, Comm):
             res = super().all_gather(t, dim, "backend")
             return res if out is None else out.copy_(res)
         self._count("all_gather", _nbytes(t) * self.size)
+        self._sig = shm_host.signature("all_gather", t, _nbytes(t))
         if t.numel() == 0:
             res = torch.cat([t] * self.size, dim=dim)
             return res if out is None else out.copy_(res)
@@ -282,6 +293,7 @@ class SharedComm(RingPointToPoint, Comm):
             return super().reduce_scatter(t, dim, op, "backend")
         self._check_divisible(t, dim)
         self._count("reduce_scatter", _nbytes(t))
+        self._sig = shm_host.signature("reduce_scatter", t, _nbytes(t), op)
         x = t.movedim(dim, 0)
         shape = (x.shape[0] // self.size,) + tuple(x.shape[1:])
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
@@ -307,6 +319,7 @@ class SharedComm(RingPointToPoint, Comm):
         n = self.size
         in_splits, out_splits = self._a2a_splits(t, in_splits, out_splits)
         self._count_a2a(t, in_splits, out_splits)
+        self._sig = shm_host.signature("all_to_all", t, 0)
         # Phase 1: agree on the arena size and learn where each sender put each receiver's rows.
         self._ctl[self.rank, 0] = _nbytes(t)
         self._ctl[self.rank, 1:] = torch.tensor(in_splits + out_splits, dtype=torch.int64)
@@ -342,6 +355,7 @@ class SharedComm(RingPointToPoint, Comm):
         if self.size == 1 or self._elsewhere(t):
             return super().broadcast(t, src, "backend")
         self._count("broadcast", _nbytes(t))
+        self._sig = shm_host.signature("broadcast", t, _nbytes(t), src)
         if t.numel() == 0:
             return t
         self._ensure(_nbytes(t))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import time
 import uuid
 from collections import deque
 
@@ -33,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import shm_host
 from .collectives import _nbytes
 
 LINE = 64          # bytes: one counter per cache line
 NAME = 32          # bytes of a pair file's name token (uuid4 hex)
-SPINS = 64        # yields before a waiting rank starts to sleep (doubling naps up to 1 ms)
 DEFAULT_CAP = 16 << 20
 """Bytes of one ring (per direction and pair); longer messages stream through it."""
 
@@ -123,7 +122,7 @@ class Channels:
     """The shared-memory point-to-point state of one SharedComm: per peer its rings (once set up)
     and its queues of sends and receives."""
 
-    def __init__(self, comm, cap: int = DEFAULT_CAP, timeout_s: float = 600.0):
+    def __init__(self, comm, cap: int = DEFAULT_CAP, timeout_s: float = shm_host.DEFAULT_TIMEOUT_S):
         self.comm, self.cap, self.timeout_s = comm, cap, timeout_s
         self.rings: dict[int, tuple[Ring, Ring]] = {}  # peer -> (out, in)
         self.setup: dict[int, tuple] = {}              # peer -> (work, name buffer) until its name arrived
@@ -153,11 +152,7 @@ class Channels:
         if c.rank < peer:  # create, map, send the name
             token = uuid.uuid4().hex
             path = f"/dev/shm/shardlab-{os.getuid()}-p2p-{token}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, 2 * Ring.nbytes(self.cap))
-            finally:
-                os.close(fd)
+            shm_host.reserve(path, 2 * Ring.nbytes(self.cap))
             self._map(peer, path, first=True)  # before the name goes out: the peer unlinks it once mapped
             atexit.register(_unlink, path)  # for a peer that never maps it
             buf = torch.tensor(list(token.encode()), dtype=torch.uint8)
@@ -222,20 +217,8 @@ class Channels:
         return moved
 
     def wait_until(self, cond, what: str) -> None:
-        t0, spins, nap = time.monotonic(), 0, 2e-5
-        while not cond():
-            if self.progress():
-                t0, spins, nap = time.monotonic(), 0, 2e-5
-                continue
-            spins += 1
-            if spins < SPINS:
-                os.sched_yield()
-                continue
-            time.sleep(nap)
-            nap = min(2 * nap, 1e-3)
-            if time.monotonic() - t0 > self.timeout_s:
-                raise RuntimeError(f"{self.comm.name}: shared-memory {what}: no progress in "
-                                   f"{self.timeout_s:.0f} s (did the peer issue the matching call?)")
+        shm_host.wait(cond, self.timeout_s, lambda: f"{self.comm.name}: shared-memory {what}: no progress "
+                      "(did the peer issue the matching call?)", self.progress)
 
 
 class RingPointToPoint:
@@ -252,7 +235,7 @@ class RingPointToPoint:
             self._rings_on = (self.host_barrier == "shm" and not self.flight.check
                               and dist.get_backend(self.group) == "gloo")
             if self._rings_on:
-                self._channels = Channels(self, self.p2p_cap)
+                self._channels = Channels(self, self.p2p_cap, self.timeout_s)
         return self._rings_on
 
     def _post(self, kind: str, t: torch.Tensor, peer: int) -> Op:

@@ -1,4 +1,7 @@
 """Expert parallel (MoE over all-to-all) against the single-process MoE model. float64, CPU gloo."""
+import os
+import sys
+
 import torch
 
 from shardlab.config import Config, ModelConfig
@@ -73,29 +76,37 @@ def _train_step(mesh, cfg):
 
 class _NoHostRead:
     """Within: ``Tensor.tolist`` / ``item`` raise, except inside the experts' kernel (on CPU it reads
-    its counts, which live in host memory there)."""
+    its counts, which live in host memory there) and when called from the communicators
+    (shardlab/distributed: the shared-memory transport reads its own control block, host memory on
+    any device, no device sync)."""
 
     def __init__(self, layer):
-        self.layer, self.saved = layer, (torch.Tensor.tolist, torch.Tensor.item)
+        self.layer, self.saved = layer, {"tolist": torch.Tensor.tolist, "item": torch.Tensor.item}
 
-    def _forbid(self, *a, **k):
-        raise AssertionError("host read in the expert-parallel dispatch")
+    def _guard(self, name):
+        orig = self.saved[name]
+
+        def read(t, *a, **k):
+            caller = sys._getframe(1).f_code.co_filename.replace(os.sep, "/")
+            if self.inside_experts or "/shardlab/distributed/" in caller:
+                return orig(t, *a, **k)
+            raise AssertionError(f"host read ({name}) in the expert-parallel dispatch")
+        return read
 
     def __enter__(self):
-        experts, saved = self.layer.experts, self.saved
-        run = experts.forward
+        run, self.inside_experts = self.layer.experts.forward, False
 
-        def allowed(x, counts):
-            torch.Tensor.tolist, torch.Tensor.item = saved
+        def experts(x, counts):
+            self.inside_experts = True
             try:
                 return run(x, counts)
             finally:
-                torch.Tensor.tolist = torch.Tensor.item = self._forbid
-        experts.forward = allowed
-        torch.Tensor.tolist = torch.Tensor.item = self._forbid
+                self.inside_experts = False
+        self.layer.experts.forward = experts
+        torch.Tensor.tolist, torch.Tensor.item = self._guard("tolist"), self._guard("item")
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist, torch.Tensor.item = self.saved
+        torch.Tensor.tolist, torch.Tensor.item = self.saved["tolist"], self.saved["item"]
         del self.layer.experts.forward
 
 

@@ -16,7 +16,7 @@ from shardlab.analysis.verify import plain_run
 from shardlab.distributed.collectives import Comm
 from shardlab.distributed.ledger import Ledger
 from shardlab.distributed.mesh import Mesh
-from shardlab.distributed.shm import SharedComm
+from shardlab.distributed.shm import X86, SharedComm
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model
@@ -155,8 +155,8 @@ def _worker(ctx):
         left = [f for f in os.listdir("/dev/shm") if sh._token and f.startswith(sh._token)]
         if left:
             errors.append(f"arena files left in /dev/shm: {left}")
-    # selection: shared when asked, process group on CPU otherwise
-    for transport, cls in (("shared", SharedComm), ("auto", Comm), ("process_group", Comm)):
+    # selection: shared when asked, and by default on one x86-64 host; the process group when asked
+    for transport, cls in (("shared", SharedComm), ("auto", SharedComm if X86 else Comm), ("process_group", Comm)):
         mesh = Mesh.build(Topology(dp_shard=world), transport=transport)
         if type(mesh.comm("dp")) is not cls:
             errors.append(f"transport {transport}: got {type(mesh.comm('dp')).__name__}, want {cls.__name__}")
@@ -284,7 +284,9 @@ def test_bench_comm_shared_column(tmp_path, capsys):
     ("auto", [("h/1", "cuda:0"), ("h/1", "cuda:0")], True),      # N ranks on one GPU
     ("auto", [("h/1", "cuda:0"), ("h/1", "cuda:1")], False),     # one GPU each: NCCL
     ("auto", [("h/1", "cuda:0"), ("g/2", "cuda:0")], False),     # two hosts
-    ("auto", [("h/1", "cpu"), ("h/1", "cpu")], False),           # CPU keeps gloo unless asked
+    ("auto", [("h/1", "cpu"), ("h/1", "cpu")], X86),             # CPU, one host: the counter barrier's x86-64
+    ("auto", [("h/1", "cpu"), ("g/2", "cpu")], False),           # CPU, two hosts: gloo
+    ("process_group", [("h/1", "cpu"), ("h/1", "cpu")], False),
     ("shared", [("h/1", "cpu"), ("h/1", "cpu")], True),
     ("process_group", [("h/1", "cuda:0"), ("h/1", "cuda:0")], False),
     ("shared", [("h/1", "cpu"), ("g/2", "cpu")], "spans hosts"),
@@ -298,3 +300,33 @@ def test_transport_choice(transport, places, want):
             mesh._shared("dp")
     else:
         assert mesh._shared("dp") is want
+
+
+def _late_peer_worker(ctx):
+    """Rank 1 sets the arena up with rank 0, then skips a collective and a message: rank 0's waits
+    must end at the group's timeout (run's timeout_s, 3 s), naming what is missing."""
+    import time
+    sh = SharedComm("g", dist.group.WORLD, [0, 1], ctx.rank, Ledger())
+    sh.all_reduce(torch.ones(4))
+    if ctx.rank == 1:
+        time.sleep(12)  # alive, but never arrives
+        return None
+    out = {"timeout_s": sh.timeout_s}
+    for what, call in (("barrier", lambda: sh.all_reduce(torch.ones(4))),
+                       ("p2p", lambda: sh.irecv(torch.empty(4), 1).wait())):
+        t0 = time.monotonic()
+        try:
+            call()
+            out[what] = ("returned", time.monotonic() - t0)
+        except RuntimeError as e:
+            out[what] = (str(e), time.monotonic() - t0)
+    return out
+
+
+def test_shared_waits_end_at_the_group_timeout():
+    out = run(_late_peer_worker, 2, timeout_s=3)[0]
+    assert out["timeout_s"] == 3.0
+    msg, took = out["barrier"]
+    assert "group ranks [1] did not arrive in 3 s" in msg and 3 <= took < 6, out
+    msg, took = out["p2p"]
+    assert "recv from group rank 1: no progress" in msg and 3 <= took < 6, out

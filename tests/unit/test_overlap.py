@@ -37,3 +37,21 @@ def test_cpu_trace_gloo_thread_against_the_loop_thread(tmp_path):
     (tmp_path / "rank1.json").write_text(json.dumps({"traceEvents": []}))
     line = report(tmp_path)
     assert "rank0: 0.1 ms communicating, 25% of it overlapped" in line and "rank1: 0.0 ms" in line
+
+
+def test_cpu_trace_shared_transport_spans_are_communication_never_overlapped():
+    """The shared-memory transport runs a collective inline: shm:all_reduce 100-160 on the loop
+    thread holds its own copies (aten::copy_ 110-150), which are not compute. gloo 200-300 on its
+    thread against compute 0-250 (the loop's mm, minus the shm span): 50 of it overlaps. Total
+    comm 60 + 100 us, overlapped 50."""
+    events = [_x("aten::mm", 0, 250, "cpu_op"), _x("aten::mm", 20, 30, "cpu_op"),
+              _x("shm:all_reduce", 100, 60, "user_annotation"), _x("aten::copy_", 110, 40, "cpu_op"),
+              _x("gloo:all_reduce", 200, 100, "user_annotation", tid=9)]
+    o = overlap({"traceEvents": events})
+    assert o["device"] == "cpu" and o["comm_us"] == 160 and o["overlapped_us"] == 50
+
+
+def test_subtract():
+    from shardlab.analysis.overlap import subtract
+    assert subtract([(0, 10), (12, 20)], [(2, 3), (5, 13), (19, 25)]) == [(0, 2), (3, 5), (13, 19)]
+    assert subtract([(0, 10)], []) == [(0, 10)] and subtract([(0, 10)], [(-5, 10)]) == []

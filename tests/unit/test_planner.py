@@ -193,6 +193,24 @@ def test_cpu_collectives_read_the_probed_curve():
     assert bw4.seconds("all_reduce", 6) == 7.0
 
 
+def test_cpu_curve_follows_the_layouts_transport():
+    """The probe keeps a curve per CPU transport; a layout is costed with its own transport's
+    (auto: the shared-memory one on x86-64, as the mesh picks), and a probe without per-transport
+    curves (older cache) keeps its single curve."""
+    from shardlab.analysis.devices import for_transport, get_device
+    from shardlab.distributed.shm_host import X86
+    gloo, shm = [[2, 2, [[4, 3e-3], [8, 3e-3]]]], [[2, 2, [[4, 1e-3], [8, 1e-3]]]]
+    probe = {"flops": 1e10, "bw": 1e9, "alpha": 1e-4, "comm_curve": shm if X86 else gloo,
+             "comm_curves": {"process_group": gloo, **({"shared": shm} if X86 else {})}}
+    dev = get_device("cpu", probe)
+    first = {t: for_transport(dev, t).comm_curve[0][2][0][1] for t in ("auto", "process_group", "shared")}
+    assert first["process_group"] == 3e-3
+    assert first["auto"] == (1e-3 if X86 else 3e-3)
+    assert first["shared"] == (1e-3 if X86 else dev.comm_curve[0][2][0][1])  # not probed: unchanged
+    old = get_device("cpu", {k: v for k, v in probe.items() if k != "comm_curves"})
+    assert for_transport(old, "process_group") is old
+
+
 def test_fitted_efficiency_divides_only_the_compute_bound_time():
     """--efficiency fitted: (step - exposed communication - optimizer) / eta + both, and nothing
     else moves; eta = 1 is the stated model."""

@@ -1,0 +1,109 @@
+"""Host-side pieces shared by the shared-memory transport's collectives (shm.py) and its
+point-to-point rings (shm_p2p.py): how a rank waits for the others, how a file under /dev/shm
+is reserved, and how long a wait may last (docs/collectives.md, "Shared-memory transport").
+"""
+from __future__ import annotations
+
+import errno
+import os
+import platform
+import time
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+"""Whether the counter barrier (x86-64 ordering) is available, and with it the rings and
+``parallel.comm_transport = auto``'s choice of this transport for CPU ranks on one host."""
+SPINS = 64
+"""``sched_yield`` calls before a waiting rank starts to sleep (naps from 20 us, doubling to 1 ms):
+a busy spin would starve the rank being waited for when ranks outnumber cores."""
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def group_timeout(group) -> float:
+    """Seconds a collective of ``group`` may wait: the process group's own timeout (what
+    ``init_process_group(timeout=...)`` set: ``train.timeout_s`` under the launcher), so a rank
+    that never arrives stops the job as soon on this transport as on gloo. 600 s where the
+    backend does not say."""
+    import torch
+    try:
+        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # another backend, or a private attribute renamed: keep the default
+        return DEFAULT_TIMEOUT_S
+
+
+def wait(done, timeout_s: float, late, progress=None) -> None:
+    """Return once ``done()`` is true. Yields the core ``SPINS`` times, then sleeps in doubling
+    naps up to 1 ms. ``progress()`` (optional) is called each round and returns True when it
+    moved something, which restarts the yields and the clock. After ``timeout_s`` seconds with
+    nothing moved, raises RuntimeError with the text ``late()`` returns."""
+    t0, spins, nap = time.monotonic(), 0, 2e-5
+    while not done():
+        if progress is not None and progress():
+            t0, spins, nap = time.monotonic(), 0, 2e-5
+            continue
+        spins += 1
+        if spins < SPINS:
+            os.sched_yield()
+            continue
+        time.sleep(nap)
+        nap = min(2 * nap, 1e-3)
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"{late()} in {timeout_s:.0f} s")
+
+
+def reserve(path: str, nbytes: int) -> None:
+    """Create ``path`` (it must not exist) with ``nbytes`` allocated now. /dev/shm is a RAM file
+    system that is often small (64 MiB by default in a Docker container): pages only promised by
+    ``ftruncate`` would kill the process with SIGBUS at the first write past its end; reserving
+    them here turns that into this error, before any rank writes."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        st = os.statvfs(os.path.dirname(path))
+        raise RuntimeError(
+            f"shared-memory transport: {os.path.dirname(path)} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB "
+            f"free, this group needs {nbytes / 2**20:.0f} MiB more; enlarge it (docker run --shm-size=8g) "
+            "or set parallel.comm_transport = \"process_group\"") from None
+    os.close(fd)
+
+
+# -- what each rank is doing at a barrier -----------------------------------------------------------
+# A barrier only counts arrivals, so two ranks in different collectives (a skipped call, calls in
+# another order) would pass it together and read each other's bytes as their own. Every rank
+# therefore publishes, with its arrival, what it is in: the collective, the dtype, the bytes of its
+# message (0 for all_to_all, whose sizes differ by design) and the reduce op or broadcast root; after
+# the barrier each compares all of them and every rank raises the same one-line error on a mismatch.
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+           "complex64", "complex128")
+_OPS = ("sum", "avg", "max", "min")
+
+
+def signature(kind: str, t, nbytes: int, op: str | int = "") -> tuple[int, int]:
+    """(code, bytes) of a collective: code packs the kind, the dtype and the op (a reduce op's
+    name, or a broadcast's source rank)."""
+    dt = str(t.dtype).removeprefix("torch.")
+    extra = _OPS.index(op) + 1 if op in _OPS else (int(op) + 16 if isinstance(op, int) else 0)
+    return KINDS.index(kind) | (_DTYPES.index(dt) + 1 if dt in _DTYPES else 0) << 8 | extra << 16, int(nbytes)
+
+
+def describe(sig) -> str:
+    code, nbytes = (int(x) for x in sig)
+    kind, dt, extra = KINDS[code & 0xFF], (code >> 8) & 0xFF, code >> 16
+    what = [_DTYPES[dt - 1] if dt else "dtype?"] + ([f"{nbytes} bytes"] if nbytes else [])
+    what += [_OPS[extra - 1]] if 1 <= extra <= len(_OPS) else [f"from group rank {extra - 16}"] if extra >= 16 else []
+    return f"{kind}({', '.join(what)})"
+
+
+def mismatch(name: str, sigs: list) -> str | None:
+    """The error text when the group's ranks (``sigs[i]``: group rank i's signature) are not all
+    in the same collective, else None."""
+    if all(tuple(s) == tuple(sigs[0]) for s in sigs):
+        return None
+    parts = ", ".join(f"group rank {i} in {describe(s)}" for i, s in enumerate(sigs))
+    return (f"{name}: shared-memory collective mismatch: {parts} (every rank of a group must issue the "
+            "same collectives in the same order)")

@@ -148,7 +148,7 @@ def devices() -> list[Check]:
             out.append(Check("devices", f"cuda:{i}", "ok", f"{pr.name}, {_gib(pr.total_memory)}, "
                                                            f"capability {pr.major}.{pr.minor}"))
     else:
-        out.append(Check("devices", "cuda", "ok", "no CUDA device: ranks run on CPU with gloo"))
+        out.append(Check("devices", "cuda", "ok", "no CUDA device: ranks run on CPU (gloo; collectives over shared memory on one x86-64 host)"))
     return out
 
 
@@ -175,8 +175,8 @@ def limits(shm: str = "/dev/shm") -> list[Check]:
         du = shutil.disk_usage(shm)
         out.append(Check("limits", "shm", "ok" if du.free >= MIN_SHM_BYTES else "warn",
                          f"{shm}: {_gib(du.total)} total, {_gib(du.free)} free"
-                         + ("" if du.free >= MIN_SHM_BYTES else f"; below {_gib(MIN_SHM_BYTES)}: rank "
-                            "queues and DataLoader workers may fail (docker --shm-size)")))
+                         + ("" if du.free >= MIN_SHM_BYTES else f"; below {_gib(MIN_SHM_BYTES)}: rank queues, DataLoader workers and the "
+                            "shared-memory transport (the CPU default) may fail (docker --shm-size)")))
     except OSError as e:
         out.append(Check("limits", "shm", "warn", f"{shm} unusable ({e}); spawned ranks may fail"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -191,11 +191,18 @@ def limits(shm: str = "/dev/shm") -> list[Check]:
 # -- probes ------------------------------------------------------------------------------------------
 
 def _all_reduce(ctx):
+    """rank + 1 summed by the backend, and again by the group the default transport gives (the
+    shared-memory one for CPU ranks on one x86-64 host: /dev/shm and its barrier must work)."""
     import torch
     import torch.distributed as dist
+    from ..distributed.mesh import Mesh
+    from ..distributed.topology import Topology
     t = torch.full((4,), float(ctx.rank + 1))
     dist.all_reduce(t)
-    return dict(rank=ctx.rank, backend=ctx.backend, value=float(t[0]))
+    comm = Mesh.build(Topology(dp_shard=ctx.world_size), ctx.device).comm("dp")
+    u = comm.all_reduce(torch.full((4,), float(ctx.rank + 1)))
+    return dict(rank=ctx.rank, backend=ctx.backend, value=float(t[0]), transport_value=float(u[0]),
+                transport="shared memory" if type(comm).__name__ == "SharedComm" else ctx.backend)
 
 
 def ranks(nproc: int = 2, timeout_s: float = 30.0) -> list[Check]:
@@ -208,14 +215,15 @@ def ranks(nproc: int = 2, timeout_s: float = 30.0) -> list[Check]:
         got = launch.run(_all_reduce, nproc, timeout_s=timeout_s, threads=1)
     except Exception as e:  # WorkerError, timeout, spawn failure: the verdict is the point
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return [Check("ranks", f"{nproc} local ranks", "fail", f"gloo all_reduce failed: {first}")]
+        return [Check("ranks", f"{nproc} local ranks", "fail", f"all_reduce failed: {first}")]
     dt = time.perf_counter() - t0
     want = nproc * (nproc + 1) / 2
-    bad = [r["rank"] for r in got if r["value"] != want]
+    bad = [r["rank"] for r in got if r["value"] != want or r["transport_value"] != want]
     if bad:
         return [Check("ranks", f"{nproc} local ranks", "fail", f"all_reduce gave a wrong sum on ranks {bad}")]
     return [Check("ranks", f"{nproc} local ranks", "ok",
-                  f"{got[0]['backend']} all_reduce correct; spawn + init + reduce {dt:.1f} s")]
+                  f"{got[0]['backend']} all_reduce correct, and on the default transport ({got[0]['transport']}); "
+                  f"spawn + init + reduce {dt:.1f} s")]
 
 
 def matmul_gflops(n: int = 1024, reps: int = 5) -> float:

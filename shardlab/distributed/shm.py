@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..errors import ConfigError
 from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
 from . import shm_host
 from .shm_host import X86
@@ -162,12 +163,12 @@ class SharedComm(RingPointToPoint, Comm):
         if self.rank == 0:
             try:
                 shm_host.reserve(path, nbytes)
-            except RuntimeError as e:  # no room: every rank raises it, none maps a short file
-                failed[0] = str(e)
+            except ConfigError as e:  # no room: every rank raises it, none maps a short file
+                failed[0] = f"{self.name}: {str(e).split(': ', 2)[2]}"
         try:
             dist.broadcast_object_list(failed, src=self.ranks[0], group=self.group)
             if failed[0]:
-                raise RuntimeError(f"{self.name}: {failed[0]}")
+                raise ConfigError("parallel.comm_transport", failed[0])
             buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             dist.barrier(group=self.group)  # every rank has it mapped: the name can go
         finally:

@@ -9,6 +9,8 @@ import os
 import platform
 import time
 
+from ..errors import ConfigError
+
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 """Whether the counter barrier (x86-64 ordering) is available, and with it the rings and
 ``parallel.comm_transport = auto``'s choice of this transport for CPU ranks on one host."""
@@ -50,11 +52,16 @@ def wait(done, timeout_s: float, late, progress=None) -> None:
             raise RuntimeError(f"{late()} in {timeout_s:.0f} s")
 
 
+def full(where: str, free: float, need: float) -> str:
+    return (f"the shared-memory transport needs {need / 2**20:.0f} MiB more in {where} ({free / 2**20:.0f} MiB "
+            "free); enlarge it (docker run --shm-size=8g) or set parallel.comm_transport = \"process_group\"")
+
+
 def reserve(path: str, nbytes: int) -> None:
     """Create ``path`` (it must not exist) with ``nbytes`` allocated now. /dev/shm is a RAM file
     system that is often small (64 MiB by default in a Docker container): pages only promised by
     ``ftruncate`` would kill the process with SIGBUS at the first write past its end; reserving
-    them here turns that into this error, before any rank writes."""
+    them here turns that into this error (a ConfigError naming the setting), before any rank writes."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes)
@@ -64,10 +71,7 @@ def reserve(path: str, nbytes: int) -> None:
         if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise
         st = os.statvfs(os.path.dirname(path))
-        raise RuntimeError(
-            f"shared-memory transport: {os.path.dirname(path)} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB "
-            f"free, this group needs {nbytes / 2**20:.0f} MiB more; enlarge it (docker run --shm-size=8g) "
-            "or set parallel.comm_transport = \"process_group\"") from None
+        raise ConfigError("parallel.comm_transport", full(os.path.dirname(path), st.f_bavail * st.f_frsize, nbytes)) from None
     os.close(fd)
 
 

@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from shardlab.distributed import shm_host
+from shardlab.errors import ConfigError
 
 
 def _path():
@@ -30,7 +31,7 @@ def test_reserve_without_room_names_the_fix_and_leaves_nothing(monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "posix_fallocate", full)
     path = _path()
-    with pytest.raises(RuntimeError, match=r"MiB free, this group needs 64 MiB more.*--shm-size.*comm_transport"):
+    with pytest.raises(ConfigError, match=r"^config error: parallel.comm_transport: the shared-memory transport needs 64 MiB more in /dev/shm \(\d+ MiB free\); enlarge it \(docker run --shm-size=8g\)"):
         shm_host.reserve(path, 64 << 20)
     assert not os.path.exists(path)
 

@@ -116,8 +116,9 @@ class ParallelConfig:
     comm_transport: str = f("auto", "How a group's collectives move data: process_group (the backend: gloo / NCCL), "
                                     "shared (shared memory between the group's ranks, which must be on one host; "
                                     "/dev/shm on CPU, CUDA IPC on a GPU; comm_algorithm is then ignored) or auto "
-                                    "(shared where all ranks of a group share one CUDA device, or are CPU ranks on one x86-64 host: "
-                                    "1.3-2x faster steps than gloo on this project's 2-core CPU; process_group elsewhere). "
+                                    "(shared where all ranks of a group share one CUDA device, or are CPU ranks on one x86-64 host with "
+                                    "comm_algorithm = backend: 1.2-2.4x faster steps than gloo on this project's 2-core CPU; "
+                                    "process_group elsewhere). "
                                     "docs/collectives.md, Shared-memory transport.",
                             choices=('process_group', 'shared', 'auto'))
     check_collectives: bool = f(False, "Before each collective, all-gather a fingerprint (op, seq, shapes, dtypes, reduce "

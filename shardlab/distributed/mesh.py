@@ -105,8 +105,8 @@ class Mesh:
     def _shared(self, name: str) -> bool:
         """Whether group ``name`` runs on the shared-memory transport (shm.py): ``transport`` =
         shared (its ranks must be on one host), or auto and its ranks all on one CUDA device, or
-        auto, CPU and one x86-64 host (where its barrier is a counter in shared memory:
-        docs/collectives.md, "Shared-memory transport")."""
+        auto, CPU, one x86-64 host (where its barrier is a counter in shared memory:
+        docs/collectives.md, "Shared-memory transport") and ``comm_algorithm`` = backend."""
         if self.transport not in ("process_group", "shared", "auto"):
             raise ValueError(f"parallel.comm_transport = {self.transport!r}; choose process_group, shared or auto")
         places = [self.places[r] for r in self.members[name]] if self.places else []
@@ -117,7 +117,8 @@ class Mesh:
                              f"{sorted({h for h, _ in places})}; use process_group or auto")
         if self.transport == "shared" or len(set(places)) > 1:
             return self.transport == "shared"
-        return places[0][1].startswith("cuda") or (places[0][1] == "cpu" and _X86)
+        # on CPU only with the backend's algorithms: an own algorithm asked for (comm_algorithm) runs
+        return places[0][1].startswith("cuda") or (places[0][1] == "cpu" and _X86 and self.algorithm == "backend")
 
     def size(self, name: str) -> int:
         return len(self.members[name])

@@ -230,6 +230,8 @@ def _dp_own_worker(ctx, cfg, data_dir, steps):
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, algorithm=cfg.parallel.comm_algorithm)
     tr = Trainer(cfg, mesh, TokenData(data_dir))
     losses = [tr.engine.global_loss(tr.train_step()["local_loss"]) for _ in range(steps)]
+    comms = {type(c).__name__ for c in tr.mesh._comms.values() if c.size > 1}
+    assert comms == {"Comm"} and tr.mesh.algorithm == "ring", comms  # not the shared transport
     return losses, {n: p.detach().clone() for n, p in tr.engine.model.named_parameters()}
 
 

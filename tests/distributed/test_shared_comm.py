@@ -295,6 +295,10 @@ def test_transport_choice(transport, places, want):
     mesh = Mesh(Topology(dp_shard=2), 0, torch.device("cpu"), members={"dp": [0, 1], "tp": [0]},
                 transport=transport, places=places)
     assert mesh._shared("tp") is False
+    if transport == "auto" and places[0][1] == "cpu":  # an own algorithm asked for keeps the process group
+        mesh.algorithm = "ring"
+        assert mesh._shared("dp") is False
+        mesh.algorithm = "backend"
     if isinstance(want, str):
         with pytest.raises(ValueError, match=want):
             mesh._shared("dp")

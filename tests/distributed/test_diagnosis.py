@@ -126,8 +126,9 @@ SHARED_MISMATCHES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    jobs = ([(n, False, "process_group") for n in HANGS] + [(n, True, "process_group") for n in MISMATCHES]
-            + [(n, False, "shared") for n in list(HANGS) + list(SHARED_MISMATCHES)])
+    jobs = ([(n, False, tr) for n in HANGS for tr in ("process_group", "shared")]
+            + [(n, True, tr) for n in MISMATCHES for tr in ("process_group", "shared")]
+            + [(n, False, "shared") for n in SHARED_MISMATCHES])
     with ThreadPoolExecutor(8) as pool:
         res = list(pool.map(lambda j: _run(*j), jobs))
     return dict(zip(jobs, res))
@@ -147,9 +148,10 @@ def test_hang_is_diagnosed(runs, name, transport):
     assert elapsed < 75, elapsed  # 14 ranks spawned at once on 2 cores
 
 
+@pytest.mark.parametrize("transport", ["process_group", "shared"])
 @pytest.mark.parametrize("name", list(MISMATCHES))
-def test_check_mode_catches_mismatch_at_once(runs, name):
-    status, out, elapsed = runs[(name, True, "process_group")]
+def test_check_mode_catches_mismatch_at_once(runs, name, transport):
+    status, out, elapsed = runs[(name, True, transport)]
     assert status == "ok", out
     caught = [o for o in out if o[0] == "caught"]
     assert caught, out

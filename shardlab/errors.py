@@ -6,5 +6,5 @@ class ConfigError(ValueError):
     """A bad setting. ``str(err)`` is one line naming the field and the fix."""
 
     def __init__(self, field_name: str, message: str):
-        self.field = field_name
+        self.field, self.detail = field_name, message
         super().__init__(f"config error: {field_name}: {message}")

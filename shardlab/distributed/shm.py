@@ -164,7 +164,7 @@ class SharedComm(RingPointToPoint, Comm):
             try:
                 shm_host.reserve(path, nbytes)
             except ConfigError as e:  # no room: every rank raises it, none maps a short file
-                failed[0] = f"{self.name}: {str(e).split(': ', 2)[2]}"
+                failed[0] = f"{self.name}: {e.detail}"
         try:
             dist.broadcast_object_list(failed, src=self.ranks[0], group=self.group)
             if failed[0]:

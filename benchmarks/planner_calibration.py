@@ -221,7 +221,16 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="")
+    ap.add_argument("--gpu", default="", help="on cuda: the planner's device kind for the predictions "
+                                              "(h100, h200, a100; default: from the device's name)")
     a = ap.parse_args(argv)
+    pred_device = a.device
+    if a.device == "cuda":
+        import torch
+        from shardlab.analysis.devices import gpu_kind
+        pred_device = a.gpu or gpu_kind(torch.cuda.get_device_name(0)) or ""
+        if not pred_device:
+            ap.error(f"--gpu: no planner constants for {torch.cuda.get_device_name(0)!r}; name one (h100, h200, a100)")
     selected = [s.strip() for s in a.layouts.split(",") if s.strip()] or None
     layouts = configs(selected)
     probe = _probe(a.device)
@@ -231,7 +240,7 @@ def main(argv=None) -> None:
 
     def log(row):
         print(f"  {row['layout']}:{row['nproc']}  {row['seconds']:.1f} s", file=sys.stderr, flush=True)
-    rows = cal.calibrate(layouts, a.device, probe, a.warmup, a.steps, log=log)
+    rows = cal.calibrate(layouts, a.device, probe, a.warmup, a.steps, log=log, pred_device=pred_device)
     tab, summ, ctab, wtab = table(rows), summary(rows), cuda_table(rows), wgrad_table(rows)
     print(tab)
     print(summ)

@@ -275,9 +275,11 @@ def compare(name: str, cfg, measured: list[Measured], pred) -> dict:
             "act_err_max": max(errs, key=abs) if errs else None}
 
 
-def calibrate(layouts, device: str = "cpu", probe=None, warmup: int = 2, steps: int = 5, log=None) -> list[dict]:
-    """``layouts``: (name, nproc, cfg) triples, run one at a time. Returns one :func:`compare` row
-    each (a layout whose ranks fail gives a row with ``error``)."""
+def calibrate(layouts, device: str = "cpu", probe=None, warmup: int = 2, steps: int = 5, log=None,
+              pred_device: str | None = None) -> list[dict]:
+    """``layouts``: (name, nproc, cfg) triples, run one at a time on ``device`` (cpu, cuda) and
+    predicted for ``pred_device`` (the planner's kind: cpu, h100, h200, ...; default ``device``).
+    Returns one :func:`compare` row each (a layout whose ranks fail gives a row with ``error``)."""
     from ..launch import WorkerError
     rows = []
     for name, nproc, cfg in layouts:
@@ -288,7 +290,7 @@ def calibrate(layouts, device: str = "cpu", probe=None, warmup: int = 2, steps: 
             rows.append({"layout": name, "nproc": nproc, "error": str(e).strip().splitlines()[0][:160]})
             continue
         try:
-            pred, pred_error = _predict(cfg, device, probe), ""
+            pred, pred_error = _predict(cfg, pred_device or device, probe), ""
         except Exception as e:  # noqa: BLE001 - a planner failure is a finding, the measurement stays
             pred, pred_error = None, f"predict failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         row = compare(name, cfg, measured, pred)

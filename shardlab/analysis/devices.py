@@ -100,6 +100,15 @@ def get_device(kind: str, probe: dict | None = None) -> Device:
     return DEVICES[kind]
 
 
+def gpu_kind(name: str) -> str | None:
+    """The DEVICES key of a CUDA device name (``torch.cuda.get_device_name``), None when unknown:
+    "NVIDIA H200" -> h200, "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA A100-SXM4-80GB" -> a100."""
+    for frag, kind in (("H200", "h200"), ("H100", "h100"), ("A100", "a100")):
+        if frag in name and "PCIe" not in name:
+            return kind
+    return None
+
+
 def _curve(entries) -> tuple:
     return tuple((w, n, tuple(tuple(pt) for pt in pts)) for w, n, pts in entries)
 

@@ -60,21 +60,31 @@ for s in $STEPS; do
       if [ "$lim" = 0 ]; then echo "=== checks: skipped (deadline)" >> "$LOG"; continue; fi
       # shellcheck disable=SC2086
       background test_gpu "$lim" 0-11 "$PY" -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS
-      background verify_n2 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 2
-      background verify_n4 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 4
-      background pipeline_cpu_pp4 "$lim" 12-15 "$PY" benchmarks/pipeline.py --pp 4 --d-model 256 \
-        --steps 8 --engines 1f1b,zb-h1 --transport shared --cores 4
+      # VERIFY_N2 / VERIFY_N4: a comma list of layouts (default: all that fit)
+      background verify_n2 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 2 ${VERIFY_N2:+--layouts "$VERIFY_N2"}
+      background verify_n4 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 4 ${VERIFY_N4:+--layouts "$VERIFY_N4"}
+      if [ -n "${CHECKS_PLANNER:-}" ]; then  # memory predicted vs max allocated (its step times ran beside)
+        background planner "$lim" 12-15 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "$CHECKS_PLANNER"
+        side=planner
+      else
+        background pipeline_cpu_pp4 "$lim" 12-15 "$PY" benchmarks/pipeline.py --pp 4 --d-model 256 \
+          --steps 8 --engines 1f1b,zb-h1 --transport shared --cores 4
+        side=pipeline_cpu_pp4
+      fi
       wait
-      for name in test_gpu verify_n2 verify_n4 pipeline_cpu_pp4; do
+      for name in test_gpu verify_n2 verify_n4 $side; do
         read -r rc t0 < "$WORK/$name.rc"
         collect "$name" "$rc" "$t0"
       done ;;
     single)  # shardlab's loop vs a plain compiled loop, bf16, GPT-2 124M at 16 x 1024 tokens
       step single_gpt2 130 "$PY" benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda \
-        --blocks 4 --per-block 5 --warmup 3 ;;
+        --blocks 4 --per-block 5 --warmup 3 --profile-steps "${PROFILE_STEPS:-0}" ;;
     single1b)  # the 1B Llama at seq 2048 (compiled)
       step single_llama1b 200 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda \
         --blocks 3 --per-block 3 --warmup 2 --parallel.compile=true ;;
+    comm2)  # N = 2 only
+      step comm_n2 35 "$PY" -m shardlab.cli bench comm --device cuda --nproc 2 --sizes 64M --iters 10 --warmup 2 \
+        --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport process_group,shared ;;
     comm)  # N ranks on one GPU at 64 MiB: the shared-memory transport over CUDA IPC (and gloo at N = 2)
       step comm_n2 35 "$PY" -m shardlab.cli bench comm --device cuda --nproc 2 --sizes 64M --iters 10 --warmup 2 \
         --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport process_group,shared
@@ -88,7 +98,7 @@ for s in $STEPS; do
       step planner 120 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "dp:1,fsdp:2,tp2:2,pp2-1f1b:2" ;;
     overlap)  # 2 ranks over gloo (asynchronous, unlike the shared transport): ZeRO-3 and DDP traces,
               # the summary's line: how much of each rank's communication overlapped its compute
-      for zero in 3 0; do
+      for zero in ${OVERLAP_ZERO:-3 0}; do
         step "overlap_zero$zero" 60 "$PY" -m shardlab.cli train configs/llama-350m.toml --nproc 2 \
           --train.device=cuda --train.precision=bf16 --train.steps=4 --train.global_batch=4 --profile 2 \
           --parallel.zero_stage=$zero --parallel.comm_transport=process_group --checkpoint.save=false \

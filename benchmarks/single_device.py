@@ -77,7 +77,29 @@ def _timed(step_fn, n, device):
     return out
 
 
-def bench(ctx, cfg, data_dir, blocks, per_block, warmup):
+def profile_steps(name, step_fn, n, device) -> str:
+    """Where a loop's step time goes (``--profile-steps``): ``n`` steps under torch.profiler; the
+    device's busy time (union of kernel intervals) per step against the wall time, host syncs per
+    step, and the operators with the most device (CUDA) or CPU time."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    from shardlab.analysis.overlap import merge
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        wall = sum(_timed(step_fn, n, device))
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        events = [e for e in json.load(open(fh.name)).get("traceEvents", []) if e.get("ph") == "X"]
+    busy = sum(b - a for a, b in merge((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"))
+    syncs = sum(1 for e in events if "Synchronize" in e.get("name", "") or "DtoH" in e.get("name", ""))
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return (f"## {name}: {1e3 * wall / n:.1f} ms/step wall, kernels busy {busy / 1e3 / n:.1f} ms/step, "
+            f"{syncs / n:.1f} synchronisations or device-to-host copies per step\n"
+            + prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+
+
+def bench(ctx, cfg, data_dir, blocks, per_block, warmup, prof_steps=0):
     mesh = Mesh.build(Topology(), ctx.device)
     data = TokenData(data_dir)
     ours, plain = Trainer(cfg, mesh, data), PlainLoop(cfg, data, ctx.device)
@@ -87,6 +109,9 @@ def bench(ctx, cfg, data_dir, blocks, per_block, warmup):
     for _ in range(blocks):
         t_ours += _timed(ours.train_step, per_block, ctx.device)
         t_plain += _timed(plain.train_step, per_block, ctx.device)
+    if prof_steps:
+        print(profile_steps("shardlab", ours.train_step, prof_steps, ctx.device), flush=True)
+        print(profile_steps("plain PyTorch", plain.train_step, prof_steps, ctx.device), flush=True)
     return statistics.median(t_ours), statistics.median(t_plain), str(ctx.device), \
         (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu")
 
@@ -99,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--per-block", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the row as JSON here")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many steps of each loop: device busy time, syncs, top operators")
     args, overrides = ap.parse_known_args(argv)
     cfg = C.load(args.config, overrides)
     cfg.train.device = args.device
@@ -106,7 +133,7 @@ def main(argv=None):
     cfg.validate(1)
     data_dir = str(prepare(cfg.data))
     (ours, plain, dev, name), = launch.run(bench, 1, cfg, data_dir, args.blocks, args.per_block, args.warmup,
-                                          device=args.device)
+                                          args.profile_steps, device=args.device)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     peak, label = peak_flops(torch.device(dev), cfg.train.precision) if dev != "cpu" else (None, "cpu")

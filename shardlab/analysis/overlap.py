@@ -5,8 +5,10 @@ A trace holds complete events (``"ph": "X"``) with a start and a duration. Two k
 out of them:
 
 * on a GPU trace (one with ``kernel`` events): communication = kernels whose name names a
-  collective library (``nccl``) or a collective; compute = every other kernel. Both run on
-  streams; overlap is two streams busy at once.
+  collective library (``nccl``) or a collective, and the host-side collective spans below (gloo
+  and the shared-memory transport move CUDA tensors from the host: no collective kernel);
+  compute = every other kernel (less those inside ``shm:`` spans). Overlap is a kernel running
+  while a collective is in flight.
 * on a CPU trace: communication = the collective's own span on its backend thread (gloo's
   ``gloo:<op>`` annotations: gloo runs the collective on a thread of its own), and the
   shared-memory transport's ``shm:<op>`` spans (it runs each collective inline, on the loop's
@@ -84,23 +86,24 @@ def overlap(trace) -> dict:
         trace = json.loads(Path(trace).read_text())
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    if kernels:
-        comm = [e for e in kernels if _is_comm(e["name"])]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    main = Counter(e.get("tid") for e in ops).most_common(1)
+    tid = main[0][0] if main else None
+    inline = [e for e in events if e["name"].startswith("shm:")]
+    host = inline + [e for e in events if e["name"].lower().startswith("gloo:") or
+                     (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"]))]
+    if kernels:  # host-side collectives (gloo, the shared transport) run on the same clock
+        comm = host + [e for e in kernels if _is_comm(e["name"])]
         compute = [e for e in kernels if not _is_comm(e["name"])]
         device = "gpu"
     else:
-        ops = [e for e in events if e.get("cat") == "cpu_op"]
-        main = Counter(e.get("tid") for e in ops).most_common(1)
-        tid = main[0][0] if main else None
-        inline = [e for e in events if e["name"].startswith("shm:")]
-        comm = inline + [e for e in events if e["name"].lower().startswith("gloo:") or
-                         (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"]))]
+        comm = host
         compute = [e for e in ops if e.get("tid") == tid and not any(w in e["name"].lower() for w in NOT_COMPUTE)]
         device = "cpu"
     c = merge((e["ts"], e["ts"] + e["dur"]) for e in comm)
     k = merge((e["ts"], e["ts"] + e["dur"]) for e in compute)
-    if device == "cpu":  # the shared transport's copies and reductions are its communication
-        k = subtract(k, merge((e["ts"], e["ts"] + e["dur"]) for e in inline))
+    # the shared transport's copies and reductions (inside its shm: spans) are its communication
+    k = subtract(k, merge((e["ts"], e["ts"] + e["dur"]) for e in inline))
     comm_us = sum(b - a for a, b in c)
     both = intersect(c, k)
     return {"comm_us": comm_us, "overlapped_us": both, "fraction": both / comm_us if comm_us else 0.0,

@@ -48,7 +48,9 @@ def resolve(args) -> tuple[C.Config, int, object]:
         cfg.logging.run_dir = args.run_dir
     nproc = launch.torchrun_world_size() or args.nproc or cfg.parallel.world_size
     if nproc != cfg.parallel.world_size and cfg.parallel.world_size == 1:
-        cfg.parallel.dp_replicate = nproc  # degrees not given: plain data parallel over all ranks
+        # degrees not given: data parallel over all ranks, on the sharded axis under ZeRO (else
+        # --parallel.zero_stage=3 would shard over groups of one rank: no memory saved)
+        setattr(cfg.parallel, "dp_shard" if cfg.parallel.zero_stage else "dp_replicate", nproc)
     cfg.validate(world_size=nproc)
     return cfg, nproc, base
 

@@ -20,8 +20,8 @@ applies, else padded):
   segments    one ``mm`` per expert on its contiguous slice of rows, the SwiGLU computed per
               slice while it is in cache (any dtype, width, device). Reads ``counts`` on the
               host once per forward (on CPU the tensor is already in host memory: no sync).
-  grouped_mm  ``torch._grouped_mm`` with the cumulative counts as offsets (fp32/bf16/fp16, rows
-              16-byte aligned, CUDA sm90+ or CPU): no host read; the SwiGLU runs once over all
+  grouped_mm  ``torch._grouped_mm`` with the cumulative counts as offsets (rows 16-byte aligned;
+              bf16 on CUDA sm90+, fp32/bf16/fp16 on CPU): no host read on CUDA; the SwiGLU runs once over all
               rows. On CPU ``torch._grouped_mm`` is itself a loop of ``mm`` over the groups and
               measured slower than segments (its elementwise passes over the whole buffer).
   padded      rows scattered into an (E, C, .) buffer, C = the largest count (one host read),
@@ -73,10 +73,13 @@ def _loop(x, counts, w1, w3, w2):
 
 
 def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """On CUDA only bf16 on sm90+: torch's kernel for it. Other dtypes fall back to a loop over the
+    groups that reads the offsets on the host (seen on an H200, torch 2.11: a device sync)."""
     size = x.element_size()
     return (hasattr(torch, "_grouped_mm") and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and w1.dtype == x.dtype and (x.shape[1] * size) % 16 == 0 and (w1.shape[1] * size) % 16 == 0
-            and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)))
+            and (not x.is_cuda or (x.dtype == torch.bfloat16
+                                   and torch.cuda.get_device_capability(x.device) >= (9, 0))))
 
 
 class _GroupedRows:

@@ -165,6 +165,7 @@ def test_cuda_snapshot_is_pinned_and_taken_at_the_step(tmp_path):
     saver.save(tmp_path, 1, mesh, _pieces(w), dict, "cuda")
     w.add_(1.0)  # queued after the copy on the same stream
     saver.settle(mesh)
-    assert all(h.is_pinned() for h in saver._host)
+    # the CUDA piece's snapshot buffer is pinned (an asynchronous copy); the CPU piece's is not
+    assert [h.is_pinned() for h in saver._host] == [True, False]
     with ckpt.Reader(tmp_path / "step_00000001") as r:
         assert torch.equal(r.read("model.w"), torch.zeros(256, 256))

@@ -325,3 +325,31 @@ def test_ledger_own_algorithm_bytes_are_measured_on_the_wire():
     # the counts are real, not all zero: ring all-reduce of 1031 float32 on 3 ranks sends ~2M(N-1)/N
     sent = [out["all_reduce ring"][0] for out, *_ in results]
     assert all(abs(s - 2 * 1031 * 4 * 2 / 3) <= 8 for s in sent), sent
+
+
+def _staged_p2p_worker(ctx, check):
+    """gloo + CUDA sends host copies and receives into host buffers (Comm._host_staged); forced
+    here on CPU tensors, so the staging path itself (buffers, the copy on wait) is what runs."""
+    Comm._host_staged = lambda self, t: True
+    c = Comm("world", dist.group.WORLD, list(range(ctx.world_size)), ctx.rank, Ledger(), "backend")
+    c.flight.check = check
+    r, n = ctx.rank, ctx.world_size
+    mine = torch.arange(6, dtype=torch.float64) + 10 * r
+    got = torch.zeros(6, dtype=torch.float64)
+    if r == 0:
+        c.isend(mine, 1).wait()
+    elif r == 1:
+        c.irecv(got, 0).wait()
+    ring = torch.zeros(6, dtype=torch.float64)
+    for w in c.exchange([(mine, (r + 1) % n)], [(ring, (r - 1) % n)]):
+        w.wait()
+    return got.tolist(), ring.tolist()
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_host_staged_point_to_point(check):
+    out = launch.run(_staged_p2p_worker, 3, check, timeout_s=60)
+    base = torch.arange(6, dtype=torch.float64)
+    assert out[1][0] == base.tolist()  # rank 1 received rank 0's tensor through a host buffer
+    for r, (_, ring) in enumerate(out):
+        assert ring == (base + 10 * ((r - 1) % 3)).tolist()

@@ -55,3 +55,14 @@ def test_subtract():
     from shardlab.analysis.overlap import subtract
     assert subtract([(0, 10), (12, 20)], [(2, 3), (5, 13), (19, 25)]) == [(0, 2), (3, 5), (13, 19)]
     assert subtract([(0, 10)], []) == [(0, 10)] and subtract([(0, 10)], [(-5, 10)]) == []
+
+
+def test_gpu_trace_host_side_collectives():
+    """CUDA tensors over gloo or the shared transport: no collective kernel. gloo:all_reduce on
+    its thread 100-200 while a GEMM runs 0-150: 50 of 100 us overlap. shm:all_gather 300-340 on
+    the loop thread launches its own copy kernel 310-330 (not compute): 0 of 40. Total 50 of 140."""
+    events = [_x("sm90_xmma_gemm", 0, 150, "kernel", tid=7), _x("gloo:all_reduce", 100, 100, "user_annotation", tid=9),
+              _x("aten::mm", 0, 20, "cpu_op"), _x("shm:all_gather", 300, 40, "user_annotation"),
+              _x("Memcpy DtoD", 310, 20, "kernel", tid=7)]
+    o = overlap({"traceEvents": events})
+    assert o["device"] == "gpu" and o["comm_us"] == 140 and o["overlapped_us"] == 50

@@ -137,11 +137,13 @@ class Engine:
     def clip_grads(self, max_norm: float) -> float:
         """Scale every gradient by min(1, max_norm / global norm); returns the norm."""
         norm = self.grad_norm()
-        if max_norm > 0:
+        if max_norm > 0:  # always scaled (by exactly 1.0 when under the limit): no host read here
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            if float(coef) < 1.0:
-                for g in self.grads():
-                    g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            by_kind: dict[tuple, list[torch.Tensor]] = {}
+            for g in self.grads():
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+            for (device, dtype), grads in by_kind.items():
+                torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
         return float(norm)
 
     # -- state in global coordinates (checkpoints: parallel/state.py) ----------------------------

@@ -72,3 +72,29 @@ def test_flops_formula():
     n = matmul_params_per_token(cfg)
     assert n == 12 * (4 * 768 * 768 + 3 * 768 * 3072) + 768 * 50304
     assert flops_per_token(cfg, 1024) == 6 * n + 12 * 12 * 768 * 1024
+
+
+def test_output_head_padding_keeps_values_and_gradients():
+    """On CUDA the head pads a vocabulary that is not a multiple of 64 rows (aligned logits rows
+    for cuBLAS); forced here on CPU: the logits are a view of 100 of 128 padded columns, and loss
+    and every gradient equal the unpadded head's (fp64). Both architectures use the head."""
+    from shardlab.models.llama.model import OutputHead
+    for arch, cfg in (("llama", CFG), ("gpt2", ModelConfig(arch="gpt2", vocab_size=100, d_model=32, n_layers=2,
+                                                           n_heads=4, max_seq_len=16))):
+        cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": 100})
+        m = build_model(cfg, seed=0, dtype=torch.float64)
+        head = m.output if arch == "llama" else m.lm_head
+        assert isinstance(head, OutputHead)
+        x = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(1))
+        runs = []
+        for pad in ((), ("cpu",)):
+            head.pad_devices = pad
+            m.zero_grad()
+            logits = m(x)
+            loss = m(x, x)
+            loss.backward()
+            runs.append((logits, loss, [p.grad.clone() for p in m.parameters()]))
+        (l0, loss0, g0), (l1, loss1, g1) = runs
+        assert l1.shape == (3, 16, 100) and l1.stride(-2) == 128 and l0.stride(-2) == 100, arch
+        assert torch.allclose(l0, l1, rtol=0, atol=1e-12) and abs(loss0.item() - loss1.item()) < 1e-12, arch
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(g0, g1)), arch

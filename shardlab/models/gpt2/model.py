@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..llama.model import SDPA, CrossEntropy, cached_attention
+from ..llama.model import SDPA, CrossEntropy, OutputHead, cached_attention
 
 
 class Attention(nn.Module):
@@ -81,7 +81,7 @@ class GPT2(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = OutputHead(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.criterion = CrossEntropy()

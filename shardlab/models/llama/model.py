@@ -157,6 +157,28 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class OutputHead(nn.Linear):
+    """The vocabulary projection (logits = h W^T). On CUDA a vocabulary that is not a multiple of
+    ``ALIGN`` rows (GPT-2's 50257) gives logits whose rows start at unaligned addresses, and cuBLAS
+    then falls back to slow kernels for all three products of the head (measured on an H200:
+    31 ms of a 75 ms GPT-2 step; docs/benchmarks.md, "GPU"). There the weight is padded with
+    zero rows to a multiple of ``ALIGN`` and the logits are a view of the first ``vocab`` columns:
+    same values, no new parameter, checkpoints unchanged. Elsewhere (CPU) it is ``nn.Linear``.
+    Its weight gradient is a plain linear's (pipeline/wgrad.py computes it directly)."""
+
+    ALIGN = 64
+    pad_devices = ("cuda",)
+    plain_linear_grads = True
+
+    def forward(self, x):
+        v = self.weight.shape[0]
+        pad = -v % self.ALIGN if x.device.type in self.pad_devices else 0
+        if not pad:
+            return F.linear(x, self.weight, self.bias)
+        b = None if self.bias is None else F.pad(self.bias, (0, pad))
+        return F.linear(x, F.pad(self.weight, (0, 0, 0, pad)), b)[..., :v]
+
+
 class CrossEntropy(nn.Module):
     """Mean token cross-entropy. Tensor parallel swaps in the vocab-parallel version."""
 
@@ -172,7 +194,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output = OutputHead(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.criterion = CrossEntropy()

@@ -21,6 +21,12 @@ import torch
 from torch import nn
 
 
+def _linear(mod: nn.Module) -> bool:
+    """An ``nn.Linear`` whose weight gradient is a plain linear's (subclasses say so, e.g. the
+    models' OutputHead, whose padding on CUDA changes no gradient)."""
+    return type(mod) is nn.Linear or (isinstance(mod, nn.Linear) and getattr(mod, "plain_linear_grads", False))
+
+
 def _plain_params(mod: nn.Module) -> bool:
     ps = [p for p in mod.parameters(recurse=False) if p.requires_grad]
     return bool(ps) and all(isinstance(p, nn.Parameter) and p.is_leaf and not p._backward_hooks
@@ -34,7 +40,7 @@ def direct_input(mod: nn.Module, args: tuple):
     x = args[0]
     if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         return None
-    if type(mod) is nn.Linear and x.dtype == mod.weight.dtype:
+    if _linear(mod) and x.dtype == mod.weight.dtype:
         return x.detach()
     if (type(mod) is nn.Embedding and mod.padding_idx is None and mod.max_norm is None
             and not mod.sparse and not x.is_floating_point()):
@@ -53,7 +59,7 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 
 def weight_grads(mod: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
     """Add ``mod``'s weight gradients for input ``x`` and output gradient ``g`` to ``.grad``."""
-    if type(mod) is nn.Linear:
+    if _linear(mod):
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         w = mod.weight
         if w.requires_grad:

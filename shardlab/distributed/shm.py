@@ -19,7 +19,8 @@ Memories:
         is left behind even if a rank dies later.
   CUDA  each rank allocates its regions on its device; the handles are exchanged as CUDA IPC
         handles (``torch.multiprocessing.reductions.reduce_tensor``) pickled over the group.
-        Before every barrier the rank synchronises its current stream. NOT YET RUN ON A GPU.
+        Before every barrier the rank synchronises its current stream. Run on an H200
+        (docs/gpu.md): ``shardlab verify`` passes with 2 and 4 ranks sharing it.
 
 The arena grows (collectively, never shrinks) when a bigger message arrives: every rank knows
 the size of all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its

@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (docs/benchmarks.md, "GPU"): run shardlab's GPU checks in one call and
-# append every table to $OUT/log.txt (the device returns at most 8 files). A lease is 15 minutes
-# of device time, the machine's start included, and a command runs at most 10 minutes, so the
-# whole batch ends by DEADLINE_S seconds (default 540): each step's limit is clipped to the time
-# left and a step with under 15 s left is skipped (logged). Steps run in the order given:
+# On a lent GPU machine (docs/gpu.md): run shardlab's GPU checks in one call and append every
+# table to $OUT/log.txt (the device returns at most 8 files). A lease is 15 minutes of device
+# time, the machine's start included, and a command runs at most 10 minutes, so the whole batch
+# ends by DEADLINE_S seconds (default 540): each step's limit is clipped to the time left and a
+# step with under 15 s left is skipped (logged). Steps run in the order given in STEPS:
 #
-#   OUT=$OUT bash benchmarks/gpu_session.sh            # env checks single comm memory overlap
-#   OUT=$OUT STEPS="comm" DEADLINE_S=300 bash benchmarks/gpu_session.sh
+#   env           nvidia-smi, cores, /dev/shm, torch and the device
+#   checks        side by side (they time nothing): the gpu-marked tests, `shardlab verify` at
+#                 N = 2 and 4 ranks sharing the GPU (VERIFY_N2 / VERIFY_N4: layout lists), and on
+#                 4 cores of their own the CPU pp = 4 schedules (or, with CHECKS_PLANNER set,
+#                 benchmarks/planner_calibration.py --device cuda on those layouts)
+#   single        GPT-2 124M, shardlab's loop vs a plain compiled loop (PROFILE_STEPS: profile)
+#   single_eager  the same without torch.compile;  single1b: the 1B Llama
+#   comm / comm2  same-GPU collectives at 64 MiB, N = 2, 4, 8 / N = 2 only (gloo vs shared)
+#   memory        Llama-1B on 2 ranks: DDP vs ZeRO-3 with prefetch on/off (benchmarks/gpu_memory.py)
+#   planner       predicted vs torch.cuda.max_memory_allocated, tiny layouts
+#   overlap       ZeRO-3 (and DDP) over gloo under --profile (OVERLAP_ZERO: the stages)
+#   moe           the experts' kernels on the GPU
 #
-# checks: the correctness runs side by side (they measure no time): the gpu-marked tests,
-#   `shardlab verify` at N = 2 and N = 4 ranks sharing the GPU (float64, auto transport = the
-#   shared-memory one over CUDA IPC), and, on 4 cores of their own (taskset), the CPU pp = 4
-#   schedules (1F1B vs ZB-H1, a core per rank). Then, alone, the timed steps.
+#   OUT=$OUT bash benchmarks/gpu_session.sh     # default: env checks single comm memory overlap
+#   OUT=$OUT STEPS="single comm2" DEADLINE_S=300 bash benchmarks/gpu_session.sh
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"

@@ -274,14 +274,26 @@ def _copied_grad_extra(train, el: int) -> float:
 
 # -- activations -----------------------------------------------------------------------------------
 
+def trace_mode(cfg, device: str = "cpu") -> str:
+    """How the trace runs: the parameters' dtype, and under bf16/fp16 autocast's rules for the
+    device ("autocast-cuda-float32": fp32 weights cast per product, as DDP, TP, PP and ZeRO-1/2
+    keep them; "autocast-cuda-bfloat16": FSDP gathering in the autocast dtype, or param_dtype)."""
+    t, p = cfg.train, cfg.parallel
+    if t.precision not in ("bf16", "fp16"):
+        return "float64" if t.precision == "fp64" else "float32"
+    low = t.param_dtype in ("bf16", "fp16") or (p.zero_stage == 3 and not t.param_dtype)
+    return f"autocast-{'cpu' if device == 'cpu' else 'cuda'}-{'bfloat16' if low else 'float32'}"
+
+
 @functools.lru_cache(maxsize=256)
-def _trace(key: str, cfg_json: str, micro_batch: int, seq: int, dtype_name: str, pp_rank: int):
+def _trace(key: str, cfg_json: str, micro_batch: int, seq: int, mode: str, pp_rank: int):
     from ..config import from_dict
     from ..distributed.topology import Topology
     from .shadow import trace_saved
     cfg = from_dict(json.loads(cfg_json))
     rank = Topology.from_config(cfg.parallel).rank(pp=pp_rank)
-    return trace_saved(cfg, micro_batch, seq, getattr(torch, dtype_name), rank)
+    autocast, dtype = mode.split("-")[1:] if mode.startswith("autocast-") else (None, mode)
+    return trace_saved(cfg, micro_batch, seq, getattr(torch, dtype), rank, autocast)
 
 
 def micro_batch(cfg) -> int:
@@ -306,10 +318,9 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
     recomputation) and "logits" (the largest transient output)."""
     p = cfg.parallel
     seq = cfg.train.seq_len // p.cp
-    dtype = act_dtype(cfg, device)
     small = _small_cfg(cfg)
     cfg_json = _canonical(small)
-    tr = _trace(cfg_json, cfg_json, micro_batch(cfg), seq, str(dtype).split(".")[-1], 0)
+    tr = _trace(cfg_json, cfg_json, micro_batch(cfg), seq, trace_mode(cfg, device), 0)
     blocks = [r for r in tr.regions if r not in ("first", "last")]
     mode = p.activation_checkpointing
 

@@ -228,9 +228,11 @@ class SavedTrace:
                 "op_ops": share(self.ops), "op_ew": share(self.ew_bytes), "op_saved": share(self.regions)}
 
 
-def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: int = 0) -> SavedTrace:
+def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: int = 0,
+                autocast: str | None = None) -> SavedTrace:
     """Run one forward of ``micro_batch`` sequences of ``seq_len`` tokens (the rank's local
-    sequence) through the model rank ``rank`` holds, on meta, and account what is saved."""
+    sequence) through the model rank ``rank`` holds, on meta, and account what is saved.
+    ``dtype``: the parameters'; ``autocast`` ("cpu", "cuda"): under bf16 autocast's rules."""
     from ..models.spec import get_spec
     spec = get_spec(cfg.model)
     model = local_model(cfg, rank, dtype)
@@ -320,8 +322,9 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
         batch = _meta_batch(cfg, spec, model, micro_batch, seq_len, dtype)
         def attn(nbytes):
             out.op_kept[state["region"]] = out.op_kept.get(state["region"], 0) + nbytes
+        cast = AutocastTrace(torch.bfloat16, autocast) if autocast else contextlib.nullcontext()
         with fused_attention(attn), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                OpCount(out, state):
+                OpCount(out, state), cast:
             model(*batch)
     finally:
         for h in hooks:
@@ -352,3 +355,43 @@ def _meta_batch(cfg, spec, model, micro_batch: int, seq_len: int, dtype) -> tupl
     if owns_last:
         return (x, tokens[:, 1:])
     return (x,)
+
+
+
+class AutocastTrace(torch.overrides.TorchFunctionMode):
+    """``torch.autocast`` for the meta trace, which autocast cannot run on (it has no meta
+    backend): the calls the models make, with autocast's dtype rules of ``device`` ("cpu" or
+    "cuda"). Products (linear, matmul, bmm, attention) take their floating inputs in ``dtype``,
+    a weight cast once per forward (autocast caches casts of leaves); the ops autocast runs in
+    fp32 take fp32 (on CUDA also softmax and layer_norm); float64 is never cast. What autograd
+    then saves is what a real autocast run saves: the casts, fp32 residual streams where the
+    weights are fp32. Checked against CPU runs under ``torch.autocast`` (test_planner_calibration)."""
+
+    LOW = (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm, torch.baddbmm)
+    """(attention: the trace's fused_attention stands in for SDPA; its inputs are products' outputs)"""
+    FP32 = {"cpu": (F.cross_entropy, F.nll_loss),
+            "cuda": (F.cross_entropy, F.nll_loss, F.layer_norm, F.softmax, torch.softmax, torch.Tensor.softmax,
+                     F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)}
+
+    def __init__(self, dtype: torch.dtype, device: str):
+        super().__init__()
+        self.dtype, self.fp32, self.cache = dtype, self.FP32["cpu" if device == "cpu" else "cuda"], {}
+
+    def _cast(self, t, dtype):
+        if not torch.is_tensor(t) or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+            return t
+        if not (t.is_leaf and t.requires_grad):
+            return t.to(dtype)
+        if (id(t), dtype) not in self.cache:
+            self.cache[(id(t), dtype)] = (t, t.to(dtype))  # t kept: its id stays unique
+        return self.cache[(id(t), dtype)][1]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        low = func in self.LOW
+        if low or func in self.fp32:
+            dtype = self.dtype if low else torch.float32
+            args = tuple(self._cast(a, dtype) for a in args)
+            kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+

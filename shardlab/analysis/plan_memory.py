@@ -277,11 +277,12 @@ def _copied_grad_extra(train, el: int) -> float:
 def trace_mode(cfg, device: str = "cpu") -> str:
     """How the trace runs: the parameters' dtype, and under bf16/fp16 autocast's rules for the
     device ("autocast-cuda-float32": fp32 weights cast per product, as DDP, TP, PP and ZeRO-1/2
-    keep them; "autocast-cuda-bfloat16": FSDP gathering in the autocast dtype, or param_dtype)."""
+    keep them, and ZeRO-3 inside pipeline stages, which gathers fp32; "autocast-cuda-bfloat16":
+    FSDP gathering in the autocast dtype, or param_dtype)."""
     t, p = cfg.train, cfg.parallel
     if t.precision not in ("bf16", "fp16"):
         return "float64" if t.precision == "fp64" else "float32"
-    low = t.param_dtype in ("bf16", "fp16") or (p.zero_stage == 3 and not t.param_dtype)
+    low = t.param_dtype in ("bf16", "fp16") or (p.zero_stage == 3 and p.pp == 1 and not t.param_dtype)
     return f"autocast-{'cpu' if device == 'cpu' else 'cuda'}-{'bfloat16' if low else 'float32'}"
 
 

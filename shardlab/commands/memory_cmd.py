@@ -12,8 +12,9 @@ def configure(p: argparse.ArgumentParser):
     p.add_argument("config", nargs="?", help="TOML/JSON config (DeepSpeed JSON accepted)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (if the config sets no degrees)")
     p.add_argument("--no-run", action="store_true", help="prediction and formula only: do not start ranks")
-    p.add_argument("--device", default="cpu", help="activation dtype as on this device kind: cpu (the "
-                                                  "parameters' dtype) or a GPU kind (bf16 under autocast)")
+    p.add_argument("--device", default="cpu", help="activations as on this device kind: cpu or a GPU kind "
+                                                  "(h100, h200, a100); bf16/fp16 runs follow that device's "
+                                                  "autocast rules (docs/planner.md)")
 
 
 def resolve(config_path, overrides, nproc: int):

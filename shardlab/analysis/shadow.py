@@ -357,13 +357,13 @@ def _meta_batch(cfg, spec, model, micro_batch: int, seq_len: int, dtype) -> tupl
     return (x,)
 
 
-
 class AutocastTrace(torch.overrides.TorchFunctionMode):
     """``torch.autocast`` for the meta trace, which autocast cannot run on (it has no meta
     backend): the calls the models make, with autocast's dtype rules of ``device`` ("cpu" or
-    "cuda"). Products (linear, matmul, bmm, attention) take their floating inputs in ``dtype``,
-    a weight cast once per forward (autocast caches casts of leaves); the ops autocast runs in
-    fp32 take fp32 (on CUDA also softmax and layer_norm); float64 is never cast. What autograd
+    "cuda"). Products (linear, matmul, bmm; attention takes their outputs) take their floating
+    inputs in ``dtype``, a weight cast once per forward (autocast caches casts of leaves); the ops
+    autocast runs in fp32 take fp32 (on CUDA also softmax and layer_norm); float64 is never cast.
+    What autograd
     then saves is what a real autocast run saves: the casts, fp32 residual streams where the
     weights are fp32. Checked against CPU runs under ``torch.autocast`` (test_planner_calibration)."""
 
@@ -394,4 +394,3 @@ class AutocastTrace(torch.overrides.TorchFunctionMode):
             args = tuple(self._cast(a, dtype) for a in args)
             kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
         return func(*args, **kwargs)
-

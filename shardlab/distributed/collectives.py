@@ -361,10 +361,10 @@ class Comm:
         entry = self.flight.enter(self, "recv", (t,), None, peer)
         if self._host_staged(t):
             buf = torch.empty(t.shape, dtype=t.dtype)
-            return _HostRecv(self.irecv_into(buf, peer, entry), buf, t)
-        return self.irecv_into(t, peer, entry)
+            return _HostRecv(self._irecv_into(buf, peer, entry), buf, t)
+        return self._irecv_into(t, peer, entry)
 
-    def irecv_into(self, t: torch.Tensor, peer: int, entry):
+    def _irecv_into(self, t: torch.Tensor, peer: int, entry):
         if self.flight.check:
             head = torch.empty(fl.FP_BYTES, dtype=torch.uint8, device=t.device)
             hw = dist.irecv(head, src=self.ranks[peer], group=self.group)

@@ -363,9 +363,8 @@ class AutocastTrace(torch.overrides.TorchFunctionMode):
     "cuda"). Products (linear, matmul, bmm; attention takes their outputs) take their floating
     inputs in ``dtype``, a weight cast once per forward (autocast caches casts of leaves); the ops
     autocast runs in fp32 take fp32 (on CUDA also softmax and layer_norm); float64 is never cast.
-    What autograd
-    then saves is what a real autocast run saves: the casts, fp32 residual streams where the
-    weights are fp32. Checked against CPU runs under ``torch.autocast`` (test_planner_calibration)."""
+    What autograd then saves is what a real autocast run saves: the casts, fp32 residual streams
+    where the weights are fp32. Checked against CPU runs under ``torch.autocast`` (test_planner_calibration)."""
 
     LOW = (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm, torch.baddbmm)
     """(attention: the trace's fused_attention stands in for SDPA; its inputs are products' outputs)"""

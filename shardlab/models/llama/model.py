@@ -161,7 +161,7 @@ class OutputHead(nn.Linear):
     """The vocabulary projection (logits = h W^T). On CUDA a vocabulary that is not a multiple of
     ``ALIGN`` rows (GPT-2's 50257) gives logits whose rows start at unaligned addresses, and cuBLAS
     then falls back to slow kernels for all three products of the head (measured on an H200:
-    31 ms of a 75 ms GPT-2 step; docs/benchmarks.md, "GPU"). There the weight is padded with
+    31 ms of an 80 ms GPT-2 step; docs/gpu.md). There the weight is padded with
     zero rows to a multiple of ``ALIGN`` and the logits are a view of the first ``vocab`` columns:
     same values, no new parameter, checkpoints unchanged. Elsewhere (CPU) it is ``nn.Linear``.
     Its weight gradient is a plain linear's (pipeline/wgrad.py computes it directly)."""

@@ -121,11 +121,12 @@ def _group_of_rank0(topo, group: str) -> list[int]:
 def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     """{step_s, compute, exposed_comm, bubble, optimizer} for the layout. ``mem``: the rank's
     model-state bytes (plan_memory.model_state); ``traced``: activation bytes of one micro-batch
-    per stage without recomputation (plan_memory.chunk_activations)."""
+    per stage without recomputation (plan_activations.chunk_activations)."""
     from ..distributed.topology import Topology
     from ..models.moe import expert_capacity
     from ..parallel.expert import padded_dispatch
-    from .plan_memory import act_dtype, micro_batch, schedule_peaks
+    from .plan_activations import micro_batch, schedule_peaks
+    from .plan_memory import act_dtype
     from .devices import for_transport
     p, m, t = cfg.parallel, cfg.model, cfg.train
     dev = for_transport(dev, p.comm_transport)  # CPU: the probed curve of this layout's transport

@@ -64,7 +64,8 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     """The memory terms of every rank at pipeline coordinate ``pp_rank`` (all such ranks are
     alike: TP shards are equal, vocabulary padding included, and data-parallel shards are padded)."""
     from ..models.spec import get_spec
-    from .plan_memory import activations, model_state
+    from .plan_activations import activations
+    from .plan_memory import model_state
     ms = model_state(cfg, pp_rank)
     act = transient = stash = 0.0  # the trace covers token models (models/spec.py conventions)
     if get_spec(cfg.model).task == "lm":
@@ -88,7 +89,7 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     from ..distributed.topology import Topology
     from ..models.spec import get_spec
     from .devices import get_device, with_nodes
-    from .plan_memory import chunk_activations, micro_batch
+    from .plan_activations import chunk_activations, micro_batch
     from .plan_time import step_time
     p, t = cfg.parallel, cfg.train
     dev = with_nodes(get_device(device, probe), gpus_per_node)
@@ -147,7 +148,7 @@ def _stages(cfg, device: str, which=None) -> dict:
     if p.pp == 1:
         return {0: stage_memory(cfg, 0, device)}
     from ..models.spec import get_spec
-    from .plan_memory import activations
+    from .plan_activations import activations
     from .plan_pipeline import layout
     ranges = stage_ranges(cfg)
     end = max(r.stop for r in ranges)

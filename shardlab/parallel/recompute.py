@@ -7,7 +7,7 @@ the large, cheap-to-recompute part) is recomputed; projections and the MLP keep 
 attention kernel and of every other matrix product (the 1st, 3rd, ... ``mm``/``addmm`` of the
 block's forward) are kept; everything else (norms, rotary, activations, the even-numbered
 products) is recomputed in backward. :func:`op_keeps` is the rule; the planner's trace applies
-the same function (analysis/plan_memory.py).
+the same function (analysis/shadow_ops.py, plan_activations.py).
 
 The wrapper replaces the module's ``forward`` on the instance, so module and parameter names
 (checkpoint keys, placements) do not change. Non-reentrant ``torch.utils.checkpoint`` runs

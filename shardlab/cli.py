@@ -90,6 +90,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     except WorkerError as e:
         first = str(e).split("\n")[1] if "\n" in str(e) else ""
+        if sys.stderr.isatty():  # a rank's progress bar may hold the line: start the message on a clean one
+            sys.stderr.write("\r\033[K")
         if first.startswith(BAD_INPUT):  # bad input found by a rank
             print(f"shardlab: rank {e.rank}: {first.split(': ', 1)[1]}", file=sys.stderr)
             return 2

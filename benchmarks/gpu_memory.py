@@ -61,9 +61,9 @@ def main(argv=None) -> None:
     print("| variant | rank | max allocated MiB | model state MiB (measured) | ZeRO formula MiB | "
           "planner total MiB | step ms (slowest rank, median) |")
     print("|---|---|---|---|---|---|---|")
+    psi = count_params(meta_model(C.load(a.config, overrides).model))  # the same model in every variant
     for label, options, axis in VARIANTS:
         cfg = variant_config(a.config, overrides, a.nproc, options, axis)
-        psi = count_params(meta_model(cfg.model))
         f = formula(psi, a.nproc, cfg.parallel.zero_stage, "fp32")
         try:
             measured = cal.measure_layout(cfg, a.nproc, a.warmup, a.steps, "cuda", timeout_s=600)

@@ -59,6 +59,11 @@ background() {  # background NAME LIMIT CORES CMD...: start a step beside the ot
   ( t0=$SECONDS; timeout -k 5 "$lim" "${pin[@]}" "$@" > "$WORK/$name.txt" 2>&1; echo "$? $t0" > "$WORK/$name.rc" ) &
 }
 
+comm() {  # comm N LIMIT TRANSPORTS: the collectives at 64 MiB with N ranks sharing the GPU
+  step "comm_n$1" "$2" "$PY" -m shardlab.cli bench comm --device cuda --nproc "$1" --sizes 64M --iters 10 \
+    --warmup 2 --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport "$3"
+}
+
 for s in $STEPS; do
   case $s in
     env)
@@ -94,15 +99,10 @@ for s in $STEPS; do
       step single_llama1b 200 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda \
         --blocks 3 --per-block 3 --warmup 2 --parallel.compile=true ;;
     comm2)  # N = 2 only
-      step comm_n2 35 "$PY" -m shardlab.cli bench comm --device cuda --nproc 2 --sizes 64M --iters 10 --warmup 2 \
-        --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport process_group,shared ;;
+      comm 2 35 process_group,shared ;;
     comm)  # N ranks on one GPU at 64 MiB: the shared-memory transport over CUDA IPC (and gloo at N = 2)
-      step comm_n2 35 "$PY" -m shardlab.cli bench comm --device cuda --nproc 2 --sizes 64M --iters 10 --warmup 2 \
-        --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport process_group,shared
-      for n in 4 8; do
-        step "comm_n$n" 30 "$PY" -m shardlab.cli bench comm --device cuda --nproc "$n" --sizes 64M --iters 10 --warmup 2 \
-          --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport shared
-      done ;;
+      comm 2 35 process_group,shared
+      for n in 4 8; do comm "$n" 30 shared; done ;;
     memory)  # Llama-1B, 2 ranks sharing the GPU: DDP vs ZeRO-3 with prefetch on/off
       step memory_1b 80 "$PY" benchmarks/gpu_memory.py --config configs/llama-1b.toml --nproc 2 --train.global_batch=4 ;;
     planner)  # the planner's predicted total vs torch.cuda.max_memory_allocated, tiny layouts

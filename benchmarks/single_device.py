@@ -81,7 +81,6 @@ def profile_steps(name, step_fn, n, device) -> str:
     """Where a loop's step time goes (``--profile-steps``): ``n`` steps under torch.profiler; the
     device's busy time (union of kernel intervals) per step against the wall time, host syncs per
     step, and the operators with the most device (CUDA) or CPU time."""
-    import json
     import tempfile
     from torch.profiler import ProfilerActivity, profile
     from shardlab.analysis.overlap import merge
@@ -90,7 +89,7 @@ def profile_steps(name, step_fn, n, device) -> str:
         wall = sum(_timed(step_fn, n, device))
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         prof.export_chrome_trace(fh.name)
-        events = [e for e in json.load(open(fh.name)).get("traceEvents", []) if e.get("ph") == "X"]
+        events = [e for e in json.loads(Path(fh.name).read_text()).get("traceEvents", []) if e.get("ph") == "X"]
     busy = sum(b - a for a, b in merge((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"))
     syncs = sum(1 for e in events if "Synchronize" in e.get("name", "") or "DtoH" in e.get("name", ""))
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

@@ -19,6 +19,14 @@ from ..distributed.reshard import gather_pieces
 from . import state
 
 
+def by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
+    """``{(device, dtype): [tensors]}``: a fused (foreach) kernel takes one device and dtype per call."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
 class Engine:
     """Base engine: a model replicated on every rank, gradients averaged over ``dp_cp`` after
     backward (one all-reduce per parameter). Parallel modules subclass or replace this."""
@@ -139,10 +147,7 @@ class Engine:
         norm = self.grad_norm()
         if max_norm > 0:  # always scaled (by exactly 1.0 when under the limit): no host read here
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            by_kind: dict[tuple, list[torch.Tensor]] = {}
-            for g in self.grads():
-                by_kind.setdefault((g.device, g.dtype), []).append(g)
-            for (device, dtype), grads in by_kind.items():
+            for (device, dtype), grads in by_device_and_dtype(self.grads()).items():
                 torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
         return float(norm)
 

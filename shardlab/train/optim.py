@@ -6,6 +6,7 @@ import math
 import torch
 
 from ..config import TrainConfig
+from ..parallel.engine import by_device_and_dtype
 
 
 def build_adamw(cfg: TrainConfig, device: torch.device):
@@ -73,10 +74,7 @@ class LossScaler:
         if device is None:
             device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        groups: dict = {}
-        for g in grads:  # the fused kernel wants one device and dtype per call
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        for (dev, _), ts in groups.items():
+        for (dev, _), ts in by_device_and_dtype(grads).items():
             flag = torch.zeros(1, dtype=torch.float32, device=dev)
             inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(ts, flag, inv)

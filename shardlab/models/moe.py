@@ -28,8 +28,9 @@ Host reads. Routing, grouping and the combine have none: the assignments are gro
 expert with the dropped ones last, so every shape is T*k whatever the routing; counts are
 integer scatter-adds (CUDA's ``bincount`` would read its maximum); tokens go to the grouped rows
 and back by gathers whose backward is the other gather (no scatter-add into the tokens). The
-experts (models/moe_gemm.py) read nothing on CUDA with ``torch._grouped_mm``; the CPU kernel
-reads the counts, which on CPU already live in host memory. Expert parallel with a capacity pads
+experts (models/moe_gemm.py) read nothing on CUDA with ``torch._grouped_mm`` nor, with a
+capacity, with the padded kernel (padded to it); the CPU kernels read the counts, which on CPU
+already live in host memory. Expert parallel with a capacity pads
 its all-to-all to it and reads nothing either; dropless (or ``parallel.ep_dispatch = exact``) it
 must read the split sizes (parallel/expert.py), the one sync that remains there.
 
@@ -71,8 +72,9 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(n, d_model, hidden))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return expert_ffn(x, counts, self.w1, self.w3, self.w2, self.impl)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, capacity: int = 0) -> torch.Tensor:
+        """``capacity``: a bound on every count (0 = none), which fixes the padded kernel's shapes."""
+        return expert_ffn(x, counts, self.w1, self.w3, self.w2, self.impl, capacity=capacity)
 
 
 class Routing:
@@ -108,10 +110,11 @@ class MoE(nn.Module):
         """Sum ``t`` over every rank holding other tokens of the batch (differentiably)."""
         return t
 
-    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows of ``x`` grouped by global expert (``counts[e]`` each, a tensor) -> expert outputs,
-        same order; rows past ``counts.sum()`` (dropped assignments) -> zeros."""
-        return self.experts(x, counts)
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor, capacity: int = 0) -> torch.Tensor:
+        """Rows of ``x`` grouped by global expert (``counts[e]`` each, a tensor, at most
+        ``capacity`` where that is not 0) -> expert outputs, same order; rows past
+        ``counts.sum()`` (dropped assignments) -> zeros."""
+        return self.experts(x, counts, capacity)
 
     # -- routing ---------------------------------------------------------------------------------
     def capacity(self, n_tokens: int) -> int:
@@ -165,7 +168,7 @@ class MoE(nn.Module):
         inv = torch.empty_like(sel)
         inv[sel] = torch.arange(sel.numel(), device=sel.device)
         counts = count(key, self.n_experts + 1)[:self.n_experts]
-        y = self.run_experts(_Spread.apply(x, sel, inv, self.top_k), counts)
+        y = self.run_experts(_Spread.apply(x, sel, inv, self.top_k), counts, self.capacity(x.shape[0]))
         # combine in x's dtype (under autocast the experts return bf16/fp16, x is fp32)
         w = (r.weight * r.keep)[sel, None].to(x.dtype)
         out = _Collect.apply(y.to(x.dtype) * w, sel, inv, self.top_k)

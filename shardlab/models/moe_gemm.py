@@ -15,8 +15,8 @@ for the loop's ``w[e]``):
   dW1[e] = dH1_e^T X_e     dW3[e] = dH3_e^T X_e     dX = dH1 w1[e] + dH3 w3[e]  (only if x needs it)
 
 with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h) (one ``aten.silu_backward``). Kernels for the
-per-expert products (``kernel``; ``auto`` picks segments on CPU, grouped_mm on CUDA where it
-applies, else padded):
+per-expert products (``kernel``; ``auto`` picks grouped_mm on CUDA where it applies, else
+padded; off CUDA padded for small experts and segments otherwise, see SMALL_PRODUCT):
   segments    one ``mm`` per expert on its contiguous slice of rows, the SwiGLU computed per
               slice while it is in cache (any dtype, width, device). Reads ``counts`` on the
               host once per forward (on CPU the tensor is already in host memory: no sync).
@@ -24,8 +24,9 @@ applies, else padded):
               bf16 on CUDA sm90+, fp32/bf16/fp16 on CPU): no host read on CUDA; the SwiGLU runs once over all
               rows. On CPU ``torch._grouped_mm`` is itself a loop of ``mm`` over the groups and
               measured slower than segments (its elementwise passes over the whole buffer).
-  padded      rows scattered into an (E, C, .) buffer, C = the largest count (one host read),
-              and ``bmm``: one kernel per product for all experts, any dtype; computes E C rows.
+  padded      rows scattered into an (E, C, .) buffer and ``bmm``: one kernel per product for
+              all experts, any dtype; computes E C rows. C = the layer's ``capacity`` where it
+              has one (shapes fixed by it, no host read), else the largest count (one host read).
 ``impl = loop`` is the reference: one ``F.linear`` triple per expert under autograd.
 Measurements and the FLOP floor: docs/expert-parallel.md ("Grouped GEMM vs the per-expert loop").
 """
@@ -38,10 +39,20 @@ import torch.nn.functional as F
 
 IMPLS = ("grouped", "loop")
 KERNELS = ("auto", "grouped_mm", "padded", "segments")
+# Off CUDA, with a capacity, ``auto`` runs one batched kernel padded to it (padded) instead of
+# one mm per expert (segments) where an expert's product is small enough that the per-expert
+# calls cost more than the padding: mean rows per expert x D x H multiply-adds at most
+# SMALL_PRODUCT; in bf16/fp16 (whose small per-expert GEMMs are slow on CPU) up to
+# LOW_PRECISION_PRODUCT while the padding adds at most PAD_WASTE of the rows. Measured on the
+# 2-core CPU (docs/expert-parallel.md). Dropless layers keep segments: padded to the largest
+# count, their memory would follow the routing (the planner predicts it from the config).
+SMALL_PRODUCT, LOW_PRECISION_PRODUCT, PAD_WASTE = 1 << 20, 1 << 24, 1.3
 
 
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "grouped",
-               kernel: str = "auto") -> torch.Tensor:
+               kernel: str = "auto", capacity: int = 0) -> torch.Tensor:
+    """``capacity``: an upper bound on every ``counts[e]`` (0 = none known). The padded kernel
+    then pads every expert to it: shapes, hence memory, fixed by it and nothing read on the host."""
     if impl == "loop":
         return _loop(x, counts, w1, w3, w2)
     dev = x.device.type
@@ -49,16 +60,34 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "g
     if autocast:   # compute in the autocast dtype, as F.linear would
         dt = torch.get_autocast_dtype(dev)
         x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
+    sizes = None
     if kernel == "auto":
-        kernel = "segments" if not x.is_cuda else "grouped_mm" if _grouped_mm_ok(x, w1) else "padded"
+        if x.is_cuda:
+            kernel = "grouped_mm" if _grouped_mm_ok(x, w1) else "padded"
+        else:   # counts live in host memory here (no sync); the meta trace gives balanced sizes
+            sizes = counts.tolist()
+            kernel = _cpu_kernel(x, w1, sizes, capacity)
     if kernel not in KERNELS:
         raise ValueError(f"unknown expert kernel {kernel!r}; one of {KERNELS}")
     if kernel == "grouped_mm" and not _grouped_mm_ok(x, w1):
         raise ValueError(f"torch._grouped_mm cannot take {x.dtype} rows of width {x.shape[1]} here")
+    args = (x, counts, w1, w3, w2, kernel, sizes, capacity)
     if not autocast:  # (torch.autocast cannot be entered for every device type, e.g. meta)
-        return _Experts.apply(x, counts, w1, w3, w2, kernel)
+        return _Experts.apply(*args)
     with torch.autocast(dev, enabled=False):
-        return _Experts.apply(x, counts, w1, w3, w2, kernel)
+        return _Experts.apply(*args)
+
+
+def _cpu_kernel(x: torch.Tensor, w1: torch.Tensor, sizes: list, capacity: int) -> str:
+    """``padded`` or ``segments`` for rows ``sizes[e]`` per expert (see SMALL_PRODUCT)."""
+    n = sum(sizes)
+    if n == 0 or not capacity:
+        return "segments"
+    per_expert = n / len(sizes) * w1.shape[1] * w1.shape[2]
+    waste = len(sizes) * capacity / n
+    low = x.dtype in (torch.bfloat16, torch.float16)
+    return ("padded" if per_expert <= SMALL_PRODUCT or (low and per_expert <= LOW_PRECISION_PRODUCT
+                                                         and waste <= PAD_WASTE) else "segments")
 
 
 def _loop(x, counts, w1, w3, w2):
@@ -114,11 +143,15 @@ def padded_slots(counts: torch.Tensor, n: int, C: int) -> torch.Tensor:
 
 
 class _Padded:
-    """Rows scattered into an (E, C, .) buffer, C = the largest count (read on the host), and
-    ``bmm``; padding rows are zeros and stay zeros (silu(0) * 0 = 0)."""
+    """Rows scattered into an (E, C, .) buffer, C = the capacity if one is known, else the largest
+    count (read on the host), and ``bmm``; padding rows are zeros and stay zeros (silu(0) * 0 = 0)."""
 
-    def __init__(self, x, counts):
-        self.E, self.C = counts.numel(), max(int(counts.max()), 1)      # the host read of this kernel
+    def __init__(self, x, counts, capacity=0, sizes=None):
+        self.E = counts.numel()
+        # without a capacity: the largest count, the one host read of this kernel
+        self.C = capacity or max(max(sizes) if sizes is not None else int(counts.max()), 1)
+        if sizes is not None and max(sizes, default=0) > self.C:
+            raise ValueError(f"an expert has {max(sizes)} rows, above the capacity {self.C}")
         self.slot = padded_slots(counts, x.shape[0], self.C)
 
     def pack(self, t):
@@ -138,17 +171,17 @@ class _Padded:
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counts, w1, w3, w2, kernel):
+    def forward(ctx, x, counts, w1, w3, w2, kernel, sizes, capacity):
         x = x.contiguous()
         if kernel != "segments":
-            lay = (_GroupedRows if kernel == "grouped_mm" else _Padded)(x, counts)
+            lay = _GroupedRows(x, counts) if kernel == "grouped_mm" else _Padded(x, counts, capacity, sizes)
             xp = lay.pack(x)
             h1, h3 = lay.mm(xp, w1.transpose(1, 2)), lay.mm(xp, w3.transpose(1, 2))
             y = lay.unpack(lay.mm(F.silu(h1) * h3, w2.transpose(1, 2)))
             ctx.lay = lay
             ctx.save_for_backward(xp, h1, h3, w1, w3, w2)
         else:
-            ends = list(itertools.accumulate(counts.tolist()))  # the host read of this kernel
+            ends = list(itertools.accumulate(counts.tolist() if sizes is None else sizes))  # its host read
             # (sizes read, then summed here: the planner's meta trace gives balanced sizes for a
             # 1-D tolist, so it runs, and counts the operators of, every expert's segment)
             seg = list(zip([0] + ends[:-1], ends))
@@ -181,7 +214,7 @@ class _Experts(torch.autograd.Function):
             dh1 = torch.ops.aten.silu_backward(da * h3, h1)
             dw1, dw3 = lay.wmm(dh1, xp), lay.wmm(dh3, xp)
             dx = lay.unpack(lay.mm(dh1, w1) + lay.mm(dh3, w3)) if need_x else None
-            return dx, None, dw1, dw3, dw2, None
+            return dx, None, dw1, dw3, dw2, None, None, None
         x, h1, h3, w1, w3, w2 = ctx.saved_tensors
         dw1, dw3, dw2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)
         dx = torch.empty_like(x) if need_x else None
@@ -202,4 +235,4 @@ class _Experts(torch.autograd.Function):
                 torch.mm(dh3.t(), x[s:t], out=dw3[e])
                 if need_x:
                     torch.addmm(dh1 @ w1[e], dh3, w3[e], out=dx[s:t])
-        return dx, None, dw1, dw3, dw2, None
+        return dx, None, dw1, dw3, dw2, None, None, None

@@ -89,11 +89,11 @@ class ExpertParallelMoE(MoE):
     def batch_sum(self, t):
         return _SumOverRanks.apply(t, self.batch) if self.batch.size > 1 else t
 
-    def run_experts(self, x, counts):
+    def run_experts(self, x, counts, capacity=0):
         ep, n_local = self.ep.size, self.n_local
         t0 = time.perf_counter()
         if ep == 1:
-            out = self.experts(x, counts)
+            out = self.experts(x, counts, capacity)
             t1 = time.perf_counter()
             self._time(t0, t0, t1, t1)
             return out
@@ -122,7 +122,8 @@ class ExpertParallelMoE(MoE):
             key = torch.repeat_interleave(key.flatten(), recv.flatten(), output_size=arrived)
         perm = torch.argsort(key, stable=True)
         t1 = time.perf_counter()
-        y = self.experts(rows[perm], recv.sum(0))
+        # a local expert takes at most ``capacity`` rows from each of the ep ranks
+        y = self.experts(rows[perm], recv.sum(0), ep * capacity)
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=x.device)
         y = y[back]                                                    # back to arrival order

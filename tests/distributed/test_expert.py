@@ -96,10 +96,10 @@ class _NoHostRead:
     def __enter__(self):
         run, self.inside_experts = self.layer.experts.forward, False
 
-        def experts(x, counts):
+        def experts(x, counts, capacity=0):
             self.inside_experts = True
             try:
-                return run(x, counts)
+                return run(x, counts, capacity)
             finally:
                 self.inside_experts = False
         self.layer.experts.forward = experts

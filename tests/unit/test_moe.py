@@ -139,19 +139,20 @@ def _expert_case(dtype, seed=0):
     return x, counts, [t.requires_grad_() for t in w]
 
 
-@pytest.mark.parametrize("dtype, tol, kernel", [(torch.float64, 1e-12, "segments"), (torch.float64, 1e-12, "padded"),
-                                                 (torch.float32, 1e-4, "segments"), (torch.float32, 1e-4, "padded"),
-                                                 (torch.float32, 1e-4, "grouped_mm")])
+@pytest.mark.parametrize("dtype, tol, kernel, capacity", [
+    (torch.float64, 1e-12, "segments", 0), (torch.float64, 1e-12, "padded", 0), (torch.float64, 1e-12, "padded", 12),
+    (torch.float32, 1e-4, "segments", 0), (torch.float32, 1e-4, "padded", 0), (torch.float32, 1e-4, "grouped_mm", 0)])
 @pytest.mark.parametrize("x_grad", [True, False])
-def test_grouped_experts_equal_the_loop(dtype, tol, kernel, x_grad):
+def test_grouped_experts_equal_the_loop(dtype, tol, kernel, capacity, x_grad):
     """Every grouped kernel (hand-written backward) against the per-expert loop under autograd:
-    outputs, zeros for rows past the groups, and every gradient (with and without dx)."""
+    outputs, zeros for rows past the groups, and every gradient (with and without dx); the
+    padded kernel also padded to a capacity above the largest count."""
     from shardlab.models import moe_gemm
     outs = {}
     for impl in ("loop", "grouped"):
         x, counts, (w1, w3, w2) = _expert_case(dtype)
         x.requires_grad_(x_grad)
-        y = moe_gemm.expert_ffn(x, counts, w1, w3, w2, impl, kernel)
+        y = moe_gemm.expert_ffn(x, counts, w1, w3, w2, impl, kernel, capacity)
         y.square().sum().backward()
         outs[impl] = [y.detach(), w1.grad, w3.grad, w2.grad] + ([x.grad] if x_grad else [])
     assert torch.equal(outs["grouped"][0][17:], torch.zeros(3, 32, dtype=dtype))
@@ -160,6 +161,46 @@ def test_grouped_experts_equal_the_loop(dtype, tol, kernel, x_grad):
         assert torch.equal(outs["grouped"][4][17:], torch.zeros(3, 32, dtype=dtype))
     for a, b in zip(outs["loop"], outs["grouped"]):
         assert (a - b).abs().max().item() <= tol * max(1.0, a.abs().max().item())
+
+
+@pytest.mark.parametrize("kernel", ["segments", "padded"])
+def test_grouped_experts_under_cpu_bf16_autocast_equal_the_loop(kernel):
+    """Under CPU bf16 autocast the kernels compute in bf16 from the fp32 weights, as the loop's
+    ``F.linear`` does: outputs in bf16, gradients in fp32, equal to the loop's to bf16 rounding
+    (the kernel's own ``auto`` choice for these sizes is padded)."""
+    from shardlab.models import moe_gemm
+    outs = {}
+    for impl in ("loop", "grouped"):
+        x, counts, w = _expert_case(torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe_gemm.expert_ffn(x, counts, *w, impl, kernel)
+        assert impl == "loop" or y.dtype == torch.bfloat16   # (the loop's zero rows make it fp32)
+        y.float().square().sum().backward()
+        assert all(t.grad.dtype == torch.float32 for t in w)
+        outs[impl] = [y.float()] + [t.grad for t in w]
+    for a, b in zip(outs["loop"], outs["grouped"]):
+        assert (a - b).abs().max().item() <= 2e-2 * a.abs().max().item()
+
+
+def test_cpu_auto_kernel_by_expert_size():
+    """Off CUDA, with a capacity, ``auto`` runs the padded batched kernel where an expert's
+    product is small (its per-expert calls would cost more than the padding), in bf16 up to a
+    larger size while the padding stays small, and one mm per expert otherwise; dropless always
+    one mm per expert (memory that does not follow the routing). The padded kernel pads to a
+    capacity only if no count exceeds it."""
+    from shardlab.models import moe_gemm
+    pick = moe_gemm._cpu_kernel
+    small, large = torch.empty(8, 96, 64), torch.empty(8, 512, 256)
+    x32, x16 = torch.empty(1, 1), torch.empty(1, 1, dtype=torch.bfloat16)
+    assert pick(x32, small, [64] * 8, 80) == "padded"                  # 64 x 96 x 64 = 0.4M
+    assert pick(x32, small, [64] * 8, 0) == "segments"                 # dropless
+    assert pick(x32, large, [64] * 8, 80) == "segments"                # 64 x 512 x 256 = 8.4M
+    assert pick(x16, large, [64] * 8, 80) == "padded"                  # bf16, padding 1.25x
+    assert pick(x16, large, [16, 112] + [64] * 6, 112) == "segments"   # bf16, padding 1.75x
+    assert pick(x32, small, [0] * 8, 80) == "segments"                 # nothing routed
+    x, counts, w = _expert_case(torch.float64)
+    with pytest.raises(ValueError, match="capacity 8"):
+        moe_gemm.expert_ffn(x, counts, *w, "grouped", "auto", capacity=8)   # an expert has 9 rows
 
 
 def test_grouped_mm_kernel_refused_where_unsupported():
@@ -177,7 +218,7 @@ def test_cuda_layer_has_no_host_sync(capacity):
     """On CUDA under bf16 autocast the grouped layer (routing, capacity, grouping, torch._grouped_mm
     experts, combine) runs forward and backward with ``torch.cuda.set_sync_debug_mode("error")``:
     no host read; and equals the per-expert loop (bf16: 2e-2). In fp32 (TF32 off) the experts
-    take the padded kernel (one host read) and equal the loop to 1e-4."""
+    take the padded kernel (one host read when dropless) and equal the loop to 1e-4."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, ffn_hidden=128, n_experts=8,
                       moe_top_k=2, moe_capacity_factor=capacity)

@@ -1,0 +1,54 @@
+"""``parallel.compile``: every block and, without tensor parallel, the loss module compiled in
+place (parallelize.py); the compiled step equals the eager one (fp32, one process)."""
+from __future__ import annotations
+
+import torch
+
+from shardlab import launch
+from shardlab.config import from_dict
+from shardlab.distributed.mesh import Mesh
+from shardlab.distributed.topology import Topology
+from shardlab.models import build_model, get_spec
+from shardlab.parallelize import parallelize
+
+CFG = {"model": {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 16},
+       "train": {"seq_len": 16, "global_batch": 2}}
+
+
+def _worker(ctx):
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for compiled in (False, True):
+        cfg = from_dict({**CFG, "parallel": {"compile": compiled}})
+        mesh = Mesh.build(Topology(), ctx.device)
+        engine = parallelize(build_model(cfg.model, seed=1), mesh, cfg)
+        model = engine.model
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        flags = [getattr(m, "_compiled_call_impl", None) is not None
+                 for m in [model.criterion, *get_spec(cfg.model).blocks(model).values()]]
+        out[compiled] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, flags)
+    return out
+
+
+def test_compile_wraps_blocks_and_loss_and_equals_eager():
+    out = launch.run(_worker, 1)[0]
+    (l0, g0, f0), (l1, g1, f1) = out[False], out[True]
+    assert not any(f0) and all(f1)                       # eager: nothing compiled; compile: loss and blocks
+    assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item())
+    for name, g in g0.items():
+        assert (g - g1[name]).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+def test_vocab_parallel_loss_stays_eager():
+    """Under tensor parallel the criterion is the vocabulary-parallel one (collectives inside):
+    ``parallel.compile`` leaves it eager."""
+    from types import SimpleNamespace
+
+    from shardlab.parallelize import _compile_loss
+    model = torch.nn.Module()
+    model.criterion = torch.nn.CrossEntropyLoss()
+    _compile_loss(model, SimpleNamespace(tp=2))
+    assert getattr(model.criterion, "_compiled_call_impl", None) is None
+    _compile_loss(model, SimpleNamespace(tp=1))
+    assert model.criterion._compiled_call_impl is not None

@@ -30,7 +30,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"env checks single comm memory overlap"}
 DEADLINE=$((SECONDS + ${DEADLINE_S:-540}))
 GPU_TESTS="tests/unit/test_moe.py tests/unit/test_checkpoint_io.py tests/distributed/test_shared_comm.py
-  tests/distributed/test_gpu_offload.py tests/distributed/test_async_checkpoint.py"
+  tests/distributed/test_gpu_offload.py tests/distributed/test_async_checkpoint.py tests/distributed/test_compile.py"
 
 limit() {  # limit WANTED: seconds this step may take (clipped to the deadline), 0 to skip
   local left=$((DEADLINE - SECONDS))

@@ -2,6 +2,7 @@
 place (parallelize.py); the compiled step equals the eager one (fp32, one process)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardlab import launch
@@ -16,23 +17,25 @@ CFG = {"model": {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, 
 
 
 def _worker(ctx):
-    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0)).to(ctx.device)
     out = {}
     for compiled in (False, True):
         cfg = from_dict({**CFG, "parallel": {"compile": compiled}})
         mesh = Mesh.build(Topology(), ctx.device)
-        engine = parallelize(build_model(cfg.model, seed=1), mesh, cfg)
+        engine = parallelize(build_model(cfg.model, seed=1, device=ctx.device), mesh, cfg)
         model = engine.model
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         flags = [getattr(m, "_compiled_call_impl", None) is not None
                  for m in [model.criterion, *get_spec(cfg.model).blocks(model).values()]]
-        out[compiled] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, flags)
+        out[compiled] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}, flags)
     return out
 
 
-def test_compile_wraps_blocks_and_loss_and_equals_eager():
-    out = launch.run(_worker, 1)[0]
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_compile_wraps_blocks_and_loss_and_equals_eager(device):
+    out = launch.run(_worker, 1, device=device, timeout_s=300)[0]
     (l0, g0, f0), (l1, g1, f1) = out[False], out[True]
     assert not any(f0) and all(f1)                       # eager: nothing compiled; compile: loss and blocks
     assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item())

@@ -119,6 +119,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float64"],
+                    choices=["float32", "bfloat16", "float16", "float64"],
                     help="bfloat16/float16 run under autocast with float32 weights")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=512, help="each expert's hidden width")
@@ -126,7 +127,7 @@ def main():
                     help="0 = dropless; with a capacity the CPU kernel may pad every expert to it (padded)")
     ap.add_argument("--blocks", type=int, default=3, help="rounds over the variants")
     ap.add_argument("--calls", type=int, default=15, help=f"calls per variant and round (the first {WARM} untimed)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the grouped kernel is torch._grouped_mm "
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu or cuda (on cuda the grouped kernel is torch._grouped_mm "
                                                     "where it applies: bf16 on sm90+)")
     args = ap.parse_args()
     if args.calls <= WARM:

@@ -323,7 +323,8 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
         def attn(nbytes):
             out.op_kept[state["region"]] = out.op_kept.get(state["region"], 0) + nbytes
         cast = AutocastTrace(torch.bfloat16, autocast) if autocast else contextlib.nullcontext()
-        with fused_attention(attn), meta_routing(routing), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with fused_attention(attn), meta_routing(routing, torch.bfloat16 if autocast else None), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 OpCount(out, state), cast:
             model(*batch)
     finally:

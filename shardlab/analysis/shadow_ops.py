@@ -25,15 +25,17 @@ class _GroupedMM(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def meta_routing(state: dict):
+def meta_routing(state: dict, autocast_dtype: torch.dtype | None = None):
     """MoE layers (models/moe.py, parallel/expert.py) run on meta as they are: their shapes never
     depend on the routing except expert parallel's split sizes (exact dispatch) and the CPU
     kernel's segments. Within the trace ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta tensor's
     ``tolist`` (the all-to-all split sizes) gives ``state["rows"]`` (the current MoE layer's
-    ``T * top_k`` assignments) spread evenly: balanced routing, no drop. Autocast is off on meta
-    (``is_autocast_enabled("meta")`` is False rather than an error; a trace picks its dtype)."""
+    ``T * top_k`` assignments) spread evenly: balanced routing, no drop. ``autocast_dtype``: the
+    dtype of the trace's AutocastTrace, which ``is_autocast_enabled("meta")`` and
+    ``get_autocast_dtype("meta")`` then report, so code that asks (the expert kernels, the
+    zero-bubble W path) takes its autocast branch as a real run does; None: autocast off."""
     old_gmm, old_tl = getattr(torch, "_grouped_mm", None), torch.Tensor.tolist
-    old_ac = torch.is_autocast_enabled
+    old_ac, old_dt = torch.is_autocast_enabled, torch.get_autocast_dtype
 
     def tolist(t):
         if t.is_meta and t.dim() == 1:
@@ -42,12 +44,13 @@ def meta_routing(state: dict):
         return old_tl(t)
 
     torch.Tensor.tolist = tolist
-    torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else old_ac(*a)
+    torch.is_autocast_enabled = lambda *a: (autocast_dtype is not None) if a and a[0] == "meta" else old_ac(*a)
+    torch.get_autocast_dtype = lambda dev: autocast_dtype if dev == "meta" and autocast_dtype else old_dt(dev)
     torch._grouped_mm = lambda a, b, offs=None, **kw: _GroupedMM.apply(a, b, offs)
     try:
         yield
     finally:
-        torch.Tensor.tolist, torch.is_autocast_enabled = old_tl, old_ac
+        torch.Tensor.tolist, torch.is_autocast_enabled, torch.get_autocast_dtype = old_tl, old_ac, old_dt
         if old_gmm is not None:
             torch._grouped_mm = old_gmm
 

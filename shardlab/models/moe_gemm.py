@@ -72,7 +72,7 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, impl: str = "g
     if kernel == "grouped_mm" and not _grouped_mm_ok(x, w1):
         raise ValueError(f"torch._grouped_mm cannot take {x.dtype} rows of width {x.shape[1]} here")
     args = (x, counts, w1, w3, w2, kernel, sizes, capacity)
-    if not autocast:  # (torch.autocast cannot be entered for every device type, e.g. meta)
+    if not autocast or dev == "meta":  # (torch.autocast cannot be entered on meta: the planner's trace)
         return _Experts.apply(*args)
     with torch.autocast(dev, enabled=False):
         return _Experts.apply(*args)

@@ -130,11 +130,14 @@ def test_predicted_memory_expert_parallel_dispatch():
 def test_predicted_memory_under_bf16_autocast():
     """bf16 autocast (on CPU: torch.autocast's CPU rules, which the trace's AutocastTrace follows
     there): fp32 weights are cast per product and the casts saved, the residual stream stays fp32
-    (dp, zero2, tp2, pp2-1f1b); FSDP gathers in bf16, so nothing is cast (fsdp). The measured saved
-    bytes equal the prediction (0.1%)."""
+    (dp, zero2, tp2, pp2-1f1b); FSDP gathers in bf16, so nothing is cast (fsdp). MoE: the expert
+    kernels take their autocast branch in the trace as in the run (bf16 rows and weight casts
+    saved; dropless segments, and with a capacity the padded kernel). The measured saved bytes
+    equal the prediction (0.1%)."""
     bf16 = {"train": {"precision": "bf16"}}
-    names = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b"]
-    cfgs = [layout_config(name, N, extra=bf16) for name in names]
+    names = ["dp", "zero2", "fsdp", "tp2", "pp2-1f1b", "moe-dp", "ep2 capacity"]
+    cfgs = [layout_config(name, N, extra=bf16) for name in names[:-1]]
+    cfgs.append(layout_config("ep2", N, extra={**bf16, "model": {"moe_capacity_factor": 1.25}}))
     runs = cal.measure_layouts(cfgs, N, warmup=1, steps=0)
     for name, cfg, ranks in zip(names, cfgs, runs):
         pred = predict(cfg, device="cpu", probe=PROBE)

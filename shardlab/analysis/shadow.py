@@ -322,8 +322,9 @@ def trace_saved(cfg, micro_batch: int, seq_len: int, dtype=torch.float32, rank: 
         batch = _meta_batch(cfg, spec, model, micro_batch, seq_len, dtype)
         def attn(nbytes):
             out.op_kept[state["region"]] = out.op_kept.get(state["region"], 0) + nbytes
-        cast = AutocastTrace(torch.bfloat16, autocast) if autocast else contextlib.nullcontext()
-        with fused_attention(attn), meta_routing(routing, torch.bfloat16 if autocast else None), \
+        low = torch.bfloat16 if autocast else None    # the trace's autocast dtype
+        cast = AutocastTrace(low, autocast) if autocast else contextlib.nullcontext()
+        with fused_attention(attn), meta_routing(routing, low), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 OpCount(out, state), cast:
             model(*batch)

@@ -107,7 +107,7 @@ class ExpertParallelMoE(MoE):
             # GShard's dispatch: every (rank, expert) block padded to the capacity C, so the
             # all-to-alls have fixed equal splits (E C rows each way) and nothing is read on the
             # host; the padding sorts last and the experts skip it (they get the received counts)
-            C = self.capacity(x.shape[0] // self.top_k)
+            C = capacity                                              # the layer's, per rank
             slot = padded_slots(counts, x.shape[0], C)                # kept row -> e C + position
             buf = x.new_zeros(self.n_experts * C + 1, x.shape[1]).index_copy(0, slot, x)
             rows = all_to_all(buf[:-1], self.ep)                        # [source s][local expert e][C]

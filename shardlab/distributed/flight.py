@@ -6,7 +6,8 @@ op, shapes and dtypes, reduce op, a sequence number, the call site (the first st
 outside shardlab/distributed) and whether the call returned. Sequence numbers count collectives
 per group, and point-to-point messages per (group, sender, receiver): every member of a group
 must have issued the same collective under the same number, and the k-th receive of a channel
-pairs with its k-th send. Recording is a tuple and a deque append.
+pairs with its k-th send. Recording is a tuple of (dtype, shape) pairs and a deque append: an entry never holds a tensor
+(it would keep freed buffers alive).
 
 Under ``launch.run`` each rank dumps its buffer as JSON (``rank<R>.json``) into a directory the
 launcher passes (and into ``Recorder.run_dir`` when set), when its function returns or raises;
@@ -54,8 +55,16 @@ def call_site() -> str:
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
 
 
+def meta(t) -> tuple:
+    """(dtype, shape) of a tensor: what an entry keeps. Never the tensor itself: 64 entries holding
+    their tensors kept every unsharded gradient and gathered unit of a ZeRO-3 step alive (about
+    twice the whole model per rank, docs/data-parallel.md, Where the memory goes)."""
+    return (t.dtype, tuple(t.shape))
+
+
 def describe(t) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    dtype, shape = t if isinstance(t, tuple) else meta(t)
+    return f"{str(dtype).replace('torch.', '')}{list(shape)}"
 
 
 class Recorder:
@@ -80,7 +89,7 @@ class Recorder:
         seq = self.seq[key] = self.seq.get(key, 0) + 1
         if comm.name not in self.groups:
             self.groups[comm.name] = comm.ranks
-        entry = [seq, comm.name, op, tensors, extra, peer, call_site(), time.time(), False]
+        entry = [seq, comm.name, op, tuple(map(meta, tensors)), extra, peer, call_site(), time.time(), False]
         self.entries.append(entry)
         return entry
 

@@ -109,6 +109,7 @@ class FSDPEngine(ShardedEngine):
         modules = dict(model.named_modules())
         self.gathered_bytes = self.peak_gathered_bytes = 0  # parameters in flight (benchmarks)
         self._in_backward = False
+        self._reducing: list[FlatParam] = []  # reduce-scatters in flight (at most one unit's)
         self.units = [self._make_unit(n, modules[n], names) for n in names]
         self.units.insert(0, self._make_unit("", model, names))  # root: everything else
         self.flats = [f for u in self.units for f in u.flats]
@@ -244,22 +245,38 @@ class FSDPEngine(ShardedEngine):
 
     @torch.no_grad()
     def _post_backward(self, f: FlatParam):
+        # At most one unit's reduce-scatter stays in flight: the previous unit's is drained (its
+        # whole-unit gradient freed) before this one is launched, so unsharded gradients never
+        # pile up over the backward (they did: one whole model of them at the end of backward).
+        u = f.unit
+        self._drain(keep=u)
         grad, f.full.grad = f.full.grad, None
         f.in_flight = grad.to(self.reduce_dtype or f.shard.dtype)  # default: fp32 reduction
+        del grad
         f.reduce = f.comm.reduce_scatter_async(f.in_flight)
-        u = f.unit
+        self._reducing.append(f)
         u.reduced += 1
         if u.reduced == len(u.flats):
             u.reduced = 0
             self._free(u)
 
     @torch.no_grad()
+    def _drain(self, keep: Unit | None = None):
+        """Wait for the reduce-scatters in flight (but those of ``keep``), add each rank's part
+        into its gradient shard and drop the unsharded gradient they read."""
+        rest = []
+        for f in self._reducing:
+            if f.unit is keep:
+                rest.append(f)
+                continue
+            f.shard.grad.add_(f.reduce.wait().to(self.home))
+            f.reduce = f.in_flight = None
+        self._reducing = rest
+
+    @torch.no_grad()
     def _finish(self):
         """After one micro-batch's backward: add the reduce-scattered parts into the shards."""
-        for f in self.flats:
-            if getattr(f, "reduce", None) is not None:
-                f.shard.grad.add_(f.reduce.wait().to(self.home))
-                f.reduce = f.in_flight = None
+        self._drain()
         self._free_all()
         self._in_backward = False
 

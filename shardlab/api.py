@@ -29,7 +29,8 @@ from .distributed.mesh import Mesh
 from .distributed.regions import Piece
 from .distributed.topology import Topology
 from .train import checkpoint as ckpt
-from .train.optim import LossScaler, autocast_factory, build_adamw, lr_at
+from .train.groups import regroup, user_groups
+from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at
 
 __all__ = ["initialize", "ModelEngine", "resolve_config"]
 
@@ -95,36 +96,42 @@ def resolve_config(config, world_size: int) -> C.Config:
 
 
 def _optimizer_builder(optimizer, cfg: C.Config, device):
-    """-> (build(param_groups) -> torch optimizer, whether the config's lr schedule applies)."""
+    """-> (build(param_groups) -> torch optimizer, whether the config's lr schedule applies,
+    the optimizer's own param groups or None)."""
     t = cfg.train
     if optimizer is None:
-        return build_adamw(t, device), True
+        return build_adamw(t, device), True, None
     if isinstance(optimizer, torch.optim.Optimizer):
         # A ready optimizer holds the unsharded parameters: rebuilt from its class and defaults on
-        # the engine's (possibly sharded) parameters; its weight decay goes to the decay group.
+        # the engine's (possibly sharded) parameters, each of its groups' settings (weight decay
+        # included) on exactly the parameters of that group, as torch applies them.
         if optimizer.state:
             raise ConfigError("optimizer", f"this {type(optimizer).__name__} has already stepped (it has state); "
                               "pass a fresh one, its class or a factory taking param groups")
         defaults = dict(optimizer.defaults)
         t.weight_decay = float(defaults.get("weight_decay", 0.0))
         cls = type(optimizer)
-        return (lambda groups: cls(groups, **defaults)), False
+        return (lambda groups: cls(groups, **defaults)), False, optimizer.param_groups
     if inspect.isclass(optimizer) and issubclass(optimizer, torch.optim.Optimizer):
-        return (lambda groups: optimizer(groups, lr=t.lr)), False
+        return (lambda groups: optimizer(groups, lr=t.lr)), False, None
     if callable(optimizer):
-        return optimizer, False
+        return optimizer, False, None
     raise ConfigError("optimizer", f"expected None, a torch optimizer (object or class) or a factory "
                       f"taking param groups, got {type(optimizer).__name__}")
 
 
-def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None) -> "ModelEngine":
+def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
+               model_parameters=None) -> "ModelEngine":
     """Wrap ``model`` for data-parallel training on every rank of this job (collective).
 
     ``config``: a shardlab dict / TOML or JSON path / ``Config``, or a DeepSpeed JSON (dict or
     path). ``optimizer``: None (AdamW from the config), a torch optimizer class, a factory
     ``param_groups -> optimizer``, or a fresh optimizer object (rebuilt from its class and
     defaults). ``lr_scheduler``: None (the config's schedule when the optimizer comes from the
-    config, else a constant lr) or a factory ``optimizer -> scheduler``."""
+    config, else a constant lr) or a factory ``optimizer -> scheduler``. ``model_parameters``: as
+    in ``deepspeed.initialize``, the model's parameters or torch param-group dicts (each group's
+    settings, e.g. ``weight_decay``, on its parameters); default: every trainable parameter in
+    the config's groups (``train.weight_decay_params``; docs/api.md, Parameter groups)."""
     from .launch import init_from_env
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}")
@@ -143,8 +150,14 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None)
     cfg = resolve_config(config, ctx.world_size)
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm,
                       check_collectives=cfg.parallel.check_collectives, transport=cfg.parallel.comm_transport)
-    build, schedule = _optimizer_builder(optimizer, cfg, ctx.device)
-    return ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule)
+    build, schedule, own_groups = _optimizer_builder(optimizer, cfg, ctx.device)
+    if model_parameters is not None and own_groups is not None:
+        raise ConfigError("model_parameters", "pass either model_parameters or an optimizer object holding them, not both")
+    given = model_parameters if model_parameters is not None else own_groups
+    groups = user_groups(model, given) if given is not None else None
+    from .deepspeed_config import uniform_peak
+    uniform = kind == "deepspeed" and uniform_peak(data)  # else each group warms to its own lr
+    return ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule, groups, uniform)
 
 
 def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
@@ -165,7 +178,7 @@ class ModelEngine:
     during forward/backward: read weights with :meth:`full_state_dict`)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: C.Config, build, lr_scheduler=None,
-                 schedule: bool = False):
+                 schedule: bool = False, groups=None, uniform_peak: bool = True):
         self.mesh, self.cfg, self.device = mesh, cfg, mesh.device
         model.to(mesh.device)
         sd = model.state_dict(keep_vars=True)
@@ -178,10 +191,20 @@ class ModelEngine:
             for k in self._buffers if mesh.world_size > 1 else ():
                 world.broadcast(sd[k].data, 0)
         self.module = model
+        ids = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}  # before the engine
         self.engine = _engine(model, mesh, cfg)
-        self.optimizer = self.engine.make_optimizer(build)
+
+        def build_groups(engine_groups):
+            if groups is None:
+                return build(decay_rule(engine_groups, cfg.train))
+            return build(regroup(engine_groups, groups, ids, getattr(self.engine, "flats", None),
+                                 cfg.train.weight_decay))
+        self.optimizer = self.engine.make_optimizer(build_groups)
+        for g in self.optimizer.param_groups:
+            g.setdefault("initial_lr", g["lr"])  # a group's own peak (ds_* schedules without warmup_max_lr)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self._schedule = schedule and self.lr_scheduler is None
+        self._uniform_peak = uniform_peak
         t = cfg.train
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
         self.autocast = autocast_factory(t.precision, mesh.device)
@@ -189,6 +212,16 @@ class ModelEngine:
         self.global_steps = 0   # optimizer steps (skipped fp16 steps included, as DeepSpeed counts)
         self.micro_steps = 0    # backward passes since the last optimizer step
         self.last_overflow = False
+        if self._schedule:
+            self._set_lr()
+
+    def _set_lr(self) -> None:
+        """The config's schedule for the next step (ds_* schedules count applied steps, as
+        DeepSpeed steps its scheduler only after a step that was not skipped)."""
+        t = self.cfg.train
+        step = self.global_steps - (self.scaler.skipped if t.lr_schedule != "cosine" else 0)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr_at(step, t, None if self._uniform_peak else g["initial_lr"])
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -249,8 +282,7 @@ class ModelEngine:
         overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
         if not overflow:
             if self._schedule:
-                for g in self.optimizer.param_groups:
-                    g["lr"] = lr_at(self.global_steps, t)
+                self._set_lr()
             self.grad_norm = self.engine.clip_grads(t.grad_clip)
             self.optimizer.step()
             if self.lr_scheduler is not None:

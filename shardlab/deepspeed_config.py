@@ -15,6 +15,11 @@ ranks; with the world size in ``shardlab.initialize``), all three ``"auto"`` kee
 and parallel.microbatches; ``fp16/bf16.enabled: "auto"`` keeps train.precision (fp32 unless set,
 e.g. ``--train.precision=bf16``); ``"auto"`` optimizer/scheduler params and gradient_clipping keep
 shardlab's values. ``autotp_size`` is parallel.tp; a ``model`` section is shardlab's model section.
+
+A key that is absent takes DeepSpeed's default, not shardlab's (gradient_clipping 1.0, Adam's lr
+1e-3, betas (0.9, 0.999), weight decay 0 or torch AdamW's 0.01, scheduler warm-up 1000 log steps),
+weight decay applies to every parameter, and the schedulers keep DeepSpeed's formulas and step
+counting (train.lr_schedule ds_*; docs/api.md, DeepSpeed JSON semantics).
 """
 from __future__ import annotations
 
@@ -101,6 +106,11 @@ def _batch(ds: dict, out: dict):
         out["parallel"]["dp_shard"] = dp
 
 
+# DeepSpeed's optimizer defaults for keys the JSON leaves out (its fused / CPU Adam; torch_adam:
+# torch.optim.AdamW, whose weight decay defaults to 0.01). "auto" keeps shardlab's own value.
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+
+
 def _optimizer(ds: dict, out: dict, unsupported: list):
     opt = _dict(ds, "optimizer", '{"type": "AdamW", "params": {"lr": 1e-3}}')
     if not opt:
@@ -112,70 +122,82 @@ def _optimizer(ds: dict, out: dict, unsupported: list):
     if kind.lower() not in ("adam", "adamw"):
         raise ConfigError("optimizer.type", f"{kind!r} is not supported; use Adam or AdamW (shardlab's "
                                             "optimizer is AdamW), or pass optimizer= to shardlab.initialize")
-    if kind.lower() == "adam" and params.pop("adam_w_mode", True) is False:
-        unsupported.append("optimizer.params.adam_w_mode=false (shardlab's Adam is always AdamW)")
+    adamw = kind.lower() == "adamw" or params.pop("adam_w_mode", True) is not False
     params.pop("adam_w_mode", None)
-    params.pop("torch_adam", None)  # a DeepSpeed implementation choice, not a setting
+    torch_adam = params.pop("torch_adam", False) is True  # which implementation: the defaults differ
+    params = {**_ADAM_DEFAULTS, "weight_decay": 0.01 if torch_adam and adamw else 0.0, **params}
     t = out["train"]
     for key in ("lr", "eps", "weight_decay"):  # checked even where a scheduler's warmup_max_lr sets the lr
-        if key in params and (v := _num(params.pop(key), f"optimizer.params.{key}")) is not None:
+        if (v := _num(params.pop(key), f"optimizer.params.{key}")) is not None:
             if v < 0 or (v == 0 and key != "weight_decay"):
                 raise ConfigError(f"optimizer.params.{key}", f"got {v:g}; must be {'>= 0' if key == 'weight_decay' else '> 0'}")
             t[key] = v
-    if "betas" in params:
-        betas = params.pop("betas")
-        if betas != AUTO:
-            if not isinstance(betas, list) or len(betas) != 2:
-                raise ConfigError("optimizer.params.betas", f"must be a list of two numbers, e.g. [0.9, 0.999], "
-                                                            f"got {json.dumps(betas)[:40]}")
-            t["beta1"], t["beta2"] = (_num(b, "optimizer.params.betas", False) for b in betas)
+    if not adamw and t.get("weight_decay", 0.0) > 0:
+        raise ConfigError("optimizer.params.adam_w_mode", "false means Adam with L2 weight decay in the gradient, which "
+                          "shardlab does not implement; drop adam_w_mode (AdamW's decoupled decay), set weight_decay "
+                          "to 0, or pass optimizer=torch.optim.Adam to shardlab.initialize")
+    betas = params.pop("betas")
+    if betas != AUTO:
+        if not isinstance(betas, list) or len(betas) != 2:
+            raise ConfigError("optimizer.params.betas", f"must be a list of two numbers, e.g. [0.9, 0.999], "
+                                                        f"got {json.dumps(betas)[:40]}")
+        t["beta1"], t["beta2"] = (_num(b, "optimizer.params.betas", False) for b in betas)
     unsupported += [f"optimizer.params.{k}" for k in params]
 
 
-_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# DeepSpeed's scheduler -> train.lr_schedule; its defaults (warm-up: 1000 steps, log) where the JSON is silent
+_SCHEDULERS = {"WarmupLR": "ds_warmup", "WarmupDecayLR": "ds_warmup_decay", "WarmupCosineLR": "ds_warmup_cosine"}
 
 
 def _scheduler(ds: dict, out: dict, unsupported: list):
     sch = _dict(ds, "scheduler", '{"type": "WarmupLR", "params": {"warmup_num_steps": 10}}')
+    t = out["train"]
     if not sch:  # DeepSpeed without a scheduler: the optimizer's constant learning rate
-        out["train"].update(warmup_steps=0, min_lr_ratio=1.0)
+        t.update(lr_schedule="cosine", warmup_steps=0, min_lr_ratio=1.0)
         return
     kind = sch.get("type")
-    params = {k: v for k, v in _dict(sch, "params", '{"warmup_num_steps": 10}').items() if v != AUTO}
-    for k, v in params.items():
-        if k != "warmup_type":
-            _num(v, f"scheduler.params.{k}")
-    t = out["train"]
     if kind not in _SCHEDULERS:
         raise ConfigError("scheduler.type", f"{kind!r} is not supported; use one of {', '.join(_SCHEDULERS)} "
                                             "or drop the scheduler block (constant learning rate)")
-    if kind == "WarmupCosineLR":  # warm-up to the optimizer's lr, cosine to lr * cos_min_ratio
-        t["warmup_steps"] = params.pop("warmup_num_steps", 0)
-        t["steps"] = params.pop("total_num_steps", t.get("steps", 1))
-        t["min_lr_ratio"] = float(params.pop("cos_min_ratio", 0.0001))
-        if float(params.pop("warmup_min_ratio", 0.0)):
-            unsupported.append("scheduler.params.warmup_min_ratio (warm-up starts from 0)")
-        if params.pop("warmup_type", "linear") != "linear":
-            unsupported.append("scheduler.params.warmup_type (shardlab warms up linearly)")
-        unsupported += [f"scheduler.params.{k}" for k in params]
-        return
-    if "warmup_num_steps" in params:
-        t["warmup_steps"] = params.pop("warmup_num_steps")
-    if "warmup_max_lr" in params:
-        t["lr"] = float(params.pop("warmup_max_lr"))
-    if params.pop("warmup_type", "linear") != "linear":
-        unsupported.append("scheduler.params.warmup_type (shardlab warms up linearly)")
-    min_lr = float(params.pop("warmup_min_lr", 0.0))
-    if min_lr:
-        unsupported.append("scheduler.params.warmup_min_lr (warm-up starts from 0)")
-    if kind == "WarmupLR":
-        t["min_lr_ratio"] = 1.0  # constant after warm-up
-    else:
+    raw = _dict(sch, "params", '{"warmup_num_steps": 10}')
+    params = {k: v for k, v in raw.items() if v != AUTO}  # "auto": shardlab's own value
+    for k, v in params.items():
+        if k != "warmup_type":
+            _num(v, f"scheduler.params.{k}")
+    t["lr_schedule"] = _SCHEDULERS[kind]
+    if "warmup_num_steps" not in raw or "warmup_num_steps" in params:
+        w = params.pop("warmup_num_steps", 1000)
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ConfigError("scheduler.params.warmup_num_steps", f"must be a positive integer (DeepSpeed), got {w!r}")
+        t["warmup_steps"] = w
+    if "warmup_type" not in raw or "warmup_type" in params:
+        wt = params.pop("warmup_type", "log")
+        if wt not in ("log", "linear"):
+            raise ConfigError("scheduler.params.warmup_type", f"must be log or linear, got {json.dumps(wt)[:40]}")
+        t["warmup_type"] = wt
+    if kind != "WarmupLR":
+        if "total_num_steps" not in raw:
+            raise ConfigError("scheduler.params.total_num_steps", f"{kind} needs it (DeepSpeed has no default); "
+                                                                  "e.g. \"total_num_steps\": 1000")
         if "total_num_steps" in params:
-            t["steps"] = params.pop("total_num_steps")
-        t["min_lr_ratio"] = 0.0
-        unsupported.append("scheduler WarmupDecayLR's linear decay (shardlab decays with a cosine to 0)")
+            t["steps"] = _positive_int(params, "total_num_steps", "scheduler.params.total_num_steps")
+            params.pop("total_num_steps")
+    if kind == "WarmupCosineLR":  # ratios of the optimizer's lr
+        t["min_lr_ratio"] = float(params.pop("cos_min_ratio", 0.0001))
+        t["warmup_start"] = float(params.pop("warmup_min_ratio", 0.0))
+    else:  # absolute lrs; WarmupLR's max defaults to the optimizer's lr, WarmupDecayLR's to 0.001
+        t["warmup_start"] = float(params.pop("warmup_min_lr", 0.0))
+        if "warmup_max_lr" in params or (kind == "WarmupDecayLR" and "warmup_max_lr" not in raw):
+            t["lr"] = float(params.pop("warmup_max_lr", 0.001))
     unsupported += [f"scheduler.params.{k}" for k in params]
+
+
+def uniform_peak(ds: dict) -> bool:
+    """True when DeepSpeed's scheduler gives every param group the same peak lr (WarmupLR with
+    warmup_max_lr, WarmupDecayLR); False when each group warms up to its own lr."""
+    sch = ds.get("scheduler") or {}
+    params = sch.get("params") or {}
+    return sch.get("type") == "WarmupDecayLR" or (sch.get("type") == "WarmupLR" and "warmup_max_lr" in params)
 
 
 def _precision(ds: dict, out: dict, unsupported: list):
@@ -272,8 +294,9 @@ def translate(ds: dict) -> dict:
     _scheduler(ds, out, unsupported)
     _precision(ds, out, unsupported)
     _zero(ds, out, unsupported)
-    if ds.get("gradient_clipping", AUTO) != AUTO:
-        out["train"]["grad_clip"] = _num(ds["gradient_clipping"], "gradient_clipping")
+    if ds.get("gradient_clipping", 1.0) != AUTO:  # DeepSpeed's default is 1.0 (runtime/constants.py); 0 = off
+        out["train"]["grad_clip"] = _num(ds.get("gradient_clipping", 1.0), "gradient_clipping")
+    out["train"]["weight_decay_params"] = "all"  # DeepSpeed decays every parameter it is given
     ac = _dict(ds, "activation_checkpointing", '{"partition_activations": false}')
     if ac:
         out["parallel"]["activation_checkpointing"] = "full"

@@ -139,10 +139,10 @@ def describe(cfg: C.Config) -> str:
 
 def reference_adamw(model, t) -> torch.optim.AdamW:
     """Plain torch AdamW over a single-process model: weight decay on matrices, none on norms
-    and vectors (the grouping every engine uses)."""
+    and vectors (the grouping every engine uses), or on every parameter (weight_decay_params=all)."""
     named = list(model.named_parameters())
-    decay = [p for n, p in named if p.ndim >= 2 and "norm" not in n]
-    rest = [p for n, p in named if not (p.ndim >= 2 and "norm" not in n)]
+    decay = [p for n, p in named if (p.ndim >= 2 and "norm" not in n) or t.weight_decay_params == "all"]
+    rest = [p for n, p in named if all(p is not q for q in decay)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 

@@ -9,27 +9,60 @@ from ..config import TrainConfig
 from ..parallel.engine import by_device_and_dtype
 
 
+def decay_rule(groups, cfg: TrainConfig):
+    """The engines' groups (decay = matrices, no decay = norms and vectors) under
+    ``train.weight_decay_params``: ``all`` gives every group ``train.weight_decay``."""
+    if cfg.weight_decay_params != "all":
+        return groups
+    return [dict(g, weight_decay=cfg.weight_decay) for g in groups]
+
+
 def build_adamw(cfg: TrainConfig, device: torch.device):
     """A function ``param_groups -> AdamW``: fused on CUDA, foreach on CPU."""
     def build(groups):
-        kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         if device.type == "cuda":
             kwargs["fused"] = True
         else:
             kwargs["foreach"] = True
-        return torch.optim.AdamW(groups, **kwargs)
+        return torch.optim.AdamW(decay_rule(groups, cfg), **kwargs)
     return build
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine down to ``lr * min_lr_ratio``.
-    ``step`` counts from 0 (the first optimizer step uses lr_at(0))."""
+def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
+    """The learning rate of optimizer step ``step`` (from 0; ``step`` = steps applied before it).
+    cosine: linear warm-up to ``lr`` over ``warmup_steps``, then cosine to ``lr * min_lr_ratio``.
+    ds_*: DeepSpeed's scheduler (:func:`ds_lr`). ``peak``: a param group's own lr (default lr)."""
+    lr = cfg.lr if peak is None else peak
+    if cfg.lr_schedule != "cosine":
+        return ds_lr(step - 1, cfg, lr)
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return lr * (step + 1) / cfg.warmup_steps
     span = max(1, cfg.steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    floor = lr * cfg.min_lr_ratio
+    return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def ds_lr(it: int, cfg: TrainConfig, peak: float) -> float:
+    """DeepSpeed's WarmupLR / WarmupDecayLR / WarmupCosineLR after ``it`` scheduler steps, with
+    their arithmetic: DeepSpeed sets the lr when the scheduler is built (``it = -1``) and steps it
+    after every applied optimizer step, so step ``k`` trains with ``ds_lr(k - 1)``; warm-up spans
+    ``max(2, warmup_num_steps)``; ``total_num_steps`` is ``train.steps``."""
+    kind, w, start = cfg.lr_schedule, max(2, cfg.warmup_steps), cfg.warmup_start
+    if it < 0:  # before the first scheduler step: warmup_min_lr (WarmupCosineLR: 0)
+        return 0.0 if kind == "ds_warmup_cosine" else start
+    if it < w:
+        gamma = 1.0 / math.log(w) * math.log(it + 1) if cfg.warmup_type == "log" else it / w
+        if kind == "ds_warmup_cosine":
+            return peak * (start + gamma * (1.0 - start))
+        return start + (peak - start) * gamma
+    if kind == "ds_warmup":
+        return start + (peak - start) * 1.0
+    if kind == "ds_warmup_decay":
+        return start + (peak - start) * max(0.0, float(cfg.steps - it) / float(max(1.0, cfg.steps - w)))
+    progress = min(1.0, (it - w + 1) / max(1, cfg.steps - w))
+    return peak * max(0.0, cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * ((1 + math.cos(math.pi * progress)) / 2))
 
 
 def param_dtype(precision: str) -> torch.dtype:

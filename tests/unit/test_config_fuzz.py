@@ -94,8 +94,8 @@ DS_CASES = [(f"delete {k}", (lambda k: lambda ds: ds.pop(k))(k), 0) for k in DS]
       for v in ({"d_model": 64, "n_heads": 2}, {"d_model": -1}, {"bogus": 1}, 5, {"n_heads": 3})],
     *[(f"warmup_num_steps = {v!r}", _set(("scheduler", "params", "warmup_num_steps"), v),
        0 if v in (5, "auto") else 2) for v in (5, "auto", -5, 2.5, "x")],
-    *[(f"scheduler.type = {v!r}", _set(("scheduler", "type"), v), 0 if v == "WarmupCosineLR" else 2)
-      for v in ("WarmupCosineLR", "OneCycle", 5, None)],
+    *[(f"scheduler.type = {v!r}", _set(("scheduler", "type"), v), 0 if v == "WarmupLR" else 2)
+      for v in ("WarmupLR", "WarmupCosineLR", "OneCycle", 5, None)],  # WarmupCosineLR: no total_num_steps
 ]
 TOP = [("top list", [DS]), ("top null", None), ("top string", "ds"), ("top number", 3)]
 

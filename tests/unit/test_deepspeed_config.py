@@ -23,9 +23,9 @@ DS = {
 def test_translate_maps_every_supported_key(recwarn):
     out = translate(DS)
     assert out["train"] == {"global_batch": 32, "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-7,
-                            "weight_decay": 0.05, "warmup_steps": 10, "steps": 100, "min_lr_ratio": 0.0,
-                            "precision": "fp16", "loss_scale_init": 4096.0, "loss_scale_window": 500,
-                            "grad_clip": 0.7}
+                            "weight_decay": 0.05, "warmup_steps": 10, "steps": 100, "lr_schedule": "ds_warmup_decay",
+                            "warmup_type": "log", "warmup_start": 0.0, "precision": "fp16", "loss_scale_init": 4096.0,
+                            "loss_scale_window": 500, "grad_clip": 0.7, "weight_decay_params": "all"}
     assert out["parallel"] == {"microbatches": 2, "dp_shard": 4, "zero_stage": 3,
                                "bucket_cap_mb": 5e5 * 4 / 2**20, "overlap_comm": True, "offload": True,
                                "activation_checkpointing": "full"}
@@ -67,3 +67,53 @@ def test_offload_needs_stage_3():
     cfg.parallel.offload, cfg.parallel.zero_stage = True, 2
     with pytest.raises(ConfigError, match="parallel.offload"):
         cfg.validate()
+
+
+def test_deepspeed_defaults_where_the_json_is_silent():
+    """Absent keys take DeepSpeed's defaults, not shardlab's TOML defaults; "auto" keeps shardlab's."""
+    t = translate({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {}}})["train"]
+    assert (t["lr"], t["beta1"], t["beta2"], t["eps"], t["weight_decay"]) == (1e-3, 0.9, 0.999, 1e-8, 0.0)
+    assert (t["grad_clip"], t["weight_decay_params"], t["min_lr_ratio"], t["warmup_steps"]) == (1.0, "all", 1.0, 0)
+    t = translate({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}})["train"]
+    assert t["weight_decay"] == 0.01  # torch.optim.AdamW's default
+    t = translate({"train_batch_size": 8, "gradient_clipping": "auto", "optimizer": {"params": {"lr": "auto"}},
+                   "scheduler": {"type": "WarmupLR"}})["train"]
+    assert "grad_clip" not in t and "lr" not in t
+    assert (t["lr_schedule"], t["warmup_steps"], t["warmup_type"]) == ("ds_warmup", 1000, "log")
+    t = translate({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50}}})
+    assert t["train"]["lr"] == 1e-3  # WarmupDecayLR's warmup_max_lr default, whatever the optimizer's lr
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, "scheduler.params.total_num_steps"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "scheduler.params.warmup_num_steps"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, "scheduler.params.warmup_type"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}}, "optimizer.params.adam_w_mode"),
+])
+def test_what_shardlab_cannot_mean_is_refused(bad, field):
+    with pytest.raises(ConfigError) as e:
+        translate({"train_batch_size": 8, **bad})
+    assert e.value.field == field
+
+
+def test_deepspeed_schedules_step_for_step():
+    """train.lr_schedule ds_* against DeepSpeed's own scheduler classes when deepspeed is installed."""
+    lrs = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    import torch
+
+    from shardlab.config import from_dict
+    from shardlab.train.optim import lr_at
+    cases = [("WarmupLR", {"warmup_num_steps": 5, "warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3}),
+             ("WarmupDecayLR", {"warmup_num_steps": 4, "total_num_steps": 12, "warmup_type": "linear"}),
+             ("WarmupCosineLR", {"warmup_num_steps": 3, "total_num_steps": 10, "warmup_min_ratio": 0.2}),
+             ("WarmupCosineLR", {"warmup_num_steps": 1, "total_num_steps": 5, "warmup_type": "linear"})]
+    for kind, params in cases:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+        ds = {"train_batch_size": 8, "optimizer": {"params": {"lr": 3e-3}},
+              "scheduler": {"type": kind, "params": params}}
+        t = from_dict(translate(ds)).train
+        sch = getattr(lrs, kind)(opt, **params)
+        for step in range(14):  # DeepSpeed: the lr at construction, then one scheduler step per optimizer step
+            assert lr_at(step, t) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15), (kind, step)
+            sch.step()

@@ -22,6 +22,9 @@ Memories:
         Before every barrier the rank synchronises its current stream. Run on an H200
         (docs/gpu.md): ``shardlab verify`` passes with 2 and 4 ranks sharing it.
 
+Messages longer than ``shm_host.CHUNK`` (8 MiB per rank) go in chunks, one write-barrier-read round each,
+so the regions stay at most a chunk each whatever the model (a ZeRO-3 unit's reduce-scatter
+input once sized them: 2 x N x the unit, mapped by every rank).
 The arena grows (collectively, never shrinks) when a bigger message arrives: every rank knows
 the size of all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
 per-rank sizes and splits through a small host control arena. The host barrier is a counter per
@@ -46,12 +49,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import ConfigError
 from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
 from . import shm_host
-from .shm_host import X86
+from .shm_host import X86, _reduce_into, _round, _spans
 from .shm_p2p import RingPointToPoint
-
-_ALIGN = 4096
-_MIN_CAP = 1 << 16
-
 
 def _modes_off(fn):
     """Run a collective with the Python dispatch modes (``TorchDispatchMode``) switched off. Its
@@ -70,22 +69,6 @@ def _modes_off(fn):
             with torch.profiler.record_function(span):
                 return fn(*args, **kwargs)
     return wrapper
-
-
-def _round(nbytes: int) -> int:
-    return max(_MIN_CAP, -(-nbytes // _ALIGN) * _ALIGN)
-
-
-def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str):
-    """out <- op(parts[0], parts[1], ...) in the order of ``parts`` (sum for ``avg``)."""
-    fn = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-    if len(parts) == 1:
-        out.copy_(parts[0])
-        return out
-    fn(parts[0], parts[1], out=out)
-    for p in parts[2:]:
-        fn(out, p, out=out)
-    return out
 
 
 class SharedComm(RingPointToPoint, Comm):
@@ -240,27 +223,31 @@ class SharedComm(RingPointToPoint, Comm):
             return super().all_reduce(t, op, "backend")
         self._count("all_reduce", _nbytes(t))
         self._sig = shm_host.signature("all_reduce", t, _nbytes(t), op)
-        m, n = t.numel(), self.size
-        if m == 0:
+        if t.numel() == 0:
             return t
-        self._ensure(_nbytes(t))
-        inp = self._write(t)
+        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
+        spans = _spans(flat.numel(), 1, t.element_size())
+        self._ensure(_nbytes(flat[:spans[0][1]]))
+        for lo, hi in spans:
+            self._all_reduce_chunk(flat[lo:hi], op)
+        if flat.data_ptr() != t.data_ptr():
+            t.copy_(flat.view(t.shape))
+        return t.div_(self.size) if op == "avg" else t
+
+    def _all_reduce_chunk(self, flat: torch.Tensor, op: str):
+        """One chunk: a reduce-scatter into the other region, a barrier, an all-gather of the parts."""
+        m, n = flat.numel(), self.size
+        inp = self._write(flat)
         out = 1 - inp
         bounds = [(i * m // n, (i + 1) * m // n) for i in range(n)]
         self._sync()
         lo, hi = bounds[self.rank]
-        _reduce_into(self._region(self.rank, out, t.dtype, hi - lo),
-                     [x[lo:hi] for x in self._inputs(inp, t.dtype, m)], op)
+        _reduce_into(self._region(self.rank, out, flat.dtype, hi - lo),
+                     [x[lo:hi] for x in self._inputs(inp, flat.dtype, m)], op)
         self._sync()
-        parts = [self._region(i, out, t.dtype, b - a) for i, (a, b) in enumerate(bounds)]
-        if t.is_contiguous():
-            flat = t.view(-1)
-            for (a, b), p in zip(bounds, parts):
-                flat[a:b].copy_(p)
-        else:
-            t.copy_(torch.cat(parts).view(t.shape))
-        # the last phase read region ``out``: the next call may write ``inp`` first (_free unchanged)
-        return t.div_(n) if op == "avg" else t
+        for i, (a, b) in enumerate(bounds):
+            flat[a:b].copy_(self._region(i, out, flat.dtype, b - a))
+        # the last phase read region ``out``: the next chunk may write ``inp`` first (_free unchanged)
 
     @_recorded("all_gather", _t_dim)
     def all_gather(self, t: torch.Tensor, dim: int = 0, algorithm: str | None = None) -> torch.Tensor:
@@ -278,11 +265,27 @@ class SharedComm(RingPointToPoint, Comm):
         if t.numel() == 0:
             res = torch.cat([t] * self.size, dim=dim)
             return res if out is None else out.copy_(res)
+        if dim == 0 and _nbytes(t) > shm_host.CHUNK and (out is None or out.is_contiguous()):
+            return self._gather_chunks(t, out)
         self._ensure(_nbytes(t))
         inp = self._write(t)
         self._sync()
         res = torch.cat([x.view(t.shape) for x in self._inputs(inp, t.dtype, t.numel())], dim=dim, out=out)
         self._free = 1 - inp
+        return res
+
+    def _gather_chunks(self, t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """A dim-0 all_gather in chunks of ``t``'s flat elements (row i of the result is rank i's)."""
+        res = out if out is not None else t.new_empty((t.shape[0] * self.size,) + tuple(t.shape[1:]))
+        flat, rows = t.reshape(-1), res.view(self.size, -1)
+        spans = _spans(flat.numel(), 1, t.element_size())
+        self._ensure(_nbytes(flat[:spans[0][1]]))
+        for lo, hi in spans:
+            inp = self._write(flat[lo:hi])
+            self._sync()
+            for i, x in enumerate(self._inputs(inp, t.dtype, hi - lo)):
+                rows[i, lo:hi].copy_(x)
+            self._free = 1 - inp
         return res
 
     @_recorded("reduce_scatter", _t_rs)
@@ -300,13 +303,16 @@ class SharedComm(RingPointToPoint, Comm):
         shape = (x.shape[0] // self.size,) + tuple(x.shape[1:])
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
         if t.numel() > 0:
-            self._ensure(_nbytes(t))
-            inp = self._write(x)
-            self._sync()
-            c = out.numel()
-            _reduce_into(out.view(-1), [p[self.rank * c:(self.rank + 1) * c]
-                                        for p in self._inputs(inp, t.dtype, t.numel())], op)
-            self._free = 1 - inp
+            c, n = out.numel(), self.size
+            rows, spans = x.reshape(n, c), _spans(c, n, t.element_size())
+            self._ensure(n * spans[0][1] * t.element_size())
+            for lo, hi in spans:  # chunk (lo, hi) of every rank's part: n x (hi - lo) elements
+                k, inp = hi - lo, self._free
+                self._region(self.rank, inp, t.dtype, n * k).view(n, k).copy_(rows[:, lo:hi])
+                self._sync()
+                _reduce_into(out.view(-1)[lo:hi], [p[self.rank * k:(self.rank + 1) * k]
+                                                   for p in self._inputs(inp, t.dtype, n * k)], op)
+                self._free = 1 - inp
             if op == "avg":
                 out.div_(self.size)
         return out if dim == 0 else out.movedim(0, dim).contiguous()

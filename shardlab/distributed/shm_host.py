@@ -1,6 +1,6 @@
 """Host-side pieces shared by the shared-memory transport's collectives (shm.py) and its
 point-to-point rings (shm_p2p.py): how a rank waits for the others, how a file under /dev/shm
-is reserved, and how long a wait may last (docs/collectives.md, "Shared-memory transport").
+is reserved, how long a wait may last, how long messages are cut into chunks (docs/collectives.md, "Shared-memory transport").
 """
 from __future__ import annotations
 
@@ -111,3 +111,33 @@ def mismatch(name: str, sigs: list) -> str | None:
     parts = ", ".join(f"group rank {i} in {describe(s)}" for i, s in enumerate(sigs))
     return (f"{name}: shared-memory collective mismatch: {parts} (every rank of a group must issue the "
             "same collectives in the same order)")
+
+
+# -- arena sizes and the reduction shared by shm.py's collectives --------------------------------
+_ALIGN = 4096
+_MIN_CAP = 1 << 16
+CHUNK = 8 << 20  # bytes a rank writes per phase: longer all_reduce / all_gather / reduce_scatter go in chunks
+
+
+def _spans(count: int, per: int, elem: int) -> list[tuple[int, int]]:
+    """Cut ``count`` elements into spans of which ``per`` copies fit in :data:`CHUNK` bytes, so that
+    the arena (and the shared pages each rank touches) is bounded by the chunk, not the model."""
+    step = max(1, CHUNK // max(1, per * elem))
+    return [(j, min(count, j + step)) for j in range(0, count, step)]
+
+
+def _round(nbytes: int) -> int:
+    return max(_MIN_CAP, -(-nbytes // _ALIGN) * _ALIGN)
+
+
+def _reduce_into(out, parts: list, op: str):
+    """out <- op(parts[0], parts[1], ...) in the order of ``parts`` (sum for ``avg``)."""
+    import torch
+    fn = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return out
+    fn(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        fn(out, p, out=out)
+    return out

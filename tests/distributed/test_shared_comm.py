@@ -16,6 +16,7 @@ from shardlab.analysis.verify import plain_run
 from shardlab.distributed.collectives import Comm
 from shardlab.distributed.ledger import Ledger
 from shardlab.distributed.mesh import Mesh
+from shardlab.distributed import shm_host
 from shardlab.distributed.shm import X86, SharedComm
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
@@ -62,10 +63,11 @@ def _gloo_all_reduce(x, op, group, n):
     return y / n if op == "avg" else y
 
 
-def _collective_checks(sh, pg, errors):
-    """``sh``: the SharedComm, ``pg``: a plain Comm on the same group (gloo)."""
+def _collective_checks(sh, pg, errors, chunked=False):
+    """``sh``: the SharedComm, ``pg``: a plain Comm on the same group (gloo). ``chunked``: the
+    transport's chunk is set small, so long messages go in many chunks and the arena stays small."""
     n, r = sh.size, sh.rank
-    tag = f"N={n}"
+    tag = f"N={n}{' chunked' if chunked else ''}"
     # all_reduce: sizes from below one element per rank to past the first arena (growth)
     for numel, dtype, op in [(1, torch.float64, "sum"), (n - 1, torch.float64, "sum"), (7, torch.int64, "sum"),
                              (1031, torch.int32, "sum"), (100_003, torch.float64, "sum"), (1031, torch.float64, "avg"),
@@ -76,7 +78,7 @@ def _collective_checks(sh, pg, errors):
         _check(f"{tag} all_reduce {op} {dtype} numel={numel}", got, want, errors)
         _check(f"{tag} all_reduce {op} {dtype} numel={numel} vs gloo", got,
                _gloo_all_reduce(inputs[r], op, pg.group, n), errors)
-    if sh.cap < 100_003 * 8:
+    if not chunked and sh.cap < 100_003 * 8:
         errors.append(f"{tag}: the arena did not grow to 100003 float64 (cap {sh.cap})")
     # non-contiguous, in place
     inputs = [_data(s, (6, 2 * n + 1), torch.float64) for s in range(n)]
@@ -152,6 +154,17 @@ def _worker(ctx):
         pg = Comm("g", group, ranks, ctx.rank, Ledger())
         _collective_checks(sh, pg, errors)
         _ledger_checks(group, ranks, ctx.rank, errors)
+        chunk, shm_host.CHUNK = shm_host.CHUNK, 4096  # every message longer than 4 KiB per rank goes in chunks
+        try:
+            small = SharedComm("c", group, ranks, ctx.rank, Ledger(), host_barrier=barrier)
+            _collective_checks(small, pg, errors, chunked=True)
+            bounded = SharedComm("b", group, ranks, ctx.rank, Ledger(), host_barrier=barrier)
+            x = _data(7, (len(ranks) * 50_000,), torch.float64)
+            bounded.all_reduce(x.clone()), bounded.reduce_scatter(x), bounded.all_gather(x)
+            if bounded.cap > 1 << 16:  # the smallest arena: 4 KiB chunks never grow it
+                errors.append(f"chunked transport: 400 KB messages grew the arena to {bounded.cap} bytes per region")
+        finally:
+            shm_host.CHUNK = chunk
         left = [f for f in os.listdir("/dev/shm") if sh._token and f.startswith(sh._token)]
         if left:
             errors.append(f"arena files left in /dev/shm: {left}")

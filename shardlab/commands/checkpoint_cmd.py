@@ -125,6 +125,7 @@ def _import(source: str, out: Path) -> tuple[Path, object]:
             "config": {"model": model_config_dict(src.cfg)}}
     if src.kind == "gguf" or (src.path / "tokenizer.json").exists():
         meta["tokenizer_source"] = src.ref()
+    meta["special_tokens"] = src.special_tokens()  # bos/eos/pad and stop ids, kept for export
     path = ckpt.commit(out, 0, 1, meta)
     reader.close()
     return path, src.cfg
@@ -136,7 +137,7 @@ def _export_tokenizer(reader, out: Path) -> bool:
     from ..models.pretrained import open_source
     origin = reader.meta.get("tokenizer_source") or reader.meta.get("base")
     tok = open_source(origin["source"]).tokenizer() if origin else None
-    if tok is None:
+    if tok is None or tok.tokenizer is None:  # none, or bytes (no tokenizer.json: docs/pretrained.md)
         return False
     tok.tokenizer.save(str(out / "tokenizer.json"))
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -182,7 +183,9 @@ def main(args) -> int:
         if any(k.endswith(".lora_A") for k in reader.keys()):
             raise ConfigError("--merge-lora", f"{reader.path} holds LoRA adapters, which a Hugging Face "
                                               "model cannot hold; pass --merge-lora to fold them into the weights")
-        n, numel = export_hf(reader, checkpoint_model_config(reader), out)
+        from ..models.pretrained import open_source
+        special = open_source(str(reader.path)).special_tokens()  # its meta's, its base's or its tokenizer's
+        n, numel = export_hf(reader, checkpoint_model_config(reader), out, special=special)
         tok = _export_tokenizer(reader, out)
         print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out} (Hugging Face format"
               f"{', with its tokenizer' if tok else ''})")

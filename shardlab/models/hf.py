@@ -188,13 +188,23 @@ class HFReader:
         self.close()
 
 
-def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None) -> tuple[int, int]:
-    """Write ``out_dir/model.safetensors`` and ``config.json`` from ``reader`` (tensors
-    ``model.<name>``: a sharded checkpoint's Reader, or a DictReader). One HF tensor is in memory
-    at a time (assembled from its shardlab tensors). Returns (tensors, parameters)."""
+def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: dict | None = None) -> tuple[int, int]:
+    """Write ``out_dir/model.safetensors``, ``config.json`` and ``generation_config.json`` from
+    ``reader`` (tensors ``model.<name>``: a sharded checkpoint's Reader, or a DictReader). One HF
+    tensor is in memory at a time (assembled from its shardlab tensors). ``special``: the
+    source's ids (``Pretrained.special_tokens``): bos/eos/pad in both files, generation's eos =
+    every stop id (e.g. <|endoftext|> and <|im_end|>) so ``generate()`` ends a turn where shardlab
+    does. Returns (tensors, parameters)."""
     from ..train.ckpt_format import SafetensorsWriter, volume
     mod = arch_module(cfg.arch)
     hf_cfg = mod.config_to_hf(cfg)  # refuses what HF cannot express before writing anything
+    special = special or {}
+    ids = {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    hf_cfg.update(ids)
+    stops = list(special.get("stop_ids") or [])
+    gen = {k: v for k, v in ids.items() if v is not None}
+    if stops:
+        gen["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     groups: dict[str, list[tuple[str, Source]]] = {}
     for name, s in mod.tensor_map(cfg).items():
         groups.setdefault(s.hf_key, []).append((name, s))
@@ -222,6 +232,7 @@ def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None) -> tuple[i
     os.replace(tmp, out / "model.safetensors")
     hf_cfg["torch_dtype"] = str(next(iter(dt.values()), torch.float32)).replace("torch.", "")
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return len(specs), sum(volume(s[2]) for s in specs)
 
 

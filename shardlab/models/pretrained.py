@@ -17,6 +17,7 @@ boxes. Docs: docs/pretrained.md, docs/finetune.md.
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,12 +167,54 @@ class Pretrained:
         from ..train.checkpoint import Reader
         meta = Reader(self.path).meta
         origin = meta.get("base") or meta.get("tokenizer_source")
-        return open_source(origin["source"]).tokenizer() if origin else None
+        if origin:
+            return open_source(origin["source"]).tokenizer()
+        data = meta.get("config", {}).get("data")  # a training run without a base tokenised its text as bytes
+        if isinstance(data, dict) and not meta.get("base_source") and data.get("tokenizer") in ("auto", "bytes") \
+                and self.cfg.arch != "cnn" and self.cfg.vocab_size >= 256:
+            return T.ByteTokenizer()
+        return None
+
+    def special_tokens(self) -> dict:
+        """``{bos_token_id, eos_token_id, pad_token_id, stop_ids}`` the source names (None / [] where
+        it names none): config.json and generation_config.json, GGUF ``tokenizer.ggml.*`` metadata,
+        a checkpoint's meta ``special_tokens`` (written at import and by fine-tuning runs) or its
+        base's; gaps filled from the tokenizer (bos/eos, and end-of-turn ids such as <|im_end|>)."""
+        out = dict.fromkeys(SPECIAL)
+        if self.kind == "gguf":
+            fields = self._gguf_reader().fields
+            for key, gguf_key in zip(SPECIAL, ("bos_token_id", "eos_token_id", "padding_token_id")):
+                if (f := fields.get(f"tokenizer.ggml.{gguf_key}")) is not None:
+                    out[key] = int(f.contents())
+        elif self.kind == "hf":
+            from .hf import read_hf_config
+            gen = self.path / "generation_config.json"
+            gen = json.loads(gen.read_text()) if gen.exists() else {}
+            out.update({k: v for k, v in read_hf_config(self.path).items() if k in SPECIAL and v is not None})
+            if isinstance(gen.get("eos_token_id"), (int, list)):
+                out["stop_ids"] = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+        else:
+            from ..train.checkpoint import Reader
+            meta = Reader(self.path).meta
+            origin = meta.get("base_source") or meta.get("base") or meta.get("tokenizer_source")
+            out.update(meta.get("special_tokens") or (open_source(origin["source"]).special_tokens() if origin else {}))
+        tok = self.tokenizer()
+        if tok is not None:
+            out["bos_token_id"] = out["bos_token_id"] if out["bos_token_id"] is not None else tok.bos_id
+            out["eos_token_id"] = out["eos_token_id"] if out["eos_token_id"] is not None else tok.eos_id
+        eos = out["eos_token_id"]
+        stops = set(out.get("stop_ids") or []) | set(getattr(tok, "stop_ids", ()) or ())
+        stops |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        out["stop_ids"] = sorted(int(i) for i in stops)
+        return out
 
     def ref(self) -> dict:
         """What a checkpoint records to find this source again."""
         return {"source": str(self.path.resolve()) if self.kind != "gguf" or self.source not in PACKAGED
                 else self.source, "kind": self.kind}
+
+
+SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")  # Hugging Face config.json's names
 
 
 def open_source(source: str) -> Pretrained:

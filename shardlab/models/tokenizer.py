@@ -113,3 +113,21 @@ def from_hf_dir(hf_dir) -> GGUFTokenizer:
         stop.add(tok.token_to_id("<|im_end|>"))
     template = conf.get("chat_template") if isinstance(conf.get("chat_template"), str) else None
     return GGUFTokenizer(tok, bos, eos, template, stop)
+
+
+class ByteTokenizer:
+    """The tokenizer of a byte-level run (``data.tokenizer = bytes``): token = one UTF-8 byte,
+    vocabulary 256, no special tokens (no bos/eos: generation stops at --max-new-tokens)."""
+
+    bos_id = eos_id = chat_template = None
+    stop_ids: set = set()
+    tokenizer = None  # nothing to save as tokenizer.json
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def chat(self, user: str, system: str | None = None) -> str:
+        raise ConfigError("--chat", "a byte-level model has no chat template; drop --chat")

@@ -91,13 +91,21 @@ def _ref(source: str) -> dict:
     return open_source(source).ref()
 
 
+@functools.lru_cache(maxsize=4)
+def _special(source: str) -> dict:
+    """The base's bos/eos/pad and stop ids (models/pretrained.py), read once per process."""
+    from ..models.pretrained import open_source
+    return open_source(source).special_tokens()
+
+
 def checkpoint_meta(cfg: Config, data_meta: dict) -> dict:
     """What a checkpoint of a fine-tuning run adds to its meta: ``base`` (adapter-only: where the
-    frozen weights are), ``base_source`` (provenance) and ``tokenizer_source``."""
+    frozen weights are), ``base_source`` (provenance), ``special_tokens`` (the base's bos/eos/pad
+    ids, for export) and ``tokenizer_source``."""
     if not cfg.checkpoint.base:
         return {}
     ref = dict(_ref(cfg.checkpoint.base))  # a copy: the cached record is never handed out
-    out = {"base_source": ref}
+    out = {"base_source": ref, "special_tokens": dict(_special(cfg.checkpoint.base))}
     if adapter_only(cfg):
         out["base"] = ref
     if isinstance(data_meta.get("tokenizer"), dict):

@@ -1,4 +1,4 @@
-"""``shardlab train CONFIG --nproc N [--resume] [--profile N] [--section.key=value ...]``.
+"""``shardlab train CONFIG --nproc N [--resume] [--profile N] [--dry-run] [--section.key=value ...]``.
 
 Validates the config before any process starts, prepares the data once in this process (the
 tokenised corpus, or checks the image files for a ``classify`` architecture), launches N ranks (or runs in place under torchrun), and prints where the logs, the
@@ -31,6 +31,9 @@ def configure(parser):
     parser.add_argument("--elastic", default=None, metavar="MIN:MAX",
                         help="plain data parallel: when a restart fails again at start, go on with fewer "
                              "ranks, down to MIN (docs/faults.md)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check everything that is checked before a launch (config, degrees, --resume, "
+                             "restart and Ray options), print the plan and exit; nothing starts")
     launch_ray.add_flags(parser)
 
 
@@ -53,6 +56,20 @@ def resolve(args) -> tuple[C.Config, int, object]:
         setattr(cfg.parallel, "dp_shard" if cfg.parallel.zero_stage else "dp_replicate", nproc)
     cfg.validate(world_size=nproc)
     return cfg, nproc, base
+
+
+def absolute_paths(cfg: C.Config) -> None:
+    """Resolve every path of ``cfg`` once, here in the parent, against this working directory:
+    ranks, Ray workers (which run in their own directories) and background checkpoint writers
+    get absolute paths. Words that are not paths (``shakespeare``, ``smollm2``) stay as they are."""
+    cfg.data.cache_dir = str(Path(cfg.data.cache_dir).resolve())
+    cfg.logging.run_dir = str(Path(cfg.logging.run_dir).resolve())
+    if cfg.checkpoint.dir:
+        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).resolve())
+    for section, key in (("data", "dataset"), ("checkpoint", "base")):
+        value = getattr(getattr(cfg, section), key)
+        if value and Path(value).exists():
+            setattr(getattr(cfg, section), key, str(Path(value).resolve()))
 
 
 def check_resume(cfg: C.Config):
@@ -112,6 +129,12 @@ def main(args) -> int:
     restarts, elastic = _restart_args(args, cfg, nproc)
     ray_opts = _ray_options(args, cfg, restarts, elastic)
     main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
+    if args.dry_run:
+        latest = check_resume(cfg)
+        print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), "
+              f"layout {_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher"
+              f"{f', resuming from {latest}' if latest else ''}; run dir {cfg.logging.run_dir}; nothing started")
+        return 0
     if main_rank:
         latest = check_resume(cfg)
         clean_interrupted(cfg)
@@ -121,6 +144,7 @@ def main(args) -> int:
         latest = latest_valid(checkpoint_dir(cfg), warn=lambda *_: None) if cfg.checkpoint.resume else None
     if _finished(cfg, latest, quiet=not main_rank):
         return 0
+    absolute_paths(cfg)  # messages above name the paths as written; what starts below gets them absolute
     if get_spec(cfg.model).task == "classify":
         data_dir = images.prepare(cfg.data)
     else:

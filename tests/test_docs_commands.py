@@ -274,3 +274,6 @@ def test_run_as_written(tmp_path, monkeypatch):
         rc, err = _cli(argv)
         assert rc == 0, f"{text}: rc {rc}: {err[-2000:]}"
     assert (tmp_path / "tiny.safetensors").exists() and (tmp_path / "zb.png").exists()
+    import json
+    summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
+    assert summary["mfu"] is None or 0 < summary["mfu"] <= 1.0, summary["peak_label"]  # a documented config's MFU

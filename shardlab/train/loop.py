@@ -28,7 +28,7 @@ from . import anomaly
 from . import checkpoint as ckpt
 from . import finetune, images
 from .data import Loader, TokenData
-from .metrics import MetricsWriter, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes
+from .metrics import MetricsWriter, bounded_mfu, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes
 from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype
 
 
@@ -231,7 +231,7 @@ class _Run:
         elif cfg.checkpoint.base:
             self.tr.load_base()
         self.writer = MetricsWriter(self.run_dir, log.tensorboard) if is_main else None
-        self.fpt = flops_per_token(cfg.model, t.seq_len)
+        self.fpt = flops_per_token(cfg.model, t.seq_len, t)  # LoRA: no weight gradient for frozen weights
         self.total_peak, self.peak_label = _peak(cfg, mesh)
         self.val_batches = self.tr.loader.val_batches(t.eval_batches)
         self.bar = None
@@ -278,7 +278,7 @@ class _Run:
         moved = mesh.ledger.since(self.snap)
         rec = {"kind": "train", "step": tr.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                "tokens_per_s": tps, "step_time_s": self.window_time / n,
-               "mfu": self.fpt * tps / self.total_peak if self.total_peak else None,
+               "mfu": bounded_mfu(self.fpt * tps, self.total_peak, self.peak_label)[0],
                "comm_bytes_per_step": sum(e.bytes_sent for e in moved.values()) / n,
                "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "loss_scale": tr.scaler.scale,
                "skipped_steps": tr.scaler.skipped}
@@ -314,11 +314,11 @@ class _Run:
         tr, mesh, cfg = self.tr, self.mesh, self.cfg
         steady = self.times[len(self.times) // 5:] or self.times
         mean_dt = sum(steady) / len(steady) if steady else float("nan")
+        mfu, label = bounded_mfu(self.fpt * self.tokens_per_step / mean_dt, self.total_peak, self.peak_label)
         summary = {"steps": tr.step, "task": tr.task, "loss": self.last["loss"], "val_loss": self.last["val_loss"],
                    "accuracy": self.last["accuracy"], "unigram_baseline": self.data.unigram_entropy,
                    "tokens_per_s": self.tokens_per_step / mean_dt,
-                   "mfu": self.fpt * self.tokens_per_step / mean_dt / self.total_peak if self.total_peak else None,
-                   "peak_label": self.peak_label, "params": tr.n_params, "layout": mesh.topology.describe(),
+                   "mfu": mfu, "peak_label": label, "params": tr.n_params, "layout": mesh.topology.describe(),
                    "run_dir": str(self.run_dir), "checkpoint_dir": str(self.ck_dir) if cfg.checkpoint.save else None,
                    "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "resumed_from": self.resumed_from,
                    "stopped": self.stopped,

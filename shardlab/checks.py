@@ -48,6 +48,10 @@ def validate(cfg, world_size: int | None = None) -> None:
     expert.check_config(cfg)
     schedule.check_config(cfg)
     zero.check_config(cfg)
+    require(not t.reduce_dtype or p.zero_stage != 0 or (p.tp == 1 and p.pp == 1 and m.n_experts == 0),
+            "train.reduce_dtype", "with zero_stage 0 (DDP) it covers plain data parallel only, not TP, PP or MoE "
+            "experts (a rank would refuse it after launch); leave it empty, or use zero_stage 3 (FSDP "
+            "reduce-scatters in it)")
     one_of(p.comm_algorithm, ("backend", "ring", "tree", "rhd", "auto"), "parallel.comm_algorithm")
     one_of(p.activation_checkpointing, recompute.MODES, "parallel.activation_checkpointing")
     one_of(t.precision, ("fp32", "fp64", "bf16", "fp16"), "train.precision")

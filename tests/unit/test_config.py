@@ -87,3 +87,22 @@ def test_initialize_checks_the_declared_ranges():
     with pytest.raises(C.ConfigError) as e:
         resolve_config({"train": {"lr": -1.0}}, 2)
     assert e.value.field == "train.lr" and "must be > 0" in str(e.value)
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 2, "dp_replicate": 2}, {"pp": 2, "dp_replicate": 2, "microbatches": 2},
+                                     {"ep": 2, "dp_shard": 2}])
+def test_ddp_reduce_dtype_outside_plain_data_parallel_is_refused_before_launch(degrees):
+    """A rank used to raise NotImplementedError after the launch; now validate() names the field."""
+    from shardlab.config import Config
+    cfg = Config()
+    cfg.train.reduce_dtype = "bf16"
+    for k, v in degrees.items():
+        setattr(cfg.parallel, k, v)
+    if "ep" in degrees:
+        cfg.model.n_experts = 2
+    with pytest.raises(C.ConfigError) as e:
+        cfg.validate()
+    assert e.value.field == "train.reduce_dtype"
+    cfg.parallel.tp = cfg.parallel.pp = cfg.parallel.ep = 1
+    cfg.model.n_experts = 0
+    cfg.validate()  # plain data parallel keeps it

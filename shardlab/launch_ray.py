@@ -276,10 +276,13 @@ def options(args, max_failures: int, storage_path: str | None) -> RayOptions | N
 
 # -- shardlab launch --launcher ray: a script as N Ray Train workers ------------------------------
 
-def run_script(ctx, argv: list[str]) -> int:
+def run_script(ctx, argv: list[str], cwd: str | None = None) -> int:
     """In a Ray Train worker: ``python argv...`` with torchrun's environment for this rank (rank 0's
-    node address and a free port there, shared over Ray Train's process group). The child dies
-    with the worker (Linux). A non-zero exit raises, so Ray counts a worker failure."""
+    node address and a free port there, shared over Ray Train's process group), in ``cwd`` (the
+    directory ``shardlab launch`` ran in, where this node has it: Ray workers start elsewhere, and
+    the script and its relative paths mean what they mean locally). The child dies with the
+    worker (Linux). A non-zero exit raises, so Ray counts a worker failure."""
+    import os
     import subprocess
     import sys
     import torch.distributed as dist
@@ -293,7 +296,8 @@ def run_script(ctx, argv: list[str]) -> int:
     env = launch.torchrun_env(ctx.rank, ctx.world_size, port)
     env.update(MASTER_ADDR=host, LOCAL_RANK=str(ctx.local_rank))
     setup = launch._set_pdeathsig if sys.platform.startswith("linux") else None
-    code = subprocess.call([sys.executable, *argv], env=env, preexec_fn=setup)
+    code = subprocess.call([sys.executable, *argv], env=env, preexec_fn=setup,
+                           cwd=cwd if cwd and os.path.isdir(cwd) else None)
     if code != 0:
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         raise RuntimeError(f"script {argv[0]} failed on rank {ctx.rank} ({how})")

@@ -38,7 +38,8 @@ def main(args) -> int:
     argv = [args.script, *args.script_args, *args.overrides]
     opts = launch_ray.options(args, args.max_restarts, None)
     if opts:  # Ray Train workers, each running the script; restarts are Ray's FailureConfig
-        launch_ray.run(launch_ray.run_script, args.nproc, argv, opts=opts, timeout_s=1800)
+        argv[0] = str(Path(args.script).resolve())  # Ray workers run elsewhere: absolute, and in this directory
+        launch_ray.run(launch_ray.run_script, args.nproc, argv, str(Path.cwd()), opts=opts, timeout_s=1800)
         return 0
     for attempt in range(args.max_restarts + 1):
         code = launch.spawn_script(args.nproc, argv, restart_count=attempt, max_restarts=args.max_restarts)

@@ -106,6 +106,25 @@ def test_launch_script_on_ray(ray_cluster, tmp_path, capsys):
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 3.0", "2 3.0"]
 
 
+def test_launch_on_ray_with_relative_paths(ray_cluster, tmp_path, monkeypatch):
+    """As a user types it: a relative script path whose script writes a relative file. Ray workers
+    start in their own directories; the script runs where ``shardlab launch`` was started."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "where.py").write_text("import os\nopen('where_' + os.environ['RANK'], 'w').write(os.getcwd())\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["launch", "--nproc", "2", "--launcher", "ray", "sub/where.py"]) == 0
+    assert [(tmp_path / f"where_{r}").read_text() for r in range(2)] == [str(tmp_path)] * 2
+
+
+def test_train_on_ray_with_a_relative_cache_and_run_dir(ray_cluster, tmp_path, monkeypatch):
+    """The README's ``--launcher ray`` example failed in every worker: the data directory was
+    relative. The driver now resolves every config path once, before the workers start."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--nproc", "2", *TINY, "--data.cache_dir=cache", "--logging.run_dir=run",
+                     "--train.steps=2", "--launcher", "ray"]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "cache").is_dir()
+
+
 @pytest.fixture
 def examples(monkeypatch):
     """Import an example as a module (importable by the ranks it spawns, which inherit sys.path)."""

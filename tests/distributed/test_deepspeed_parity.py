@@ -118,11 +118,11 @@ CASES = [  # (name, scheduler, gradient_clipping)
     ("constant, clipping off", None, 0.0),
     ("WarmupLR log, default clipping", {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_min_lr": 1e-3}}, None),
     ("WarmupDecayLR linear, clip", {"type": "WarmupDecayLR", "params": {
-        "warmup_num_steps": 2, "total_num_steps": 6, "warmup_max_lr": 3e-2, "warmup_type": "linear"}}, 0.05),
+        "warmup_num_steps": 2, "total_num_steps": 8, "warmup_max_lr": 3e-2, "warmup_type": "linear"}}, 0.05),
     ("WarmupCosineLR", {"type": "WarmupCosineLR", "params": {
-        "warmup_num_steps": 3, "total_num_steps": 7, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.2}}, None),
+        "warmup_num_steps": 3, "total_num_steps": 12, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.2}}, None),
 ]
-STEPS = 7
+STEPS = 10
 
 
 def _shardlab_worker(ctx):

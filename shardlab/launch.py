@@ -76,7 +76,13 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+MMAP_THRESHOLD = int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 1 << 20))
+"""Each rank's glibc mmap threshold (bytes; 0: glibc's default): distributed/shm_host.set_mmap_threshold."""
+
+
 def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads) -> RankContext:
+    from .distributed.shm_host import set_mmap_threshold
+    set_mmap_threshold(MMAP_THRESHOLD)
     backend, kind = choose_backend(device, local_world)
     torch.set_num_threads(threads or default_threads(local_world))
     dev = _rank_device(kind, local_rank)

@@ -85,28 +85,93 @@ def measure(engine, optimizer) -> StateBytes:
 
 
 # -- the measured run (spawned ranks) -------------------------------------------------------------
-def _measure_worker(ctx, cfg):
+def _phases(engine, opt, batches, autocast, rec, step: int):
+    """One training step with its phases marked (forward, backward, optimizer) and the model state
+    measured at each mark. Engines that schedule their own micro-batches (pipelines) are one
+    ``step`` phase before the optimizer."""
+    from ..parallel.engine import Engine
+    from contextlib import nullcontext
+    if type(engine).forward_backward is not Engine.forward_backward:
+        rec.mark(f"step {step}", measure(engine, opt))
+        engine.forward_backward(batches, 1.0, autocast)
+    else:
+        engine.start_step()
+        for k, (x, y) in enumerate(batches):
+            x, y = engine._local(x, y)
+            rec.mark(f"forward {step}", measure(engine, opt))
+            with autocast() if autocast else nullcontext():
+                loss = engine.forward(x, y, sync=k == len(batches) - 1)
+            rec.mark(f"backward {step}", measure(engine, opt))
+            (loss / len(batches)).backward()
+            del loss
+            engine.after_backward(k == len(batches) - 1)
+        engine.sync_grads()
+    rec.mark(f"optimizer {step}", measure(engine, opt))
+    engine.clip_grads(1.0)
+    opt.step()
+
+
+def _warm_up(cfg, device):
+    """One step of a tiny local model (0.1M parameters, no communication) before the baseline is
+    taken: the libraries and kernels a step loads, and autograd's and the optimizer's own state,
+    count as the empty rank's, not as the model's."""
+    from ..config import ModelConfig
+    from ..models.spec import get_spec
+    from ..train.optim import autocast_factory, build_adamw
+    if cfg.model.arch not in ("llama", "gpt2"):
+        return
+    tiny = ModelConfig(arch=cfg.model.arch, d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16)
+    model = get_spec(tiny).build(tiny).to(device)
+    opt = build_adamw(cfg.train, device)(model.parameters())
+    x = torch.randint(0, 64, (2, 16), device=device)
+    autocast = autocast_factory(cfg.train.precision, device)
+    from contextlib import nullcontext
+    with autocast() if autocast else nullcontext():
+        loss = model(x, x)
+    loss.backward()
+    opt.step()
+    del model, opt, loss
+
+
+def _measure_worker(ctx, cfg, steps: int = 2, cuda_snapshot: str = "", categories: bool = False):
     from ..distributed.mesh import Mesh
     from ..distributed.topology import Topology
     from ..models.spec import add_adapters, meta_model, sample_batch
     from ..parallelize import parallelize
-    from ..train.optim import autocast_factory
+    from ..train.optim import autocast_factory, build_adamw
+    from .memtrace import Recorder, categories_at_peak, cuda_history, dump_cuda_history, profiled
 
     mesh = Mesh.build(Topology.from_config(cfg.parallel))
-    model = meta_model(cfg.model, dtype=torch.float32)
-    if cfg.train.lora_rank:
-        add_adapters(model, cfg.train)
-    engine = parallelize(model, mesh, cfg)  # each rank draws its boxes of the initial values
-    autocast = autocast_factory(cfg.train.precision, mesh.device)
-    opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=cfg.train.lr))
-    b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)
-    g = torch.Generator().manual_seed(cfg.train.seed + mesh.rank)
-    engine.forward_backward([sample_batch(cfg, b, g)] * cfg.parallel.microbatches, 1.0, autocast)
-    opt.step()
+    _warm_up(cfg, mesh.device)
+    rec = Recorder(mesh.device, mesh.rank)  # the empty rank: its baseline is the fixed overhead
+    cuda_history(bool(cuda_snapshot))
+    with rec:
+        model = meta_model(cfg.model, dtype=torch.float32)
+        if cfg.train.lora_rank:
+            add_adapters(model, cfg.train)
+        engine = parallelize(model, mesh, cfg)  # each rank draws its boxes of the initial values
+        autocast = autocast_factory(cfg.train.precision, mesh.device)
+        opt = engine.make_optimizer(build_adamw(cfg.train, mesh.device))
+        b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)
+        g = torch.Generator().manual_seed(cfg.train.seed + mesh.rank)
+        for step in range(steps):  # the second step holds the optimizer states the first created
+            batches = [sample_batch(cfg, b, g) for _ in range(cfg.parallel.microbatches)]
+            with profiled(categories and step == steps - 1) as prof:  # the last step, by category
+                _phases(engine, opt, batches, autocast, rec, step)
+    if categories:
+        rec.trace.categories = categories_at_peak(prof, mesh.device)
+    if cuda_snapshot and mesh.device.type == "cuda":
+        dump_cuda_history(cuda_snapshot.replace("RANK", str(mesh.rank)))
     got = measure(engine, opt)
-    return (got.params, got.grads, got.optim)
+    return (got.params, got.grads, got.optim), rec.trace
 
 
-def measure_run(cfg, nproc: int) -> list[StateBytes]:
+def measure_run(cfg, nproc: int, steps: int = 2, cuda_snapshot: str = "", categories: bool = False):
+    """[(StateBytes after the last step, memtrace.Trace)] per rank, from ``steps`` real AdamW steps.
+    ``cuda_snapshot``: a path with RANK in it for PyTorch's allocation history (CUDA only).
+    ``categories``: profile the last step's allocations (``Trace.categories``; slower)."""
     from ..launch import run
-    return [StateBytes(*r) for r in run(_measure_worker, nproc, cfg, threads=1, timeout_s=cfg.train.timeout_s)]
+    out = run(_measure_worker, nproc, cfg, steps, cuda_snapshot, categories, threads=1,
+              timeout_s=max(cfg.train.timeout_s, 600),
+              device=cfg.train.device if cfg.train.device != "auto" else "cpu")
+    return [(StateBytes(*state), trace) for state, trace in out]

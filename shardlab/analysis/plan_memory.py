@@ -124,7 +124,8 @@ def _fast_key(cfg, *extra) -> tuple:
     p, t = cfg.parallel, cfg.train
     return (tuple(sorted(vars(cfg.model).items())), t.lora_rank, t.lora_alpha, tuple(t.lora_targets), t.precision,
             t.param_dtype, t.reduce_dtype, t.weight_decay, t.seq_len, p.tp, p.pp, p.pp_virtual, p.ep, p.zero_stage,
-            p.dp_replicate, p.dp_shard, p.cp, p.bucket_cap_mb, p.wrap_policy, p.prefetch, p.sequence_parallel,
+            p.dp_replicate, p.dp_shard, p.cp, p.bucket_cap_mb, p.wrap_policy, p.prefetch, p.reshard_after_forward,
+            p.sequence_parallel,
             p.pp_schedule, p.cp_impl, p.cp_ulysses, p.ep_dispatch,
             t.global_batch // p.dp // p.microbatches) + extra
 
@@ -156,7 +157,8 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
         return _stage_sharded(cfg, train, frozen, el, out)
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
-        out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el)
+        out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el,
+                   opt_transient=psi_t * el)  # foreach AdamW: one temporary per parameter, all at once
         if p.dp * p.cp == 1 or p.pp > 1:  # p.grad kept as autograd made it: kv heads copied over tp
             out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x
         if p.pp > 1:  # receive buffers posted ahead (engine.lookahead + 1 activations)
@@ -182,7 +184,8 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
                 out["grads"] += (padded if p.zero_stage == 1 else shard) * fel
                 out["optim"] += 2 * shard * el + (shard * el if low else 0)
         if p.zero_stage == 2:
-            out["buffers"] = biggest * fel  # the bucket staged until its reduce-scatter
+            out["buffers"] = 2 * biggest * fel  # the bucket being filled and the one reduce-scattering
+        out["opt_transient"] = out["optim"] / (3 if low else 2)  # foreach AdamW's temporary over the slices
         return out
     from ..parallel.fsdp import wrap_policy
     units = wrap_policy(model, p.wrap_policy, spec)
@@ -211,6 +214,15 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     root, rest = gathered[0], sorted(gathered[1:], reverse=True)
     in_flight = 2 if p.prefetch else 1  # the unit computing and the one prefetched
     out["buffers"] = root + sum(rest[:in_flight])
+    if not p.reshard_after_forward:  # every unit stays gathered from its forward to its backward
+        out["buffers"] = float(sum(gathered))
+    # A unit's backward: autograd's per-parameter gradients and their concatenation (the flat
+    # gradient the reduce-scatter reads) live together, plus its cast when reduce_dtype differs.
+    big = max(gathered[1:] or gathered)
+    cast = big / (compute or el) * (LOW.get(t.reduce_dtype) or el) if (LOW.get(t.reduce_dtype) or el) != (compute or el) else 0
+    out["bwd_transient"] = 2 * big + cast
+    out["largest_unit"] = float(big)
+    out["opt_transient"] = out["grads"]  # foreach AdamW's temporary: one per shard, all at once
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
     out["units"] = float(len(gathered))
     return out
@@ -246,6 +258,7 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
     recv = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
         * act_dtype(cfg).itemsize
     out["buffers"] = padded_total * el * (2 if p.zero_stage == 3 else 1) + recv
+    out["opt_transient"] = out["grads"]  # foreach AdamW's temporary over the slices
     out["gathered_total"] = out["reduce_total"] = float(padded_total * el)
     return out
 
@@ -263,3 +276,36 @@ def _copied_grad_extra(train, el: int) -> float:
             tp_slots = pl.global_shape[pl.dim] // max(1, pl.length or q.shape[pl.dim])
             extra += (tp_slots - 1) * q.numel() * el
     return extra
+
+
+def transport_bytes(cfg, pp_rank: int = 0) -> float:
+    """CPU ranks on the shared-memory transport (``comm_transport`` shared, or auto on x86-64 with
+    the backend algorithm): the shared pages a rank touches. A group's messages go in chunks of at
+    most c = min(distributed/shm_host.CHUNK, the longest message) per member, two regions each:
+    an all-gather reads every member's regions (2 n c); an all-reduce writes its own region, a
+    part of its other one, and reads a 1/n part of everyone's two ((3 - 1/n) c). Pipeline and
+    ring-attention neighbours add two point-to-point rings each (``SharedComm.p2p_cap``)."""
+    from ..distributed.shm_host import CHUNK, X86
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    if p.comm_transport == "process_group" or (p.comm_transport == "auto" and not (X86 and p.comm_algorithm == "backend")):
+        return 0.0
+
+    def all_reduce(n, longest):
+        return (3 - 1 / n) * min(CHUNK, longest) if n > 1 else 0.0
+
+    state = model_state(cfg, pp_rank)
+    b = max(1, t.global_batch // p.dp // p.microbatches)
+    act = b * (t.seq_len // p.cp) * m.d_model * act_dtype(cfg).itemsize
+    bucket = min(p.bucket_cap_mb * 2**20, state["grads"] or 0.0)
+    if p.zero_stage == 3:  # FSDP gathers units over dp_shard x cp, all-reduces shards over replicas
+        n = p.dp_shard * p.cp
+        total = 2 * n * min(CHUNK, state.get("largest_unit", 0.0)) if n > 1 else 0.0
+        total += all_reduce(p.dp_replicate, state["grads"])
+    elif p.zero_stage in (1, 2) and p.pp == 1:
+        n = p.dp * p.cp
+        total = 2 * n * min(CHUNK, bucket) if n > 1 else 0.0
+    else:
+        total = all_reduce(p.dp * p.cp, bucket)
+    total += all_reduce(p.tp, act)
+    neighbours = (2 if p.pp > 2 else 1) * (p.pp > 1) + (2 if p.cp > 2 else 1) * (p.cp > 1 and p.cp_impl != "ulysses")
+    return total + 2 * neighbours * (16 << 20)  # SharedComm's default p2p_cap

@@ -33,6 +33,15 @@ class RankPrediction:
     wgrad: float = 0.0
     """Split backward (ZB-H1, DualPipe/V): peak bytes held for deferred weight gradients after B
     (inputs and output gradients, outside autograd: not in ``activations``)."""
+    bwd_transient: float = 0.0
+    """ZeRO-3/FSDP: one unit's unsharded gradient twice during its backward (autograd's
+    per-parameter gradients and their concatenation, the reduce-scatter's input)."""
+    opt_transient: float = 0.0
+    """The optimizer step's temporaries: foreach AdamW makes one tensor the size of every
+    parameter it steps (m / sqrt(v)), all at once; activations are freed by then."""
+    fixed: float = 0.0
+    """The empty rank: torch, its libraries and the process groups, before the model is built
+    (CPU: resident bytes, measured; CUDA: 0, allocated bytes exclude the CUDA context)."""
 
     @property
     def model_state(self) -> float:
@@ -40,8 +49,11 @@ class RankPrediction:
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optim + self.activations + self.buffers + self.transient
-                + self.wgrad)
+        """The peak a rank reaches: the empty rank, the model state, and the larger of the
+        backward's live set (activations, gathered units, buffers, unsharded gradients) and the
+        optimizer step's temporaries."""
+        during_backward = self.activations + self.buffers + self.transient + self.wgrad + self.bwd_transient
+        return self.fixed + self.params + self.grads + self.optim + max(during_backward, self.opt_transient)
 
 
 @dataclass
@@ -60,6 +72,12 @@ class Prediction:
         return max(self.ranks, key=lambda r: r.total)
 
 
+EMPTY_RANK_CPU = 295 * 2**20
+"""Resident bytes of an empty CPU rank (torch 2.13 imported, gloo process groups up, 1 thread),
+measured on this project's 2-core machines (``shardlab memory CONFIG`` measures it again on
+every run and prints the prediction with the measured value: docs/data-parallel.md)."""
+
+
 def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     """The memory terms of every rank at pipeline coordinate ``pp_rank`` (all such ranks are
     alike: TP shards are equal, vocabulary padding included, and data-parallel shards are padded)."""
@@ -70,6 +88,14 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     act = transient = stash = 0.0  # the trace covers token models (models/spec.py conventions)
     if get_spec(cfg.model).task == "lm":
         act, transient, stash = activations(cfg, pp_rank, device)
+    ms.setdefault("bwd_transient", 0.0)
+    ms.setdefault("opt_transient", 0.0)
+    if device != "cpu":  # fused AdamW on CUDA (train/optim.build_adamw) makes no temporaries
+        ms["opt_transient"] = 0.0
+    ms["fixed"] = float(EMPTY_RANK_CPU) if device == "cpu" else 0.0
+    if device == "cpu":  # the shared-memory transport's arenas and rings a CPU rank touches
+        from .plan_memory import transport_bytes
+        ms["buffers"] = ms["buffers"] + transport_bytes(cfg, pp_rank)
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 
@@ -101,11 +127,13 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
             pp_rank = rank // (topo.world_size // p.pp)  # pp is the slowest axis
             s = stages[pp_rank]
             ranks.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"]))
+                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"],
+                                        s["bwd_transient"], s["opt_transient"], s["fixed"]))
     else:
         for pp_rank, s in stages.items():
             ranks.append(RankPrediction(pp_rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"]))
+                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"],
+                                        s["bwd_transient"], s["opt_transient"], s["fixed"]))
     spec = get_spec(cfg.model)
     flops = spec.flops_per_token(cfg.model, t.seq_len) if spec.task == "lm" else 0.0
     slowest = max(stages, key=lambda r: stages[r]["params"] + stages[r]["optim"])
@@ -135,7 +163,8 @@ def memory_per_rank(cfg, device: str = "cpu") -> list[RankPrediction]:
         pp_rank = rank // (world // cfg.parallel.pp)
         s = stages[pp_rank]
         out.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                  s["activations"], float(s["buffers"]), s["transient"], s["wgrad"]))
+                                  s["activations"], float(s["buffers"]), s["transient"], s["wgrad"],
+                                        s["bwd_transient"], s["opt_transient"], s["fixed"]))
     return out
 
 

@@ -12,6 +12,16 @@ def configure(p: argparse.ArgumentParser):
     p.add_argument("config", nargs="?", help="TOML/JSON config (DeepSpeed JSON accepted)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (if the config sets no degrees)")
     p.add_argument("--no-run", action="store_true", help="prediction and formula only: do not start ranks")
+    p.add_argument("--timeline", metavar="PNG", help="draw memory per rank over the measured steps (phases "
+                                                     "shaded, model state stacked) into this PNG")
+    p.add_argument("--categories", action="store_true", help="profile the last measured step's allocations "
+                                                                "(torch.profiler) and print the bytes of each "
+                                                                "category at its peak (slower)")
+    p.add_argument("--cuda-snapshot", metavar="PATH", default="", help="CUDA: write each rank's allocation "
+                                                                      "history for pytorch.org/memory_viz "
+                                                                      "(RANK in PATH is the rank)")
+    p.add_argument("--steps", type=int, default=2, help="measured training steps (>= 2: the second holds "
+                                                          "the optimizer states the first created)")
     p.add_argument("--device", default="cpu", help="activations as on this device kind: cpu or a GPU kind "
                                                   "(h100, h200, a100); bf16/fp16 runs follow that device's "
                                                   "autocast rules (docs/planner.md)")
@@ -55,22 +65,62 @@ def main(args) -> int:
     pred = memory_per_rank(cfg, args.device)
     b = max(1, cfg.train.global_batch // p.dp // p.microbatches)
     lm = get_spec(cfg.model).task == "lm"
-    print(f"predicted per rank (analysis/predict.py; micro-batch {b} x {cfg.train.seq_len // p.cp} tokens, "
+    print(f"predicted per rank at the peak of a step (analysis/predict.py; micro-batch {b} x {cfg.train.seq_len // p.cp} tokens, "
           f"{p.microbatches} micro-batches{', schedule ' + p.pp_schedule if p.pp > 1 else ''}), MiB:")
     print(f"{'rank':>5}{'stage':>6}{'params':>10}{'grads':>10}{'optim':>10}{'activ.':>10}{'W stash':>10}"
-          f"{'buffers':>10}{'transient':>10}{'total':>10}")
+          f"{'buffers':>10}{'transient':>10}{'bwd grad':>10}{'optim tmp':>10}{'empty':>8}{'peak':>10}")
     for r in pred:
-        print(f"{r.rank:>5}{r.stage:>6}" + "".join(f"{v / mib:>10.3f}" for v in (
-            r.params, r.grads, r.optim, r.activations, r.wgrad, r.buffers, r.transient, r.total)))
+        print(f"{r.rank:>5}{r.stage:>6}" + "".join(f"{v / mib:>10.1f}" for v in (
+            r.params, r.grads, r.optim, r.activations, r.wgrad, r.buffers, r.transient, r.bwd_transient,
+            r.opt_transient)) + f"{r.fixed / mib:>8.0f}{r.total / mib:>10.1f}")
+    print("  peak = empty rank + params + grads + optim + max(activ. + W stash + buffers + transient + bwd grad, "
+          "optim tmp); empty = an empty rank's RSS (CPU; 0 on CUDA: allocated bytes exclude the context)")
     if not lm:
         print(f"activations: no estimate for model.arch={cfg.model.arch} (the trace covers token models)")
     if args.no_run:
         return 0
-    print(f"measured after one AdamW step with {args.nproc} ranks ({STAGES[stage]}, precision "
+    if args.steps < 1:
+        from ..errors import ConfigError
+        raise ConfigError("--steps", f"{args.steps}: measure at least one step (2 holds the optimizer states)")
+    print(f"measured over {args.steps} AdamW steps with {args.nproc} ranks ({STAGES[stage]}, precision "
           f"{cfg.train.precision}, param_dtype {cfg.train.param_dtype or 'fp32'}):")
-    for r, got in enumerate(measure_run(cfg, args.nproc)):
+    results = measure_run(cfg, args.nproc, args.steps, args.cuda_snapshot, args.categories)
+    for r, (got, trace) in enumerate(results):
         want = pred[r]
         print(f"  rank {r}: params {got.params / mib:.3f}  grads {got.grads / mib:.3f}  optim {got.optim / mib:.3f}"
               f"  total {got.total / mib:.3f} MiB  (predicted {want.params / mib:.3f} + {want.grads / mib:.3f} + "
               f"{want.optim / mib:.3f} = {want.model_state / mib:.3f}, ratio {got.total / want.model_state:.3f})")
+    kind = "peak RSS (VmHWM)" if results[0][1].device == "cpu" else "max_memory_allocated"
+    print(f"peak per rank: predicted (with the measured empty rank) vs measured {kind}, MiB:")
+    peaks = []
+    for r, (_, trace) in enumerate(results):
+        want = pred[r].total - pred[r].fixed + trace.baseline
+        peaks.append(want)
+        extra = (f"  reserved {trace.reserved / mib:,.1f}" if trace.reserved else
+                 "  (heap {:,.0f}, libraries {:,.0f}, shared arena {:,.0f})".format(
+                     *(trace.split.get(k, 0) / mib for k in ("RssAnon", "RssFile", "RssShmem"))))
+        print(f"  rank {r}: predicted {want / mib:,.1f}  measured {trace.peak / mib:,.1f}  ratio "
+              f"{trace.peak / want:.3f}  empty rank {trace.baseline / mib:,.1f}{extra}")
+    if args.categories:
+        _print_categories(results)
+    if args.timeline:
+        from ..analysis.memtrace import draw
+        draw([t for _, t in results], args.timeline, f"{layout}, {STAGES[stage]}: memory per rank", peaks)
+        print(f"timeline: {args.timeline}")
     return 0
+
+
+def _print_categories(results):
+    """Where the peak goes: torch.profiler's categories at the last step's allocation peak, the
+    empty rank, and the rest of the measured peak (shared-memory arena, allocator slack, libraries
+    loaded later, Python objects)."""
+    from ..analysis.memtrace import CATEGORIES
+    mib = 2**20
+    print("at the last step's allocation peak (torch.profiler memory categories), MiB:")
+    print(f"{'rank':>5}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES) + f"{'allocated':>11}{'empty rank':>11}"
+          f"{'rest':>8}{'peak':>9}")
+    for r, (_, tr) in enumerate(results):
+        c = tr.categories
+        rest = tr.peak - tr.baseline - c["allocated"]
+        print(f"{r:>5}" + "".join(f"{c[k] / mib:>12.1f}" for k in CATEGORIES) + f"{c['allocated'] / mib:>11.1f}"
+              f"{tr.baseline / mib:>11.1f}{rest / mib:>8.1f}{tr.peak / mib:>9.1f}")

@@ -22,7 +22,7 @@ Memories:
         Before every barrier the rank synchronises its current stream. Run on an H200
         (docs/gpu.md): ``shardlab verify`` passes with 2 and 4 ranks sharing it.
 
-Messages longer than ``shm_host.CHUNK`` (8 MiB per rank) go in chunks, one write-barrier-read round each,
+Messages longer than ``shm_host.CHUNK`` (4 MiB per rank; all_to_all excepted) go in chunks, one write-barrier-read round each,
 so the regions stay at most a chunk each whatever the model (a ZeRO-3 unit's reduce-scatter
 input once sized them: 2 x N x the unit, mapped by every rank).
 The arena grows (collectively, never shrinks) when a bigger message arrives: every rank knows
@@ -366,14 +366,19 @@ class SharedComm(RingPointToPoint, Comm):
         self._sig = shm_host.signature("broadcast", t, _nbytes(t), src)
         if t.numel() == 0:
             return t
-        self._ensure(_nbytes(t))
-        inp = self._free
-        if self.rank == src:
-            self._write(t)
-        self._sync()
-        if self.rank != src:
-            t.copy_(self._region(src, inp, t.dtype, t.numel()).view(t.shape))
-        self._free = 1 - inp
+        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
+        spans = _spans(flat.numel(), 1, t.element_size())
+        self._ensure(_nbytes(flat[:spans[0][1]]))
+        for lo, hi in spans:
+            inp = self._free
+            if self.rank == src:
+                self._write(flat[lo:hi])
+            self._sync()
+            if self.rank != src:
+                flat[lo:hi].copy_(self._region(src, inp, t.dtype, hi - lo))
+            self._free = 1 - inp
+        if flat.data_ptr() != t.data_ptr():
+            t.copy_(flat.view(t.shape))
         return t
 
     # -- "asynchronous" variants: run now, return a completed Pending -------------------------

@@ -306,20 +306,31 @@ class ZeroEngine(ShardedEngine):
                 break
             if f.grad_full is None:  # ZeRO-2 bucket that received no gradient
                 f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
+            if self.stage == 2:  # one staging bucket in flight: collect the previous one first
+                self._collect(self._next - 1)
             f.pending = f.comm.reduce_scatter_async(f.grad_full)
             self._next += 1
+
+    def _collect(self, i: int):
+        """Wait for bucket ``i``'s reduce-scatter (if pending) and take this rank's part; ZeRO-2
+        frees the bucket's staging buffer then, so only one full bucket lives at a time (they all
+        lived until the end of backward: the whole model's gradient)."""
+        f = self.flats[i] if i >= 0 else None
+        if f is None or f.pending is None:
+            return
+        part = f.pending.wait()
+        if self.stage == 1:
+            f.own(f.grad_full).copy_(part)
+        else:
+            f.gshard.add_(part)
+            f.grad_full = None
+        f.pending, f.ready = None, 0
 
     @torch.no_grad()
     def _finish(self):
         self._launch(force=True)
-        for f in self.flats:
-            part = f.pending.wait()
-            if self.stage == 1:
-                f.own(f.grad_full).copy_(part)
-            else:
-                f.gshard.add_(part)
-                f.grad_full = None
-            f.pending, f.ready = None, 0
+        for i in range(len(self.flats)):
+            self._collect(i)
         self._next = 0
 
     def start_step(self):

@@ -239,6 +239,10 @@ class _Run:
             from tqdm import tqdm
             self.bar = tqdm(total=t.steps, initial=self.tr.step, desc="train", dynamic_ncols=True, leave=True)
         self.profiler = _profiler(log.profile_steps, self.run_dir, mesh.rank, mesh.device) if log.profile_steps else None
+        self.memtrace = None  # profiled steps: memory per rank over them (analysis/memtrace.py)
+        if log.profile_steps:
+            from ..analysis.memtrace import Recorder
+            self.memtrace, self.memtrace_left = Recorder(mesh.device, mesh.rank).__enter__(), log.profile_steps
         self.tokens_per_step = t.global_batch * self.tr.loader.tokens_per_sample  # classify: images per step
         self.window_time, self.window_steps, self.times = 0.0, 0, []
         self.last = {"loss": float("nan"), "val_loss": float("nan"), "accuracy": None}
@@ -259,7 +263,11 @@ class _Run:
         if cuda:
             torch.cuda.synchronize(self.mesh.device)
         t0 = time.perf_counter()
+        if self.memtrace:
+            self.memtrace.mark(f"step {self.tr.step}")
         out = self.tr.train_step()
+        if self.memtrace:
+            self._memtrace_step()
         if cuda:
             torch.cuda.synchronize(self.mesh.device)
         dt = time.perf_counter() - t0
@@ -269,6 +277,12 @@ class _Run:
         if self.profiler:
             self.profiler.step()
         return out
+
+    def _memtrace_step(self):
+        self.memtrace_left -= 1
+        if self.memtrace_left <= 0:
+            _draw_memtrace(self.memtrace, self.run_dir, self.mesh.rank)
+            self.memtrace = None
 
     def log(self, out: dict) -> None:
         """One metrics record over the steps since the last one (throughput, MFU, bytes sent)."""
@@ -311,6 +325,9 @@ class _Run:
             self.bar.close()
         if self.profiler:
             self.profiler.stop()
+        if self.memtrace:  # fewer steps ran than were profiled
+            _draw_memtrace(self.memtrace, self.run_dir, self.mesh.rank)
+            self.memtrace = None
         tr, mesh, cfg = self.tr, self.mesh, self.cfg
         steady = self.times[len(self.times) // 5:] or self.times
         mean_dt = sum(steady) / len(steady) if steady else float("nan")
@@ -339,6 +356,15 @@ def _peak(cfg: Config, mesh: Mesh) -> tuple[float | None, str]:
         peak = float(mesh.comm("world").all_reduce(probe)) / mesh.world_size  # per-rank mean
         label = "cpu matmul probe (measured, not a datasheet peak)"
     return (peak * mesh.world_size if peak else None), label
+
+
+def _draw_memtrace(rec, run_dir: Path, rank: int):
+    """Stop the rank's memory recorder and draw its timeline: profile/memory-rank<R>.png."""
+    from ..analysis.memtrace import draw
+    rec.__exit__(None, None, None)
+    out = run_dir / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    draw([rec.trace], str(out / f"memory-rank{rank}.png"), f"rank {rank}: memory over the profiled steps")
 
 
 def _profiler(steps: int, run_dir: Path, rank: int, device: torch.device):

@@ -22,7 +22,7 @@ def _cfg(stage: int, n: int, lora: int = 0) -> Config:
 
 
 def _all_stages(ctx, n, lora=0):
-    return [_measure_worker(ctx, _cfg(stage, n, lora)) for stage in range(4)]
+    return [_measure_worker(ctx, _cfg(stage, n, lora), 1)[0] for stage in range(4)]
 
 
 @pytest.mark.parametrize("lora", [0, 4])

@@ -160,7 +160,7 @@ def _worker(ctx):
             _collective_checks(small, pg, errors, chunked=True)
             bounded = SharedComm("b", group, ranks, ctx.rank, Ledger(), host_barrier=barrier)
             x = _data(7, (len(ranks) * 50_000,), torch.float64)
-            bounded.all_reduce(x.clone()), bounded.reduce_scatter(x), bounded.all_gather(x)
+            bounded.all_reduce(x.clone()), bounded.reduce_scatter(x), bounded.all_gather(x), bounded.broadcast(x.clone(), 0)
             if bounded.cap > 1 << 16:  # the smallest arena: 4 KiB chunks never grow it
                 errors.append(f"chunked transport: 400 KB messages grew the arena to {bounded.cap} bytes per region")
         finally:

@@ -1,0 +1,42 @@
+"""analysis/memtrace.py: the profiler's categories at the allocation peak of a step count the
+parameters and AdamW's states of a known model exactly; the recorder samples and marks; the
+timeline picture is written."""
+import torch
+
+from shardlab.analysis.memtrace import Recorder, Trace, categories_at_peak, draw, profiled
+
+
+def test_categories_count_parameters_and_optimizer_states():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randn(32, 256)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # AdamW creates m and v here
+    with profiled(True) as prof:
+        step()
+    got = categories_at_peak(prof, torch.device("cpu"))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert got["parameters"] == param_bytes
+    steps = 4 * len(list(model.parameters()))  # AdamW's step counter: one fp32 scalar per parameter
+    assert got["optimizer states"] == 2 * param_bytes + steps  # m and v
+    assert got["allocated"] >= got["parameters"] + got["optimizer states"] + got["gradients"]
+
+
+def test_recorder_marks_and_draws(tmp_path):
+    with Recorder(torch.device("cpu"), rank=0, interval_s=0.001) as rec:
+        rec.mark("forward 0")
+        big = torch.ones(4 << 20)  # 16 MiB
+        rec.mark("backward 0")
+        del big
+        rec.mark("optimizer 0")
+    tr = rec.trace
+    assert [m[1] for m in tr.marks] == ["forward 0", "backward 0", "optimizer 0", "end"]
+    assert tr.peak >= max(s[1] for s in tr.samples) > 0 and tr.baseline > 0
+    draw([tr, Trace(rank=1, samples=[(0.0, 1 << 20)], peak=1 << 20)], str(tmp_path / "t.png"), "test", [2 << 20, 2 << 20])
+    assert (tmp_path / "t.png").stat().st_size > 1000

@@ -13,7 +13,9 @@ Under ``launch.run`` each rank dumps its buffer as JSON (``rank<R>.json``) into 
 launcher passes (and into ``Recorder.run_dir`` when set), when its function returns or raises;
 a Comm call that raises (a gloo timeout, a closed peer) dumps at once. On a failure the launcher
 reads the dumps (:func:`collect`) and prints :func:`diagnose`: each rank's last operation and the
-ranks that are behind in, or disagree about, a collective or a message.
+ranks that are behind in, or disagree about, a collective or a message. Under torchrun or Ray
+(no launch.run parent) a rank whose Comm call fails prints that report itself from the dumps in
+``Recorder.run_dir`` (``shardlab train``: ``<run_dir>/flight``): flight_here.py.
 
 Check mode (``parallel.check_collectives``): before each collective the group all-gathers a
 256-byte fingerprint (op, seq, dtype, shapes, reduce op, splits) and every rank raises
@@ -128,13 +130,17 @@ _DUMP_DIR: str | None = None
 
 def dump_all(reason: str = "", keep: bool = True) -> None:
     """Dump the most recent recorder with entries (launcher hook and Comm errors); ``keep=False``
-    (a rank that returned): only into the launcher's temporary dump dir, not the run dir."""
+    (a rank that returned): only into the launcher's temporary dump dir, not the run dir. A failure
+    with no launch.run parent to collect the dumps (torchrun, Ray): :func:`report_here`."""
     for rec in reversed(_LIVE):
         if rec.entries:
             try:
                 rec.dump(reason=reason, keep=keep)
             except OSError:
                 pass
+            if keep and _DUMP_DIR is None and rec.run_dir:
+                from .flight_here import report_here
+                report_here(rec, collect, diagnose)
             return
 
 

@@ -58,6 +58,20 @@ def resolve(args) -> tuple[C.Config, int, object]:
     return cfg, nproc, base
 
 
+def backend_note(device: str, nproc: int) -> str:
+    """The line saying so when the local launcher falls back to gloo on GPUs (more ranks than
+    GPUs: NCCL needs one GPU per rank), '' otherwise."""
+    import torch
+    if device == "cpu" or not torch.cuda.is_available():
+        return ""
+    backend, _ = launch.choose_backend(device, nproc)
+    gpus = torch.cuda.device_count()
+    if backend != "gloo":
+        return ""
+    return (f"shardlab: {nproc} ranks on {gpus} GPU(s): the ranks share GPUs and communicate over gloo "
+            "(NCCL needs one GPU per rank), slower than NCCL; use --nproc <= the GPU count for NCCL")
+
+
 def absolute_paths(cfg: C.Config) -> None:
     """Resolve every path of ``cfg`` once, here in the parent, against this working directory:
     ranks, Ray workers (which run in their own directories) and background checkpoint writers
@@ -152,6 +166,8 @@ def main(args) -> int:
     if not launch.under_torchrun():
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)
+        if not ray_opts and (note := backend_note(cfg.train.device, nproc)):
+            print(note, file=sys.stderr)
 
     def start(c, n):
         if ray_opts:  # Ray Train workers; restarts are Ray's (FailureConfig(max_failures=K))

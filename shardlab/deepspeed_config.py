@@ -269,6 +269,12 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
         ds["gradient_accumulation_steps"] = tbs // (mb * world_size)
     elif tbs is None and mb is not None:
         ds["train_batch_size"] = mb * (ga or 1) * world_size
+    elif tbs is not None and mb is None:  # DeepSpeed derives the micro batch: it must be whole
+        if tbs % ((ga or 1) * world_size):
+            raise ConfigError("train_batch_size", f"{tbs} is not gradient_accumulation_steps * ranks * micro batch = "
+                              f"{ga or 1} * {world_size} * k; use a multiple of {(ga or 1) * world_size}")
+        ds["train_micro_batch_size_per_gpu"] = tbs // ((ga or 1) * world_size)
+        ds["gradient_accumulation_steps"] = ga or 1
     return ds
 
 

@@ -117,3 +117,21 @@ def test_deepspeed_schedules_step_for_step():
         for step in range(14):  # DeepSpeed: the lr at construction, then one scheduler step per optimizer step
             assert lr_at(step, t) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15), (kind, step)
             sch.step()
+
+
+def test_batch_arithmetic_with_the_world_size():
+    """DeepSpeed's rule train_batch_size = micro * accumulation * ranks, any one derived."""
+    from shardlab.deepspeed_config import resolve_batch
+    got = resolve_batch({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 4)
+    assert got["gradient_accumulation_steps"] == 2
+    got = resolve_batch({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 4)
+    assert got["train_micro_batch_size_per_gpu"] == 2
+    got = resolve_batch({"train_batch_size": 16}, 4)
+    assert (got["train_micro_batch_size_per_gpu"], got["gradient_accumulation_steps"]) == (4, 1)
+    got = resolve_batch({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 2)
+    assert got["train_batch_size"] == 12
+    for bad in ({"train_batch_size": 6, "gradient_accumulation_steps": 2}, {"train_batch_size": 6},
+                {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2}):
+        with pytest.raises(ConfigError) as e:
+            resolve_batch(bad, 4)
+        assert e.value.field == "train_batch_size"

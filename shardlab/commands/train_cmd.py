@@ -236,7 +236,8 @@ def _report(cfg, s) -> None:
         f"  train loss {s['loss']:.4f}   validation loss {s['val_loss']:.4f}   "
         + (f"test accuracy {100 * s['accuracy']:.2f}%   class-prior baseline {s['unigram_baseline']:.4f} nats/image"
            if classify else f"unigram baseline {s['unigram_baseline']:.4f} nats/token"),
-        f"  {s['tokens_per_s']:,.0f} {'images' if classify else 'tokens'}/s   MFU {mfu}",
+        f"  {s['tokens_per_s']:,.0f} {'images' if classify else 'tokens'}/s   MFU {mfu}"
+        + (f"   HFU {100 * s['hfu']:.1f}% (recomputed forwards counted)" if s.get("hfu") else ""),
         f"  metrics:     {run_dir / 'metrics.jsonl'}  (TensorBoard: {run_dir / 'tensorboard'})",
         f"  plot:        {plot if plot else 'not drawn'}",
         f"  checkpoints: {s['checkpoint_dir'] or 'disabled'}",

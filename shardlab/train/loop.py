@@ -28,7 +28,8 @@ from . import anomaly
 from . import checkpoint as ckpt
 from . import finetune, images
 from .data import Loader, TokenData
-from .metrics import MetricsWriter, bounded_mfu, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes
+from .metrics import (MetricsWriter, bounded_mfu, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes,
+                      recompute_flops_per_token)
 from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype
 
 
@@ -232,6 +233,7 @@ class _Run:
             self.tr.load_base()
         self.writer = MetricsWriter(self.run_dir, log.tensorboard) if is_main else None
         self.fpt = flops_per_token(cfg.model, t.seq_len, t)  # LoRA: no weight gradient for frozen weights
+        self.recompute_fpt = recompute_flops_per_token(cfg) if is_main else None  # hardware FLOPs added
         self.total_peak, self.peak_label = _peak(cfg, mesh)
         self.val_batches = self.tr.loader.val_batches(t.eval_batches)
         self.bar = None
@@ -332,10 +334,12 @@ class _Run:
         steady = self.times[len(self.times) // 5:] or self.times
         mean_dt = sum(steady) / len(steady) if steady else float("nan")
         mfu, label = bounded_mfu(self.fpt * self.tokens_per_step / mean_dt, self.total_peak, self.peak_label)
+        hfu = (bounded_mfu((self.fpt + self.recompute_fpt) * self.tokens_per_step / mean_dt, self.total_peak, label)[0]
+               if self.recompute_fpt and self.total_peak else None)  # PaLM's HFU: recomputation counted
         summary = {"steps": tr.step, "task": tr.task, "loss": self.last["loss"], "val_loss": self.last["val_loss"],
                    "accuracy": self.last["accuracy"], "unigram_baseline": self.data.unigram_entropy,
                    "tokens_per_s": self.tokens_per_step / mean_dt,
-                   "mfu": mfu, "peak_label": label, "params": tr.n_params, "layout": mesh.topology.describe(),
+                   "mfu": mfu, "hfu": hfu, "peak_label": label, "params": tr.n_params, "layout": mesh.topology.describe(),
                    "run_dir": str(self.run_dir), "checkpoint_dir": str(self.ck_dir) if cfg.checkpoint.save else None,
                    "peak_mem_bytes": peak_memory_bytes(mesh.device)[0], "resumed_from": self.resumed_from,
                    "stopped": self.stopped,

@@ -42,6 +42,38 @@ def flops_per_token(cfg, seq_len: int, train=None) -> float:
     return full - 2.0 * spec.flops_per_token(cfg, 0) / 6.0 + 6.0 * adapters
 
 
+def recompute_flops_per_token(cfg) -> float | None:
+    """Hardware FLOPs per token that activation recomputation adds (``parallel.activation_checkpointing``
+    full / selective / op) on top of the model FLOPs: counted by torch's FlopCounterMode over a
+    forward + backward of the meta model (shapes only, nothing computed) with and without the
+    recomputation. 0 without recomputation; None where the meta model cannot run (MoE routing
+    needs values, image models)."""
+    p, t = cfg.parallel, cfg.train
+    if p.activation_checkpointing == "none":
+        return 0.0
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ..models.spec import add_adapters, get_spec, meta_model
+    from ..parallel import recompute
+    spec = get_spec(cfg.model)
+    if spec.task != "lm" or cfg.model.n_experts:
+        return None
+    counted = []
+    for mode in ("none", p.activation_checkpointing):
+        model = meta_model(cfg.model)
+        if t.lora_rank:
+            add_adapters(model, t)
+        recompute.apply(model, mode, spec)
+        tokens = torch.zeros(1, t.seq_len, dtype=torch.long, device="meta")
+        try:
+            with FlopCounterMode(display=False) as fc:
+                model(tokens, tokens).backward()
+        except Exception:  # an operation meta tensors cannot run: no figure rather than a wrong one
+            return None
+        counted.append(fc.get_total_flops() / t.seq_len)
+    return counted[1] - counted[0]
+
+
 def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """(peak FLOP/s, label). None with 'unknown device ...' rather than a wrong number."""
     if device.type == "cuda":

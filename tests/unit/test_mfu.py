@@ -63,3 +63,26 @@ def test_a_measured_peak_the_run_beats_is_raised_to_the_run():
     assert mfu == 1.0 and "raised to the run's own rate" in said
     assert bounded_mfu(1.2e10, 1e10, "configured") == (1.2, "configured")  # a stated peak is the user's
     assert bounded_mfu(1.0, None, "unknown device") == (None, "unknown device")
+
+
+def test_recomputation_is_counted_as_hardware_flops_only():
+    """HFU's extra FLOPs (torch's own count over the meta model): none without recomputation; at
+    most one more forward of each block (torch stops recomputing once the saved tensors it needs
+    are back); selective (attention core) below full; MFU's model FLOPs unchanged."""
+    from torch import nn
+
+    from shardlab.models.spec import get_spec, meta_model
+    from shardlab.train.metrics import recompute_flops_per_token
+    cfg = Config()
+    m, S = cfg.model, cfg.train.seq_len
+    blocks = get_spec(m).blocks(meta_model(m)).values()
+    block_matmuls = sum(x.in_features * x.out_features for b in blocks for x in b.modules() if isinstance(x, nn.Linear))
+    attention_forward = 4.0 * m.n_layers * m.d_model * S
+    extra = {}
+    for mode in ("none", "selective", "op", "full"):
+        cfg.parallel.activation_checkpointing = mode
+        extra[mode] = recompute_flops_per_token(cfg)
+    assert extra["none"] == 0
+    assert 0 < extra["selective"] <= attention_forward
+    assert extra["selective"] < extra["op"] < extra["full"] <= 2 * block_matmuls + attention_forward
+    assert extra["full"] >= 0.75 * (2 * block_matmuls)

@@ -149,11 +149,10 @@ class TrainConfig:
     weight_decay_params: str = f("matrices", "matrices = not norms, biases or other vectors (shardlab's LLM convention); all = "
                                              "every parameter, as DeepSpeed and torch do (a DeepSpeed JSON sets it).", choices=("matrices", "all"))
     lr_schedule: str = f("cosine", "cosine = linear warm-up then cosine to lr * min_lr_ratio; ds_warmup, ds_warmup_decay, ds_warmup_cosine = "
-                                   "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR step for step (docs/api.md).",
-                         choices=("cosine", "ds_warmup", "ds_warmup_decay", "ds_warmup_cosine"))
+                                   "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR step for step (docs/api.md).", choices=(
+                                       "cosine", "ds_warmup", "ds_warmup_decay", "ds_warmup_cosine"))
     warmup_type: str = f("linear", "ds_* schedules: linear or log warm-up (DeepSpeed's default is log).", choices=("linear", "log"))
-    warmup_start: float = f(0.0, "ds_* schedules: where warm-up starts: warmup_min_lr (an lr) for ds_warmup/ds_warmup_decay, "
-                                 "warmup_min_ratio (a fraction of lr) for ds_warmup_cosine.", ge=0, le=10)
+    warmup_start: float = f(0.0, "ds_* schedules: warm-up starts at warmup_min_lr (ds_warmup, ds_warmup_decay) or lr * warmup_min_ratio (ds_warmup_cosine).", ge=0, le=10)
     beta1: float = f(0.9, "AdamW beta1.", ge=0, lt=1)
     beta2: float = f(0.95, "AdamW beta2.", ge=0, lt=1)
     eps: float = f(1e-8, "AdamW epsilon.", gt=0, le=1)

@@ -206,7 +206,7 @@ class ModelEngine:
         self._schedule = schedule and self.lr_scheduler is None
         self._uniform_peak = uniform_peak
         t = cfg.train
-        self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
+        self.scaler = LossScaler.from_config(t)
         self.autocast = autocast_factory(t.precision, mesh.device)
         self.accumulation = cfg.parallel.microbatches
         self.global_steps = 0   # optimizer steps (skipped fp16 steps included, as DeepSpeed counts)

@@ -146,8 +146,7 @@ class TrainConfig:
     min_lr_ratio: float = f(0.1, "Cosine schedule ends at lr * min_lr_ratio (ds_warmup_cosine: cos_min_ratio).", ge=0, le=1)
     warmup_steps: int = f(20, "Warm-up steps (ds_* schedules: warmup_num_steps; DeepSpeed uses at least 2).", ge=0, le=10**12)
     weight_decay: float = f(0.1, "AdamW decoupled weight decay (on the parameters weight_decay_params names).", ge=0, le=10)
-    weight_decay_params: str = f("matrices", "matrices = not norms, biases or other vectors (shardlab's LLM convention); all = "
-                                             "every parameter, as DeepSpeed and torch do (a DeepSpeed JSON sets it).", choices=("matrices", "all"))
+    weight_decay_params: str = f("matrices", "matrices = not norms, biases or other vectors (shardlab's LLM convention); all = every parameter, as DeepSpeed and torch do (a DeepSpeed JSON sets it).", choices=("matrices", "all"))
     lr_schedule: str = f("cosine", "cosine = linear warm-up then cosine to lr * min_lr_ratio; ds_warmup, ds_warmup_decay, ds_warmup_cosine = "
                                    "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR step for step (docs/api.md).", choices=(
                                        "cosine", "ds_warmup", "ds_warmup_decay", "ds_warmup_cosine"))
@@ -174,6 +173,7 @@ class TrainConfig:
                                    "the train.nonfinite stop line or skip record; slow (a device sync per module).",
                             choices=('off', 'first_module'))
     loss_scale_window: int = f(1000, "fp16: overflow-free steps before the loss scale doubles.", ge=1, le=10**12)
+    loss_scaler: str = f("torch", "fp16: torch = GradScaler's rule (halve at every overflow); deepspeed = DeepSpeed's (hysteresis 2, min scale 1, its window count; a DeepSpeed JSON sets it).", choices=("torch", "deepspeed"))
     seed: int = f(1234, "Seed for initialisation, data order and dropout.", ge=0, le=2**63 - 1)
     eval_every: int = f(50, "Validation loss every N steps (and at the end); 0 = only at the end.", ge=0, le=10**12)
     eval_batches: int = f(8, "Validation batches (of global_batch sequences) per evaluation.", ge=1, le=10**9)

@@ -217,7 +217,7 @@ def _precision(ds: dict, out: dict, unsupported: list):
         t["precision"] = "bf16"
     unsupported += [f"bf16.{k}" for k in bf16 if k != "enabled"]
     if fp16_on:
-        t["precision"] = "fp16"
+        t["precision"], t["loss_scaler"] = "fp16", "deepspeed"  # DeepSpeed's hysteresis and window count
         if fp16.get("loss_scale", 0) not in (0, AUTO):
             unsupported.append("fp16.loss_scale (static loss scale; shardlab scales dynamically)")
         if fp16.get("initial_scale_power", AUTO) != AUTO:

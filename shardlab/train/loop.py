@@ -72,7 +72,7 @@ class Trainer:
         else:
             self.loader = Loader(data, t.seq_len, t.global_batch, cfg.parallel.microbatches,
                                  dp_rank, topo.size("dp"), t.seed, self.device)
-        self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window)
+        self.scaler = LossScaler.from_config(t)
         self.autocast = autocast_factory(t.precision, self.device)
         self.step = 0
         self.anomaly = anomaly.attach(cfg, self.engine.model, mesh.rank)  # train.detect_anomaly

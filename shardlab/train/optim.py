@@ -90,12 +90,20 @@ class LossScaler:
     makes every rank skip the same steps."""
 
     def __init__(self, enabled: bool, init_scale: float = 2.0**16, window: int = 1000,
-                 growth: float = 2.0, backoff: float = 0.5):
+                 growth: float = 2.0, backoff: float = 0.5, rule: str = "torch"):
         self.enabled = enabled
         self.scale = float(init_scale) if enabled else 1.0
         self.window, self.growth, self.backoff = window, growth, backoff
         self.clean_steps = 0
         self.skipped = 0
+        # rule "deepspeed": DeepSpeed's DynamicLossScaler (hysteresis 2, min scale 1, its window count)
+        self.rule, self.hysteresis, self.min_scale = rule, 2, 1.0
+        self.iter, self.last_overflow = 0, -1
+
+    @classmethod
+    def from_config(cls, t) -> "LossScaler":
+        """The scaler of ``train.*`` (enabled by ``precision = fp16``)."""
+        return cls(t.precision == "fp16", t.loss_scale_init, t.loss_scale_window, rule=t.loss_scaler)
 
     def unscale_and_check(self, grads, comm=None, device=None) -> bool:
         """Multiply every tensor of ``grads`` by 1/scale in place; return True when any element on
@@ -120,6 +128,8 @@ class LossScaler:
         """After the step: back off on overflow (and count the skip), else grow after ``window``."""
         if not self.enabled:
             return
+        if self.rule == "deepspeed":
+            return self._update_deepspeed(overflow)
         if overflow:
             self.scale *= self.backoff
             self.clean_steps = 0
@@ -130,9 +140,30 @@ class LossScaler:
                 self.scale *= self.growth
                 self.clean_steps = 0
 
+    def _update_deepspeed(self, overflow: bool) -> None:
+        """DeepSpeed's rule: an overflow first uses up the hysteresis (2: the scale halves at the
+        2nd overflow), never below the min scale; the scale doubles when the steps since the last
+        overflow reach a multiple of the window (and the hysteresis refills)."""
+        if overflow:
+            if self.hysteresis == 1:
+                self.scale = max(self.scale * self.backoff, self.min_scale)
+            else:
+                self.hysteresis -= 1
+            self.last_overflow = self.iter
+            self.skipped += 1
+        else:
+            stable = self.iter - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self.hysteresis = 2
+                self.scale *= self.growth
+        self.iter += 1
+
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped,
+                "hysteresis": self.hysteresis, "iter": self.iter, "last_overflow": self.last_overflow}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
         self.skipped = int(state.get("skipped", 0))
+        self.hysteresis = int(state.get("hysteresis", 2))
+        self.iter, self.last_overflow = int(state.get("iter", 0)), int(state.get("last_overflow", -1))

@@ -24,7 +24,7 @@ def test_translate_maps_every_supported_key(recwarn):
     out = translate(DS)
     assert out["train"] == {"global_batch": 32, "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-7,
                             "weight_decay": 0.05, "warmup_steps": 10, "steps": 100, "lr_schedule": "ds_warmup_decay",
-                            "warmup_type": "log", "warmup_start": 0.0, "precision": "fp16", "loss_scale_init": 4096.0,
+                            "warmup_type": "log", "warmup_start": 0.0, "precision": "fp16", "loss_scaler": "deepspeed", "loss_scale_init": 4096.0,
                             "loss_scale_window": 500, "grad_clip": 0.7, "weight_decay_params": "all"}
     assert out["parallel"] == {"microbatches": 2, "dp_shard": 4, "zero_stage": 3,
                                "bucket_cap_mb": 5e5 * 4 / 2**20, "overlap_comm": True, "offload": True,

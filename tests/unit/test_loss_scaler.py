@@ -1,4 +1,5 @@
 """LossScaler: unscaling, inf/nan detection, back-off and growth, against torch.amp.GradScaler."""
+import pytest
 import torch
 
 from shardlab.train.optim import LossScaler
@@ -48,3 +49,29 @@ def test_scale_sequence_matches_torch_gradscaler():
     back = LossScaler(True)
     back.load_state_dict(ours.state_dict())
     assert (back.scale, back.clean_steps, back.skipped) == (ours.scale, ours.clean_steps, ours.skipped)
+
+
+def test_deepspeed_rule_equals_deepspeeds_own_scaler(monkeypatch):
+    """train.loss_scaler = deepspeed (set by a DeepSpeed JSON with fp16): the scale after every
+    step equals DeepSpeed's DynamicLossScaler over a random overflow sequence (hysteresis 2,
+    min scale 1, its window count), down to the min scale and back up."""
+    import random
+
+    L = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    from shardlab.train.optim import LossScaler
+    monkeypatch.setattr(L.dist, "get_rank", lambda *a, **k: 0)  # it logs from rank 0 only
+    theirs = L.DynamicLossScaler(init_scale=2.0**8, scale_window=5, min_scale=1, delayed_shift=2,
+                                 consecutive_hysteresis=False, raise_error_at_min_scale=False)
+    ours = LossScaler(True, 2.0**8, 5, rule="deepspeed")
+    rng = random.Random(0)
+    scales = set()
+    for i in range(400):
+        overflow = rng.random() < (0.6 if i < 100 else 0.1)
+        theirs.update_scale(overflow)
+        ours.update(overflow)
+        assert ours.scale == theirs.cur_scale, i
+        scales.add(ours.scale)
+    assert 1.0 in scales and max(scales) > 2  # reached the floor and grew again
+    torch_rule = LossScaler(True, 2.0**8, 5)
+    torch_rule.update(True)
+    assert torch_rule.scale == 2.0**7  # GradScaler's rule: halves at the first overflow

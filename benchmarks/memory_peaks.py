@@ -37,8 +37,14 @@ LAYOUTS = {
     "pp2-1f1b-dp2": (["--parallel.pp=2", "--parallel.microbatches=4"], (4,)),
     "pp4-gpipe": (["--parallel.pp=4", "--parallel.pp_schedule=gpipe", "--parallel.microbatches=4"], (4,)),
     "pp4-zb-h1": (["--parallel.pp=4", "--parallel.pp_schedule=zb-h1", "--parallel.microbatches=4"], (4,)),
+    "pp4-interleaved": (["--parallel.pp=4", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2",
+                         "--parallel.microbatches=4"], (4,)),
+    "pp4-dualpipev": (["--parallel.pp=4", "--parallel.pp_schedule=dualpipev", "--parallel.microbatches=8"], (4,)),
+    "pp2-zero1-dp2": (["--parallel.pp=2", "--parallel.zero_stage=1", "--parallel.microbatches=4"], (4,)),
     "cp2-dp2": (["--parallel.cp=2"], (4,)),
     "cp2-zero3": (["--parallel.cp=2", "--parallel.zero_stage=3"], (4,)),
+    "moe-ep2-dp2": (["--model.n_experts=4", "--model.moe_top_k=2", "--parallel.ep=2"], (4,)),
+    "moe-ep2-zero3": (["--model.n_experts=4", "--model.moe_top_k=2", "--parallel.ep=2", "--parallel.zero_stage=3"], (4,)),
 }
 MALLOC = {"glibc": "", "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
           "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}
@@ -47,7 +53,7 @@ MALLOC = {"glibc": "", "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
 def _degrees(over: list[str], n: int) -> list[str]:
     get = {o.split("=")[0].split(".")[-1]: int(o.split("=")[1]) for o in over
            if o.split("=")[1].isdigit()}
-    rest = n // (get.get("tp", 1) * get.get("pp", 1) * get.get("cp", 1) * get.get("dp_replicate", 1))
+    rest = n // (get.get("tp", 1) * get.get("pp", 1) * get.get("cp", 1) * get.get("dp_replicate", 1))  # ep borrows from it
     return over + [f"--parallel.dp_shard={rest}"]
 
 
@@ -60,19 +66,23 @@ def row(name: str, n: int, device: str, model: list[str]) -> dict:
     pred = memory_per_rank(cfg, "cpu" if device == "cpu" else "h100")
     t0 = time.time()
     results = measure_run(cfg, n)
-    worst = max(range(n), key=lambda r: results[r][1].peak / (pred[r].total - pred[r].fixed + results[r][1].baseline))
+    def predicted(r):  # the empty rank as this run measured it (a prediction without one: as it was)
+        fixed = getattr(pred[r], "fixed", None)
+        return pred[r].total if fixed is None else pred[r].total - fixed + results[r][1].baseline
+
+    worst = max(range(n), key=lambda r: results[r][1].peak / predicted(r))
     p, (_, tr) = pred[worst], results[worst]
-    want = p.total - p.fixed + tr.baseline
+    want = predicted(worst)
     terms = {"params": p.params, "grads": p.grads, "optimizer states": p.optim, "activations": p.activations,
-             "gathered/buffers": p.buffers, "unit gradients": p.bwd_transient, "optimizer temporaries":
-             p.opt_transient, "empty rank": tr.baseline}
+             "gathered/buffers": p.buffers, "unit gradients": getattr(p, "bwd_transient", 0),
+             "optimizer temporaries": getattr(p, "opt_transient", 0), "empty rank": tr.baseline}
     out = dict(layout=name, n=n, predicted=want, measured=tr.peak, reserved=tr.reserved,
                largest=max(terms, key=terms.get), seconds=time.time() - t0, split=tr.split)
     if cfg.parallel.zero_stage == 3 and cfg.parallel.tp == 1 and cfg.parallel.cp == 1 and cfg.parallel.dp_replicate == 1:
-        from shardlab.analysis.plan_memory import model_state
         from shardlab.models import count_params, meta_model
-        unit = model_state(cfg)["largest_unit"]  # gathered, and as much again for its gradient
-        out["bound"] = 16 * count_params(meta_model(cfg.model)) / n + 2 * unit + p.activations + tr.baseline
+        model = meta_model(cfg.model)
+        unit = max(sum(q.numel() for q in blk.parameters()) for blk in model.layers.values()) * 4  # fp32 block
+        out["bound"] = 16 * count_params(model) / n + 2 * unit + p.activations + tr.baseline  # unit + its gradient
     return out
 
 

@@ -118,7 +118,7 @@ def _warm_up(cfg, device):
     from ..config import ModelConfig
     from ..models.spec import get_spec
     from ..train.optim import autocast_factory, build_adamw
-    if cfg.model.arch not in ("llama", "gpt2"):
+    if get_spec(cfg.model).task != "lm":
         return
     tiny = ModelConfig(arch=cfg.model.arch, d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16)
     model = get_spec(tiny).build(tiny).to(device)

@@ -199,10 +199,10 @@ def draw(traces: list[Trace], path: str, title: str = "", predicted: list[float]
                        label=f"predicted {predicted[tr.rank] / mib:,.0f} MiB")
         ax.set_ylabel(f"rank {tr.rank}, MiB")
         ax.set_ylim(bottom=0)
-    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=3)
+    axes[0, 0].legend(loc="lower right", fontsize=7, ncol=3, framealpha=0.9)
     axes[-1, 0].set_xlabel("seconds (shaded: forward blue, backward orange, optimizer green)")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97 if title else 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

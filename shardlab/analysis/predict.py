@@ -72,10 +72,11 @@ class Prediction:
         return max(self.ranks, key=lambda r: r.total)
 
 
-EMPTY_RANK_CPU = 295 * 2**20
-"""Resident bytes of an empty CPU rank (torch 2.13 imported, gloo process groups up, 1 thread),
-measured on this project's 2-core machines (``shardlab memory CONFIG`` measures it again on
-every run and prints the prediction with the measured value: docs/data-parallel.md)."""
+EMPTY_RANK_CPU = 385 * 2**20
+"""Resident bytes of an empty CPU rank (torch 2.13 imported, gloo process groups up, 1 thread, one
+step of a 0.1M-parameter model run), measured on this project's 2-core machines with
+``shardlab memory configs/tiny.toml --nproc 2 --parallel.zero_stage=3`` (384.6-384.7 MiB); that
+command measures it again on every run and prints the prediction with the measured value."""
 
 
 def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:

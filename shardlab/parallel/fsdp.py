@@ -145,9 +145,12 @@ class FSDPEngine(ShardedEngine):
                 f.shard.data = f.shard.data.pin_memory()
             f.shard.grad = torch.zeros_like(f.shard)
             dtype = self.compute_dtype or f.shard.dtype
-            f.full = torch.empty(f.padded, dtype=dtype, device=self.mesh.device, requires_grad=True)
+            f.full = torch.empty(f.padded, dtype=dtype, device=self.mesh.device)
             f.full.untyped_storage().resize_(0)
-            f.full.register_post_accumulate_grad_hook(lambda t, f=f: self._post_backward(f))
+            # the unit's gradients are written into one flat buffer as autograd makes them (_Piece);
+            # the token's gradient is complete when all of them are: then it is reduce-scattered
+            f.grad_flat, f.token = None, torch.empty(0, dtype=dtype, device=self.mesh.device, requires_grad=True)
+            f.token.register_post_accumulate_grad_hook(lambda t, f=f: self._post_backward(f))
             f.sites = [_sites(self.model, p) for _, p in group]
             f.unit_index = len(flats)
             for sites in f.sites:
@@ -194,8 +197,9 @@ class FSDPEngine(ShardedEngine):
             u.pending, u.gathered = [], True
         if wait:
             for f in u.flats:  # fresh views each forward: part of this step's autograd graph
-                src = f.full if torch.is_grad_enabled() else f.full.detach()
-                for view, sites in zip(f.views(src), f.sites):
+                views = [_Piece.apply(f.full, f.token, self, f, i) for i in range(len(f.shapes))] \
+                    if torch.is_grad_enabled() else f.views(f.full)
+                for view, sites in zip(views, f.sites):
                     for mod, attr in sites:
                         setattr(mod, attr, view)
 
@@ -250,7 +254,7 @@ class FSDPEngine(ShardedEngine):
         # pile up over the backward (they did: one whole model of them at the end of backward).
         u = f.unit
         self._drain(keep=u)
-        grad, f.full.grad = f.full.grad, None
+        grad, f.grad_flat, f.token.grad = f.grad_flat, None, None
         f.in_flight = grad.to(self.reduce_dtype or f.shard.dtype)  # default: fp32 reduction
         del grad
         f.reduce = f.comm.reduce_scatter_async(f.in_flight)
@@ -302,6 +306,28 @@ class FSDPEngine(ShardedEngine):
 
     def named_parameters(self, all_params: bool = False):
         return [(f"flat{i}", f.shard) for i, f in enumerate(self.flats)]
+
+
+class _Piece(torch.autograd.Function):
+    """Parameter ``i`` of a gathered flat buffer ``f.full``: forward, a view of it; backward, its
+    gradient added into the unit's flat gradient ``f.grad_flat`` (made at the first one) and an
+    empty gradient for ``token``. Autograd's own split of the flat buffer would keep all the
+    unit's gradients until the last one, then concatenate them: the unit's gradient twice. The
+    token's gradient is complete when every piece's is (the graph decides, the same on every
+    rank), and its hook starts the unit's reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, full, token, engine, f, i):
+        ctx.f, ctx.i = f, i
+        return full.narrow(0, f.offsets[i], f.numels[i]).view(f.shapes[i])
+
+    @staticmethod
+    def backward(ctx, grad):
+        f, i = ctx.f, ctx.i
+        if f.grad_flat is None:
+            f.grad_flat = torch.zeros(f.padded, dtype=grad.dtype, device=grad.device)
+        f.grad_flat.narrow(0, f.offsets[i], f.numels[i]).view(f.shapes[i]).add_(grad)
+        return None, grad.new_empty(0), None, None, None
 
 
 def _sites(model: nn.Module, p: torch.Tensor) -> list[tuple[nn.Module, str]]:

@@ -178,7 +178,7 @@ def _measure(ctx, stages):
     out = []
     for stage in stages:
         cfg = make_cfg(".cache/shardlab", {"dp_shard": 2, "zero_stage": stage, "bucket_cap_mb": 0.05}, {}, "bf16", low=True)
-        out.append(_measure_worker(ctx, cfg))
+        out.append(_measure_worker(ctx, cfg, 1)[0])
     return out
 
 

@@ -77,6 +77,8 @@ NEEDS_STATE = {  # transcripts whose output depends on what the page did before
         "resumes the run of the line before it",
     "shardlab train configs/tiny.toml --nproc 4 --parallel.pp=2 --parallel.dp_replicate=2 --parallel.microbatches=2 "
     "--resume": "resumes the run of the line before it (the same resume runs in test_run_as_written)",
+    "shardlab train configs/llama-480m-zero3.toml --nproc 8 --resume --train.steps=6":
+        "resumes the 482M run of the line before it (16 GB, minutes: docs/benchmarks.md, Memory peaks)",
 }
 
 

@@ -216,11 +216,15 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     out["buffers"] = root + sum(rest[:in_flight])
     if not p.reshard_after_forward:  # every unit stays gathered from its forward to its backward
         out["buffers"] = float(sum(gathered))
-    # A unit's backward: autograd's per-parameter gradients and their concatenation (the flat
-    # gradient the reduce-scatter reads) live together, plus its cast when reduce_dtype differs.
+    # A unit's backward: its flat gradient (fsdp._Piece writes each parameter's into it as autograd
+    # makes it: the unit's largest parameter gradient exists twice for a moment), its cast when
+    # reduce_dtype differs, and on an asynchronous transport the previous unit's flat gradient,
+    # still being reduce-scattered (the shared-memory transport's runs inline and is freed at once).
     big = max(gathered[1:] or gathered)
     cast = big / (compute or el) * (LOW.get(t.reduce_dtype) or el) if (LOW.get(t.reduce_dtype) or el) != (compute or el) else 0
+    largest_param = max((q.numel() for _, q in train), default=0) * (compute or el)
     out["bwd_transient"] = 2 * big + cast
+    out["bwd_transient_inline"] = big + cast + largest_param
     out["largest_unit"] = float(big)
     out["opt_transient"] = out["grads"]  # foreach AdamW's temporary: one per shard, all at once
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
@@ -278,6 +282,14 @@ def _copied_grad_extra(train, el: int) -> float:
     return extra
 
 
+def inline_transport(cfg) -> bool:
+    """Whether CPU ranks' collectives run through the shared-memory transport, whose "asynchronous"
+    collectives complete when issued (the default for CPU ranks on one x86-64 host)."""
+    from ..distributed.shm_host import X86
+    p = cfg.parallel
+    return p.comm_transport == "shared" or (p.comm_transport == "auto" and X86 and p.comm_algorithm == "backend")
+
+
 def transport_bytes(cfg, pp_rank: int = 0) -> float:
     """CPU ranks on the shared-memory transport (``comm_transport`` shared, or auto on x86-64 with
     the backend algorithm): the shared pages a rank touches. A group's messages go in chunks of at
@@ -285,9 +297,9 @@ def transport_bytes(cfg, pp_rank: int = 0) -> float:
     an all-gather reads every member's regions (2 n c); an all-reduce writes its own region, a
     part of its other one, and reads a 1/n part of everyone's two ((3 - 1/n) c). Pipeline and
     ring-attention neighbours add two point-to-point rings each (``SharedComm.p2p_cap``)."""
-    from ..distributed.shm_host import CHUNK, X86
+    from ..distributed.shm_host import CHUNK
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    if p.comm_transport == "process_group" or (p.comm_transport == "auto" and not (X86 and p.comm_algorithm == "backend")):
+    if not inline_transport(cfg):
         return 0.0
 
     def all_reduce(n, longest):

@@ -95,8 +95,10 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
         ms["opt_transient"] = 0.0
     ms["fixed"] = float(EMPTY_RANK_CPU) if device == "cpu" else 0.0
     if device == "cpu":  # the shared-memory transport's arenas and rings a CPU rank touches
-        from .plan_memory import transport_bytes
+        from .plan_memory import inline_transport, transport_bytes
         ms["buffers"] = ms["buffers"] + transport_bytes(cfg, pp_rank)
+        if inline_transport(cfg) and "bwd_transient_inline" in ms:  # its reduce-scatters finish at once
+            ms["bwd_transient"] = ms["bwd_transient_inline"]
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 

@@ -116,7 +116,8 @@ def _print_categories(results):
     loaded later, Python objects)."""
     from ..analysis.memtrace import CATEGORIES
     mib = 2**20
-    print("at the last step's allocation peak (torch.profiler memory categories), MiB:")
+    print("at the last step's allocation peak (torch.profiler memory categories), MiB; the profiler's own "
+          "event buffers are in 'rest' and this run's peak: read peaks from a run without --categories")
     print(f"{'rank':>5}" + "".join(f"{c[:11]:>12}" for c in CATEGORIES) + f"{'allocated':>11}{'empty rank':>11}"
           f"{'rest':>8}{'peak':>9}")
     for r, (_, tr) in enumerate(results):

@@ -94,7 +94,7 @@ class SharedComm(RingPointToPoint, Comm):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._token, self._gen, self._ctl_buf = None, 0, None
-        self._sig = (0, 0)  # the collective this rank is in (shm_host.signature), checked at each barrier
+        self._sig = (0, 0, 0)  # the collective this rank is in (shm_host.signature), checked at each barrier
         self.cap = 0
         self._regions: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group rank: (a, b), uint8
         self._free = 0  # which region (0: a, 1: b) this rank may write before a call's first barrier
@@ -112,7 +112,7 @@ class SharedComm(RingPointToPoint, Comm):
             n = self.size
             buf = self._host(n * (2 * n + 1) * 8 + n * 64).view(torch.int64)
             self._ctl_buf = buf[:n * (2 * n + 1)].view(n, 2 * n + 1)
-            self._lines = buf[n * (2 * n + 1):].view(n, 8)  # per rank: counter, then two signatures
+            self._lines = buf[n * (2 * n + 1):].view(n, 8)  # per rank: counter, then two signatures of 3
             self._flags = self._lines[:, 0]
         return self._ctl_buf
 
@@ -125,13 +125,13 @@ class SharedComm(RingPointToPoint, Comm):
         self._ctl  # created collectively on first use
         self._epoch += 1
         epoch = self._epoch
-        at = 1 + 2 * (epoch % 2)  # this collective's signature (shm_host.signature) before the counter;
-        self._lines[self.rank, at], self._lines[self.rank, at + 1] = self._sig  # a peer can be one barrier ahead
+        at = 1 + 3 * (epoch % 2)  # this collective's signature (shm_host.signature) before the counter;
+        self._lines[self.rank, at:at + 3] = torch.tensor(self._sig, dtype=torch.int64)  # a peer can be one barrier ahead
         self._flags[self.rank] = epoch
         shm_host.wait(lambda: int(self._flags.min()) >= epoch, self.timeout_s,
                       lambda: f"{self.name}: shared-memory barrier: group ranks "
                               f"{[i for i in range(self.size) if int(self._flags[i]) < epoch]} did not arrive")
-        bad = shm_host.mismatch(self.name, self._lines[:, at:at + 2].tolist())
+        bad = shm_host.mismatch(self.name, self._lines[:, at:at + 3].tolist())
         if bad:
             raise RuntimeError(bad)
 
@@ -173,13 +173,15 @@ class SharedComm(RingPointToPoint, Comm):
         return [(b[:cap], b[cap:]) for b in bufs]
 
     def _ensure(self, nbytes: int):
-        """Grow every rank's regions to hold ``nbytes`` (collective; every rank passes the same)."""
+        """Grow every rank's regions to hold ``nbytes`` (collective; every rank passes the same).
+        A barrier first compares the ranks' signatures: a rank in another collective (or the same
+        with another size) raises there, instead of the growth's own collectives hanging."""
         if nbytes <= self.cap:
             return
+        self._sync()
         cap = _round(max(nbytes, 2 * self.cap))
         self._regions = []  # drop the old mappings before making the new ones
         if self.device.type == "cuda":
-            self._sync()
             self._regions = self._device_regions(cap)
         else:
             arena = self._host(2 * self.size * cap)

@@ -79,7 +79,7 @@ def reserve(path: str, nbytes: int) -> None:
 # A barrier only counts arrivals, so two ranks in different collectives (a skipped call, calls in
 # another order) would pass it together and read each other's bytes as their own. Every rank
 # therefore publishes, with its arrival, what it is in: the collective, the dtype, the bytes of its
-# message (0 for all_to_all, whose sizes differ by design) and the reduce op or broadcast root; after
+# message (0 for all_to_all, whose sizes differ by design), its shape and the reduce op or broadcast root; after
 # the barrier each compares all of them and every rank raises the same one-line error on a mismatch.
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
@@ -87,18 +87,23 @@ _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16
 _OPS = ("sum", "avg", "max", "min")
 
 
-def signature(kind: str, t, nbytes: int, op: str | int = "") -> tuple[int, int]:
-    """(code, bytes) of a collective: code packs the kind, the dtype and the op (a reduce op's
-    name, or a broadcast's source rank)."""
+def signature(kind: str, t, nbytes: int, op: str | int = "") -> tuple[int, int, int]:
+    """(code, bytes, shape) of a collective: code packs the kind, the dtype and the op (a reduce
+    op's name, or a broadcast's source rank); shape packs the number of dimensions (low 4 bits)
+    and a hash of the sizes, so equal byte counts of different shapes differ too (all_to_all: 0,
+    its shapes differ by design)."""
     dt = str(t.dtype).removeprefix("torch.")
     extra = _OPS.index(op) + 1 if op in _OPS else (int(op) + 16 if isinstance(op, int) else 0)
-    return KINDS.index(kind) | (_DTYPES.index(dt) + 1 if dt in _DTYPES else 0) << 8 | extra << 16, int(nbytes)
+    shape = 0 if kind == "all_to_all" else (hash(tuple(t.shape)) & (2**58 - 1)) << 4 | min(t.dim(), 15)
+    return KINDS.index(kind) | (_DTYPES.index(dt) + 1 if dt in _DTYPES else 0) << 8 | extra << 16, int(nbytes), shape
 
 
-def describe(sig) -> str:
-    code, nbytes = (int(x) for x in sig)
+def describe(sig, shape: bool = False) -> str:
+    """``kind(dtype, bytes[, n-d shape #hash], op)``; the shape only when asked (it differs)."""
+    code, nbytes, shp = (int(x) for x in (list(sig) + [0])[:3])
     kind, dt, extra = KINDS[code & 0xFF], (code >> 8) & 0xFF, code >> 16
     what = [_DTYPES[dt - 1] if dt else "dtype?"] + ([f"{nbytes} bytes"] if nbytes else [])
+    what += [f"{shp & 15}-d shape #{(shp >> 4) & 0xFFFF:04x}"] if shape and shp else []
     what += [_OPS[extra - 1]] if 1 <= extra <= len(_OPS) else [f"from group rank {extra - 16}"] if extra >= 16 else []
     return f"{kind}({', '.join(what)})"
 
@@ -108,7 +113,8 @@ def mismatch(name: str, sigs: list) -> str | None:
     in the same collective, else None."""
     if all(tuple(s) == tuple(sigs[0]) for s in sigs):
         return None
-    parts = ", ".join(f"group rank {i} in {describe(s)}" for i, s in enumerate(sigs))
+    shapes = len({tuple(s)[:2] for s in sigs}) == 1  # only the shapes differ: show them
+    parts = ", ".join(f"group rank {i} in {describe(s, shapes)}" for i, s in enumerate(sigs))
     return (f"{name}: shared-memory collective mismatch: {parts} (every rank of a group must issue the "
             "same collectives in the same order)")
 

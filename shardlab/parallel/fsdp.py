@@ -259,6 +259,8 @@ class FSDPEngine(ShardedEngine):
         del grad
         f.reduce = f.comm.reduce_scatter_async(f.in_flight)
         self._reducing.append(f)
+        if f.reduce.work is None:  # done already (the shared-memory transport runs it inline): free now
+            self._drain()
         u.reduced += 1
         if u.reduced == len(u.flats):
             u.reduced = 0

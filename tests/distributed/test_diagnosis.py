@@ -68,6 +68,10 @@ def _bug(ctx, name, check, transport="process_group"):
             tp.all_reduce(x)
             if r == 0:
                 tp.all_reduce(x)
+        elif name == "grow":  # rank 1's message needs a bigger arena: compared before it grows
+            tp.all_reduce(torch.ones(4 if r == 0 else 100_000))
+        elif name == "same_bytes":  # equal byte counts, different shapes
+            tp.all_gather(torch.ones((4, 2) if r == 0 else (8,)))
         elif name == "a2a_splits":
             t = torch.ones(4, 3)
             tp.all_to_all(t, [1, 3] if r == 0 else [2, 2], [1, 2] if r == 0 else [2, 2])
@@ -121,6 +125,8 @@ SHARED_MISMATCHES = {
     "shapes": "group rank 0 in all_reduce(float32, 16 bytes, sum), group rank 1 in all_reduce(float32, 32 bytes, sum)",
     "dtypes": "group rank 0 in all_reduce(float32, 16 bytes, sum), group rank 1 in all_reduce(float64, 32 bytes, sum)",
     "reduce_op": "group rank 0 in all_reduce(float32, 16 bytes, sum), group rank 1 in all_reduce(float32, 16 bytes, max)",
+    "grow": "group rank 0 in all_reduce(float32, 16 bytes, sum), group rank 1 in all_reduce(float32, 400000 bytes, sum)",
+    "same_bytes": "group rank 0 in all_gather(float32, 32 bytes, 2-d shape #",
 }
 
 

@@ -197,7 +197,7 @@ class FSDPEngine(ShardedEngine):
             u.pending, u.gathered = [], True
         if wait:
             for f in u.flats:  # fresh views each forward: part of this step's autograd graph
-                views = [_Piece.apply(f.full, f.token, self, f, i) for i in range(len(f.shapes))] \
+                views = [_Piece.apply(f.full, f.token, f, i) for i in range(len(f.shapes))] \
                     if torch.is_grad_enabled() else f.views(f.full)
                 for view, sites in zip(views, f.sites):
                     for mod, attr in sites:
@@ -319,7 +319,7 @@ class _Piece(torch.autograd.Function):
     rank), and its hook starts the unit's reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, full, token, engine, f, i):
+    def forward(ctx, full, token, f, i):
         ctx.f, ctx.i = f, i
         return full.narrow(0, f.offsets[i], f.numels[i]).view(f.shapes[i])
 
@@ -329,7 +329,7 @@ class _Piece(torch.autograd.Function):
         if f.grad_flat is None:
             f.grad_flat = torch.zeros(f.padded, dtype=grad.dtype, device=grad.device)
         f.grad_flat.narrow(0, f.offsets[i], f.numels[i]).view(f.shapes[i]).add_(grad)
-        return None, grad.new_empty(0), None, None, None
+        return None, grad.new_empty(0), None, None
 
 
 def _sites(model: nn.Module, p: torch.Tensor) -> list[tuple[nn.Module, str]]:

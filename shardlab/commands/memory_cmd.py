@@ -41,6 +41,17 @@ def main(args) -> int:
     from ..models import count_params, meta_model
     from ..models.spec import add_adapters, get_spec
 
+    if args.timeline:
+        import os
+        from ..errors import ConfigError
+        folder = os.path.dirname(os.path.abspath(args.timeline))
+        if not os.path.isdir(folder) or not args.timeline.lower().endswith(".png"):
+            raise ConfigError("--timeline", f"{args.timeline}: give a .png path in an existing folder")
+        if args.no_run:
+            raise ConfigError("--timeline", "the timeline is drawn from a measured run; drop --no-run")
+    if args.steps < 1:
+        from ..errors import ConfigError
+        raise ConfigError("--steps", f"{args.steps}: measure at least one step (2 holds the optimizer states)")
     cfg = resolve(args.config, args.overrides, args.nproc)
     model = meta_model(cfg.model)
     if cfg.train.lora_rank:
@@ -79,9 +90,6 @@ def main(args) -> int:
         print(f"activations: no estimate for model.arch={cfg.model.arch} (the trace covers token models)")
     if args.no_run:
         return 0
-    if args.steps < 1:
-        from ..errors import ConfigError
-        raise ConfigError("--steps", f"{args.steps}: measure at least one step (2 holds the optimizer states)")
     print(f"measured over {args.steps} AdamW steps with {args.nproc} ranks ({STAGES[stage]}, precision "
           f"{cfg.train.precision}, param_dtype {cfg.train.param_dtype or 'fp32'}):")
     results = measure_run(cfg, args.nproc, args.steps, args.cuda_snapshot, args.categories)

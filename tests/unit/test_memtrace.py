@@ -40,3 +40,14 @@ def test_recorder_marks_and_draws(tmp_path):
     assert tr.peak >= max(s[1] for s in tr.samples) > 0 and tr.baseline > 0
     draw([tr, Trace(rank=1, samples=[(0.0, 1 << 20)], peak=1 << 20)], str(tmp_path / "t.png"), "test", [2 << 20, 2 << 20])
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_memory_command_refuses_bad_arguments_before_launch(capsys):
+    """A timeline path in a missing folder, a timeline without a run, or no measured step: one
+    line naming the flag, exit code 2, no rank started."""
+    from shardlab.cli import main
+    for argv, flag in ((["--timeline", "/nonexistent/x.png"], "--timeline"),
+                       (["--timeline", "t.png", "--no-run"], "--timeline"), (["--steps", "0"], "--steps")):
+        assert main(["memory", "configs/tiny.toml", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"config error: {flag}") and "\n" not in err, err

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .distributed.shm_host import set_mmap_threshold
 
 BAD_INPUT = ("CheckpointError:", "ConfigError:")
 """How a rank's root error starts when it found bad input (reported in one line, exit 2)."""
@@ -76,14 +77,9 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-MMAP_THRESHOLD = int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 0))
-"""Each rank's glibc mmap threshold (bytes; 0: glibc's default): distributed/shm_host.set_mmap_threshold.
-1048576 lowers a rank's peak by 4-9% and costs 15% of the step time (docs/data-parallel.md)."""
-
-
 def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads) -> RankContext:
-    from .distributed.shm_host import set_mmap_threshold
-    set_mmap_threshold(MMAP_THRESHOLD)
+    # glibc's mmap threshold (bytes; 0 keeps glibc's): 1048576 lowers peaks 4-9%, costs 15% of a step
+    set_mmap_threshold(int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 0)))  # (docs/data-parallel.md)
     backend, kind = choose_backend(device, local_world)
     torch.set_num_threads(threads or default_threads(local_world))
     dev = _rank_device(kind, local_rank)

@@ -34,8 +34,9 @@ class RankPrediction:
     """Split backward (ZB-H1, DualPipe/V): peak bytes held for deferred weight gradients after B
     (inputs and output gradients, outside autograd: not in ``activations``)."""
     bwd_transient: float = 0.0
-    """ZeRO-3/FSDP: one unit's unsharded gradient twice during its backward (autograd's
-    per-parameter gradients and their concatenation, the reduce-scatter's input)."""
+    """ZeRO-3/FSDP: a unit's flat (unsharded) gradient during its backward, the reduce-scatter's
+    input, plus its largest parameter's gradient on the way in, or on an asynchronous transport
+    the previous unit's flat gradient still being reduce-scattered."""
     opt_transient: float = 0.0
     """The optimizer step's temporaries: foreach AdamW makes one tensor the size of every
     parameter it steps (m / sqrt(v)), all at once; activations are freed by then."""
@@ -77,6 +78,13 @@ EMPTY_RANK_CPU = 385 * 2**20
 step of a 0.1M-parameter model run), measured on this project's 2-core machines with
 ``shardlab memory configs/tiny.toml --nproc 2 --parallel.zero_stage=3`` (384.6-384.7 MiB); that
 command measures it again on every run and prints the prediction with the measured value."""
+
+
+def _rank(rank: int, pp_rank: int, s: dict) -> RankPrediction:
+    """A rank's prediction from its pipeline coordinate's :func:`stage_memory` terms."""
+    return RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]), s["activations"],
+                          float(s["buffers"]), s["transient"], s["wgrad"], s["bwd_transient"], s["opt_transient"],
+                          s["fixed"])
 
 
 def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
@@ -128,15 +136,10 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     if per_rank:
         for rank in range(topo.world_size):
             pp_rank = rank // (topo.world_size // p.pp)  # pp is the slowest axis
-            s = stages[pp_rank]
-            ranks.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"],
-                                        s["bwd_transient"], s["opt_transient"], s["fixed"]))
+            ranks.append(_rank(rank, pp_rank, stages[pp_rank]))
     else:
         for pp_rank, s in stages.items():
-            ranks.append(RankPrediction(pp_rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                        s["activations"], float(s["buffers"]), s["transient"], s["wgrad"],
-                                        s["bwd_transient"], s["opt_transient"], s["fixed"]))
+            ranks.append(_rank(pp_rank, pp_rank, s))
     spec = get_spec(cfg.model)
     flops = spec.flops_per_token(cfg.model, t.seq_len) if spec.task == "lm" else 0.0
     slowest = max(stages, key=lambda r: stages[r]["params"] + stages[r]["optim"])
@@ -164,10 +167,7 @@ def memory_per_rank(cfg, device: str = "cpu") -> list[RankPrediction]:
     out = []
     for rank in range(world):
         pp_rank = rank // (world // cfg.parallel.pp)
-        s = stages[pp_rank]
-        out.append(RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]),
-                                  s["activations"], float(s["buffers"]), s["transient"], s["wgrad"],
-                                        s["bwd_transient"], s["opt_transient"], s["fixed"]))
+        out.append(_rank(rank, pp_rank, stages[pp_rank]))
     return out
 
 

@@ -22,9 +22,8 @@ Memories:
         Before every barrier the rank synchronises its current stream. Run on an H200
         (docs/gpu.md): ``shardlab verify`` passes with 2 and 4 ranks sharing it.
 
-Messages longer than ``shm_host.CHUNK`` (4 MiB per rank; all_to_all excepted) go in chunks, one write-barrier-read round each,
-so the regions stay at most a chunk each whatever the model (a ZeRO-3 unit's reduce-scatter
-input once sized them: 2 x N x the unit, mapped by every rank).
+Messages over ``shm_host.CHUNK`` (4 MiB per rank; not all_to_all) go in chunks, one barrier each: a
+region holds at most a chunk whatever the model (a ZeRO-3 unit once sized it: 2 N units mapped).
 The arena grows (collectively, never shrinks) when a bigger message arrives: every rank knows
 the size of all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
 per-rank sizes and splits through a small host control arena. The host barrier is a counter per
@@ -126,7 +125,8 @@ class SharedComm(RingPointToPoint, Comm):
         self._epoch += 1
         epoch = self._epoch
         at = 1 + 3 * (epoch % 2)  # this collective's signature (shm_host.signature) before the counter;
-        self._lines[self.rank, at:at + 3] = torch.tensor(self._sig, dtype=torch.int64)  # a peer can be one barrier ahead
+        for k, v in enumerate(self._sig):  # a peer can be one barrier ahead
+            self._lines[self.rank, at + k] = v
         self._flags[self.rank] = epoch
         shm_host.wait(lambda: int(self._flags.min()) >= epoch, self.timeout_s,
                       lambda: f"{self.name}: shared-memory barrier: group ranks "

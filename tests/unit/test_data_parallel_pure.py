@@ -60,8 +60,11 @@ def test_memory_command_prints_every_stage(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_text("[model]\nvocab_size = 64\nd_model = 32\nn_layers = 2\nn_heads = 4\nmax_seq_len = 16\n"
                     "[train]\nseq_len = 16\nglobal_batch = 4\n[parallel]\nzero_stage = 3\n")
-    assert memory.main(argparse.Namespace(config=str(path), overrides=[], nproc=4, no_run=True,
-                                          device="cpu")) == 0
+    parser = argparse.ArgumentParser()
+    memory.configure(parser)  # the command's own options and defaults
+    args = parser.parse_args([str(path), "--nproc", "4", "--no-run", "--device", "cpu"])
+    args.overrides = []
+    assert memory.main(args) == 0
     out = capsys.readouterr().out
     assert "4 data-parallel ranks" in out and "ZeRO-3  mixed" in out and "predicted per rank" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:2] in (["0", "0"], ["1", "0"], ["2", "0"], ["3", "0"])]

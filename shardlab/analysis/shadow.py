@@ -46,7 +46,10 @@ class ShadowComm:
         return torch.cat([x] * self.size, dim=dim)
 
     def reduce_scatter(self, x, dim=0):
-        return x.chunk(self.size, dim=dim)[self.rank].contiguous()
+        # a fresh storage, as the real collective's output: a chunk of a contiguous tensor can
+        # itself be contiguous (micro-batch 1, sequence dim), and .contiguous() would then return
+        # a view of the whole input, so the next block's input counted the whole embedding output
+        return x.chunk(self.size, dim=dim)[self.rank].clone(memory_format=torch.contiguous_format)
 
     def all_to_all(self, x, in_splits=None, out_splits=None):
         rows = sum(out_splits) if out_splits is not None else x.shape[0]

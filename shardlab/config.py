@@ -57,6 +57,8 @@ class ModelConfig:
     moe_aux_loss_coef: float = f(0.01, "Weight of the Switch load-balancing auxiliary loss.", ge=0, le=1000)
     moe_z_loss_coef: float = f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of router logits).", ge=0, le=1000)
     moe_every: int = f(1, "Every k-th block is an MoE block (1 = all blocks, when n_experts > 0).", ge=1, le=4096)
+    moe_node_groups: int = f(0, "Node-limited routing: the experts form this many contiguous groups, one per node (or several per node) under expert parallel (DeepSeek-V3's n_group); 0 = no groups.", ge=0, le=4096)
+    moe_max_nodes: int = f(0, "Node-limited routing: each token's experts come from at most this many groups, the top ones by the sum of their best ceil(top_k / moe_max_nodes) router probabilities (DeepSeek-V3's M); 0 = no limit (docs/expert-parallel.md).", ge=0, le=4096)
     moe_impl: str = f("grouped", "Expert kernel: grouped (grouped GEMM / batched matmul over experts) or loop (one matmul per expert, the reference).", choices=("grouped", "loop"))
     dropout: float = f(0.0, "Dropout probability (gpt2, cnn); 0 for parity tests and modern pretraining.", ge=0, lt=1)
     attention: str = f("sdpa", "Attention core kernel: sdpa (PyTorch's fused scaled_dot_product_attention: flash/efficient kernels, the scores never stored) or math (q k^T, causal mask, softmax, attention dropout (gpt2: model.dropout), times v: the seq x seq scores materialised, as GPT-2 and Megatron-LM (2021) ran; docs/models.md). Ring context parallel brings its own kernel: math needs cp_impl = ulysses.", choices=("sdpa", "math"))
@@ -96,8 +98,12 @@ class ParallelConfig:
     ep_dispatch: str = f("padded", "Expert-parallel all-to-all with a capacity (model.moe_capacity_factor > 0): padded "
                                    "sends every (rank, expert) block padded to the capacity C, as GShard: fixed sizes, no "
                                    "host read, activation memory set by C; exact sends only the kept rows (fewer bytes; "
-                                   "split sizes read on the host). Dropless runs (capacity 0) always use exact.",
-                         choices=("padded", "exact"))
+                                   "split sizes read on the host). Dropless runs (capacity 0) always use exact. hierarchical: exact rows, each token crossing to another node once, forwarded inside it (docs/expert-parallel.md, Two tiers).",
+                         choices=("padded", "exact", "hierarchical"))
+    ep_overlap: bool = f(False, "Expert parallel: split each MoE layer's tokens in two halves so that one half's all-to-all runs while the other's experts compute (forward and backward; asynchronous collectives: needs parallel.comm_transport = process_group).")
+    sim_nodes: int = f(1, "Simulate this many nodes on one host: contiguous blocks of world/sim_nodes ranks; slow-tier bytes counted per group, throttled by sim_inter_node_*. 1 = one node (a real multi-host run finds its hosts).", ge=1, le=2**16)
+    sim_inter_node_gbps: float = f(0.0, "Bandwidth per rank between simulated nodes, GB/s; 0 = not throttled (docs/collectives.md, Two tiers).", ge=0, le=1e6)
+    sim_inter_node_latency_us: float = f(0.0, "Latency per message between simulated nodes, microseconds.", ge=0, le=1e7)
     zero_stage: int = f(0, "0 = DDP over all data-parallel ranks; 1/2 = ZeRO-1/2; 3 = ZeRO-3/FSDP over dp_shard.", choices=(0, 1, 2, 3))
     bucket_cap_mb: float = f(25.0, "DDP / ZeRO gradient bucket size in MiB.", gt=0, le=2**20)
     overlap_comm: bool = f(True, "Reduce gradient buckets while backward is still running.")

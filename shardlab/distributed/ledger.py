@@ -8,6 +8,10 @@ record says where its bytes come from (``Entry.source``, the "source" column of 
   modelled   backend (torch.distributed) collectives: the bytes a ring algorithm would move per
              rank (:func:`ring_bytes`; all-to-all: the rows that leave / reach the rank), since
              the backend does not say what it moved (NCCL may pick a tree, for instance).
+
+Tiers. On a group that spans nodes (topology.py, ``nodes``) the tier wrapper (tiers.py) also
+records which part of each call crossed the slow tier between nodes: ``Entry.inter_sent`` /
+``inter_recv`` (same source as the entry's bytes); the rest stayed inside a node.
 """
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ class Entry:
     seconds: float = 0.0
     modelled_calls: int = 0
     """How many of ``calls`` recorded modelled bytes (backend collectives); the rest are measured."""
+    inter_sent: int = 0
+    """Of ``bytes_sent``, the bytes that crossed the slow tier to another node (tiers.py)."""
+    inter_recv: int = 0
+    """Of ``bytes_recv``, the bytes that came over the slow tier from another node."""
 
     @property
     def source(self) -> str:
@@ -69,6 +77,14 @@ class Ledger:
         e.bytes_recv += int(sent if recv is None else recv)
         e.seconds += seconds
 
+    def record_inter(self, op: str, group: str, sent: int, recv: int):
+        """Add the slow-tier part of the call just recorded under (op, group) (tiers.py)."""
+        if not self.enabled:
+            return
+        e = self.entries[(op, group)]
+        e.inter_sent += int(sent)
+        e.inter_recv += int(recv)
+
     def reset(self):
         self.entries.clear()
 
@@ -80,24 +96,28 @@ class Ledger:
         out = {}
         for k, v in self.entries.items():
             base = snap.get(k, Entry())
-            d = Entry(v.calls - base.calls, v.bytes_sent - base.bytes_sent,
-                      v.bytes_recv - base.bytes_recv, v.seconds - base.seconds,
-                      v.modelled_calls - base.modelled_calls)
+            d = Entry(**{f: x - getattr(base, f) for f, x in vars(v).items()})
             if d.calls:
                 out[k] = d
         return out
 
-    def total_sent(self, group: str | None = None, op: str | None = None) -> int:
-        return sum(e.bytes_sent for (o, g), e in self.entries.items()
+    def total_sent(self, group: str | None = None, op: str | None = None, tier: str = "all") -> int:
+        """Bytes sent; ``tier``: all, inter (over the slow tier between nodes) or intra (inside one)."""
+        part = {"all": lambda e: e.bytes_sent, "inter": lambda e: e.inter_sent,
+                "intra": lambda e: e.bytes_sent - e.inter_sent}[tier]
+        return sum(part(e) for (o, g), e in self.entries.items()
                    if (group is None or g == group) and (op is None or o == op))
 
     def table(self) -> str:
         """One row per (op, group); "source": measured bytes (own algorithms, p2p) or modelled
         (backend collectives, ring model)."""
-        rows = [f"{'op':<16}{'group':<14}{'calls':>8}{'sent MiB':>12}{'recv MiB':>12}  source"]
+        tiers = any(e.inter_sent or e.inter_recv for e in self.entries.values())
+        rows = [f"{'op':<16}{'group':<14}{'calls':>8}{'sent MiB':>12}{'recv MiB':>12}"
+                + (f"{'inter sent':>12}{'inter recv':>12}" if tiers else "") + "  source"]
         for (op, group), e in sorted(self.entries.items()):
+            inter = f"{e.inter_sent / 2**20:>12.3f}{e.inter_recv / 2**20:>12.3f}" if tiers else ""
             rows.append(f"{op:<16}{group:<14}{e.calls:>8}{e.bytes_sent / 2**20:>12.3f}"
-                        f"{e.bytes_recv / 2**20:>12.3f}  {e.source}")
+                        f"{e.bytes_recv / 2**20:>12.3f}{inter}  {e.source}")
         return "\n".join(rows)
 
     def as_dict(self) -> dict:

@@ -3,11 +3,17 @@
 Nothing here is global: every function that communicates takes a ``Mesh`` (or a group from
 it) as an argument. ``torch.distributed``'s default group must exist (it is what
 ``init_process_group`` creates); the Mesh never stores it in a module-level variable.
+
+Nodes (topology.py): ``topology.nodes`` when the config simulates them (``parallel.sim_nodes``),
+else the hosts the ranks run on, when each holds a contiguous block of equally many ranks (what
+torchrun's LOCAL_WORLD_SIZE describes). The communicator of a group whose ranks span nodes is
+wrapped by tiers.py: its slow-tier bytes are counted, and throttled when the topology gives the
+simulated slow tier a bandwidth or latency.
 """
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -16,6 +22,7 @@ from .collectives import Comm
 from .flight import Recorder
 from .ledger import Ledger
 from .shm import X86 as _X86, SharedComm
+from .tiers import Link, tiered
 from .topology import DERIVED, GROUPS, Topology
 
 ALL_GROUPS = tuple(GROUPS) + DERIVED
@@ -68,6 +75,7 @@ class Mesh:
             dev = torch.device("cuda", torch.cuda.current_device())
         mesh.places = [None] * world
         dist.all_gather_object(mesh.places, (_host_id(), str(dev)))
+        mesh.topology = topology = _with_host_nodes(topology, [h for h, _ in mesh.places])
         seen: dict[tuple, object] = {}
         for name in ALL_GROUPS:
             for ranks in topology.groups(name):
@@ -99,8 +107,18 @@ class Mesh:
         """The counted collectives handle of group ``name`` (see collectives.py)."""
         if name not in self._comms:
             args = (name, self.group(name), self.members[name], self.rank, self.ledger, self.algorithm, self.flight)
-            self._comms[name] = SharedComm(*args, device=self.device) if self._shared(name) else Comm(*args)
+            comm = SharedComm(*args, device=self.device) if self._shared(name) else Comm(*args)
+            self._comms[name] = tiered(comm, self.node_of, self.link) if self.topology.nodes > 1 else comm
         return self._comms[name]
+
+    def node_of(self, rank: int) -> int:
+        """The node of global ``rank`` (module doc)."""
+        return self.topology.node(rank)
+
+    @property
+    def link(self) -> Link:
+        """The slow tier between nodes, as the topology describes it for the throttle."""
+        return Link(self.topology.inter_node_gbps, self.topology.inter_node_latency_us)
 
     def _shared(self, name: str) -> bool:
         """Whether group ``name`` runs on the shared-memory transport (shm.py): ``transport`` =
@@ -138,3 +156,18 @@ class Mesh:
     @property
     def world_size(self) -> int:
         return self.topology.world_size
+
+
+def _with_host_nodes(topology: Topology, hosts: list[str]) -> Topology:
+    """``topology`` with ``nodes`` = the hosts, when it simulates none and the ranks of each host
+    form one contiguous block, all blocks equal (else unchanged: one node, no tiers)."""
+    distinct = list(dict.fromkeys(hosts))
+    if topology.nodes > 1 or len(distinct) < 2 or len(hosts) % len(distinct):
+        return topology
+    per = len(hosts) // len(distinct)
+    if any(hosts[r] != distinct[r // per] for r in range(len(hosts))):
+        return topology
+    try:
+        return replace(topology, nodes=len(distinct))
+    except ValueError:  # an ep group spread unevenly over the hosts: counted as one node
+        return topology

@@ -19,6 +19,14 @@ Named groups (each a list of rank lists that partition the world):
             Ulysses all-to-all) is ``cp_ulysses`` consecutive cp ranks, a cp_ring group (ring
             attention) the ``cp / cp_ulysses`` ranks with the same ulysses_idx. With the default
             cp_ulysses = 1 the cp_ring groups are the cp groups (docs/context-parallel.md).
+  ep_intra, ep_inter   the two tiers of an ep group (docs/expert-parallel.md, "Two tiers"): the
+            ep ranks on one node, and the ep ranks with the same index inside their node's part
+            of the ep group (one per node). With one node: ep_intra = ep, ep_inter = the rank alone.
+
+Nodes. ``nodes`` contiguous blocks of ``world / nodes`` ranks each share a node (torchrun's
+numbering: node n holds ranks n*LOCAL_WORLD_SIZE ...); rank -> node is ``rank // ranks_per_node``.
+``inter_node_gbps`` / ``inter_node_latency_us`` describe the slow tier between nodes for the
+throttle that simulates it on one host (distributed/tiers.py); 0 = not throttled.
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ GROUPS = {
     "tp": ("tp",), "dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "dp_shard_cp": ("dp_shard", "cp"), "world": AXES,
 }
-DERIVED = ("ep", "edp", "cp_ulysses", "cp_ring")
+DERIVED = ("ep", "edp", "cp_ulysses", "cp_ring", "ep_intra", "ep_inter")
 """Groups that are not products of whole axes (see the module doc)."""
 
 
@@ -47,9 +55,16 @@ class Topology:
     ep: int = 1
     cp_ulysses: int = 1
     """Ulysses (all-to-all) degree inside cp; cp / cp_ulysses ranks form each ring."""
+    nodes: int = 1
+    """Nodes the world spans, each a contiguous block of world / nodes ranks (simulated on one
+    host with ``parallel.sim_nodes``, or the hosts of a real run: Mesh.build)."""
+    inter_node_gbps: float = 0.0
+    """Bandwidth per rank of the slow tier between nodes, GB/s, for the throttle (0 = none)."""
+    inter_node_latency_us: float = 0.0
+    """Latency of one message over the slow tier, microseconds, for the throttle."""
 
     def __post_init__(self):
-        for axis in AXES + ("ep", "cp_ulysses"):
+        for axis in AXES + ("ep", "cp_ulysses", "nodes"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"topology: {axis} must be a positive integer, got {value!r}")
@@ -57,13 +72,25 @@ class Topology:
             raise ValueError(f"topology: ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}")
         if self.cp % self.cp_ulysses:
             raise ValueError(f"topology: cp_ulysses={self.cp_ulysses} must divide cp={self.cp}")
+        if self.world_size % self.nodes:
+            raise ValueError(f"topology: nodes={self.nodes} must divide the world size {self.world_size}")
+        if self.inter_node_gbps < 0 or self.inter_node_latency_us < 0:
+            raise ValueError("topology: inter_node_gbps and inter_node_latency_us must be >= 0")
+        if self.nodes > 1:
+            for g in self.groups("ep"):
+                per = [sum(self.node(r) == n for r in g) for n in sorted({self.node(r) for r in g})]
+                if len(set(per)) > 1:
+                    raise ValueError(f"topology: ep group {g} has {per} ranks on its nodes; an ep group must "
+                                     f"have as many ranks on each node it spans (choose sim_nodes so that "
+                                     f"world/nodes ranks per node is a multiple or a divisor of ep)")
 
     @classmethod
     def from_config(cls, parallel) -> "Topology":
         impl = getattr(parallel, "cp_impl", "ring")
         ulysses = {"ulysses": parallel.cp, "unified": getattr(parallel, "cp_ulysses", 1)}.get(impl, 1)
         return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, parallel.pp, parallel.ep,
-                   ulysses)
+                   ulysses, getattr(parallel, "sim_nodes", 1), getattr(parallel, "sim_inter_node_gbps", 0.0),
+                   getattr(parallel, "sim_inter_node_latency_us", 0.0))
 
     @property
     def world_size(self) -> int:
@@ -76,8 +103,18 @@ class Topology:
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, a) for a in AXES)
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+    def node(self, rank: int) -> int:
+        """The node of ``rank`` (contiguous blocks of ``ranks_per_node``)."""
+        return rank // self.ranks_per_node
+
     def size(self, group: str) -> int:
         """Number of ranks in one group of the given name."""
+        if group in ("ep_intra", "ep_inter"):
+            return len(self.groups(group)[0])
         if group == "ep":
             return self.ep
         if group == "edp":
@@ -121,6 +158,8 @@ class Topology:
 
     def groups(self, name: str) -> list[list[int]]:
         """All groups of this name, each a sorted list of ranks; together they partition the world."""
+        if name in ("ep_intra", "ep_inter"):
+            return self._tier_groups(name)
         if name in ("ep", "edp", "cp_ulysses", "cp_ring"):
             return self._derived_groups(name)
         if name not in GROUPS:
@@ -149,6 +188,18 @@ class Topology:
             buckets.setdefault(key, []).append(r)
         return [sorted(v) for _, v in sorted(buckets.items())]
 
+    def _tier_groups(self, name: str) -> list[list[int]]:
+        """ep_intra: the ranks of an ep group on one node; ep_inter: the ranks of an ep group with
+        the same index among its ranks on their node (one rank per node the group spans)."""
+        out = []
+        for g in self.groups("ep"):
+            by_node: dict[int, list[int]] = {}
+            for r in g:
+                by_node.setdefault(self.node(r), []).append(r)
+            parts = list(by_node.values())
+            out += parts if name == "ep_intra" else [sorted(p[i] for p in parts) for i in range(len(parts[0]))]
+        return sorted(out)
+
     def group_of(self, name: str, rank: int) -> list[int]:
         """The ranks of the ``name`` group that contains ``rank``."""
         for g in self.groups(name):
@@ -162,4 +213,5 @@ class Topology:
             i = parts.index(f"cp={self.cp}")
             parts[i] += " (ulysses)" if self.cp_ulysses == self.cp else \
                 f" (ulysses {self.cp_ulysses} x ring {self.cp // self.cp_ulysses})"
-        return " x ".join(parts) if parts else "single process"
+        nodes = f" over {self.nodes} nodes" if self.nodes > 1 else ""
+        return (" x ".join(parts) if parts else "single process") + nodes

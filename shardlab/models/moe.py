@@ -8,6 +8,12 @@ Each token picks ``top_k`` of ``n_experts`` SwiGLU experts with a linear router:
   y_t = sum_j gate_tj * expert_{idx_tj}(x_t)  (dropped assignments contribute 0; the block's
                                                residual carries the token through)
 
+Node-limited routing (DeepSeek-V3; ``moe_node_groups`` G > 0 and ``moe_max_nodes`` M > 0): the
+experts form G contiguous groups (under expert parallel, each on one node); group g scores
+``sum of its top ceil(k / M) probabilities``; a token keeps the top-M groups and picks its top k
+experts among theirs (the other probabilities masked to 0, never renormalised before the pick):
+each token's experts sit on at most M nodes. M = G is the plain rule above, exactly.
+
 Capacity (``moe_capacity_factor`` > 0): every expert takes at most
 ``C = ceil(factor * T * top_k / n_experts)`` assignments of the ``T`` tokens of one forward call
 (one rank's tokens: a "group" in GShard's words). Drop order is deterministic: assignments are
@@ -60,6 +66,18 @@ def count(index: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(0, index, torch.ones_like(index))
 
 
+def limit_groups(probs: torch.Tensor, groups: int, max_groups: int, top_k: int) -> torch.Tensor:
+    """``probs`` (T, E) with every expert outside each token's top ``max_groups`` of ``groups``
+    contiguous expert groups set to 0; a group's score is the sum of its best
+    ``ceil(top_k / max_groups)`` probabilities (DeepSeek-V3's node-limited routing)."""
+    T, E = probs.shape
+    per = min(math.ceil(top_k / max_groups), E // groups)
+    score = probs.detach().view(T, groups, E // groups).topk(per, -1).values.sum(-1)     # (T, G)
+    chosen = torch.zeros(T, groups, dtype=torch.bool, device=probs.device)
+    chosen.scatter_(1, score.topk(max_groups, -1).indices, True)
+    return probs.masked_fill(~chosen.repeat_interleave(E // groups, 1), 0.0)
+
+
 class Experts(nn.Module):
     """``n`` SwiGLU experts with stacked weights. ``forward(x, counts)``: the rows of ``x`` are
     grouped by expert, ``counts[e]`` rows for expert e, in order (a tensor); rows past
@@ -89,6 +107,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
+        self.node_groups, self.max_nodes = getattr(cfg, "moe_node_groups", 0), getattr(cfg, "moe_max_nodes", 0)
         self.aux_coef, self.z_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.ffn_dim, getattr(cfg, "moe_impl", "grouped"))
@@ -126,7 +145,10 @@ class MoE(nn.Module):
         logits = self.router(x)
         lf = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         probs = lf.softmax(-1)
-        gate, idx = probs.topk(k, dim=-1)                                 # (T, k)
+        pick = probs
+        if 0 < self.max_nodes < self.node_groups:
+            pick = limit_groups(probs, self.node_groups, self.max_nodes, k)
+        gate, idx = pick.topk(k, dim=-1)                                  # (T, k)
         if k > 1:
             gate = gate / gate.sum(-1, keepdim=True)
         expert = idx.t().reshape(-1)                                      # priority order: choice, token

@@ -11,7 +11,7 @@ One MoE layer on one rank (forward; backward runs the same all-to-alls in revers
   3. all-to-all of the counts (E integers), then all-to-all of the rows (dispatch); received
      rows are grouped by (source rank, local expert) -> regroup by expert
   4. run the local experts, undo the regrouping, all-to-all back (combine), weight and sum.
-The rows of step 3 travel one of two ways (``parallel.ep_dispatch``):
+The rows of step 3 travel one of three ways (``parallel.ep_dispatch``):
   padded  (with a capacity C, the default there) every (rank, expert) block padded to C rows,
           as GShard: equal splits of E/ep * C rows, so no host read, and every shape, hence the
           activation memory, is fixed by C; the experts skip the padding. Bytes per rank and
@@ -20,6 +20,8 @@ The rows of step 3 travel one of two ways (``parallel.ep_dispatch``):
   exact   (always when dropless) only the kept rows: uneven splits, read on the host (the one
           sync of the layer); ~ k T d (ep-1)/ep elements each way for balanced routing (the ledger
           records the exact amount), and memory that follows the routing.
+  hierarchical  exact rows in two hops when the ep group spans nodes: once per token and
+          destination node over the slow tier, then forwarded inside the node (expert_hier.py).
 
 Gradients. The combine's backward brings every rank's loss gradient back to the expert that
 used it, so an expert's gradient already sums over the ep group; the Engine then sums it over
@@ -46,9 +48,11 @@ import torch
 from torch import nn
 
 from ..distributed.autograd import all_to_all
+from ..errors import ConfigError
 from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE, Experts
 from ..models.moe_gemm import padded_slots
+from .expert_hier import Hierarchy, hierarchical_moe
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -76,6 +80,7 @@ class ExpertParallelMoE(MoE):
         E, ep = self.n_experts, self.ep.size
         self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
         self.padded = padded_dispatch(dispatch, self.capacity_factor)
+        self.hier = Hierarchy(mesh, E) if dispatch == "hierarchical" and ep > 1 else None
         src = moe.experts
         self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
@@ -85,6 +90,13 @@ class ExpertParallelMoE(MoE):
                                            self.n_local, ("ep",)))
             setattr(self.experts, name, local)
         self.timing = {"dispatch_s": 0.0, "experts_s": 0.0, "combine_s": 0.0, "calls": 0}
+
+    def forward(self, x):
+        if self.hier is None:
+            return super().forward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        r = self.last_routing = self.route(flat)
+        return hierarchical_moe(self, self.hier, flat, r, self.capacity(flat.shape[0])).view(x.shape)
 
     def batch_sum(self, t):
         return _SumOverRanks.apply(t, self.batch) if self.batch.size > 1 else t
@@ -163,6 +175,32 @@ def check_config(cfg) -> None:
     if m.n_experts:
         require(m.n_experts % p.ep == 0, "model.n_experts", f"{m.n_experts} experts do not divide among ep={p.ep}")
         require(1 <= m.moe_top_k <= m.n_experts, "model.moe_top_k", f"must be in 1..n_experts={m.n_experts}")
+    _check_tiers(m, p)
+
+
+def _check_tiers(m, p) -> None:
+    """Simulated nodes, node-limited routing, the hierarchical dispatch and overlap."""
+    from ..checks import require
+    from ..distributed.topology import Topology
+    require(p.world_size % p.sim_nodes == 0, "parallel.sim_nodes",
+            f"{p.sim_nodes} nodes do not divide the world of {p.world_size} ranks; choose a divisor")
+    try:
+        topo = Topology.from_config(p)
+    except ValueError as e:
+        raise ConfigError("parallel.sim_nodes", str(e).removeprefix("topology: ")) from None
+    G, M = m.moe_node_groups, m.moe_max_nodes
+    require(M == 0 or (m.n_experts and G), "model.moe_max_nodes",
+            "node-limited routing needs an MoE model with expert groups: set model.moe_node_groups too")
+    if G:
+        require(m.n_experts % G == 0, "model.moe_node_groups", f"{G} groups do not divide {m.n_experts} experts")
+        require(M <= G, "model.moe_max_nodes", f"{M} exceeds the {G} expert groups; use at most {G}")
+        require(m.moe_top_k <= max(M, 1) * m.n_experts // G or not M, "model.moe_top_k",
+                f"top {m.moe_top_k} experts do not fit in {M} groups of {m.n_experts // G}; raise moe_max_nodes")
+        spanned = topo.size("ep_inter")
+        require(G % spanned == 0, "model.moe_node_groups",
+                f"{G} groups cannot each sit on one of the {spanned} nodes an ep group spans; use a multiple of {spanned}")
+    require(not p.ep_overlap or p.comm_transport == "process_group", "parallel.ep_overlap",
+            "needs asynchronous collectives: set parallel.comm_transport = process_group")
 
 
 def apply(model: nn.Module, mesh, cfg) -> nn.Module:

@@ -89,3 +89,32 @@ def test_bad_topologies_are_refused():
         Topology(tp=2).coords(2)
     with pytest.raises(ValueError, match="unknown axes"):
         Topology(tp=2).rank(xx=1)
+
+
+def test_tier_groups_split_each_ep_group_by_node():
+    """ep_intra: an ep group's ranks on one node; ep_inter: one rank per node, same index inside
+    its node; their sizes multiply to ep. Uneven ep groups over nodes are refused."""
+    checked = 0
+    for topo in TOPOLOGIES:
+        for nodes in range(2, topo.world_size + 1):
+            if topo.world_size % nodes:
+                continue
+            args = {a: getattr(topo, a) for a in AXES + ("ep",)}
+            try:
+                t = Topology(**args, nodes=nodes)
+            except ValueError as e:
+                assert "ranks on its nodes" in str(e)
+                continue
+            checked += 1
+            for name in ("ep_intra", "ep_inter"):
+                flat = sorted(r for g in t.groups(name) for r in g)
+                assert flat == list(range(t.world_size))
+            for g in t.groups("ep"):
+                intra = [x for x in t.groups("ep_intra") if x[0] in g]
+                inter = [x for x in t.groups("ep_inter") if x[0] in g]
+                assert all(len({t.node(r) for r in x}) == 1 for x in intra)
+                assert all(len({t.node(r) for r in x}) == len(x) for x in inter)
+                assert len(intra[0]) * len(inter[0]) == len(g) == t.size("ep_intra") * t.size("ep_inter")
+                for x in inter:  # same position inside its node's part of the ep group
+                    assert len({next(p for p in intra if r in p).index(r) for r in x}) == 1
+    assert checked > 1000

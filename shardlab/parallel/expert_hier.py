@@ -1,0 +1,129 @@
+"""Hierarchical expert dispatch (``parallel.ep_dispatch = hierarchical``): every token crosses the
+slow tier between nodes at most once per destination node, and is forwarded to its experts
+inside that node over the fast tier; the combine reverses both hops (DeepEP's "asymmetric
+bandwidth forwarding", docs/expert-parallel.md, "Two tiers").
+
+The ep group of ``ep = N x L`` ranks spans N nodes with L ep ranks each (topology.py checks it
+is even). Ep rank (node b, local index l) talks over the slow tier only to the ranks with its own
+local index on the other nodes (group ``ep_inter``, N ranks) and over the fast tier only to the
+ep ranks of its own node (group ``ep_intra``, L ranks). One MoE layer, on the rank (a, l) whose
+T tokens were routed (models/moe.py: k kept-or-dropped assignments per token):
+
+  1. pairs: (node b, token t) for every token with a kept assignment on node b, b-major;
+  2. slow hop (ep_inter all-to-all): for each pair, the token's row x_t with its k gate weights
+     appended as columns (0 for assignments elsewhere or dropped) goes to rank (b, l); the k
+     expert ids (-1 for the same) follow as int32; so a token crosses to a node once, however
+     many of that node's experts it uses;
+  3. fast hop (ep_intra all-to-all, the flat dispatch's exchange inside the node): rank (b, l)
+     expands what it received into one row per assignment, sorted by (owner's local index,
+     expert), and sends each to its expert's rank, with the per-expert counts first;
+  4. the experts run on rows grouped by expert (the same permutation as the flat dispatch);
+  5. fast hop back: the outputs return to (b, l), which weights them by the gates and sums each
+     token's assignments on node b: one row per pair;
+  6. slow hop back: one row per (node, token) to the token's rank, which sums over nodes.
+
+Bytes per token over the slow tier: one row (plus k weights and k int32 ids) per other node
+used, against one row per assignment on another node for the flat all-to-all; the fast tier
+carries the per-assignment rows. Sizes are exact (uneven): the split sizes are read on the host
+once per hop, as in the flat ``exact`` dispatch. Everything the gradient needs is autograd:
+the row/weight all-to-alls (the transpose exchange backward), gathers whose backward scatters
+into preallocated rows (``index_copy``), never a scatter-add into the tokens.
+
+Equal to the flat dispatch up to the order of the floating-point sums over a token's k
+experts (partial sums per node): tests/distributed/test_expert_hier.py, float64, 1e-10.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..distributed.autograd import all_to_all
+from ..models.moe import count
+
+
+class Hierarchy:
+    """Where each expert lives in two-tier coordinates, and the two communicators."""
+
+    def __init__(self, mesh, n_experts: int):
+        self.intra, self.inter = mesh.comm("ep_intra"), mesh.comm("ep_inter")
+        ep_ranks = mesh.ranks("ep")
+        node = {g: mesh.node_of(g) for g in ep_ranks}
+        order = sorted(set(node.values()))
+        local = {g: [h for h in ep_ranks if node[h] == node[g]].index(g) for g in ep_ranks}
+        self.N, self.L = self.inter.size, self.intra.size
+        if self.N * self.L != len(ep_ranks) or self.N != len(order):
+            raise ValueError(f"hierarchical dispatch: ep group {ep_ranks} is not {len(order)} nodes x "
+                             f"{len(ep_ranks) // len(order)} ranks (topology.py groups ep_inter / ep_intra)")
+        # the communicators' rank order is the tiers' order: node b in ep_inter, local l in ep_intra
+        assert [order.index(node[g]) for g in self.inter.ranks] == list(range(self.N))
+        assert [local[g] for g in self.intra.ranks] == list(range(self.L))
+        per_rank = n_experts // len(ep_ranks)
+        q = torch.arange(n_experts) // per_rank
+        self.exp_node = torch.tensor([order.index(node[ep_ranks[i]]) for i in q.tolist()])
+        self.exp_local = torch.tensor([local[ep_ranks[i]] for i in q.tolist()])
+        self.per_rank = per_rank
+
+
+def _a2a_rows(comm, rows: torch.Tensor, send_counts: torch.Tensor):
+    """Exchange ``rows`` (grouped by destination, ``send_counts`` per group rank) over ``comm``:
+    counts first, then the rows (autograd). Returns (received rows, in_splits, out_splits)."""
+    recv_counts = comm.all_to_all(send_counts.contiguous())
+    ins, outs = send_counts.tolist(), recv_counts.tolist()  # the hop's one host read
+    return all_to_all(rows, comm, ins, outs), ins, outs
+
+
+def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> torch.Tensor:
+    """The MoE output (T, D) of the tokens ``x`` routed as ``r`` (models/moe.py Routing), through
+    the two hops of the module doc. ``layer``: the ExpertParallelMoE (its local experts, timing)."""
+    t0 = time.perf_counter()
+    T, D = x.shape
+    k, N, dev = layer.top_k, h.N, x.device
+    expert = r.expert.view(k, T)
+    keep = r.keep.view(k, T)
+    enode = h.exp_node.to(dev)[expert]                               # (k, T) node of each assignment
+    # 1. (node, token) pairs, node-major
+    hit = torch.zeros(N, T, dtype=torch.bool, device=dev)
+    hit.view(-1).index_fill_(0, (enode * T + torch.arange(T, device=dev))[keep], True)
+    pb, pt = hit.nonzero(as_tuple=True)                              # pair p: node pb[p], token pt[p]
+    on = keep[:, pt] & (enode[:, pt] == pb)                          # (k, P): assignment j of pair p here
+    # 2. slow hop: row + k gate weights (as columns, in x's dtype like the flat combine), then the ids
+    w = (r.weight.view(k, T)[:, pt] * on).t().to(x.dtype)           # (P, k)
+    payload = torch.cat([x.index_select(0, pt), w], 1)
+    ids = torch.where(on, expert[:, pt], -1).t().to(torch.int32).contiguous()
+    got, ins1, outs1 = _a2a_rows(h.inter, payload, hit.sum(1))
+    got_ids = h.inter.all_to_all(ids, ins1, outs1)
+    xr, wr = got[:, :D], got[:, D:]                                  # R received pairs
+    # 3. fast hop: one row per assignment, sorted by (owner's local index, expert)
+    R = got.shape[0]
+    valid = got_ids >= 0                                              # (R, k)
+    e = got_ids.long().clamp(min=0)
+    key = torch.where(valid, h.exp_local.to(dev)[e] * layer.n_experts + e, h.L * layer.n_experts).view(-1)
+    sel = torch.argsort(key, stable=True)[:int(valid.sum())]        # assignment i*k+j, sorted
+    rows = xr.index_select(0, sel // k)
+    es = e.view(-1)[sel]                                              # their experts, sorted
+    per_dest = count(h.exp_local.to(dev)[es] * h.per_rank + es % h.per_rank, h.L * h.per_rank).view(h.L, -1)
+    recv = h.intra.all_to_all(per_dest)                              # (L, per_rank): from source s
+    ins2, outs2 = per_dest.sum(1).tolist(), recv.sum(1).tolist()
+    arrived = all_to_all(rows, h.intra, ins2, outs2)
+    # 4. experts on rows regrouped from (source, expert) to (expert, source), as the flat dispatch
+    L, n_local = h.L, h.per_rank
+    block = torch.arange(L * n_local, device=dev).view(L, n_local)
+    bkey = torch.repeat_interleave(((block % n_local) * L + block // n_local).flatten(), recv.flatten(),
+                                   output_size=arrived.shape[0])
+    perm = torch.argsort(bkey, stable=True)
+    t1 = time.perf_counter()
+    y = layer.experts(arrived.index_select(0, perm), recv.sum(0), layer.ep.size * capacity)
+    back = torch.empty_like(perm)
+    back[perm] = torch.arange(perm.numel(), device=dev)
+    y = y.index_select(0, back)
+    t2 = time.perf_counter()
+    # 5. fast hop back, weight, sum the node's assignments of each pair
+    y = all_to_all(y, h.intra, outs2, ins2)
+    full = y.new_zeros(R * k, D).index_copy(0, sel, y)
+    z = (full.view(R, k, D) * wr.unsqueeze(-1)).sum(1)
+    # 6. slow hop back, sum over nodes
+    z = all_to_all(z, h.inter, outs1, ins1)
+    out = z.new_zeros(N * T, D).index_copy(0, pb * T + pt, z)
+    layer._time(t0, t1, t2, time.perf_counter())
+    return out.view(N, T, D).sum(0)

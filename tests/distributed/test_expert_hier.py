@@ -1,0 +1,129 @@
+"""Two tiers: the hierarchical expert dispatch (parallel/expert_hier.py) and node-limited routing
+over simulated nodes, against the single-process MoE layer on each rank's tokens (float64), and
+the slow-tier bytes the tier wrapper (distributed/tiers.py) counts against what the routing
+implies. Run with every point-to-point tag forced to 0 (NCCL's matching by issue order)."""
+import time
+
+import torch
+
+from shardlab.distributed.mesh import Mesh
+from shardlab.distributed.tiers import Link, TieredComm
+from shardlab.distributed.topology import Topology
+from shardlab.launch import run
+from shardlab.models import build_model
+from shardlab.parallel import expert
+from tests.distributed.test_context import equal_tags
+from tests.distributed.test_expert import ATOL, make_cfg
+
+D, T = 32, 24
+
+
+def _layer_case(mesh, cfg, dispatch, seed=1):
+    """One rank's tokens through the ep layer vs the plain layer on the same tokens. Returns the
+    error of outputs and gradients, the kept assignments' agreement, the slow-tier bytes sent
+    (forward) and, per other node, the (node, token) pairs and the assignments sent there."""
+    ref = build_model(cfg.model, seed=4, dtype=torch.float64).layers["0"].feed_forward
+    with torch.no_grad():  # a peaked router: experts overflow under a capacity
+        ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", dispatch)
+    gen = torch.Generator().manual_seed(10 + mesh.rank)
+    x = torch.randn(T, D, dtype=torch.float64, generator=gen)
+    w = torch.randn(T, D, dtype=torch.float64, generator=gen)
+    xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = ref(xr)
+    (y_ref * w).sum().backward()
+    snap = mesh.ledger.snapshot()
+    y = layer(xe)
+    inter = sum(e.inter_sent for (op, _), e in mesh.ledger.since(snap).items() if op == "all_to_all")
+    (y * w).sum().backward()
+    err = max((y - y_ref).abs().max().item(), (xe.grad - xr.grad).abs().max().item(),
+              (layer.router.weight.grad - ref.router.weight.grad).abs().max().item())
+    for name in ("w1", "w2", "w3"):
+        full = mesh.comm("ep").all_reduce(getattr(ref.experts, name).grad.clone())
+        err = max(err, (getattr(layer.experts, name).grad - full[layer.first:layer.first + layer.n_local]).abs().max().item())
+    r, rr = layer.last_routing, ref.last_routing
+    ep_ranks = mesh.ranks("ep")
+    node = torch.tensor([mesh.node_of(ep_ranks[e // layer.n_local]) for e in range(layer.n_experts)])[r.expert]
+    mine = mesh.node_of(mesh.rank)
+    other = r.keep & (node != mine)
+    pairs = {int(b): len(set(r.token[other & (node == b)].tolist())) for b in node[other].unique()}
+    owner = torch.tensor(ep_ranks)[r.expert // layer.n_local]
+    rows = {int(q): int((other & (owner == q)).sum()) for q in owner[other].unique()}
+    return dict(err=err, same=torch.equal(r.keep, rr.keep) and torch.equal(r.expert, rr.expert),
+                dropped=int((~r.keep).sum()), inter=inter, pairs=pairs, rows=rows, node=mine, rank=mesh.rank,
+                local=mesh.local_rank("ep_intra"),
+                max_nodes=int(max(len(set(node[r.keep & (r.token == t)].tolist())) for t in range(T))))
+
+
+def worker(ctx, nodes, topo):
+    mesh = Mesh.build(Topology(**topo, nodes=nodes))
+    out = {}
+    with equal_tags(set()) as seen:
+        for cap in (0.0, 1.0):
+            for k in (1, 2):
+                for m, g in ((0, 0), (1, nodes)):
+                    cfg = make_cfg(topo, top_k=k, capacity=cap)
+                    cfg.model.moe_node_groups, cfg.model.moe_max_nodes = g, m
+                    for dispatch in ("hierarchical", "exact"):
+                        out[(cap, k, m, dispatch)] = _layer_case(mesh, cfg, dispatch)
+    out["tags"] = seen
+    return out
+
+
+def _slow_bytes(case, dispatch, k, everyone, ep_nodes):
+    """Forward slow-tier bytes of one rank: the count exchange, what it sends over, and the
+    rows it returns to ranks of other nodes in the combine (``everyone``: their cases)."""
+    if dispatch == "exact":  # flat: one row per assignment on another node, each way; counts: n_local ints per rank
+        back = sum(c["rows"].get(case["rank"], 0) for c in everyone)
+        return (sum(case["rows"].values()) + back) * D * 8 + ep_nodes * 8
+    # hierarchical: row + k weights + k int32 ids per (node, token), to and from the same local index
+    back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
+    return sum(case["pairs"].values()) * ((D + k) * 8 + k * 4) + back * D * 8 + 8 * (ep_nodes - 1)
+
+
+def _check(res, nodes, n_local):
+    assert all(r["tags"] <= {0} for r in res)
+    assert sum(r[(1.0, 2, 0, "hierarchical")]["dropped"] for r in res) > 0  # the capacity drops
+    for rank, r in enumerate(res):
+        for key, c in r.items():
+            if key == "tags":
+                continue
+            cap, k, m, dispatch = key
+            assert c["same"] and c["err"] <= ATOL, (rank, key, c)
+            if m:
+                assert c["max_nodes"] <= m, (rank, key, c)
+            everyone = [o[key] for o in res if o[key]["node"] != c["node"]]
+            other_ranks = sum(1 for o in res if o[key]["node"] != c["node"])
+            cross = n_local * other_ranks if dispatch == "exact" else nodes
+            assert c["inter"] == _slow_bytes(c, dispatch, k, everyone, cross), (rank, key, c)
+
+
+def test_hierarchical_ep4_over_two_nodes_equals_the_plain_layer():
+    """ep4 = 2 nodes x 2 ranks: the forwarding hop inside each node is exercised."""
+    res = run(worker, 4, 2, dict(dp_shard=4, ep=4))
+    _check(res, 2, 1)
+    # uniform-ish routing, top 2 of 4 experts on 2 nodes: fewer slow-tier bytes than the flat dispatch
+    for r in res:
+        assert r[(0.0, 2, 0, "hierarchical")]["inter"] < r[(0.0, 2, 0, "exact")]["inter"]
+
+
+def _throttle_worker(ctx):
+    mesh = Mesh.build(Topology(dp_shard=2, ep=2, nodes=2, inter_node_gbps=0.01, inter_node_latency_us=2000))
+    comm = mesh.comm("ep")
+    x = torch.ones(25_000, dtype=torch.float64)  # 200 kB: 100 kB each way over 0.01 GB/s = 10 ms (+2 ms)
+    comm.all_to_all(x)
+    t0 = time.perf_counter()
+    comm.all_to_all(x)
+    a2a = time.perf_counter() - t0
+    work = comm.isend(torch.ones(10), 1 - comm.rank) if comm.rank == 0 else comm.irecv(torch.empty(10), 0)
+    work.wait()
+    entries = mesh.ledger.entries
+    return (isinstance(comm, TieredComm), a2a, entries[("all_to_all", "ep")].inter_sent,
+            entries[("all_to_all", "ep")].bytes_sent, mesh.link == Link(0.01, 2000.0), comm.link.seconds(100_000))
+
+
+def test_throttle_holds_a_cross_node_call_to_the_link_time():
+    for tiered, a2a, inter, sent, link_ok, expect in run(_throttle_worker, 2):
+        assert tiered and link_ok
+        assert inter == sent == 2 * 100_000  # two calls, half of the 200 kB leaves for the other node
+        assert abs(expect - 0.012) < 1e-12 and a2a >= expect

@@ -118,6 +118,18 @@ def param_pieces(named, optimizer, mesh, replicate_groups) -> list[Piece]:
     return out
 
 
+def fill(reader, key: str, offsets, sizes, out: torch.Tensor) -> None:
+    """``out[...] = reader.read(key, offsets, sizes)``, read straight into ``out`` when the
+    reader's class offers ``read_into`` (train/checkpoint.Reader: one copy, checksummed while
+    read). Looked up on the class, not the instance: a wrapping reader whose ``__getattr__``
+    forwards to the reader it wraps (LoRA merging, initial values) must go through its ``read``."""
+    read_into = getattr(type(reader), "read_into", None)
+    if read_into is not None:
+        read_into(reader, key, offsets, sizes, out)
+    else:
+        out.copy_(reader.read(key, offsets, sizes, out.dtype))
+
+
 def _read_local(reader, key, pl, local_shape, dtype, device) -> torch.Tensor:
     """The local tensor for placement ``pl`` from ``reader`` (padding zero-filled)."""
     offsets, sizes = placement_box(pl, local_shape)
@@ -129,25 +141,34 @@ def _read_local(reader, key, pl, local_shape, dtype, device) -> torch.Tensor:
     return out
 
 
+def _load_local(reader, key, pl, target: torch.Tensor) -> None:
+    """Fill local tensor ``target`` for placement ``pl``: straight into it when the whole local
+    box is valid and ``target`` is a contiguous CPU tensor, else through ``_read_local``."""
+    offsets, sizes = placement_box(pl, target.shape)
+    if tuple(sizes) == tuple(target.shape) and target.device.type == "cpu" and target.is_contiguous():
+        fill(reader, key, offsets, sizes, target)
+    else:
+        target.copy_(_read_local(reader, key, pl, target.shape, target.dtype, target.device))
+
+
 @torch.no_grad()
 def load_param_pieces(named, reader, optimizer) -> None:
     for name, p in named:
         pl = get_placement(p, name)
         key = f"model.{pl.name}"
         _check(reader, key, pl.global_shape)
-        p.copy_(_read_local(reader, key, pl, p.shape, p.dtype, p.device))
+        _load_local(reader, key, pl, p.data)
         if optimizer is None or not p.requires_grad:  # a frozen parameter has no optimizer state
             continue
         st, old = {}, optimizer.state.get(p, {})
         for k in optim_keys(reader, pl.name):
             shape = tuple(reader.global_shape(f"optim.{pl.name}.{k}"))
             if shape == tuple(pl.global_shape) and shape:
-                value = _read_local(reader, f"optim.{pl.name}.{k}", pl, p.shape, p.dtype, p.device)
                 buf = old.get(k)  # the optimizer's own buffer, filled in place when it has one
-                if torch.is_tensor(buf) and buf.shape == p.shape and buf.dtype == p.dtype:
-                    st[k] = buf.copy_(value)
-                else:
-                    st[k] = value
+                if not (torch.is_tensor(buf) and buf.shape == p.shape and buf.dtype == p.dtype):
+                    buf = torch.empty_like(p.data)
+                _load_local(reader, f"optim.{pl.name}.{k}", pl, buf)
+                st[k] = buf
             else:
                 v = reader.read(f"optim.{pl.name}.{k}")
                 st[k] = v.to(_state_device(v.dim(), p), copy=True)
@@ -192,10 +213,24 @@ def flat_pieces(f, values: dict[str, torch.Tensor], mesh, replicate_groups, lo: 
 
 @torch.no_grad()
 def load_flat_range(f, reader, kind: str, target: torch.Tensor, lo: int, hi: int) -> None:
-    """Fill ``target`` (the flat buffer's range [lo, hi), 1-D) from ``reader``; padding -> 0."""
-    target.zero_()
-    for i, pl, gbox, pos, size, lsizes, inner in _segments(f, lo, hi):
+    """Fill ``target`` (the flat buffer's range [lo, hi), 1-D) from ``reader``; padding -> 0.
+    A segment that is a whole valid box of a CPU buffer is read straight into it (``fill``);
+    only what no segment fills whole is zeroed first."""
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    segments = list(_segments(f, lo, hi))
+    whole = [direct and tuple(gbox[1]) == tuple(lsizes) for _, _, gbox, _, _, lsizes, _ in segments]
+    gap = 0
+    for (_, _, _, pos, size, _, _), w in sorted(zip(segments, whole), key=lambda sw: sw[0][3]):
+        if w:
+            target[gap:pos].zero_()
+            gap = pos + size
+        # a partial segment's padding is zeroed by the gap before the next whole one
+    target[gap:].zero_()
+    for (i, pl, gbox, pos, size, lsizes, inner), w in zip(segments, whole):
         key = f"model.{pl.name}" if kind == "model" else f"optim.{pl.name}.{kind}"
         _check(reader, key, pl.global_shape)
+        if w:
+            fill(reader, key, gbox[0], gbox[1], target[pos:pos + size].view(lsizes))
+            continue
         part = reader.read(key, gbox[0], gbox[1], target.dtype).to(target.device)
         target[pos:pos + size].view(lsizes)[inner] = part

@@ -238,6 +238,41 @@ def test_damage_is_detected_and_named(tmp_path):
     assert ckpt.latest_valid(tmp_path, warn=warned.append) is None
 
 
+def test_read_into_fills_in_place_checks_crc_and_respects_wrappers(tmp_path, monkeypatch):
+    """``read_into``: a whole piece is read straight into the target in chunks, its crc32 taken
+    chunk by chunk (CHUNK shrunk so the piece spans several); a box that is not one piece, a
+    dtype or layout that differs, goes through ``read``; a flipped byte is refused; a wrapping
+    reader (``__getattr__`` forwarding) is read through its own ``read`` by ``state.fill``."""
+    from shardlab.parallel import state
+    from shardlab.train import ckpt_reader
+    monkeypatch.setattr(ckpt_reader, "CHUNK", 40)
+    w = torch.randn(6, 5, dtype=torch.float64)
+    path = save(tmp_path, 1, {"model.w": w}, row_split("model.w", (6, 5), 2))
+    r = ckpt.Reader(path)
+    out = torch.full((3, 5), float("nan"), dtype=torch.float64)
+    r.read_into("model.w", (3, 0), (3, 5), out)  # rank 1's piece whole: the fast path
+    assert torch.equal(out, w[3:])
+    part = torch.zeros(2, 5, dtype=torch.float32)  # another box and dtype: through read()
+    r.read_into("model.w", (2, 0), (2, 5), part)
+    assert torch.equal(part, w[2:4].float())
+    _flip_data_byte(path / "rank_00001.safetensors", "p0.model.w")
+    with pytest.raises(ckpt.CheckpointError, match="rank_00001.safetensors: checksum mismatch"):
+        ckpt.Reader(path).read_into("model.w", (3, 0), (3, 5), out)
+
+    class Doubling:  # a wrapper like models/pretrained.MergedLoRA: changes what read returns
+        def __init__(self, reader):
+            self.reader = reader
+
+        def __getattr__(self, name):
+            return getattr(self.reader, name)
+
+        def read(self, key, offsets=None, sizes=None, dtype=None):
+            return 2 * self.reader.read(key, offsets, sizes, dtype)
+    good = save(tmp_path / "b", 1, {"model.w": w}, row_split("model.w", (6, 5), 2))
+    state.fill(Doubling(ckpt.Reader(good)), "model.w", (0, 0), (3, 5), out)
+    assert torch.equal(out, 2 * w[:3])
+
+
 def test_damaged_index_and_header_are_named(tmp_path):
     w = torch.randn(4, 2)
     path = save(tmp_path, 1, {"model.w": w}, row_split("model.w", (4, 2), 2))

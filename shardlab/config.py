@@ -186,6 +186,8 @@ class TrainConfig:
     device: str = f("auto", "auto, cpu or cuda.", choices=('auto', 'cpu', 'cuda'))
     threads: int = f(0, "torch intra-op threads per rank; 0 = cores / local ranks (at least 1).", ge=0, le=4096)
     timeout_s: float = f(60.0, "Collective timeout: a dead rank stops the job within this many seconds.", gt=0, le=10**7)
+    fault_tolerance: str = f("off", "off = a failed rank stops the job (--max-restarts restarts it from disk); replica = live recovery: each of the dp_replicate replica groups trains on, a dead one is dropped and its replacement healed from a live peer (docs/faults.md, Live recovery).", choices=("off", "replica"))
+    ft_timeout_s: float = f(5.0, "fault_tolerance = replica: a replica silent (no heartbeat, no vote, a stuck cross-replica collective) this long is dropped.", gt=0, le=3600)
     lora_rank: int = f(0, "LoRA adapter rank; 0 = full fine-tuning (no adapters). With r > 0 every base weight "
                           "is frozen and only the adapters train (models/lora.py).", ge=0, le=2**16)
     lora_alpha: float = f(16.0, "LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B A.", gt=0, le=2**20)

@@ -5,9 +5,10 @@ Candidates: tp among the divisors of the GPUs of one node, pp among the divisors
 (at most the layer count), cp in powers of two (ring, Ulysses, and from cp = 4 unified with a
 Ulysses degree of 2), ep (MoE models) in powers of two dividing the experts and dp x cp, the rest
 data parallel as DDP, ZeRO-1/2, FSDP or HSDP (FSDP inside a node, replicas across); with pipelines
-ZeRO-1 or ZeRO-3 inside the stages, and the schedules 1F1B, interleaved (2 virtual stages), ZB-H1,
-DualPipeV and DualPipe (two parameter copies; not with ZeRO); micro-batches of 1, 2, 4 or 8
-sequences; recomputation none, selective or full. Which
+ZeRO-1 or ZeRO-3 inside the stages, and the schedules 1F1B, interleaved (2 and 4 virtual stages),
+ZB-H1, DualPipeV and DualPipe (two parameter copies; not with ZeRO), the stages as the engine
+splits the layers (balanced by parameters: they need not divide evenly); micro-batches of 1, 2, 4
+or 8 sequences; recomputation none, selective, op or full. Which
 candidates are valid is decided by ``Config.validate`` (the same refusals a run gets), never by
 rules restated here. Pruning, cheapest first: divisibility, then model state against the device
 memory, then activations, then the time model.
@@ -141,8 +142,8 @@ def _schedules(pp, layers, fixed, zero=0):
         ["1f1b", "interleaved", "zb-h1", "dualpipev"] + (["dualpipe"] if zero == 0 else [])
     out = []
     for s in names:
-        if s == "interleaved":
-            out += [(s, v) for v in (2, 4) if layers >= pp * v and layers % (pp * v) == 0][:1]
+        if s == "interleaved":  # uneven splits allowed: the engine balances stages by parameters
+            out += [(s, v) for v in (2, 4) if layers >= pp * v]
         else:
             out.append((s, 1))
     return out
@@ -224,13 +225,18 @@ def _capacity(device: str) -> float:
     return get_device(device).memory
 
 
+def step_sentence(c: Candidate) -> str:
+    """'N tokens/s per GPU (MFU): of its step, compute, exposed communication and bubble.'"""
+    b = c.breakdown
+    return (f"{c.tokens_per_gpu:,.0f} tokens/s per GPU" + (f" (MFU {100 * c.mfu:.1f}%)" if c.mfu else "")
+            + f": of its {b['step_s']:.3f} s step, {b['compute']:.3f} s is compute ({b['recompute']:.3f} s of it "
+            f"recomputation), {b['exposed_comm']:.3f} s exposed communication and {b['bubble']:.3f} s pipeline bubble.")
+
+
 def why(best: Candidate, others: list[Candidate], valid: int, dropped: int) -> str:
     """One paragraph: what the winner gains over the runner-up, from the time breakdown."""
     b = best.breakdown
-    text = (f"{best.label()} is predicted fastest at {best.tokens_per_gpu:,.0f} tokens/s per GPU"
-            + (f" (MFU {100 * best.mfu:.1f}%)" if best.mfu else "") + f": of its {b['step_s']:.3f} s step, "
-            f"{b['compute']:.3f} s is compute ({b['recompute']:.3f} s of it recomputation), "
-            f"{b['exposed_comm']:.3f} s exposed communication and {b['bubble']:.3f} s pipeline bubble. ")
+    text = f"{best.label()} is predicted fastest at {step_sentence(best)} "
     if others:
         o = others[0]
         ob = o.breakdown

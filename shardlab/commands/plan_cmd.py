@@ -35,6 +35,11 @@ def configure(p):
     p.add_argument("--zero", type=int, default=-1, help="fix parallel.zero_stage (0-3)")
     p.add_argument("--schedule", default="", help="fix parallel.pp_schedule")
     p.add_argument("--ac", default="", help="fix parallel.activation_checkpointing (none, selective, op, full)")
+    p.add_argument("--layout", default="", help="evaluate one pinned layout instead of searching, written as the "
+                   "table prints it: \"fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full\" (analysis/plan_layout.py)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (fused elementwise work)")
+    p.add_argument("--float8", action="store_true", help="Float8 linears: not modelled, refused by name")
+    p.add_argument("--async-tp", action="store_true", help="asynchronous TP: not modelled, refused by name")
 
 
 def load_model(arg: str):
@@ -80,8 +85,14 @@ def main(args) -> int:
         fixed["schedule"] = args.schedule
     if args.ac:
         fixed["ac"] = args.ac
-    _check_fixed(base, args.gpus, fixed)
+    _refuse_unmodelled(args)
+    base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
+    if getattr(args, "layout", ""):
+        if fixed:
+            raise ConfigError("--layout", f"give {', '.join('--' + k for k in fixed)} inside --layout, not beside it")
+        return _pinned(base, args, dev, eta, t0)
+    _check_fixed(base, args.gpus, fixed)
     fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed, eta)
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: "
@@ -94,19 +105,57 @@ def main(args) -> int:
               f"on some rank; {where} (try --gpus {n})" if n else f"no layout fits; {where}")
         return 1
     top = fits[:args.top]
+    _print_rows(top)
+    print("\n" + why(top[0], top[1:], valid, dropped))
+    if args.plot:
+        plot(top, dev.memory * HEADROOM, args.plot)
+        print(f"memory breakdown plot: {args.plot}")
+    return 0
+
+
+def _print_rows(cands) -> None:
     print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'W':>6}{'buf':>6}{'trans':>7}"
           f"{'total GiB':>10}{'tok/s/GPU':>11}{'MFU':>7}")
-    for i, c in enumerate(top, 1):
+    for i, c in enumerate(cands, 1):
         m = c.memory
         print(f"{i:>2} {c.label():<44}" + "".join(f"{m[k] / GiB:>{w}.1f}" for k, w in
               (("params", 8), ("grads", 7), ("optim", 7), ("activations", 7), ("wgrad", 6), ("buffers", 6),
                ("transient", 7)))
               + f"{c.peak_bytes / GiB:>10.1f}{c.tokens_per_gpu:>11,.0f}"
               + (f"{100 * c.mfu:>6.1f}%" if c.mfu else f"{'':>7}"))
-    print("\n" + why(top[0], top[1:], valid, dropped))
-    if args.plot:
-        plot(top, dev.memory * HEADROOM, args.plot)
-        print(f"memory breakdown plot: {args.plot}")
+
+
+def _refuse_unmodelled(args) -> None:
+    """A feature the planner does not model is refused by name (never predicted as bf16 without it)."""
+    from ..analysis.plan_layout import NOT_MODELLED
+    for flag, name in (("float8", "float8"), ("async_tp", "async_tp")):
+        if getattr(args, flag, False):
+            raise ConfigError(f"--{flag.replace('_', '-')}", f"{NOT_MODELLED[name]} are not modelled by the planner; "
+                                                            "leave the flag out to predict the run without them")
+
+
+def _pinned(base, args, dev, eta: float, t0: float) -> int:
+    """``--layout``: the one layout's memory and time (exit 1 when it does not fit)."""
+    from ..analysis.plan_layout import apply_layout, parse_layout
+    from ..analysis.plan_search import HEADROOM, Candidate, step_sentence
+    from ..analysis.predict import predict
+    cfg = apply_layout(base, parse_layout(args.layout), args.gpus, compile_=getattr(args, "compile", False),
+                       batch_given=bool(args.global_batch))
+    pred = predict(cfg, args.gpu, gpus_per_node=args.gpus_per_node, per_rank=False, efficiency=eta)
+    peak = pred.peak
+    mem = {k: getattr(peak, k) for k in ("params", "grads", "optim", "activations", "buffers", "transient", "wgrad")}
+    c = Candidate(cfg, mem, peak.total, pred.tokens_per_s / args.gpus, pred.mfu, pred.breakdown)
+    t = cfg.train
+    print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
+          f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: the layout given "
+          f"({time.perf_counter() - t0:.1f} s wall)" + (f"; compute time / {eta:.3f} (--efficiency fitted)" if eta != 1.0 else ""))
+    _print_rows([c])
+    cap = HEADROOM * dev.memory
+    if peak.total > cap:
+        print(f"\ndoes not fit: its peak rank (pipeline stage {peak.stage}) needs {peak.total / GiB:.1f} GiB, more than "
+              f"{HEADROOM:.0%} of {dev.memory / GiB:.0f} GiB ({cap / GiB:.1f} GiB)")
+        return 1
+    print(f"\n{c.label()} is predicted at {step_sentence(c)}")
     return 0
 
 

@@ -1,0 +1,120 @@
+"""``shardlab plan --layout``: the layout grammar (analysis/plan_layout.py), its refusals (one line
+naming the part and the fix, exit 2), features the planner does not model refused by name, the
+search's uneven pipeline splits, and the held-out published runs all expressible."""
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from shardlab.analysis.plan_layout import apply_layout, parse_layout
+from shardlab.analysis.plan_search import enumerate_layouts, layout_label
+from shardlab.cli import main
+from shardlab.commands.plan_cmd import load_model
+from shardlab.config import Config
+from shardlab.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _base(model="llama-405b", seq=8192):
+    base = load_model(model)
+    base.train.precision, base.train.seq_len = "bf16", seq
+    base.model.max_seq_len = max(base.model.max_seq_len, seq)
+    return base
+
+
+def test_parse_the_issue_layout():
+    spec = parse_layout("fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full")
+    assert spec == {"zero": 3, "dp": 8, "tp": 8, "sp": True, "pp": 8, "schedule": "interleaved", "virtual": 2,
+                    "mb": 4, "micro": 8, "ac": "full"}
+    cfg = apply_layout(_base(), spec, 512)
+    p = cfg.parallel
+    assert (p.dp_shard, p.tp, p.pp, p.pp_virtual, p.microbatches, p.zero_stage) == (8, 8, 8, 2, 8, 3)
+    assert cfg.train.global_batch == 4 * 8 * 8 and p.sequence_parallel and p.activation_checkpointing == "full"
+
+
+@pytest.mark.parametrize("label", [
+    "fsdp8 tp8sp pp8:interleavedv2 mb4x8 ac-full",
+    "fsdp16 tp4sp cp8 pp32:dualpipev mb2x64 ac-op",
+    "rep4 fsdp8 tp8sp mb1x2",
+    "zero1-16 tp8sp pp8:zb-h1 mb1x16 ac-selective",
+    "ddp64 tp8 cp2-ulysses mb1x1",
+])
+def test_printed_labels_parse_back_to_the_same_layout(label):
+    """Every label the search prints is a valid --layout (the 405B on 8,192 GPUs, 126 layers:
+    uneven stages)."""
+    spec = parse_layout(label)
+    gpus = 1
+    for k in ("dp", "rep", "tp", "cp", "pp"):
+        gpus *= spec.get(k, 1)
+    cfg = apply_layout(_base(), spec, gpus)
+    assert layout_label(cfg) == label
+
+
+@pytest.mark.parametrize("layout, gpus, part", [
+    ("fsdp8 tp8 bogus", 64, "'bogus'"),
+    ("fsdp8 tp8 tp8", 64, "given twice"),
+    ("fsdp4 tp8", 64, "multiply to 32 ranks, not --gpus 64"),
+    ("fsdp8 interleaved:2", 8, "needs a ppN part"),
+    ("fsdp8 pp8 1f1b:2", 64, "interleaved schedule only"),
+    ("fsdp8 ac-sometimes", 8, "ac-none, ac-selective, ac-op, ac-full"),
+    ("fsdp8 tp3", 24, "parallel.tp"),
+    ("fsdp8 tp0", 8, "'tp0'"),
+])
+def test_bad_layouts_are_one_line_naming_the_part_exit_2(capsys, layout, gpus, part):
+    assert main(["plan", "llama-405b", "--gpus", str(gpus), "--layout", layout]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--layout" in err and part in err and "\n" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--float8", "--async-tp"])
+def test_unmodelled_features_are_refused_by_name(capsys, flag):
+    assert main(["plan", "llama-8b", "--gpus", "8", "--layout", "fsdp8 mb2x1 ac-op", flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and flag in err and "not modelled" in err, err
+
+
+def test_pinned_layout_prints_one_row_and_says_when_it_does_not_fit(capsys):
+    rc = main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100-gt", "--seq", "8192",
+               "--layout", "fsdp8 mb2x1 ac-op", "--compile"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "fsdp8 mb2x1 ac-op" in out and "predicted fastest" not in out, out
+    rc = main(["plan", "llama-405b", "--gpus", "8", "--gpu", "h100", "--layout", "fsdp8 mb1x1"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "does not fit" in out, out
+
+
+def test_search_offers_uneven_interleaved_splits():
+    """126 layers on 8 stages x 2 (or 4) virtual stages: not a divisor, offered anyway (the engine
+    balances stages by parameters); before, --schedule interleaved --pp 8 found no layout."""
+    base = _base()
+    base.train.global_batch = 256
+    found = {(c.parallel.pp_virtual, c.parallel.microbatches)
+             for c in enumerate_layouts(base, 512, 8, {"tp": 8, "pp": 8, "cp": 1, "schedule": "interleaved",
+                                                        "zero": 3, "ac": "full"})}
+    assert {v for v, _ in found} == {2, 4} and 126 % (8 * 2) and 126 % (8 * 4)
+    assert {m for _, m in found} == {8, 16, 32}  # micro-batches of 4, 2 and 1 sequence (8 would leave 4 < pp)
+
+
+def test_every_heldout_run_is_expressible():
+    data = tomllib.loads((ROOT / "benchmarks" / "planner_heldout.toml").read_text())
+    assert len(data["run"]) >= 20 and len({r["system"] for r in data["run"]}) >= 3
+    for run in data["run"]:
+        spec = parse_layout(run["layout"])
+        base = Config()
+        for k, v in data["models"][run["model"]].items():
+            setattr(base.model, k, v)
+        base.model.max_seq_len = base.train.seq_len = run["seq"]
+        base.train.precision, base.train.global_batch = "bf16", run["global_batch"]
+        spec.pop("ac", None) if spec.get("ac") == "fit" else None
+        cfg = apply_layout(base, spec, run["gpus"])
+        assert cfg.parallel.world_size == run["gpus"] and cfg.train.global_batch == run["global_batch"], run["id"]
+
+
+def test_layout_and_fixed_degrees_together_are_refused():
+    with pytest.raises(ConfigError, match="inside --layout"):
+        from shardlab.commands import plan_cmd
+        import argparse
+        ap = argparse.ArgumentParser()
+        plan_cmd.configure(ap)
+        plan_cmd.main(ap.parse_args(["llama-8b", "--gpus", "8", "--tp", "2", "--layout", "fsdp4 tp2"]))

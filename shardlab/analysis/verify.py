@@ -36,6 +36,7 @@ BASE = {"model": {"vocab_size": 256, "d_model": 32, "n_layers": 4, "n_heads": 4,
         "logging": {"progress": False, "tensorboard": False}}
 MOE = {"n_experts": 4, "moe_top_k": 2, "moe_capacity_factor": 0.0}
 
+HIER = {"sim_nodes": 2, "ep_dispatch": "hierarchical"}  # ep over 2 simulated nodes, forwarded inside them
 UNTIED = {"tie_embeddings": False}  # pipeline stages cannot share the embedding with the head
 # name -> (parallel degrees/options, model overrides, data-parallel fill axis)
 LAYOUTS: dict[str, tuple[dict, dict, str]] = {
@@ -95,6 +96,14 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "ep2-zero2": ({"ep": 2, "dp_shard": 2, "zero_stage": 2}, MOE, "dp_shard"),
     "ep2-fsdp": ({"ep": 2, "dp_shard": 4, "zero_stage": 3}, MOE, "dp_shard"),
     "ep2-hsdp": ({"ep": 2, "dp_shard": 2, "dp_replicate": 2, "zero_stage": 3}, MOE, "dp_replicate"),
+    # two tiers (docs/expert-parallel.md): simulated nodes, hierarchical dispatch, node-limited routing
+    "ep4-hier": ({"ep": 4, "dp_shard": 4, **HIER}, MOE, "dp_replicate"),
+    "ep4-hier-cap": ({"ep": 4, "dp_shard": 4, **HIER}, {**MOE, "moe_capacity_factor": 2.0}, "dp_replicate"),
+    "ep4-hier-m1": ({"ep": 4, "dp_shard": 4, **HIER}, {**MOE, "moe_node_groups": 2, "moe_max_nodes": 1},
+                    "dp_replicate"),
+    "ep2-hier-dp": ({"ep": 2, "dp_shard": 2, "dp_replicate": 2, **HIER, "sim_nodes": 4}, MOE, "dp_replicate"),
+    "pp2-ep2-hier": ({"pp": 2, "ep": 2, "dp_shard": 2, "microbatches": 2, **HIER, "sim_nodes": 4}, {**MOE, **UNTIED},
+                     "dp_replicate"),
 }
 
 
@@ -133,7 +142,10 @@ def describe(cfg: C.Config) -> str:
     extra = [f"zero{p.zero_stage}" if p.zero_stage else "", "sp" if p.sequence_parallel else "",
              f"ac-{p.activation_checkpointing}" if p.activation_checkpointing != "none" else "",
              p.pp_schedule if p.pp > 1 else "", f"m{p.microbatches}" if p.microbatches > 1 else "",
-             f"E{cfg.model.n_experts}" if cfg.model.n_experts else ""]
+             f"E{cfg.model.n_experts}" if cfg.model.n_experts else "",
+             p.ep_dispatch if p.ep > 1 and p.ep_dispatch == "hierarchical" else "",
+             f"cap{cfg.model.moe_capacity_factor:g}" if cfg.model.moe_capacity_factor else "",
+             f"M{cfg.model.moe_max_nodes}/{cfg.model.moe_node_groups}" if cfg.model.moe_max_nodes else ""]
     return " ".join([Topology.from_config(p).describe()] + [e for e in extra if e])
 
 

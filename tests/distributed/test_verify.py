@@ -43,3 +43,14 @@ def test_verify_on_the_process_group(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "--parallel.comm_transport=process_group" in out and "7 passed, 0 failed" in out
+
+
+def test_verify_two_tier_layouts():
+    """Expert parallel over simulated nodes: the hierarchical dispatch (ep4 over 2 nodes x 2
+    ranks; with a capacity; with dp; with pp), node-limited routing (M = 1 of 2 groups), each
+    equal to the single-process model (docs/expert-parallel.md, Two tiers). One spawn for all."""
+    names = ["ep4-hier", "ep4-hier-cap", "ep4-hier-m1", "ep2-hier-dp", "pp2-ep2-hier"]
+    cfg = verify.layout_config(names[0], 4)
+    rows = verify.run_layouts(names, 4, str(prepare(cfg.data)), 2, {})
+    assert all(r["ok"] for r in rows), rows
+    assert all("over 2 nodes" in r["detail"] or "over 4 nodes" in r["detail"] for r in rows)

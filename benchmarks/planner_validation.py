@@ -1,7 +1,11 @@
-"""Planner vs published runs: predicted and published tokens/s/GPU (torchtitan) and TFLOP/s per
-GPU (Megatron-LM 2021 weak scaling), with the error of each row and the median absolute error.
+"""Planner vs published runs, in two sets printed apart: the fit set (the 13 rows below, the runs
+the model was shaped against: its error is in-sample) and the held-out set
+(benchmarks/planner_heldout.toml: 31 runs written down and committed before any prediction was
+made on them; the figure to quote). Each row: predicted and published tokens/s/GPU, TFLOP/s per
+GPU or MFU, its error; held-out rows that use a feature the planner does not model are refused by
+name. Every row's layout is printed in ``shardlab plan --layout`` syntax.
 
-    PYTHONPATH=. python benchmarks/planner_validation.py [--markdown]
+    PYTHONPATH=. python benchmarks/planner_validation.py [--fit-only]
 
 Published figures (not measured here):
   torchtitan, docs/performance.md (Llama 3.1, bf16, seq 8192, H100 96GB HBM2e at 500 W):
@@ -18,8 +22,8 @@ The device constants are those of analysis/devices.py (docs/planner.md), the sam
 Assumed where the publications do not say: Megatron micro-batch 1, 1F1B, DDP, sequence parallel
 off (2021), its fused kernels modelled as ``parallel.compile``, its data-parallel all-reduce after
 the backward (Megatron-LM's DDP of that time: ``overlap_comm`` off); torchtitan TP with sequence
-parallel. The 70B row ran with torch.compile and Float8 matmuls, which the model does not have:
-it is shown, and the median is also given without it.
+parallel. The 70B row ran with torch.compile and Float8 matmuls; Float8 is not modelled, so the
+row is refused by name (it was compared with a bf16 prediction before 2026-11-26).
 """
 from __future__ import annotations
 
@@ -27,10 +31,15 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from shardlab.analysis.devices import FITTED_EFFICIENCY
+from shardlab.analysis.plan_search import layout_label
 from shardlab.analysis.predict import predict, scaled_step
 from shardlab.config import Config
+
+sys.path.insert(0, str(Path(__file__).parent))
+import planner_heldout  # noqa: E402
 
 LLAMA = {"8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
          "70b": dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672)}
@@ -89,20 +98,23 @@ def megatron_flops(b, s, layers, h, vocab=51200):
 def rows():
     out = []
     for label, model, gpus, dp, tp, local, ac, pub, note in TITAN:
-        pr = predict(titan_cfg(model, gpus, dp, tp, local, ac, "compile" in note), "h100-gt", per_rank=False)
-        got = pr.tokens_per_s / gpus
-        out.append((label, f"{gpus} H100", "tok/s/GPU", got, pub, pr.mfu, note, pr.breakdown))
+        cfg = titan_cfg(model, gpus, dp, tp, local, ac, "compile" in note)
+        pr = predict(cfg, "h100-gt", per_rank=False)
+        got = None if "Float8" in note else pr.tokens_per_s / gpus  # Float8: not modelled, refused by name
+        out.append((label, f"{gpus} H100", "tok/s/GPU", got, pub, pr.mfu, note, pr.breakdown, layout_label(cfg)))
     for name, h, heads, layers, tp, pp, gpus, batch, pub in MEGATRON:
-        pr = predict(megatron_cfg(h, heads, layers, tp, pp, gpus, batch), "a100", per_rank=False)
+        cfg = megatron_cfg(h, heads, layers, tp, pp, gpus, batch)
+        pr = predict(cfg, "a100", per_rank=False)
         tflops = megatron_flops(batch, 2048, layers, h) / pr.step_time_s / gpus / 1e12
         out.append((f"Megatron-LM GPT {name} tp{tp} pp{pp}", f"{gpus} A100", "TFLOP/s/GPU", tflops, pub, pr.mfu,
-                    "recompute counted", pr.breakdown))
+                    "recompute counted", pr.breakdown, layout_label(cfg)))
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.parse_args(argv)
+    ap.add_argument("--fit-only", action="store_true", help="the fit set only (no held-out rows)")
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
     table = rows()
     # One global efficiency constant eta (all devices, all rows) scaling the compute-bound time:
@@ -115,27 +127,39 @@ def main(argv=None) -> int:
         grid = [0.40 + 0.005 * i for i in range(161)]
         return min(grid, key=lambda e: statistics.median(abs(scaled(r, e) - r[4]) / r[4] for r in subset))
 
+    table, refused = [r for r in table if r[3] is not None], [r for r in table if r[3] is None]
     eta = fit(table)
-    print("| run | GPUs | unit | published | predicted | error | predicted MFU | leave-one-out calibrated | error | note |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("Fit set (the rows the model was shaped against: in-sample)\n")
+    print("| run | GPUs | layout | unit | published | predicted | error | predicted MFU | leave-one-out calibrated | error | note |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|")
     errs, loo_errs = [], []
     for i, row in enumerate(table):
-        label, gpus, unit, got, pub, mfu, note, _ = row
+        label, gpus, unit, got, pub, mfu, note, _, layout = row
         err = (got - pub) / pub
         loo = scaled(row, fit(table[:i] + table[i + 1:]))
         lerr = (loo - pub) / pub
         errs.append(abs(err))
         loo_errs.append(abs(lerr))
-        print(f"| {label} | {gpus} | {unit} | {pub:,} | {got:,.0f} | {100 * err:+.1f}% | "
+        print(f"| {label} | {gpus} | {layout} | {unit} | {pub:,} | {got:,.0f} | {100 * err:+.1f}% | "
               f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {loo:,.0f} | {100 * lerr:+.1f}% | {note} |")
-    eager = [e for e, row in zip(errs, table) if "Float8" not in row[6]]
-    print(f"\nmedian absolute error, stated device constants: {100 * statistics.median(errs):.1f}% over "
-          f"{len(errs)} rows ({100 * statistics.median(eager):.1f}% without the compile + Float8 row)")
+    for label, gpus, unit, _, pub, _, note, _, layout in refused:
+        print(f"| {label} | {gpus} | {layout} | {unit} | {pub:,} | refused | Float8 not modelled | | | | {note} |")
+    print(f"\nfit set: median absolute error, stated device constants: {100 * statistics.median(errs):.1f}% over "
+          f"{len(errs)} rows ({len(refused)} refused: Float8 is not modelled)")
     print(f"one global efficiency constant fitted over all rows: eta = {eta:.3f} (compute time / eta); "
           f"leave-one-out median absolute error {100 * statistics.median(loo_errs):.1f}% "
           f"({time.perf_counter() - t0:.1f} s)")
     print(f"shardlab plan --efficiency fitted uses devices.FITTED_EFFICIENCY = {FITTED_EFFICIENCY:.3f}"
           + ("" if abs(FITTED_EFFICIENCY - eta) < 1e-9 else f" (differs from this fit: update it to {eta:.3f})"))
+    if args.fit_only:
+        return 0
+    print("\nHeld-out set (benchmarks/planner_heldout.toml, committed before any prediction on it)\n")
+    held = planner_heldout.rows()
+    herrs = planner_heldout.print_table(held)
+    print("\n" + planner_heldout.summary(herrs, held))
+    print(f"\nfit median {100 * statistics.median(errs):.1f}% ({len(errs)} rows, in-sample) | held-out median "
+          f"{100 * statistics.median(herrs):.1f}%, max {100 * max(herrs):.1f}% ({len(herrs)} modelled rows) "
+          f"({time.perf_counter() - t0:.1f} s)")
     return 0
 
 

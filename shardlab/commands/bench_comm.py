@@ -13,6 +13,11 @@ algorithm, comparable across N. ``sendrecv`` (nccl-tests' sendrecv_perf): every 
 point-to-point: only the backend's column and the shared one), busbw = algbw. ``x bk`` is busbw relative to the backend column. The
 ``shared`` column (``--transport shared``) is the shared-memory transport (distributed/shm.py).
 
+Two tiers (``--nodes K``): the ranks form K simulated nodes of N/K consecutive ranks, the group's
+communicator is wrapped by distributed/tiers.py, and each column gains ``inter KiB``: the bytes one
+rank sends over the slow tier per call (the most of any rank), next to the time, which
+``--inter-gbps`` / ``--inter-latency-us`` throttle to that tier's speed (docs/collectives.md).
+
 Timing (unlike nccl-tests, which averages back-to-back calls): the algorithms take turns call
 by call, each call starts after a barrier and is timed on every rank; ``time`` is the median
 over the iterations of the slowest rank's time. On a shared, loaded machine this keeps a burst
@@ -83,6 +88,9 @@ def configure(parser):
     parser.add_argument("--json", default=None, help="write every measured point to this JSON file")
     parser.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
     parser.add_argument("--profile", default=None, help="write a torch.profiler Chrome trace per rank here")
+    parser.add_argument("--nodes", type=int, default=1, help="simulated nodes (consecutive ranks); >1: per-tier bytes")
+    parser.add_argument("--inter-gbps", type=float, default=0.0, help="throttle the slow tier to this GB/s per rank (0: no)")
+    parser.add_argument("--inter-latency-us", type=float, default=0.0, help="latency per slow-tier message, microseconds")
 
 
 def _settings(args) -> dict:
@@ -107,8 +115,13 @@ def _settings(args) -> dict:
         raise ValueError(f"--dtype: {args.dtype!r} is not a torch dtype (float32, bfloat16, int64, ...)")
     if args.nproc < 2:
         raise ValueError("--nproc: collectives need at least 2 ranks")
+    if args.nodes < 1 or args.nproc % args.nodes:
+        raise ValueError(f"--nodes: {args.nodes} must be >= 1 and divide --nproc {args.nproc}")
+    if args.inter_gbps < 0 or args.inter_latency_us < 0:
+        raise ValueError("--inter-gbps / --inter-latency-us: must be >= 0")
     return dict(ops=ops, sizes=parse_sizes(args.sizes, args.factor), algorithms=algorithms,
-                shared="shared" in transports, dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile)
+                shared="shared" in transports, dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile,
+                nodes=args.nodes, link=(args.inter_gbps, args.inter_latency_us))
 
 
 def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
@@ -176,11 +189,14 @@ def _worker(ctx, s):
     from ..distributed.collectives import Comm
     from ..distributed.ledger import Ledger
     from ..distributed.shm import SharedComm
+    from ..distributed.tiers import Link, tiered
 
     n, dtype = ctx.world_size, getattr(torch, s["dtype"])
     ledger = Ledger()
     comm = Comm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger)
     comms = (comm, SharedComm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger, device=ctx.device))
+    per_node = n // s["nodes"]
+    comms = tuple(tiered(c, lambda r: r // per_node, Link(*s["link"])) for c in comms)
     prof = None
     if s["profile"]:
         from torch.profiler import ProfilerActivity, profile
@@ -192,13 +208,14 @@ def _worker(ctx, s):
             x, splits = _input(op, size, n, dtype, ctx.device)
             iters = max(3, min(s["iters"], (256 << 20) // max(1, size)))
             algos = columns(op, s["algorithms"], s["sizes"]) + (["shared"] if s["shared"] else [])
-            sent = {}
+            sent, inter = {}, {}
             for algo in algos:
                 for _ in range(s["warmup"]):
                     _call(comms, op, x, algo, splits)
                 before = ledger.snapshot()
                 _call(comms, op, x, algo, splits)
                 sent[algo] = sum(e.bytes_sent for e in ledger.since(before).values())
+                inter[algo] = sum(e.inter_sent for e in ledger.since(before).values())
             # Algorithms interleaved call by call, each call timed alone after a barrier, so that
             # the load of a shared machine drifts over all columns alike.
             times = torch.zeros(len(algos), iters, dtype=torch.float64)
@@ -212,10 +229,13 @@ def _worker(ctx, s):
                     _sync(ctx.device)
                     times[a, i] = time.perf_counter() - t0
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per call: the slowest rank
+            most = torch.tensor([inter[a] for a in algos], dtype=torch.float64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # slow-tier bytes: the busiest rank's
             for a, algo in enumerate(algos):
                 rows.append(dict(op=op, size=size, count=x.numel(), algorithm=algo,
                                  seconds=times[a].median().item(), mean_seconds=times[a].mean().item(),
-                                 min_seconds=times[a].min().item(), iters=iters, sent_per_rank=sent[algo]))
+                                 min_seconds=times[a].min().item(), iters=iters, sent_per_rank=sent[algo],
+                                 inter_per_rank=int(most[a])))
     if prof is not None:
         prof.__exit__(None, None, None)
         import os
@@ -224,18 +244,22 @@ def _worker(ctx, s):
     return rows
 
 
-def table(rows: list[dict], n: int) -> str:
-    """nccl-tests style: one block per op, one line per size, the algorithms side by side."""
+def table(rows: list[dict], n: int, nodes: int = 1) -> str:
+    """nccl-tests style: one block per op, one line per size, the algorithms side by side; with
+    ``nodes`` > 1 each column adds the slow-tier KiB one rank sends per call (the busiest rank)."""
     out = []
     for op in dict.fromkeys(r["op"] for r in rows):
         pts = {(r["size"], r["algorithm"]): r for r in rows if r["op"] == op}
         algorithms = [a for a in dict.fromkeys(r["algorithm"] for r in rows if r["op"] == op)]
         sizes = sorted({r["size"] for r in rows if r["op"] == op})
-        head1 = f"{'':>8}{'':>10} |" + "".join(f"{label(op, a):^{33 if a != 'backend' and 'backend' in algorithms else 27}}|" for a in algorithms)
+        xbk = {a: a != "backend" and "backend" in algorithms for a in algorithms}
+        tier = f"{'inter KiB':>10}" if nodes > 1 else ""
+        head1 = f"{'':>8}{'':>10} |" + "".join(f"{label(op, a):^{27 + 6 * xbk[a] + len(tier)}}|" for a in algorithms)
         head2 = f"{'size':>8}{'count':>10} |" + "".join(
-            f"{'time us':>9}{'algbw':>9}{'busbw':>9}" + (f"{'x bk':>6}" if a != "backend" and "backend" in algorithms else "") + "|"
+            f"{'time us':>9}{'algbw':>9}{'busbw':>9}" + (f"{'x bk':>6}" if xbk[a] else "") + tier + "|"
             for a in algorithms)
-        out += [f"# {op}  N={n}  (time: median per call of the slowest rank; algbw, busbw: GB/s)", head1, head2]
+        where = f", {nodes} simulated nodes of {n // nodes}" if nodes > 1 else ""
+        out += [f"# {op}  N={n}{where}  (time: median per call of the slowest rank; algbw, busbw: GB/s)", head1, head2]
         for size in sizes:
             line = f"{human(size):>8}{pts[(size, algorithms[0])]['count']:>10} |"
             bk = pts.get((size, "backend"))
@@ -244,8 +268,10 @@ def table(rows: list[dict], n: int) -> str:
                 algbw = size / r["seconds"] / 1e9
                 busbw = algbw * BUS[op](n)
                 line += f"{r['seconds'] * 1e6:>9.1f}{algbw:>9.3f}{busbw:>9.3f}"
-                if a != "backend" and bk:
+                if xbk[a] and bk:
                     line += f"{bk['seconds'] / r['seconds']:>6.2f}"
+                if nodes > 1:
+                    line += f"{r.get('inter_per_rank', 0) / 1024:>10.1f}"
                 line += "|"
             out.append(line)
         out.append("")
@@ -292,11 +318,13 @@ def main(args) -> int:
         return 2
     t0 = time.perf_counter()
     rows = run(_worker, args.nproc, s, device=args.device, timeout_s=600)[0]
-    print(table(rows, args.nproc))
-    print(f"# {args.nproc} ranks, dtype {s['dtype']}, device {args.device}, {time.perf_counter() - t0:.1f} s in all")
+    print(table(rows, args.nproc, args.nodes))
+    link = f", slow tier {args.inter_gbps:g} GB/s + {args.inter_latency_us:g} us" if args.nodes > 1 and any(s["link"]) else ""
+    print(f"# {args.nproc} ranks, dtype {s['dtype']}, device {args.device}{link}, {time.perf_counter() - t0:.1f} s in all")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(nproc=args.nproc, dtype=s["dtype"], device=args.device, rows=rows), f, indent=1)
+            json.dump(dict(nproc=args.nproc, dtype=s["dtype"], device=args.device, nodes=args.nodes,
+                           link=s["link"], rows=rows), f, indent=1)
     if args.plot:
         plot(rows, args.nproc, args.plot)
     return 0

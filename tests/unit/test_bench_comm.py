@@ -31,11 +31,22 @@ def test_table_bus_bandwidth():
     assert line[2:5] == ["4000.0", "1.049", "1.573"] and line[-1] == "0.80"
 
 
+def test_table_with_tiers_shows_slow_tier_bytes():
+    rows = [dict(op="all_to_all", size=1 << 20, count=1 << 18, algorithm="backend", seconds=0.002, iters=3,
+                 sent_per_rank=3 << 18, inter_per_rank=1 << 19)]
+    text = bc.table(rows, 4, nodes=2)
+    assert "2 simulated nodes of 2" in text and "inter KiB" in text
+    assert text.splitlines()[3].replace("|", " ").split()[-1] == "512.0"
+    assert "inter KiB" not in bc.table(rows, 4)
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["bench", "comm", "--ops", "allreduce"], "--ops"),
     (["bench", "comm", "--algorithms", "ring,fast"], "--algorithms"),
     (["bench", "comm", "--nproc", "1"], "--nproc"),
     (["bench", "comm", "--sizes", "1Q"], "--sizes"),
+    (["bench", "comm", "--nproc", "4", "--nodes", "3"], "--nodes"),
+    (["bench", "comm", "--nodes", "2", "--inter-gbps", "-1"], "--inter-gbps"),
 ])
 def test_bad_arguments_fail_before_spawning(argv, msg, capsys):
     assert cli.main(argv) == 2

@@ -19,7 +19,9 @@ Published figures (not measured here):
     TFLOP/s per GPU by their count 96 B s l h^2 (1 + s/6h + V/16lh) (recomputation included).
     Rows: 1.7B, 3.6B, 7.5B, 18.4B, 39.1B, 76.1B, 145.6B (batch 2304), 310.1B, 529.6B, 1T.
 The device constants are those of analysis/devices.py (docs/planner.md), the same for all rows.
-Assumed where the publications do not say: Megatron micro-batch 1, 1F1B, DDP, sequence parallel
+Assumed where the publications do not say: Megatron micro-batch 1, the interleaved schedule
+(section 5.1 says Table 1 ran it) with the fewest virtual stages > 1 that divide a stage's
+layers, DDP, sequence parallel
 off (2021), its fused kernels modelled as ``parallel.compile``, its data-parallel all-reduce after
 the backward (Megatron-LM's DDP of that time: ``overlap_comm`` off); torchtitan TP with sequence
 parallel. The 70B row ran with torch.compile and Float8 matmuls; Float8 is not modelled, so the
@@ -88,6 +90,9 @@ def megatron_cfg(h, heads, layers, tp, pp, gpus, batch):
     p.activation_checkpointing = "full"
     p.compile = True  # Megatron's fused kernels (bias-GeLU, scaled masked softmax, fused LayerNorm)
     p.overlap_comm = False  # Megatron-LM (2021): its DDP all-reduces the gradient buffer after the backward
+    if pp > 1:  # section 5.1: "we use the interleaved pipeline schedule"; virtual stages not stated:
+        per_stage = layers // pp  # the fewest > 1 that divide the layers of a stage (Megatron needs it)
+        p.pp_schedule, p.pp_virtual = "interleaved", next(v for v in range(2, per_stage + 1) if per_stage % v == 0)
     return cfg.validate(gpus)
 
 

@@ -101,6 +101,8 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "ep4-hier-cap": ({"ep": 4, "dp_shard": 4, **HIER}, {**MOE, "moe_capacity_factor": 2.0}, "dp_replicate"),
     "ep4-hier-m1": ({"ep": 4, "dp_shard": 4, **HIER}, {**MOE, "moe_node_groups": 2, "moe_max_nodes": 1},
                     "dp_replicate"),
+    "ep4-overlap": ({"ep": 4, "dp_shard": 4, "sim_nodes": 2, "ep_overlap": True}, {**MOE, "moe_capacity_factor": 2.0},
+                    "dp_replicate"),
     "ep2-hier-dp": ({"ep": 2, "dp_shard": 2, "dp_replicate": 2, **HIER, "sim_nodes": 4}, MOE, "dp_replicate"),
     "pp2-ep2-hier": ({"pp": 2, "ep": 2, "dp_shard": 2, "microbatches": 2, **HIER, "sim_nodes": 4}, {**MOE, **UNTIED},
                      "dp_replicate"),
@@ -144,6 +146,7 @@ def describe(cfg: C.Config) -> str:
              p.pp_schedule if p.pp > 1 else "", f"m{p.microbatches}" if p.microbatches > 1 else "",
              f"E{cfg.model.n_experts}" if cfg.model.n_experts else "",
              p.ep_dispatch if p.ep > 1 and p.ep_dispatch == "hierarchical" else "",
+             "overlap" if p.ep > 1 and p.ep_overlap else "",
              f"cap{cfg.model.moe_capacity_factor:g}" if cfg.model.moe_capacity_factor else "",
              f"M{cfg.model.moe_max_nodes}/{cfg.model.moe_node_groups}" if cfg.model.moe_max_nodes else ""]
     return " ".join([Topology.from_config(p).describe()] + [e for e in extra if e])

@@ -113,6 +113,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.ffn_dim, getattr(cfg, "moe_impl", "grouped"))
         self.last_aux_loss = 0.0
         self._stats: dict = {}
+        self.split = 1
+        """2: group the rows by half of the tokens first, counts (2, E) (parallel/expert_overlap.py)."""
 
     @property
     def last_stats(self) -> dict:
@@ -186,10 +188,13 @@ class MoE(nn.Module):
         # group by expert with the dropped assignments last: shapes never depend on the routing
         # (no host read); the experts return zeros for the dropped rows, weighted by 0 anyway
         key = torch.where(r.keep, r.expert, self.n_experts)
+        if self.split == 2:  # two halves by token, half-major (expert parallel's overlap)
+            key = key + (r.token >= x.shape[0] // 2) * (self.n_experts + 1)
         sel = torch.argsort(key, stable=True)                 # row i of the experts' input: assignment sel[i]
         inv = torch.empty_like(sel)
         inv[sel] = torch.arange(sel.numel(), device=sel.device)
-        counts = count(key, self.n_experts + 1)[:self.n_experts]
+        counts = count(key, self.split * (self.n_experts + 1)).view(self.split, -1)[:, :self.n_experts]
+        counts = counts[0] if self.split == 1 else counts
         y = self.run_experts(_Spread.apply(x, sel, inv, self.top_k), counts, self.capacity(x.shape[0]))
         # combine in x's dtype (under autocast the experts return bf16/fp16, x is fp32)
         w = (r.weight * r.keep)[sel, None].to(x.dtype)

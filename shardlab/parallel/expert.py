@@ -53,6 +53,7 @@ from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE, Experts
 from ..models.moe_gemm import padded_slots
 from .expert_hier import Hierarchy, hierarchical_moe
+from .expert_overlap import overlapped_experts
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -72,7 +73,7 @@ class _SumOverRanks(torch.autograd.Function):
 class ExpertParallelMoE(MoE):
     """An MoE layer whose experts live on the ep ranks. Parameter names are unchanged."""
 
-    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str, dispatch: str = "padded"):
+    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str, dispatch: str = "padded", overlap: bool = False):
         with torch.device("meta"):
             super().__init__(model_cfg)
         self.router = moe.router
@@ -81,6 +82,7 @@ class ExpertParallelMoE(MoE):
         self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
         self.padded = padded_dispatch(dispatch, self.capacity_factor)
         self.hier = Hierarchy(mesh, E) if dispatch == "hierarchical" and ep > 1 else None
+        self.split = 2 if overlap and ep > 1 and self.hier is None else 1  # expert_overlap.py
         src = moe.experts
         self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
@@ -103,6 +105,8 @@ class ExpertParallelMoE(MoE):
 
     def run_experts(self, x, counts, capacity=0):
         ep, n_local = self.ep.size, self.n_local
+        if counts.dim() == 2:
+            return overlapped_experts(self, x, counts, capacity)
         t0 = time.perf_counter()
         if ep == 1:
             out = self.experts(x, counts, capacity)
@@ -199,8 +203,8 @@ def _check_tiers(m, p) -> None:
         spanned = topo.size("ep_inter")
         require(G % spanned == 0, "model.moe_node_groups",
                 f"{G} groups cannot each sit on one of the {spanned} nodes an ep group spans; use a multiple of {spanned}")
-    require(not p.ep_overlap or p.comm_transport == "process_group", "parallel.ep_overlap",
-            "needs asynchronous collectives: set parallel.comm_transport = process_group")
+    require(not p.ep_overlap or p.ep_dispatch != "hierarchical", "parallel.ep_overlap",
+            "overlap of the hierarchical dispatch is not implemented; use ep_dispatch = exact or padded")
 
 
 def apply(model: nn.Module, mesh, cfg) -> nn.Module:
@@ -210,7 +214,7 @@ def apply(model: nn.Module, mesh, cfg) -> nn.Module:
     for name, moe in moe_layers(model):
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr,
-                ExpertParallelMoE(moe, mesh, cfg.model, name, cfg.parallel.ep_dispatch))
+                ExpertParallelMoE(moe, mesh, cfg.model, name, cfg.parallel.ep_dispatch, cfg.parallel.ep_overlap))
     return model
 
 

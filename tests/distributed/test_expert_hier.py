@@ -1,5 +1,5 @@
-"""Two tiers: the hierarchical expert dispatch (parallel/expert_hier.py) and node-limited routing
-over simulated nodes, against the single-process MoE layer on each rank's tokens (float64), and
+"""Two tiers: the hierarchical expert dispatch (parallel/expert_hier.py), the overlapped one
+(parallel/expert_overlap.py) and node-limited routing over simulated nodes, against the single-process MoE layer on each rank's tokens (float64), and
 the slow-tier bytes the tier wrapper (distributed/tiers.py) counts against what the routing
 implies. Run with every point-to-point tag forced to 0 (NCCL's matching by issue order)."""
 import time
@@ -25,7 +25,9 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     ref = build_model(cfg.model, seed=4, dtype=torch.float64).layers["0"].feed_forward
     with torch.no_grad():  # a peaked router: experts overflow under a capacity
         ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
-    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", dispatch)
+    overlap = dispatch == "overlap"
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", "exact" if overlap else dispatch,
+                                     overlap)
     gen = torch.Generator().manual_seed(10 + mesh.rank)
     x = torch.randn(T, D, dtype=torch.float64, generator=gen)
     w = torch.randn(T, D, dtype=torch.float64, generator=gen)
@@ -64,7 +66,7 @@ def worker(ctx, nodes, topo):
                 for m, g in ((0, 0), (1, nodes)):
                     cfg = make_cfg(topo, top_k=k, capacity=cap)
                     cfg.model.moe_node_groups, cfg.model.moe_max_nodes = g, m
-                    for dispatch in ("hierarchical", "exact"):
+                    for dispatch in ("hierarchical", "exact", "overlap"):
                         out[(cap, k, m, dispatch)] = _layer_case(mesh, cfg, dispatch)
     out["tags"] = seen
     return out
@@ -73,9 +75,9 @@ def worker(ctx, nodes, topo):
 def _slow_bytes(case, dispatch, k, everyone, ep_nodes):
     """Forward slow-tier bytes of one rank: the count exchange, what it sends over, and the
     rows it returns to ranks of other nodes in the combine (``everyone``: their cases)."""
-    if dispatch == "exact":  # flat: one row per assignment on another node, each way; counts: n_local ints per rank
-        back = sum(c["rows"].get(case["rank"], 0) for c in everyone)
-        return (sum(case["rows"].values()) + back) * D * 8 + ep_nodes * 8
+    if dispatch in ("exact", "overlap"):  # flat: one row per assignment on another node, each way
+        back = sum(c["rows"].get(case["rank"], 0) for c in everyone)  # counts: n_local ints per rank (per half)
+        return (sum(case["rows"].values()) + back) * D * 8 + ep_nodes * 8 * (2 if dispatch == "overlap" else 1)
     # hierarchical: row + k weights + k int32 ids per (node, token), to and from the same local index
     back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
     return sum(case["pairs"].values()) * ((D + k) * 8 + k * 4) + back * D * 8 + 8 * (ep_nodes - 1)
@@ -94,7 +96,7 @@ def _check(res, nodes, n_local):
                 assert c["max_nodes"] <= m, (rank, key, c)
             everyone = [o[key] for o in res if o[key]["node"] != c["node"]]
             other_ranks = sum(1 for o in res if o[key]["node"] != c["node"])
-            cross = n_local * other_ranks if dispatch == "exact" else nodes
+            cross = nodes if dispatch == "hierarchical" else n_local * other_ranks
             assert c["inter"] == _slow_bytes(c, dispatch, k, everyone, cross), (rank, key, c)
 
 

@@ -1,0 +1,123 @@
+"""Expert parallel with its all-to-alls overlapped with the experts' compute
+(``parallel.ep_overlap``; docs/expert-parallel.md, "Overlap").
+
+The layer's tokens are routed together (capacity, statistics and auxiliary losses exactly as
+without overlap), then their assignments go in two halves by token: half A is tokens
+[0, T/2), half B the rest (models/moe.py groups the rows half-major when ``self.split == 2``).
+Both halves' all-to-alls are asynchronous collectives of the group's process group (gloo runs
+them on its own threads, NCCL on its stream), so one half's transfer runs while the other half's
+experts compute:
+
+  forward    start dispatch A, start dispatch B | wait A, experts A, start combine A |
+             wait B, experts B, start combine B | wait combine A, wait combine B
+  backward   start combine-grad A, B | wait A, experts' backward A, start dispatch-grad A |
+             wait B, experts' backward B, start dispatch-grad B | wait both
+
+Only the first transfer of each pass (dispatch A; combine-grad A) and the last (combine B;
+dispatch-grad B) have no compute beside them. The experts' forward runs on detached received
+rows inside :class:`_Overlapped` and their backward is an inner ``torch.autograd.backward`` (as
+activation checkpointing does), which accumulates the expert weights' gradients. The split sizes
+are exact (read on the host after each half's count exchange): no padding. Results equal the
+non-overlapped layer up to the order of the expert weight gradients' sums over rows (float64
+1e-10, tests/distributed/test_expert_hier.py). A group that spans nodes passes the transfers
+through the tier wrapper (distributed/tiers.py), so the simulated slow tier overlaps too.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.tiers import TieredComm
+
+
+def start_all_to_all(comm, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
+    """Start ``comm``'s all-to-all of ``t`` asynchronously on its process group, counted in the
+    ledger like the synchronous call (and priced by the tier wrapper when ``comm`` has one).
+    Returns (work with ``wait()``, output tensor filled once it is waited for)."""
+    base = comm.inner if isinstance(comm, TieredComm) else comm
+    out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
+    t = t.contiguous()
+
+    def start():
+        base._count_a2a(t, in_splits, out_splits)
+        return dist.all_to_all_single(out, t, out_splits, in_splits, group=base.group, async_op=True)
+    work = comm.all_to_all_start(t, in_splits, out_splits, start) if isinstance(comm, TieredComm) else start()
+    return work, out
+
+
+def _wait(work):
+    with torch.profiler.record_function("ep:wait"):
+        work.wait()
+
+
+class _Half:
+    """One half's routing on this rank: its rows' splits and the regrouping of received rows."""
+
+    def __init__(self, layer, counts: torch.Tensor):
+        ep, n_local = layer.ep.size, layer.n_local
+        send = counts.view(ep, n_local)
+        recv = layer.ep.all_to_all(send.contiguous())
+        self.ins, self.outs = send.sum(1).tolist(), recv.sum(1).tolist()   # this half's host read
+        self.n = sum(self.ins)
+        block = torch.arange(ep * n_local, device=counts.device).view(ep, n_local)
+        key = torch.repeat_interleave(((block % n_local) * ep + block // n_local).flatten(), recv.flatten(),
+                                      output_size=sum(self.outs))
+        self.perm = torch.argsort(key, stable=True)
+        self.back = torch.empty_like(self.perm)
+        self.back[self.perm] = torch.arange(self.perm.numel(), device=counts.device)
+        self.local_counts = recv.sum(0)
+
+
+class _Overlapped(torch.autograd.Function):
+    """rows of half A and half B (kept rows, grouped by expert) -> their expert outputs, with
+    the transfers of one half overlapping the other's compute (module doc)."""
+
+    @staticmethod
+    def forward(ctx, a, b, layer, halves, capacity):
+        ctx.layer, ctx.halves = layer, halves
+        works = [start_all_to_all(layer.ep, x, h.ins, h.outs) for x, h in zip((a, b), halves)]
+        inputs, outputs, combines = [], [], []
+        for (work, got), h in zip(works, halves):
+            _wait(work)
+            x = got.detach().requires_grad_()
+            with torch.enable_grad():
+                y = layer.experts(x[h.perm], h.local_counts, layer.ep.size * capacity)[h.back]
+            inputs.append(x)
+            outputs.append(y)
+            combines.append(start_all_to_all(layer.ep, y.detach(), h.outs, h.ins))
+        ctx.inputs, ctx.outputs = inputs, outputs
+        result = []
+        for work, out in combines:
+            _wait(work)
+            result.append(out)
+        return tuple(result)
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        layer, halves = ctx.layer, ctx.halves
+        works = [start_all_to_all(layer.ep, g, h.ins, h.outs) for g, h in zip((ga, gb), halves)]
+        back = []
+        for (work, g), h, x, y in zip(works, halves, ctx.inputs, ctx.outputs):
+            _wait(work)
+            torch.autograd.backward(y, g)
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            back.append(start_all_to_all(layer.ep, grad, h.outs, h.ins))
+        grads = []
+        for work, out in back:
+            _wait(work)
+            grads.append(out)
+        ctx.inputs = ctx.outputs = None
+        return grads[0], grads[1], None, None, None
+
+
+def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``x``: the rows of half A (``k * T_A``: its kept rows by expert, then its dropped ones),
+    then those of half B; ``counts`` (2, E): kept rows per expert of each half. Returns the
+    expert outputs in the same row order, zeros for dropped rows."""
+    halves = [_Half(layer, c) for c in counts]
+    n_a = layer.top_k * (x.shape[0] // layer.top_k // 2)  # half A: tokens [0, T // 2)
+    a, b = x[:halves[0].n], x[n_a:n_a + halves[1].n]
+    ya, yb = _Overlapped.apply(a, b, layer, halves, capacity)
+    zeros = x.new_zeros
+    return torch.cat([ya, zeros(n_a - halves[0].n, x.shape[1]), yb,
+                      zeros(x.shape[0] - n_a - halves[1].n, x.shape[1])])

@@ -13,6 +13,12 @@ shardlab checkpoint. No rank ever copies the whole model. With ``FailureConfig(m
 a dead worker makes Ray stop the group, start it again and give every rank the latest reported
 checkpoint (``RankContext.resume_from``), which the training loop loads before its first step.
 
+Hangs and desyncs: every rank dumps its flight recorder into a directory of the driver's host
+(as under the local launcher); on a failure the driver prints the report naming each rank's last
+operation and the ranks missing from, or disagreeing about, a collective (docs/faults.md). Ranks
+on other nodes of a cluster write into their own node's copy of that path (and into
+``<run_dir>/flight`` under ``shardlab train``), which the driver does not see.
+
 Ray is an optional extra (``pip install 'shardlab[ray]'``), imported only here and only when
 ``--launcher ray`` is used. With cli.py and launch.py, a module that reads environment variables
 (the TEST-ONLY ``SHARDLAB_TEST_*`` hooks are forwarded to the workers). Docs: docs/ray.md.
@@ -118,8 +124,10 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     storage = opts.storage_path or tempfile.mkdtemp(prefix="shardlab-ray-")
     name = f"shardlab-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     import ray
+    from .distributed import flight
+    dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here (as under launch.run)
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()  # rank 0's return value comes back through it
-    loop_config = {"mailbox": mailbox, "fn": fn, "args": args, "threads": threads or default_threads(nproc), "use_gpu": use_gpu,
+    loop_config = {"mailbox": mailbox, "fn": flight.wrap(fn, dump_dir), "args": args, "threads": threads or default_threads(nproc), "use_gpu": use_gpu,
                    "test_env": test_env(), "report": report_checkpoints,
                    "run_storage": str(Path(storage).resolve() / name)}
     trainer = TorchTrainer(
@@ -130,12 +138,18 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         run_config=RunConfig(name=name, storage_path=str(Path(storage).resolve()),
                              failure_config=FailureConfig(max_failures=opts.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    ok = False
     try:
         trainer.fit()
+        ok = True
         return [pickle.loads(ray.get(mailbox.get.remote()))]
     except Exception as e:
-        raise _as_worker_error(e) from None
+        err = _as_worker_error(e)
+        flight.diagnose_failure(err, dump_dir, nproc)  # the workers have ended: their dumps are final
+        raise err from None
     finally:
+        if ok:
+            shutil.rmtree(dump_dir, ignore_errors=True)
         ray.kill(mailbox)
         if not opts.storage_path:
             shutil.rmtree(storage, ignore_errors=True)

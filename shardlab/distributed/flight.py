@@ -383,15 +383,16 @@ class Works:
 
 
 def diagnose_failure(err, dump_dir: str, procs) -> None:
-    """On a failed run: read the ranks' flight-recorder dumps (waiting briefly for ranks still
-    alive), print each rank's last operation and the ranks missing from / disagreeing about a
-    collective (docs/faults.md, Hangs and desyncs) and append it to ``err`` (a launch.WorkerError)."""
+    """On a failed run: read the ranks' dumps (``procs``: the rank processes, waited for briefly;
+    or their number, all ended: Ray), print each rank's last operation and the ranks missing from /
+    disagreeing about a collective (docs/faults.md, Hangs and desyncs), append it to ``err``."""
     from ..launch import BAD_INPUT
     root = str(err).split("\n")[1] if "\n" in str(err) else ""
     if root.startswith(BAD_INPUT):  # bad input found by a rank: one line, no communication report
         return
     try:
-        text = report(dump_dir, len(procs), alive=lambda r: procs[r].is_alive())
+        text = (report(dump_dir, procs) if isinstance(procs, int) else
+                report(dump_dir, len(procs), alive=lambda r: procs[r].is_alive()))
     except Exception as e:  # diagnosis must never hide the failure itself
         text = f"flight recorder: could not read the dumps in {dump_dir}: {type(e).__name__}: {e}"
     if text:

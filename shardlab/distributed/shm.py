@@ -30,12 +30,13 @@ per-rank sizes and splits through a small host control arena. The host barrier i
 rank in that arena (x86-64; elsewhere, or with ``host_barrier="process_group"``, the group's
 ``dist.barrier``). Point-to-point (isend / irecv / exchange) goes through a byte ring per pair
 of ranks and direction in shared memory (shm_p2p.py; x86-64, not in check mode: there the process
-group's); ``barrier`` is the base class's. Bytes are counted in the ledger exactly as the base class counts backend
+group's); ``barrier`` is the base class's. Every barrier, the counter barrier of each collective
+included, also checks that no message between two ranks was sent and not received before it
+(shm_p2p.py, "Sends left unreceived"). Bytes are counted in the ledger exactly as the base class counts backend
 collectives (ring model, "modelled"), so ledgers of both transports compare.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import platform
@@ -43,32 +44,12 @@ import uuid
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ConfigError
 from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
 from . import shm_host
-from .shm_host import X86, _reduce_into, _round, _spans
+from .shm_host import X86, _reduce_into, _round, _spans, modes_off as _modes_off
 from .shm_p2p import RingPointToPoint
-
-def _modes_off(fn):
-    """Run a collective with the Python dispatch modes (``TorchDispatchMode``) switched off. Its
-    internals (spins on the shared counters, a first call's mapping of the arena) dispatch a
-    number of operators that differs from call to call; a mode that must see the same operators
-    in the same order each time (selective recomputation's: the ``op`` policy replays a block's
-    forward) would fail. Collectives are never kept by such policies: they run again. Under the
-    profiler the call is one ``shm:<op>`` span (analysis/overlap.py counts it as communication)."""
-    span = "shm:" + {"_gather": "all_gather"}.get(fn.__name__, fn.__name__)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _disable_current_modes():
-            if not torch.autograd._profiler_enabled():
-                return fn(*args, **kwargs)
-            with torch.profiler.record_function(span):
-                return fn(*args, **kwargs)
-    return wrapper
-
 
 class SharedComm(RingPointToPoint, Comm):
     """A :class:`Comm` whose collectives run through memory shared by the group's ranks (all on
@@ -106,12 +87,13 @@ class SharedComm(RingPointToPoint, Comm):
     @property
     def _ctl(self) -> torch.Tensor:
         """The host control arena: row i = (bytes of rank i's all_to_all input, its in_splits,
-        its out_splits); then one barrier counter per rank, each on its own 64-byte line."""
+        its out_splits); then per rank two 64-byte lines: its barrier counter, two signatures of
+        3 words, then two (messages sent, asked for) pairs (shm_p2p.py), by barrier parity."""
         if self._ctl_buf is None:
             n = self.size
-            buf = self._host(n * (2 * n + 1) * 8 + n * 64).view(torch.int64)
+            buf = self._host(n * (2 * n + 1) * 8 + n * 128).view(torch.int64)
             self._ctl_buf = buf[:n * (2 * n + 1)].view(n, 2 * n + 1)
-            self._lines = buf[n * (2 * n + 1):].view(n, 8)  # per rank: counter, then two signatures of 3
+            self._lines = buf[n * (2 * n + 1):].view(n, 16)
             self._flags = self._lines[:, 0]
         return self._ctl_buf
 
@@ -127,13 +109,16 @@ class SharedComm(RingPointToPoint, Comm):
         at = 1 + 3 * (epoch % 2)  # this collective's signature (shm_host.signature) before the counter;
         for k, v in enumerate(self._sig):  # a peer can be one barrier ahead
             self._lines[self.rank, at + k] = v
+        self._p2p_publish(epoch, self._lines[self.rank])  # the messages it sent and asked for (shm_p2p.py)
         self._flags[self.rank] = epoch
         shm_host.wait(lambda: int(self._flags.min()) >= epoch, self.timeout_s,
                       lambda: f"{self.name}: shared-memory barrier: group ranks "
                               f"{[i for i in range(self.size) if int(self._flags[i]) < epoch]} did not arrive")
-        bad = shm_host.mismatch(self.name, self._lines[:, at:at + 3].tolist())
+        lines = self._lines.tolist()
+        bad = shm_host.mismatch(self.name, [row[at:at + 3] for row in lines])
         if bad:
             raise RuntimeError(bad)
+        self._p2p_check(epoch, lines, f"its {shm_host.describe(self._sig)}")
 
     def _host(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` mapped by every rank of the group (collective)."""

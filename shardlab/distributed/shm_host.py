@@ -5,6 +5,7 @@ is reserved, how long a wait may last, how long messages are cut into chunks (do
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import platform
 import time
@@ -81,7 +82,8 @@ def reserve(path: str, nbytes: int) -> None:
 # therefore publishes, with its arrival, what it is in: the collective, the dtype, the bytes of its
 # message (0 for all_to_all, whose sizes differ by design), its shape and the reduce op or broadcast root; after
 # the barrier each compares all of them and every rank raises the same one-line error on a mismatch.
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "barrier")
+BARRIER = (KINDS.index("barrier"), 0, 0)  # the signature of SharedComm.barrier()
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
            "complex64", "complex128")
 _OPS = ("sum", "avg", "max", "min")
@@ -102,6 +104,8 @@ def describe(sig, shape: bool = False) -> str:
     """``kind(dtype, bytes[, n-d shape #hash], op)``; the shape only when asked (it differs)."""
     code, nbytes, shp = (int(x) for x in (list(sig) + [0])[:3])
     kind, dt, extra = KINDS[code & 0xFF], (code >> 8) & 0xFF, code >> 16
+    if kind == "barrier":
+        return "barrier()"
     what = [_DTYPES[dt - 1] if dt else "dtype?"] + ([f"{nbytes} bytes"] if nbytes else [])
     what += [f"{shp & 15}-d shape #{(shp >> 4) & 0xFFFF:04x}"] if shape and shp else []
     what += [_OPS[extra - 1]] if 1 <= extra <= len(_OPS) else [f"from group rank {extra - 16}"] if extra >= 16 else []
@@ -162,3 +166,24 @@ def set_mmap_threshold(nbytes: int) -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes))  # M_MMAP_THRESHOLD (also stops its dynamic rise)
     except (OSError, AttributeError):
         pass
+
+
+def modes_off(fn):
+    """Run a collective with the Python dispatch modes (``TorchDispatchMode``) switched off. Its
+    internals (spins on the shared counters, a first call's mapping of the arena) dispatch a
+    number of operators that differs from call to call; a mode that must see the same operators
+    in the same order each time (selective recomputation's: the ``op`` policy replays a block's
+    forward) would fail. Collectives are never kept by such policies: they run again. Under the
+    profiler the call is one ``shm:<op>`` span (analysis/overlap.py counts it as communication)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+    span = "shm:" + {"_gather": "all_gather"}.get(fn.__name__, fn.__name__)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _disable_current_modes():
+            if not torch.autograd._profiler_enabled():
+                return fn(*args, **kwargs)
+            with torch.profiler.record_function(span):
+                return fn(*args, **kwargs)
+    return wrapper

@@ -20,6 +20,15 @@ first message to or from the peer and sends its name through the process group (
 ``isend``); the higher rank posts the matching ``irecv`` at its first message and maps the file
 (and unlinks the name) once that arrived. Tensors of any device go through the host rings (a
 CUDA tensor is copied to and from host memory synchronously).
+
+Sends left unreceived. A send completes once its bytes are in the ring, so a send that no
+receive matches would not block; a later receive of the same size would take it. Every barrier
+of the group (each collective's counter barrier and ``barrier()``) therefore compares, per pair,
+the messages each side had issued: before arriving, each rank writes how many it has sent to and
+asked from each peer into the pair's ring header; once all arrived, a pair whose sender sent more
+than its receiver asked for raises on both ranks, naming them, the first unmatched send's number
+and size (as NCCL, whose operations on one communicator run in order, every send needs its
+receive before the group's next collective).
 """
 from __future__ import annotations
 
@@ -33,12 +42,14 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import shm_host
-from .collectives import _nbytes
+from .collectives import _nbytes, _recorded
 
 LINE = 64          # bytes: one counter per cache line
 NAME = 32          # bytes of a pair file's name token (uuid4 hex)
 DEFAULT_CAP = 16 << 20
 """Bytes of one ring (per direction and pair); longer messages stream through it."""
+SIZES_KEPT = 64
+"""Sizes of the latest sends kept per peer, to name an unreceived one."""
 
 
 def _unlink(path: str) -> None:
@@ -54,11 +65,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class Ring:
-    """One direction of a pair: ``written`` / ``read`` byte counters and ``cap`` data bytes."""
+    """One direction of a pair: ``written`` / ``read`` byte counters and ``cap`` data bytes, and
+    the messages each side had issued when it entered the group's latest two barriers (two
+    slots by parity: a peer can be one barrier ahead): ``posted`` (sends, on the producer's
+    line) and ``wanted`` (receives, on the consumer's)."""
 
     def __init__(self, buf: torch.Tensor, cap: int):
         ctr = buf[:2 * LINE].view(torch.int64)
         self.written, self.read = ctr[0:1], ctr[LINE // 8:LINE // 8 + 1]
+        self.posted, self.wanted = ctr[1:3], ctr[LINE // 8 + 1:LINE // 8 + 3]
         self.data, self.cap = buf[2 * LINE:2 * LINE + cap], cap
 
     @staticmethod
@@ -78,6 +93,15 @@ class Ring:
             self.data[:n - first].copy_(src[off + first:off + n])
         self.written[0] = w + n  # publish after the data
         return n
+
+    def head(self) -> int | None:
+        """The length header of the earliest unreceived message, if it is in the ring (read when
+        no receive from this ring is under way, so ``read`` is at a message boundary)."""
+        r = int(self.read[0])
+        if int(self.written[0]) - r < 8:
+            return None
+        at = [(r + i) % self.cap for i in range(8)]
+        return int(self.data[at].view(torch.int64)[0])
 
     def take(self, dst: torch.Tensor, off: int) -> int:
         """Copy as many available bytes as ``dst[off:]`` needs; returns how many."""
@@ -110,7 +134,7 @@ class Op:
         return self.done
 
     def wait(self, *a, **k) -> bool:
-        with _disable_current_modes():  # spins dispatch a varying number of operators (shm._modes_off)
+        with _disable_current_modes():  # spins dispatch a varying number of operators (shm_host.modes_off)
             self.chans.wait_until(lambda: self.done, f"{self.kind} {'to' if self.kind == 'send' else 'from'} "
                                                      f"group rank {self.peer}")
         if self.entry is not None:
@@ -129,6 +153,9 @@ class Channels:
         self._names: list = []                          # (work, name buffer) this rank sent
         self.sends: dict[int, deque] = {}
         self.recvs: dict[int, deque] = {}
+        self.issued: dict[tuple[str, int], int] = {}   # (kind, peer) -> messages issued so far
+        self.sizes: dict[int, deque] = {}               # peer -> bytes of the latest sends to it
+        self.rounds = 0                                 # the slot of the latest publish
         self._maps: list[torch.Tensor] = []
 
     def post(self, kind: str, t: torch.Tensor, peer: int, entry=None) -> Op:
@@ -141,6 +168,9 @@ class Channels:
             self._connect(peer)
             op = Op(self, kind, peer, t, entry)
             (self.sends if kind == "send" else self.recvs).setdefault(peer, deque()).append(op)
+            self.issued[kind, peer] = self.issued.get((kind, peer), 0) + 1
+            if kind == "send":
+                self.sizes.setdefault(peer, deque(maxlen=SIZES_KEPT)).append(int(op.head[0]))
             self.progress()
         return op
 
@@ -216,6 +246,43 @@ class Channels:
                         q.popleft()
         return moved
 
+    # -- sends left unreceived (checked at each collective and barrier of the group) -----------
+    def publish(self, rounds: int) -> tuple[int, int]:
+        """Before this rank enters a collective of the group: map every pair still being set up
+        (its peer sent the name at its first message with this rank: it arrives), then publish
+        how many messages it has sent to and asked from each peer, in slot ``rounds % 2``
+        (``rounds``: the barrier's number); returns this rank's (sent, asked for) totals."""
+        if self.setup:
+            self.wait_until(lambda: not self.setup, "point-to-point set-up (the peer's ring name never came)")
+        slot = self.rounds = rounds % 2
+        for peer, (out, inc) in self.rings.items():
+            out.posted[slot] = self.issued.get(("send", peer), 0)
+            inc.wanted[slot] = self.issued.get(("recv", peer), 0)
+        return (sum(v for (kind, _), v in self.issued.items() if kind == "send"),
+                sum(v for (kind, _), v in self.issued.items() if kind == "recv"))
+
+    def unreceived(self, where: str) -> str | None:
+        """After the collective's barrier (every rank published): the error text if a message
+        between this rank and a peer was sent but not asked for before the collective, else None.
+        Both ranks of the pair see it (the sender from its count, the receiver from the ring)."""
+        me, slot = self.comm.rank, self.rounds
+        for peer, (out, inc) in self.rings.items():
+            for src, dst, sent, wanted, ring in ((me, peer, self.issued.get(("send", peer), 0), int(out.wanted[slot]), out),
+                                                 (peer, me, int(inc.posted[slot]), self.issued.get(("recv", peer), 0), inc)):
+                if sent <= wanted:
+                    continue
+                if src == me:
+                    kept = self.sizes.get(peer, ())
+                    back = sent - wanted  # the first unreceived send, counted from the latest
+                    nbytes = kept[-back] if back <= len(kept) else None
+                else:
+                    nbytes = ring.head() if not self.recvs.get(peer) else None
+                size = f" of {nbytes} bytes" if nbytes is not None else ""
+                return (f"{self.comm.name}: group rank {src} sent {sent - wanted} message(s) to group rank {dst} "
+                        f"that it did not receive before {where} (send #{wanted + 1}{size} from {src} to {dst} "
+                        "is unmatched; every send needs its receive before the group's next collective)")
+        return None
+
     def wait_until(self, cond, what: str) -> None:
         shm_host.wait(cond, self.timeout_s, lambda: f"{self.comm.name}: shared-memory {what}: no progress "
                       "(did the peer issue the matching call?)", self.progress)
@@ -250,6 +317,38 @@ class RingPointToPoint:
     def irecv(self, t: torch.Tensor, peer: int):
         """Non-blocking receive into ``t`` (contiguous) of the earliest unreceived message from ``peer``."""
         return self._post("recv", t, peer) if self._p2p() else super().irecv(t, peer)
+
+    def _p2p_publish(self, epoch: int, line: torch.Tensor) -> None:
+        """Called by the shared-memory barrier ``epoch`` before this rank arrives
+        (``shm._shm_barrier``): per pair into the rings, and this rank's totals into its ``line``."""
+        if self._channels is not None:
+            at = 8 + 2 * (epoch % 2)
+            line[at], line[at + 1] = self._channels.publish(epoch)
+
+    def _p2p_check(self, epoch: int, lines: list, where: str) -> None:
+        """Called once every rank arrived (``lines``: every rank's line): every rank raises if the
+        group's ranks sent more messages than they asked for; the pair's ranks name it."""
+        at = 8 + 2 * (epoch % 2)
+        sent, wanted = sum(row[at] for row in lines), sum(row[at + 1] for row in lines)
+        if sent == wanted:
+            return
+        pair = self._channels.unreceived(where) if self._channels is not None else None
+        if pair or sent > wanted:
+            raise RuntimeError(pair or f"{self.name}: the group's ranks sent {sent} point-to-point messages but "
+                               f"asked for {wanted} before {where}: a send has no matching receive (the ranks of "
+                               "its pair name it)")
+
+    @_recorded("barrier", lambda: ((), None))
+    def barrier(self):
+        """The counter barrier of the collectives (``shm._shm_barrier``) where the host has it, so
+        a barrier too is compared with what the other ranks are in and checks for unreceived
+        sends (the process group's would first wait for this rank's pending gloo sends: a ring
+        name its peer never asked for). Else the process group's."""
+        if self.size == 1 or self.host_barrier != "shm":
+            return super().barrier()
+        self._sig = shm_host.BARRIER
+        with _disable_current_modes():
+            self._sync()
 
     def exchange(self, sends=(), recvs=()) -> list:
         """Receives then sends, each list in its order, all queued before any is waited for (two

@@ -28,8 +28,8 @@ from . import anomaly
 from . import checkpoint as ckpt
 from . import finetune, images
 from .data import Loader, TokenData
-from .metrics import (MetricsWriter, bounded_mfu, cpu_probe_flops, flops_per_token, peak_flops, peak_memory_bytes,
-                      recompute_flops_per_token)
+from .metrics import (MetricsWriter, bounded_mfu, flops_per_token, job_cpu_peak, note_beaten_peak, peak_flops,
+                      peak_memory_bytes, recompute_flops_per_token)
 from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype
 
 
@@ -334,6 +334,8 @@ class _Run:
         steady = self.times[len(self.times) // 5:] or self.times
         mean_dt = sum(steady) / len(steady) if steady else float("nan")
         mfu, label = bounded_mfu(self.fpt * self.tokens_per_step / mean_dt, self.total_peak, self.peak_label)
+        if label != self.peak_label:  # the run beat the probed peak: it becomes the cached peak
+            note_beaten_peak(mesh, self.fpt * self.tokens_per_step / mean_dt, cfg.train.precision)
         hfu = (bounded_mfu((self.fpt + self.recompute_fpt) * self.tokens_per_step / mean_dt, self.total_peak, label)[0]
                if self.recompute_fpt and self.total_peak else None)  # PaLM's HFU: recomputation counted
         summary = {"steps": tr.step, "task": tr.task, "loss": self.last["loss"], "val_loss": self.last["val_loss"],
@@ -356,9 +358,7 @@ def _peak(cfg: Config, mesh: Mesh) -> tuple[float | None, str]:
     if cfg.logging.peak_flops:
         peak, label = cfg.logging.peak_flops, "configured"
     elif peak is None and mesh.device.type == "cpu":
-        probe = torch.tensor(cpu_probe_flops(), dtype=torch.float64)
-        peak = float(mesh.comm("world").all_reduce(probe)) / mesh.world_size  # per-rank mean
-        label = "cpu matmul probe (measured, not a datasheet peak)"
+        return job_cpu_peak(mesh, cfg.train.precision)  # measured once per machine, cached
     return (peak * mesh.world_size if peak else None), label
 
 

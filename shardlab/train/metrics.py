@@ -7,6 +7,8 @@ counted (``4 N`` + the adapters).
 from __future__ import annotations
 
 import json
+import os
+import platform
 import resource
 import sys
 import time
@@ -89,11 +91,14 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
 
 
 PROBE_SIZES = (256, 512, 1024, 2048)
+CACHE_DIR = Path.home() / ".cache" / "shardlab"
+"""Where the measured CPU peak is cached (``cpu_peak.json``): once per machine, not per run."""
+PROBE_LABEL = "cpu matmul probe (measured, not a datasheet peak)"
 
 
 def _matmul_rate(n: int, seconds: float, dtype=torch.float32) -> float:
     """FLOP/s of repeated n x n matmuls on this process's threads, timed for about ``seconds``."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b  # warm-up (allocations, kernel choice)
     reps, t0 = 0, time.perf_counter()
     while reps < 2 or time.perf_counter() - t0 < seconds:
@@ -102,11 +107,100 @@ def _matmul_rate(n: int, seconds: float, dtype=torch.float32) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def cpu_probe_flops(seconds: float = 0.6, sizes=PROBE_SIZES, dtype=torch.float32) -> float:
-    """The CPU 'peak' used for MFU, labelled as measured: the best matmul FLOP/s of this process's
-    threads over several sizes (a single small matmul ran slower than the training's own larger
-    ones, so MFU could pass 100%)."""
-    return max(_matmul_rate(n, seconds / len(sizes), dtype) for n in sizes)
+def probe_threads() -> tuple[int, ...]:
+    """Thread counts the probe tries: 1, half the cores, all of them, and the current setting."""
+    n = os.cpu_count() or 1
+    return tuple(sorted({1, max(1, n // 2), n, torch.get_num_threads()}))
+
+
+def probe_key(dtype=torch.float32) -> str:
+    """What a cached peak is valid for: the CPU model, the core count, torch's version, the dtype."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} | {os.cpu_count()} cores | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
+
+
+def _cache(cache_dir) -> tuple[Path | None, dict]:
+    path = Path(cache_dir) / "cpu_peak.json" if cache_dir else None
+    try:
+        return path, json.loads(path.read_text()) if path else {}
+    except (OSError, ValueError):
+        return path, {}
+
+
+def _store(cache_dir, key: str, flops: float, how: str) -> None:
+    path, table = _cache(cache_dir)
+    if path is None:
+        return
+    table[key] = {"flops": flops, "how": how}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: the peak is measured again next time
+        pass
+
+
+def cpu_probe_flops(seconds: float = 2.0, sizes=PROBE_SIZES, dtype=torch.float32, threads=None,
+                    cache_dir=CACHE_DIR) -> tuple[float, str]:
+    """(FLOP/s, how) of this machine's CPU 'peak' used for MFU, labelled as measured: the best
+    matmul rate over several sizes and thread counts (a single small matmul ran slower than the
+    training's own larger ones, so MFU could pass 100%), measured once per machine and cached in
+    ``cache_dir`` under :func:`probe_key` (None: no cache). Call it from one rank per host while
+    the others wait: ranks probing side by side would share the cores."""
+    key = probe_key(dtype)
+    hit = _cache(cache_dir)[1].get(key)
+    if hit:
+        return float(hit["flops"]), f"cached: {hit['how']}"
+    threads = tuple(threads or probe_threads())
+    before, best = torch.get_num_threads(), (0.0, 0, 0)
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            best = max([best] + [(_matmul_rate(n, seconds / len(sizes) / len(threads), dtype), n, t) for n in sizes])
+    finally:
+        torch.set_num_threads(before)
+    how = f"{best[1]}x{best[1]} on {best[2]} thread(s), best of {len(sizes)} sizes x {len(threads)} thread counts"
+    _store(cache_dir, key, best[0], how)
+    return best[0], how
+
+
+def raise_cached_peak(achieved: float, dtype=torch.float32, cache_dir=CACHE_DIR) -> None:
+    """A run beat the cached peak (its FLOP/s per host ``achieved``): that rate becomes the peak."""
+    if achieved > _cache(cache_dir)[1].get(probe_key(dtype), {}).get("flops", 0.0):
+        _store(cache_dir, probe_key(dtype), achieved, "raised to a run's own rate, which beat the probe")
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def _hosts(mesh) -> list:
+    return [h for h, _ in mesh.places] if mesh.places else [None] * mesh.world_size
+
+
+def job_cpu_peak(mesh, precision: str, cache_dir=CACHE_DIR) -> tuple[float, str]:
+    """(peak FLOP/s of a CPU job, label): the first rank of each host measures (or reads from the
+    cache) its machine's peak while the host's other ranks wait in the sum over the world (ranks
+    of one host share its cores: its peak counts once)."""
+    hosts = _hosts(mesh)
+    how = ""
+    mine = 0.0
+    if hosts.index(hosts[mesh.rank]) == mesh.rank:
+        mine, how = cpu_probe_flops(dtype=_DTYPES.get(precision, torch.float32), cache_dir=cache_dir)
+    total = float(mesh.comm("world").all_reduce(torch.tensor(mine, dtype=torch.float64)))
+    return total, f"{PROBE_LABEL}; {how}" if how else PROBE_LABEL
+
+
+def note_beaten_peak(mesh, achieved: float, precision: str, cache_dir=CACHE_DIR) -> None:
+    """After :func:`bounded_mfu` raised a probed peak (the run's FLOP/s ``achieved`` beat it):
+    rank 0 stores the run's rate per host as its machine's peak (one host: the whole rate)."""
+    if mesh.rank == 0:
+        raise_cached_peak(achieved / len(set(_hosts(mesh))), _DTYPES.get(precision, torch.float32), cache_dir)
 
 
 def bounded_mfu(achieved: float, peak: float | None, label: str) -> tuple[float | None, str]:

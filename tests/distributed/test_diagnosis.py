@@ -8,7 +8,7 @@ and on the shared-memory transport.
 * with ``check_collectives`` the mismatches raise CollectiveMismatch at once, one line naming
   both sides, long before the timeout;
 * on the shared-memory transport the mismatches a barrier can see (another collective, size,
-  dtype, reduce op) raise at once even without check mode.
+  dtype, reduce op, a send its receiver never asked for) raise at once even without check mode.
 
 The runs are independent, so they go through a thread pool (each waits mostly on a timeout)."""
 import time
@@ -144,8 +144,11 @@ def runs():
 @pytest.mark.parametrize("name", list(HANGS))
 def test_hang_is_diagnosed(runs, name, transport):
     status, text, elapsed = runs[(name, False, transport)]
-    if transport == "shared" and name == "send_no_recv":  # documented: the unmatched send waits in the
-        assert status == "ok", text                         # pair's ring instead of blocking (as NCCL's small sends)
+    if transport == "shared" and name == "send_no_recv":  # the all_gather's barrier names it at once
+        assert status == "error", text
+        assert ("tp: group rank 0 sent 1 message(s) to group rank 1 that it did not receive before its "
+                "all_gather(float32, 16 bytes) (send #1 of 16 bytes from 0 to 1 is unmatched") in text, text
+        assert "did not arrive" not in text and "no progress" not in text, text
         return
     assert status == "error", (name, text)
     assert "communication at the failure (flight recorder)" in text and "full dumps: " in text, text

@@ -151,3 +151,38 @@ def test_heterogeneous_example_smoke(ray_cluster, examples, capsys):
                                                       "--feeders", "1", "--window", "2"])
     assert inline["loss"] == fed["loss"] and inline["tokens_per_s"] > 0 and fed["tokens_per_s"] > 0
     assert "tokens/s" in capsys.readouterr().out
+
+
+def _seeded_desync(ctx):
+    """Rank 0 all_reduce, rank 1 barrier at the same sequence number (after one agreed all_reduce)."""
+    from shardlab.distributed.mesh import Mesh
+    from shardlab.distributed.topology import Topology
+    mesh = Mesh.build(Topology(tp=2), "cpu", transport="process_group")
+    tp = mesh.comm("tp")
+    tp.all_reduce(torch.ones(2))   # seq 1: agreed
+    if ctx.rank == 0:              # seq 2: the ranks disagree
+        tp.all_reduce(torch.ones(4))
+    else:
+        tp.barrier()
+
+
+def test_seeded_hang_under_ray_is_named_by_rank_and_op(ray_cluster):
+    """The flight recorder under the Ray launcher (docs/faults.md): both workers fail at the 5 s
+    collective timeout, each dumps its recorder, and the driver's error names each rank's last
+    operation and the disagreement, as the local launcher's does (test_diagnosis.py)."""
+    import sys
+    import time
+    import ray.cloudpickle
+    from shardlab import launch, launch_ray
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need not import this file
+    t0 = time.perf_counter()
+    with pytest.raises(launch.WorkerError) as info:
+        launch_ray.run(_seeded_desync, 2, timeout_s=5.0)
+    text = str(info.value)
+    assert "communication at the failure (flight recorder):" in text, text
+    assert "rank 0: last op tp all_reduce(float32[4], sum) seq 2" in text, text
+    assert "rank 1: last op tp barrier() seq 2" in text, text
+    assert "ranks disagree at seq 2: rank 0 all_reduce(float32[4], sum)" in text and "rank 1 barrier()" in text, text
+    dumps = Path(text.split("full dumps: ")[1].split()[0])
+    assert {p.name for p in dumps.glob("rank*.json")} == {"rank0.json", "rank1.json"}
+    assert time.perf_counter() - t0 < 120

@@ -3,9 +3,13 @@ messages of many sizes and dtypes arrive in issue order and equal the sender's d
 independently from the sender's rank and the message index); messages far longer than a ring
 stream through it, also when two ranks send each other such messages before either waits; a
 receive of the wrong size fails naming both sizes; a non-contiguous group (ranks 0 and 2) uses
-group-relative peers; the ledger records what the process group's Comm records.
+group-relative peers; the ledger records what the process group's Comm records; a send that no
+receive matches raises at the group's next collective or barrier on every rank (the pair's ranks
+name it).
 
 Workers return their failures as strings."""
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -102,8 +106,59 @@ def _worker(ctx):
         except RuntimeError as e:
             if "64 bytes" not in str(e) or "expects 32" not in str(e):
                 errors.append(f"mismatch error does not name both sizes: {e}")
+    _unreceived_checks(ctx.rank, errors)
     dist.barrier()
     return errors
+
+
+def _expect_unreceived(rank, call, raisers, parts, errors, tag):
+    """``call()`` raises on the ranks in ``raisers`` with every one of ``parts``, at once (< 2 s),
+    and returns on the others."""
+    t0 = time.perf_counter()
+    try:
+        call()
+        if rank in raisers:
+            errors.append(f"{tag}: rank {rank} did not raise")
+    except RuntimeError as e:
+        if rank not in raisers or not all(p in str(e) for p in parts) or time.perf_counter() - t0 > 2:
+            errors.append(f"{tag}: rank {rank}: {e} after {time.perf_counter() - t0:.1f} s")
+
+
+def _unreceived_checks(rank, errors):
+    """A send with no matching receive raises at the group's next barrier or collective on every
+    rank (the pair's name it), instead of waiting in the ring for a later receive to take it; sends
+    whose receives were posted before the collective (and waited after it) are not flagged."""
+    world = list(range(dist.get_world_size()))
+    sh = SharedComm("ok", dist.group.WORLD, world, rank, Ledger(), p2p_cap=CAP)
+    n = len(world)
+    for i in range(20):  # receive posted before the collective, sent before it, waited after it
+        buf = torch.empty(i + 1, dtype=torch.float64)
+        works = [sh.irecv(buf, (rank - 1) % n), sh.isend(torch.full((i + 1,), float(rank + i), dtype=torch.float64), (rank + 1) % n)]
+        sh.all_reduce(torch.ones(3)) if i % 2 else sh.barrier()
+        for w in works:
+            w.wait()
+        if not torch.equal(buf, torch.full_like(buf, float((rank - 1) % n + i))):
+            errors.append(f"legit exchange {i}: wrong data")
+    # the pair 2 -> 0 is set up: rank 2 sends 48 bytes rank 0 never asks for; the next collective names it
+    if rank == 2:
+        sh.isend(torch.ones(6, dtype=torch.float64), 0).wait()
+    where = "before its all_reduce(float64, 24 bytes, sum)"
+    _expect_unreceived(rank, lambda: sh.all_reduce(torch.ones(3, dtype=torch.float64)), {0, 1, 2},
+                       [f"ok: group rank 2 sent 1 message(s) to group rank 0 that it did not receive {where}",
+                        "send #21 of 48 bytes from 2 to 0"] if rank != 1 else
+                       [f"ok: the group's ranks sent 61 point-to-point messages but asked for 60 {where}"],
+                       errors, "collective")
+    # a fresh group: rank 0 sends 64 bytes, rank 1 never set up the pair; the barrier names it
+    # (before, a later receive of 64 bytes took this stale message)
+    sh = SharedComm("fresh", dist.group.WORLD, world, rank, Ledger(), p2p_cap=CAP)
+    sh.all_reduce(torch.ones(2))  # the group's arena (made through the process group) exists first
+    if rank == 0:
+        sh.isend(torch.ones(8, dtype=torch.float64), 1).wait()
+    _expect_unreceived(rank, sh.barrier, {0, 1, 2}, ["fresh: group rank 0 sent 1 message(s) to group rank 1 that it did "
+                                                     "not receive before its barrier() (send #1 of 64 bytes"] if rank == 0
+                       else ["fresh: the group's ranks sent 1 point-to-point messages but asked for 0"], errors, "barrier")
+    if rank == 1:  # take it now: rank 0's ring name (a gloo send) completes, so dist.barrier can follow
+        sh.irecv(torch.empty(8, dtype=torch.float64), 0).wait()
 
 
 def test_shared_point_to_point_equals_sent_data():

@@ -1,6 +1,7 @@
 """MFU that cannot exceed 100%: FLOPs per token count what the step computes (checked against
 torch's own FlopCounterMode on a real forward + backward, full training and LoRA), the CPU peak
-is the best of several matmul sizes, and a measured peak the run beats is raised to the run's rate."""
+is the best of several matmul sizes and thread counts, measured once per machine and cached, and a
+measured peak the run beats is raised to the run's rate (and in the cache)."""
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -49,11 +50,57 @@ def test_lora_counts_no_weight_gradient_for_frozen_weights(arch):
     assert ours < 0.8 * full
 
 
-def test_cpu_peak_is_the_best_of_several_sizes(monkeypatch):
-    rates = {256: 1e9, 512: 4e9, 1024: 7e9, 2048: 6e9}  # a small matmul is the slowest
-    monkeypatch.setattr(metrics, "_matmul_rate", lambda n, seconds, dtype=None: rates[n])
-    assert metrics.cpu_probe_flops() == 7e9
-    assert set(metrics.PROBE_SIZES) >= {256, 1024}
+def test_cpu_peak_is_the_best_of_several_sizes_and_thread_counts(monkeypatch, tmp_path):
+    rates = {(256, 1): 1e9, (512, 1): 4e9, (1024, 1): 5e9, (2048, 1): 4e9,  # a small matmul is the slowest
+             (256, 2): 2e9, (512, 2): 6e9, (1024, 2): 7e9, (2048, 2): 6.5e9}
+    monkeypatch.setattr(metrics, "_matmul_rate", lambda n, seconds, dtype=None: rates[n, torch.get_num_threads()])
+    before = torch.get_num_threads()
+    flops, how = metrics.cpu_probe_flops(threads=(1, 2), cache_dir=tmp_path)
+    assert flops == 7e9 and how.startswith("1024x1024 on 2 thread(s), best of 4 sizes x 2 thread counts"), how
+    assert torch.get_num_threads() == before  # the probe restores the rank's setting
+    assert set(metrics.PROBE_SIZES) >= {256, 1024} and 1 in metrics.probe_threads()
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
+    """The second call reads the cache (keyed by CPU model, cores, torch version and dtype);
+    another dtype is measured afresh; a run that beat the peak raises the cached value, and a
+    slower one never lowers it."""
+    calls = []
+    monkeypatch.setattr(metrics, "_matmul_rate", lambda n, seconds, dtype=None: calls.append(n) or 1e9 * n / 256)
+    first = metrics.cpu_probe_flops(threads=(1,), cache_dir=tmp_path)
+    measured = len(calls)
+    again = metrics.cpu_probe_flops(threads=(1,), cache_dir=tmp_path)
+    assert len(calls) == measured and again[0] == first[0] == 8e9 and again[1].startswith("cached: ")
+    key = metrics.probe_key(torch.float32)
+    assert "cores" in key and torch.__version__ in key and key.endswith("float32")
+    metrics.cpu_probe_flops(threads=(1,), dtype=torch.bfloat16, cache_dir=tmp_path)
+    assert len(calls) == 2 * measured
+    metrics.raise_cached_peak(9e9, cache_dir=tmp_path)
+    assert metrics.cpu_probe_flops(cache_dir=tmp_path)[0] == 9e9
+    metrics.raise_cached_peak(3e9, cache_dir=tmp_path)
+    flops, how = metrics.cpu_probe_flops(cache_dir=tmp_path)
+    assert flops == 9e9 and "raised to a run's own rate" in how
+    assert len(calls) == 2 * measured
+
+
+def test_one_rank_per_host_probes_and_the_host_counts_once(monkeypatch, tmp_path):
+    """Two ranks on one host: rank 0 measures, rank 1 adds nothing (the sum over the world is the
+    host's peak, not twice it); ranks on two hosts add both hosts' peaks."""
+    monkeypatch.setattr(metrics, "cpu_probe_flops", lambda dtype, cache_dir: (5e9, "probed"))
+
+    class Mesh:
+        def __init__(self, rank, places):
+            self.rank, self.places, self.world_size = rank, places, len(places)
+
+        def comm(self, name):
+            return self
+
+        def all_reduce(self, t):  # what the other ranks add: nothing here
+            return t
+    one_host = [("h", "cpu"), ("h", "cpu")]
+    assert metrics.job_cpu_peak(Mesh(0, one_host), "fp32", tmp_path) == (5e9, f"{metrics.PROBE_LABEL}; probed")
+    assert metrics.job_cpu_peak(Mesh(1, one_host), "fp32", tmp_path) == (0.0, metrics.PROBE_LABEL)
+    assert metrics.job_cpu_peak(Mesh(1, [("a", "cpu"), ("b", "cpu")]), "fp32", tmp_path)[0] == 5e9
 
 
 def test_a_measured_peak_the_run_beats_is_raised_to_the_run():

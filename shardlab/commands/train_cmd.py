@@ -175,6 +175,9 @@ def main(args) -> int:
                                   threads=c.train.threads, opts=ray_opts, report_checkpoints=c.checkpoint.save)
         return launch.run(train_rank, n, c, str(data_dir), device=c.train.device,
                           timeout_s=c.train.timeout_s, threads=c.train.threads)
+    if cfg.train.fault_tolerance == "replica":  # live recovery of replica groups (docs/faults.md)
+        from .. import launch_replicas
+        return launch_replicas.train(cfg, nproc, str(data_dir))
     if (restarts or elastic) and not ray_opts:
         results = restart.run_with_restarts(cfg, nproc, start, restarts, elastic)
     else:

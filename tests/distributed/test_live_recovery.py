@@ -1,0 +1,109 @@
+"""Live recovery of replica groups (docs/faults.md, "Live recovery"; train.fault_tolerance = replica).
+
+* without failures, 2 replicas x 1 rank equal plain data parallel (dp_replicate = 2) run by
+  ``shardlab train`` (float64, independent code path: DDP's all-reduce, no quorum);
+* a replica SIGKILLed in the middle of a step (after its backward, before the cross-replica
+  average) is dropped, the survivor trains degraded steps (logged with the live count and the
+  effective batch), the replacement is healed and the replicas end bit-identical;
+* a replacement that receives damaged state (one flipped byte) refuses it and is healed on retry;
+* 2 replicas x 2 ranks (FSDP inside each replica): a rank raising mid-step takes its replica
+  down, which is replaced and healed.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardlab import config as C
+from shardlab import launch_replicas
+from shardlab.train import finetune
+from shardlab.train.heal import train_replica
+
+TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.max_seq_len=16", "--train.seq_len=16", "--train.global_batch=4", "--train.warmup_steps=0",
+        "--logging.progress=false", "--logging.tensorboard=false", "--train.eval_batches=1", "--train.eval_every=0",
+        "--logging.log_every=1", "--train.precision=fp64", "--train.threads=1"]
+
+
+def _cfg(tmp_path, *extra, steps=6, world=2):
+    cfg = C.load(None, TINY + [f"--data.cache_dir={tmp_path}/cache", f"--logging.run_dir={tmp_path}/ft",
+                               f"--train.steps={steps}", "--parallel.dp_replicate=2", *extra])
+    return cfg.validate(world_size=world)
+
+
+def _run(cfg, n_local=1, faults=None):
+    data_dir = finetune.prepare_tokens(cfg, None)
+    return launch_replicas.run(train_replica, 2, n_local, cfg, str(data_dir), timeout_s=30, ft_timeout_s=10,
+                               threads=1, faults=faults, say=lambda *_: None)
+
+
+def _records(run_dir, r):
+    return [json.loads(x) for x in (Path(run_dir) / f"replica_{r}" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _identical(results):
+    a, b = results[0], results[1]
+    for ra, rb in zip(a, b):
+        assert ra["step"] == rb["step"] and ra["fingerprint"] == rb["fingerprint"]
+        for k in ra["params"]:
+            assert torch.equal(ra["params"][k], rb["params"][k]), k
+
+
+def test_no_failure_equals_plain_data_parallel(tmp_path):
+    from shardlab.cli import main as cli_main
+    from shardlab.train.checkpoint import Reader, latest_valid
+    cfg = _cfg(tmp_path)
+    results, report = _run(cfg)
+    assert report["failures"] == [] and all(r[0]["degraded"] == 0 and r[0]["steps"] == 6 for r in results)
+    _identical(results)
+    assert cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={tmp_path}/cache", "--train.steps=6",
+                     f"--logging.run_dir={tmp_path}/ddp"]) == 0
+    reader = Reader(latest_valid(tmp_path / "ddp" / "checkpoints"))
+    for name, p in results[0][0]["params"].items():
+        ref = reader.read(f"model.{name}")
+        assert p.dtype == torch.float64 and torch.allclose(p, ref, rtol=0, atol=1e-10), name
+
+
+def test_replica_killed_mid_step_heals_and_replicas_end_identical(tmp_path):
+    cfg = _cfg(tmp_path, steps=8)
+    results, report = _run(cfg, faults={"kill": [[1, 0, 0, 3, "sigkill"]]})
+    _identical(results)
+    f, = report["failures"]
+    assert f["replica"] == 1 and "signal 9" in f["why"] and f["rejoin"] is not None
+    assert results[1][0]["gen"] == 1 and results[1][0]["healed"] == 1 and results[0][0]["step"] == 8
+    recs = [r for r in _records(tmp_path / "ft", 0) if r["kind"] == "train"]
+    assert [r["step"] for r in recs] == list(range(1, 9))  # every step once: none lost, none twice
+    degraded = [r for r in recs if r["degraded"]]
+    assert degraded and all(r["live_replicas"] == 1 and r["effective_batch"] == 2 for r in degraded)
+    assert degraded[0]["step"] == 3  # the step the replica died in was retried without it
+    assert all(r["live_replicas"] == 2 for r in recs if r["step"] < 3)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs)
+
+
+def test_corrupt_heal_is_refused_and_retried(tmp_path):
+    cfg = _cfg(tmp_path, steps=6)
+    flag = tmp_path / "corrupted-once"
+    results, _ = _run(cfg, faults={"kill": [[1, 0, 0, 2, "sigkill"]], "corrupt_once": str(flag)})
+    assert flag.exists()
+    assert results[1][0]["refused"] == 1 and results[1][0]["healed"] == 1
+    _identical(results)
+
+
+@pytest.mark.parametrize("how", ["raise"])
+def test_two_rank_replicas_fsdp_inside(tmp_path, how):
+    cfg = _cfg(tmp_path, "--parallel.dp_shard=2", "--parallel.zero_stage=3", "--train.global_batch=8", steps=5,
+               world=4)
+    results, report = _run(cfg, n_local=2, faults={"kill": [[0, 0, 1, 2, how]]})
+    assert report["failures"][0]["replica"] == 0
+    _identical(results)
+    assert results[0][0]["gen"] == 1 and results[0][1]["healed"] == 1
+
+
+def test_replica_mode_without_replicas_is_refused(tmp_path, capsys):
+    from shardlab.cli import main as cli_main
+    code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={tmp_path}/cache", "--parallel.dp_shard=2",
+                     "--train.fault_tolerance=replica", f"--logging.run_dir={tmp_path}/r"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "train.fault_tolerance" in err[-1] and "dp_replicate" in err[-1], err
+    assert not (tmp_path / "r").exists()

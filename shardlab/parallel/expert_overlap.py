@@ -73,7 +73,9 @@ class _Overlapped(torch.autograd.Function):
     the transfers of one half overlapping the other's compute (module doc)."""
 
     @staticmethod
-    def forward(ctx, a, b, layer, halves, capacity):
+    def forward(ctx, a, b, layer, halves, capacity, *weights):
+        """``weights``: the local experts' parameters, inputs only so that the outputs need a
+        gradient whenever they do (their gradients accumulate in the inner backward)."""
         ctx.layer, ctx.halves = layer, halves
         works = [start_all_to_all(layer.ep, x, h.ins, h.outs) for x, h in zip((a, b), halves)]
         inputs, outputs, combines = [], [], []
@@ -96,18 +98,20 @@ class _Overlapped(torch.autograd.Function):
     def backward(ctx, ga, gb):
         layer, halves = ctx.layer, ctx.halves
         works = [start_all_to_all(layer.ep, g, h.ins, h.outs) for g, h in zip((ga, gb), halves)]
+        rows_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # the same on every rank
         back = []
         for (work, g), h, x, y in zip(works, halves, ctx.inputs, ctx.outputs):
             _wait(work)
             torch.autograd.backward(y, g)
-            grad = x.grad if x.grad is not None else torch.zeros_like(x)
-            back.append(start_all_to_all(layer.ep, grad, h.outs, h.ins))
-        grads = []
-        for work, out in back:
+            if rows_grad:
+                grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                back.append(start_all_to_all(layer.ep, grad, h.outs, h.ins))
+        grads = [None, None]
+        for i, (work, out) in enumerate(back):
             _wait(work)
-            grads.append(out)
+            grads[i] = out
         ctx.inputs = ctx.outputs = None
-        return grads[0], grads[1], None, None, None
+        return (grads[0], grads[1], None, None, None) + (None,) * len(ctx.needs_input_grad[5:])
 
 
 def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -117,7 +121,7 @@ def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: i
     halves = [_Half(layer, c) for c in counts]
     n_a = layer.top_k * (x.shape[0] // layer.top_k // 2)  # half A: tokens [0, T // 2)
     a, b = x[:halves[0].n], x[n_a:n_a + halves[1].n]
-    ya, yb = _Overlapped.apply(a, b, layer, halves, capacity)
+    ya, yb = _Overlapped.apply(a, b, layer, halves, capacity, *layer.experts.parameters())
     zeros = x.new_zeros
     return torch.cat([ya, zeros(n_a - halves[0].n, x.shape[1]), yb,
                       zeros(x.shape[0] - n_a - halves[1].n, x.shape[1])])

@@ -171,6 +171,19 @@ def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
     return ddp.apply(model, mesh, cfg) if mesh.world_size > 1 else Engine(model, mesh, cfg)
 
 
+def _tag_groups(model: nn.Module, groups, weight_decay: float, tag: str = "_shardlab_user_group") -> None:
+    """Mark each parameter with (its user group's index, that group's weight decay): ZeRO then
+    packs each group's parameters into flats of their own (parallel/zero.py ``decay_groups``), so
+    any grouping works at every stage, as in DeepSpeed. Without groups: earlier marks removed."""
+    where = {pid: (k, float(s.get("weight_decay", weight_decay))) for k, (ids, s) in enumerate(groups or ())
+             for pid in ids}
+    for p in model.parameters():
+        if id(p) in where:
+            setattr(p, tag, where[id(p)])
+        elif hasattr(p, tag):
+            delattr(p, tag)
+
+
 class ModelEngine:
     """What ``initialize`` returns: forward, backward, step, checkpoints of a user model.
 
@@ -192,6 +205,9 @@ class ModelEngine:
                 world.broadcast(sd[k].data, 0)
         self.module = model
         ids = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}  # before the engine
+        _tag_groups(model, groups, cfg.train.weight_decay)
+        if groups is not None:  # each group's own weight decay (default: the optimizer's), not decay_rule's
+            cfg.train.weight_decay_params = "matrices"
         self.engine = _engine(model, mesh, cfg)
 
         def build_groups(engine_groups):

@@ -111,8 +111,11 @@ def shard_groups(named: list[tuple[str, nn.Parameter]], dense_group: str):
             for g, is_e in ((dense_group, False), ("edp", True)) if is_e in expert]
 
 
-def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float):
-    """Split (name, param) pairs like Engine.param_groups: no decay for norms and vectors."""
+def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float, tag: str = "_shardlab_user_group"):
+    """Split (name, param) pairs like Engine.param_groups: no decay for norms and vectors; one part
+    per user param group instead where ``shardlab.initialize`` tagged the parameters with ``tag``."""
+    if keys := sorted({getattr(p, tag) for _, p in named if hasattr(p, tag)}):  # (group index, its decay)
+        return [([(n, p) for n, p in named if getattr(p, tag, None) == k], k[1]) for k in keys]
     decay = [(n, p) for n, p in named if not (p.ndim < 2 or "norm" in n)]
     no_decay = [(n, p) for n, p in named if p.ndim < 2 or "norm" in n]
     return [(g, wd) for g, wd in ((decay, weight_decay), (no_decay, 0.0)) if g]

@@ -5,7 +5,8 @@ The same JSON through ``shardlab.initialize`` at N=2, ZeRO 0-3, against
   with weight decay on every parameter, DeepSpeed's schedules written out here from their
   documented formulas, clipping at ``gradient_clipping``, 1.0 when absent as in DeepSpeed): <= 1e-10;
 - ``deepspeed.initialize`` itself on the CPU accelerator (fp32, 10 steps), when deepspeed is
-  installed (``DS_BUILD_OPS=0 pip install deepspeed``; in the test extra): <= 2e-6.
+  installed (``DS_BUILD_OPS=0 pip install deepspeed``; in the test extra): <= 2e-6; also with two
+  user param groups (``model_parameters``) of different weight decay and lr.
 """
 import math
 import os
@@ -146,9 +147,9 @@ def test_deepspeed_json_through_initialize_equals_plain_torch():
 
 
 def test_param_groups_follow_the_user_not_the_llm_convention():
-    """model_parameters as torch param groups: each group's weight decay on exactly its
-    parameters (here: decay on biases and norms, none on matrices, which also get their own lr),
-    at ZeRO 0, 2 and 3."""
+    """model_parameters as torch param groups: each group's weight decay and lr on exactly its
+    parameters, at ZeRO 0-3, with a shardlab config and with a DeepSpeed JSON (where the groups'
+    own weight decay wins over the JSON's decay-every-parameter default)."""
     got = launch.run(_groups_worker, 2, timeout_s=60)[0]
     model = make(torch.float64)
     opt = torch.optim.AdamW(_groups(model), lr=2e-2)
@@ -157,20 +158,34 @@ def test_param_groups_follow_the_user_not_the_llm_convention():
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
-    for stage in (0, 2, 3):
+    for stage in range(4):
         for k, v in model.state_dict().items():
             assert (got[stage][k] - v).abs().max() <= PARITY_ATOL, (stage, k)
+    model = make(torch.float64)  # the JSON's optimizer settings are the groups' defaults, as in torch
+    opt = torch.optim.AdamW(_groups(model, 5e-3), lr=2e-2, weight_decay=0.05)
+    for s in range(STEPS):
+        x, y = batch(s, torch.float64)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    for stage in range(4):
+        for k, v in model.state_dict().items():
+            assert (got["ds", stage][k] - v).abs().max() <= PARITY_ATOL, ("ds", stage, k)
 
 
-def _groups(model):
-    vectors = [p for p in model.parameters() if p.ndim < 2]  # biases, norm weights
-    rest = [p for p in model.parameters() if p.ndim >= 2]
-    return [{"params": vectors, "weight_decay": 0.3}, {"params": rest, "weight_decay": 0.0, "lr": 1e-2}]
+def _groups(model, lr=1e-2):
+    """Two groups across the engines' own decay split (a bias and matrices in one, a norm, a bias
+    and matrices in the other): under ZeRO each group gets flats of its own."""
+    first = {"conv.weight", "conv.bias", "fc.weight"}
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in first], "weight_decay": 0.3},
+            {"params": [p for n, p in named if n not in first], "weight_decay": 0.0, "lr": lr}]
 
 
 def _groups_worker(ctx):
     out = {}
-    for stage in (0, 2, 3):
+    for stage in range(4):
         model = make(torch.float64)
         cfg = {"parallel": {"zero_stage": stage, "wrap_policy": "blocks"},
                "train": {"precision": "fp64", "lr": 2e-2, "grad_clip": 0.0, "warmup_steps": 0, "min_lr_ratio": 1.0,
@@ -178,6 +193,10 @@ def _groups_worker(ctx):
         engine = shardlab.initialize(model, cfg, model_parameters=_groups(model))
         run_steps(engine, ctx.rank, 3, torch.float64)
         out[stage] = engine.full_state_dict(everywhere=True)
+        model = make(torch.float64)  # the same groups with a DeepSpeed JSON (whose decay is on every parameter)
+        engine = shardlab.initialize(model, ds_config(stage, clip=0.05), model_parameters=_groups(model, 5e-3))
+        run_steps(engine, ctx.rank, STEPS, torch.float64)
+        out["ds", stage] = engine.full_state_dict(everywhere=True)
     return out
 
 
@@ -211,6 +230,41 @@ def test_same_json_through_deepspeed_and_shardlab():
     for (stage, name), (theirs, mine) in got.items():
         for k, v in theirs.items():
             assert (mine[k] - v).abs().max() <= 2e-6, (stage, name, k, float((mine[k] - v).abs().max()))
+
+
+GROUP_CASES = [("two groups, clip 0.05", None, 0.05), CASES[3]]  # WarmupCosineLR: ratios of each group's lr
+
+
+def _deepspeed_groups_worker(ctx):
+    """Two param groups with their own weight decay and lr, through deepspeed.initialize and
+    shardlab.initialize (model_parameters=...), the same JSON, ZeRO 0-3, 10 steps, fp32."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(ctx.rank)
+    import deepspeed
+    out = {}
+    for stage in range(4):
+        for name, sch, clip in GROUP_CASES:
+            ds, theirs_model = ds_config(stage, sch, clip), make(torch.float32)
+            engine, *_ = deepspeed.initialize(model=theirs_model, config=ds, model_parameters=_groups(theirs_model, 5e-3))
+            run_steps(engine, ctx.rank, STEPS, torch.float32)
+            mine_model = make(torch.float32)
+            mine = shardlab.initialize(mine_model, ds, model_parameters=_groups(mine_model, 5e-3))
+            run_steps(mine, ctx.rank, STEPS, torch.float32)
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+                theirs = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+            out[(stage, name)] = (theirs, mine.full_state_dict(everywhere=True), make(torch.float32).state_dict())
+    return out
+
+
+def test_param_groups_through_deepspeed_and_shardlab():
+    """Parameters equal to 2e-6 (fp32; what 10 AdamW steps' rounding leaves), and both moved away
+    from the initial values by far more (the groups' settings took effect)."""
+    pytest.importorskip("deepspeed")
+    got = launch.run(_deepspeed_groups_worker, 2, timeout_s=300)[0]
+    for (stage, name), (theirs, mine, init) in got.items():
+        for k, v in theirs.items():
+            assert (mine[k] - v).abs().max() <= 2e-6, (stage, name, k, float((mine[k] - v).abs().max()))
+            assert (v - init[k]).abs().max() > 1e-3, (stage, name, k)
 
 
 def test_param_groups_that_split_a_flat_shard_are_refused():

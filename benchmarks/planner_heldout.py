@@ -14,14 +14,12 @@ import tomllib
 from pathlib import Path
 
 from shardlab.analysis.devices import get_device
-from shardlab.analysis.plan_layout import NOT_MODELLED, apply_layout, parse_layout, refused
+from shardlab.analysis.plan_layout import NOT_MODELLED, parse_layout, predict_pinned, refused
 from shardlab.analysis.plan_search import HEADROOM
-from shardlab.analysis.predict import predict
 from shardlab.config import Config
 
 FILE = Path(__file__).with_name("planner_heldout.toml")
 GiB = 2**30
-AC_ORDER = ("none", "selective", "op", "full")
 
 
 def load(path: Path = FILE) -> dict:
@@ -29,8 +27,8 @@ def load(path: Path = FILE) -> dict:
         return tomllib.load(f)
 
 
-def run_config(run: dict, models: dict, ac: str | None = None):
-    """The validated Config of a run (``ac`` overrides an ``ac-fit`` layout's recomputation)."""
+def run_config(run: dict, models: dict):
+    """(base Config of a run: model, sequence, batch, precision; its parsed layout)."""
     base = Config()
     for k, v in models[run["model"]].items():
         setattr(base.model, k, v)
@@ -38,22 +36,14 @@ def run_config(run: dict, models: dict, ac: str | None = None):
     base.train.precision, base.train.global_batch = "bf16", run["global_batch"]
     if run["system"] == "Megatron-LM":  # as the fit set's Megatron rows: all-reduce after the backward
         base.parallel.overlap_comm = False
-    spec = parse_layout(run["layout"])
-    if ac is not None:
-        spec["ac"] = ac
-    return apply_layout(base, spec, run["gpus"], compile_="compile" in run.get("features", []))
+    return base, parse_layout(run["layout"])
 
 
 def predict_run(run: dict, models: dict):
     """(prediction, config, note): ``ac-fit`` layouts take the lightest recomputation that fits."""
-    cap = HEADROOM * get_device(run["gpu"]).memory
-    fit = parse_layout(run["layout"]).get("ac") == "fit"
-    for ac in (AC_ORDER if fit else (None,)):
-        cfg = run_config(run, models, ac)
-        pr = predict(cfg, run["gpu"], per_rank=False)
-        if not fit or pr.peak.total <= cap:
-            return pr, cfg, (f"ac-fit: {ac}" if fit else "")
-    return pr, cfg, "ac-fit: nothing fits, full shown"
+    base, spec = run_config(run, models)
+    cfg, pr = predict_pinned(base, spec, run["gpus"], run["gpu"], compile_="compile" in run.get("features", []))
+    return pr, cfg, (f"ac-fit: {cfg.parallel.activation_checkpointing}" if spec.get("ac") == "fit" else "")
 
 
 def value(run: dict, pr, cfg) -> float:

@@ -11,7 +11,7 @@ Parts (any order, each at most once; what is not named is 1 / off):
   ppN | ppN:SCHED[vV]                pipeline stages (the second form is the printed label's)
   1f1b | gpipe | zb-h1 | dualpipev | dualpipe | interleaved[:V]   the schedule (V virtual stages, default 2)
   mbBxM                              micro-batches of B sequences, M per step (global batch B x M x dp)
-  ac-none | ac-selective | ac-op | ac-full   recomputation
+  ac-none | ac-selective | ac-op | ac-full   recomputation (ac-fit: the lightest that fits, predict_pinned)
 Pipeline stages need not divide the layers: the engine's own split (balanced by parameters,
 parallel/pipeline/stage.partition) is used, as the Python API does. Bad input raises
 :class:`ConfigError` naming ``--layout``, the part and the fix.
@@ -162,12 +162,30 @@ def apply_layout(base, spec: dict, gpus: int, compile_: bool = False, batch_give
             raise ConfigError("--layout", f"global batch {t.global_batch} does not split into {p.microbatches} "
                                           f"micro-batches on {p.dp} data-parallel ranks; add an mbBxM part")
     ac = spec.get("ac", "none")
-    p.activation_checkpointing = "none" if ac == "fit" else ac
+    p.activation_checkpointing = "none" if ac == "fit" else ac  # ac-fit: see predict_pinned
     p.compile = bool(compile_ or p.compile)
     try:
         return cfg.validate(gpus)
     except ConfigError as e:
         raise ConfigError("--layout", f"{e.field}: {e.detail}") from None
+
+
+def predict_pinned(base, spec: dict, gpus: int, device: str, gpus_per_node: int | None = None,
+                   efficiency: float = 1.0, compile_: bool = False, batch_given: bool = False):
+    """(config, prediction) of one pinned layout. ``ac-fit``: the lightest recomputation (none,
+    selective, op, full) whose peak rank fits plan_search.HEADROOM of the device; full when none
+    does."""
+    from .devices import get_device
+    from .plan_search import HEADROOM
+    from .predict import predict
+    cap = HEADROOM * get_device(device).memory
+    modes = AC_MODES if spec.get("ac") == "fit" else (spec.get("ac", "none"),)
+    for ac in modes:
+        cfg = apply_layout(base, {**spec, "ac": ac}, gpus, compile_, batch_given)
+        pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False, efficiency=efficiency)
+        if pred.peak.total <= cap:
+            break
+    return cfg, pred
 
 
 MODELLED_FEATURES = {"compile": "torch.compile of each block: elementwise work fused (plan_time.ELEMENTWISE_PASSES)"}

@@ -136,12 +136,10 @@ def _refuse_unmodelled(args) -> None:
 
 def _pinned(base, args, dev, eta: float, t0: float) -> int:
     """``--layout``: the one layout's memory and time (exit 1 when it does not fit)."""
-    from ..analysis.plan_layout import apply_layout, parse_layout
+    from ..analysis.plan_layout import parse_layout, predict_pinned
     from ..analysis.plan_search import HEADROOM, Candidate, step_sentence
-    from ..analysis.predict import predict
-    cfg = apply_layout(base, parse_layout(args.layout), args.gpus, compile_=getattr(args, "compile", False),
-                       batch_given=bool(args.global_batch))
-    pred = predict(cfg, args.gpu, gpus_per_node=args.gpus_per_node, per_rank=False, efficiency=eta)
+    cfg, pred = predict_pinned(base, parse_layout(args.layout), args.gpus, args.gpu, args.gpus_per_node, eta,
+                               getattr(args, "compile", False), bool(args.global_batch))
     peak = pred.peak
     mem = {k: getattr(peak, k) for k in ("params", "grads", "optim", "activations", "buffers", "transient", "wgrad")}
     c = Candidate(cfg, mem, peak.total, pred.tokens_per_s / args.gpus, pred.mfu, pred.breakdown)

@@ -118,3 +118,19 @@ def test_layout_and_fixed_degrees_together_are_refused():
         ap = argparse.ArgumentParser()
         plan_cmd.configure(ap)
         plan_cmd.main(ap.parse_args(["llama-8b", "--gpus", "8", "--tp", "2", "--layout", "fsdp4 tp2"]))
+
+
+def test_ac_fit_takes_the_lightest_recomputation_that_fits():
+    from shardlab.analysis.plan_layout import AC_MODES, predict_pinned
+    from shardlab.analysis.plan_search import HEADROOM
+    from shardlab.analysis.predict import predict
+    base = _base("llama-8b")
+    base.train.global_batch = 16
+    cfg, pred = predict_pinned(base, parse_layout("fsdp8 mb2x1 ac-fit"), 8, "h100")
+    chosen = cfg.parallel.activation_checkpointing
+    cap = HEADROOM * 80e9
+    assert pred.peak.total <= cap
+    for lighter in AC_MODES[:AC_MODES.index(chosen)]:  # every lighter mode is over the capacity
+        c = apply_layout(base, {**parse_layout("fsdp8 mb2x1"), "ac": lighter}, 8)
+        assert predict(c, "h100", per_rank=False).peak.total > cap, lighter
+    assert chosen != "none"  # 8B at 2 x 8,192 tokens per GPU needs recomputation on 80 GB

@@ -6,13 +6,15 @@ size and a parseable safetensors header matching the index (cheap: no tensor dat
 only the intersecting slices, by offset: positioned reads (``os.preadv``) of the dim-0 rows
 each box touches, no memory map. A piece read whole has its crc32 checked; ``verify_all``
 reads and checks every piece. ``read_into`` reads a whole piece straight into the caller's
-tensor (the load path of every engine: one copy, checksummed chunk by chunk as it is read). Docs: docs/checkpoints.md.
+tensor (the load path of every engine: one copy; the crc32 is computed chunk by chunk in a
+helper thread, overlapped with the reads of the next chunks, and checked before it returns). Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import json
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,9 +23,14 @@ from .ckpt_format import _ST_DTYPES, CheckpointError, crc32, dtype_from_name, pl
 
 _FIX = "re-save or use an older checkpoint"
 CHUNK = 4 << 20
-"""Bytes per positioned read of :meth:`Reader.read_into`; each chunk's crc32 is taken right after it."""
+"""Bytes per positioned read of :meth:`Reader.read_into`; each chunk's crc32 overlaps the next read."""
 _ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}                          # "F32" -> torch.float32
 _ST_NAMES = {str(k).replace("torch.", ""): v for k, v in _ST_DTYPES.items()}  # "float32" -> "F32"
+
+
+def _crc_after(data, before) -> int:
+    """crc32 of ``data`` continuing the crc of ``before`` (a future of the previous chunk's, or None)."""
+    return zlib.crc32(data, before.result() if before is not None else 0)
 
 
 class Reader:
@@ -43,6 +50,7 @@ class Reader:
             for info in self._keys.values():
                 dtype_from_name(info["dtype"])
             self._handles: dict[str, object] = {}
+            self._crc_thread = None
             self._data_start: dict[str, int] = {}
             self._headers: dict[str, dict] = {}
             self._check_files()
@@ -154,8 +162,8 @@ class Reader:
 
         Fast path -- the box is one saved piece whole, and ``out`` is a contiguous CPU tensor of
         the saved dtype: the bytes are read by offset straight into ``out``'s memory, in chunks
-        of :data:`CHUNK` bytes, and the crc32 is computed chunk by chunk right after each chunk
-        is read (while it is still in cache), then compared with the index before returning.
+        of :data:`CHUNK` bytes; a helper thread takes each chunk's crc32 (chained) while the next
+        chunk is read, and the result is compared with the index before returning.
         No temporary buffer, one copy (page cache -> ``out``). Otherwise: ``out.copy_(read(...))``."""
         info = self._info(key)
         offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
@@ -170,14 +178,16 @@ class Reader:
         start = self._data_start[p["file"]] + int(h["data_offsets"][0])
         n = int(h["data_offsets"][1]) - int(h["data_offsets"][0])
         view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy()) if n else memoryview(b"")
-        fd, crc, done = self._open(p["file"]), 0, 0
-        while done < n:
+        fd, crc, done = self._open(p["file"]), None, 0
+        if self._crc_thread is None:
+            self._crc_thread = ThreadPoolExecutor(1, thread_name_prefix="shardlab-ckpt-crc")
+        while done < n:  # read chunk k + 1 while the thread takes chunk k's crc (both release the GIL)
             got = os.preadv(fd, [view[done:min(n, done + CHUNK)]], start + done)
             if got <= 0:
                 raise CheckpointError(f"{self.path / p['file']}: ends early (truncated); {_FIX}")
-            crc = zlib.crc32(view[done:done + got], crc)
+            crc = self._crc_thread.submit(_crc_after, view[done:done + got], crc)
             done += got
-        if crc & 0xFFFFFFFF != p["crc32"]:
+        if (crc.result() if crc is not None else 0) & 0xFFFFFFFF != p["crc32"]:
             raise CheckpointError(f"{self.path / p['file']}: checksum mismatch in {p['name']} (file damaged); "
                                   f"{_FIX}")
 
@@ -244,6 +254,9 @@ class Reader:
         for fd in self._handles.values():
             os.close(fd)
         self._handles.clear()
+        if self._crc_thread is not None:
+            self._crc_thread.shutdown()
+            self._crc_thread = None
 
     def __enter__(self):
         return self

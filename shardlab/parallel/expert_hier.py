@@ -11,9 +11,10 @@ T tokens were routed (models/moe.py: k kept-or-dropped assignments per token):
 
   1. pairs: (node b, token t) for every token with a kept assignment on node b, b-major;
   2. slow hop (ep_inter all-to-all): for each pair, the token's row x_t with its k gate weights
-     appended as columns (0 for assignments elsewhere or dropped) goes to rank (b, l); the k
-     expert ids (-1 for the same) follow as int32; so a token crosses to a node once, however
-     many of that node's experts it uses;
+     and its k expert ids appended as columns (0 / -1 for assignments elsewhere or dropped; the
+     ids in the row's dtype where they are exact there, e.g. up to 2^24 experts in fp32 and 256
+     in bf16, else a second message of int32) goes to rank (b, l); so a token crosses to a node
+     once, however many of that node's experts it uses;
   3. fast hop (ep_intra all-to-all, the flat dispatch's exchange inside the node): rank (b, l)
      expands what it received into one row per assignment, sorted by (owner's local index,
      expert), and sends each to its expert's rank, with the per-expert counts first;
@@ -22,7 +23,7 @@ T tokens were routed (models/moe.py: k kept-or-dropped assignments per token):
      token's assignments on node b: one row per pair;
   6. slow hop back: one row per (node, token) to the token's rank, which sums over nodes.
 
-Bytes per token over the slow tier: one row (plus k weights and k int32 ids) per other node
+Bytes per token over the slow tier: one row (plus k weights and k ids) per other node
 used, against one row per assignment on another node for the flat all-to-all; the fast tier
 carries the per-assignment rows. Sizes are exact (uneven): the split sizes are read on the host
 once per hop, as in the flat ``exact`` dispatch. Everything the gradient needs is autograd:
@@ -65,6 +66,10 @@ class Hierarchy:
         self.per_rank = per_rank
 
 
+_EXACT_INTS = {torch.float64: 2**53, torch.float32: 2**24, torch.float16: 2**11, torch.bfloat16: 2**8}
+"""Integers up to these are exact in each dtype: expert ids ride in the row's own message."""
+
+
 def _a2a_rows(comm, rows: torch.Tensor, send_counts: torch.Tensor):
     """Exchange ``rows`` (grouped by destination, ``send_counts`` per group rank) over ``comm``:
     counts first, then the rows (autograd). Returns (received rows, in_splits, out_splits)."""
@@ -87,17 +92,19 @@ def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> 
     hit.view(-1).index_fill_(0, (enode * T + torch.arange(T, device=dev))[keep], True)
     pb, pt = hit.nonzero(as_tuple=True)                              # pair p: node pb[p], token pt[p]
     on = keep[:, pt] & (enode[:, pt] == pb)                          # (k, P): assignment j of pair p here
-    # 2. slow hop: row + k gate weights (as columns, in x's dtype like the flat combine), then the ids
+    # 2. slow hop: row + k gate weights (as columns, in x's dtype like the flat combine) + the k ids
     w = (r.weight.view(k, T)[:, pt] * on).t().to(x.dtype)           # (P, k)
-    payload = torch.cat([x.index_select(0, pt), w], 1)
-    ids = torch.where(on, expert[:, pt], -1).t().to(torch.int32).contiguous()
+    ids = torch.where(on, expert[:, pt], -1).t()
+    inline = layer.n_experts <= _EXACT_INTS.get(x.dtype, 0)          # ids exact in x's dtype: one message
+    payload = torch.cat([x.index_select(0, pt), w] + ([ids.to(x.dtype)] if inline else []), 1)
     got, ins1, outs1 = _a2a_rows(h.inter, payload, hit.sum(1))
-    got_ids = h.inter.all_to_all(ids, ins1, outs1)
-    xr, wr = got[:, :D], got[:, D:]                                  # R received pairs
+    got_ids = (got[:, D + k:].detach().round() if inline else
+               h.inter.all_to_all(ids.to(torch.int32).contiguous(), ins1, outs1)).long()
+    xr, wr = got[:, :D], got[:, D:D + k]                             # R received pairs
     # 3. fast hop: one row per assignment, sorted by (owner's local index, expert)
     R = got.shape[0]
     valid = got_ids >= 0                                              # (R, k)
-    e = got_ids.long().clamp(min=0)
+    e = got_ids.clamp(min=0)
     key = torch.where(valid, h.exp_local.to(dev)[e] * layer.n_experts + e, h.L * layer.n_experts).view(-1)
     sel = torch.argsort(key, stable=True)[:int(valid.sum())]        # assignment i*k+j, sorted
     rows = xr.index_select(0, sel // k)

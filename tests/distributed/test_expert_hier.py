@@ -80,9 +80,9 @@ def _slow_bytes(case, dispatch, k, everyone, ep_nodes):
     if dispatch in ("exact", "overlap"):  # flat: one row per assignment on another node, each way
         back = sum(c["rows"].get(case["rank"], 0) for c in everyone)  # counts: n_local ints per rank (per half)
         return (sum(case["rows"].values()) + back) * D * 8 + ep_nodes * 8 * (2 if dispatch == "overlap" else 1)
-    # hierarchical: row + k weights + k int32 ids per (node, token), to and from the same local index
+    # hierarchical: row + k weights + k ids (float64 columns) per (node, token), to and from the same local index
     back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
-    return sum(case["pairs"].values()) * ((D + k) * 8 + k * 4) + back * D * 8 + 8 * (ep_nodes - 1)
+    return sum(case["pairs"].values()) * (D + 2 * k) * 8 + back * D * 8 + 8 * (ep_nodes - 1)
 
 
 def _check(res, nodes, n_local):

@@ -8,12 +8,12 @@ divided by each factor; 0 = not throttled) and each variant of one MoE layer's f
   flat          the all-to-all over the ep group (``ep_dispatch = exact``)
   hierarchical  once per token and destination node over the slow tier, forwarded inside
   M = 1 / 2     node-limited routing: each token's experts on at most M of the 2 nodes (2 = all)
-  overlap       flat, the tokens in two halves, one half's all-to-all beside the other's experts
+  overlap n     flat, the tokens in n chunks, one chunk's all-to-all beside another's experts
 
 it reports the step time (median over rounds of the slowest rank; variants interleaved round by
 round) and the bytes one rank sends over the slow tier per step (ledger, mean over ranks; all
 collectives of the layer: dispatch, combine, count exchanges, the auxiliary statistics' all-reduce).
-Then, for overlap off / on, the exposed communication per step read from a profiler trace
+Then, for overlap off / 2 / 4 chunks, the exposed communication per step read from a profiler trace
 (union of the loop thread's ``tier:*`` collective spans, ``ep:wait`` waits and ``shm:*`` spans,
 analysis/overlap.py's interval arithmetic) and the share of the all-to-all time hidden:
 1 - exposed(on) / exposed(off).
@@ -47,8 +47,10 @@ from shardlab.parallel import expert
 VARIANTS = {  # name -> (ep_dispatch, overlap, moe_max_nodes)
     "flat M=2": ("exact", False, 0), "hierarchical M=2": ("hierarchical", False, 0),
     "flat M=1": ("exact", False, 1), "hierarchical M=1": ("hierarchical", False, 1),
-    "flat M=2 overlap": ("exact", True, 0),
+    "flat M=2 overlap 2": ("exact", 2, 0), "flat M=2 overlap 4": ("exact", 4, 0),
 }
+
+OVERLAP = ("flat M=2", "flat M=2 overlap 2", "flat M=2 overlap 4")
 
 
 def _layers(mesh, a):
@@ -136,7 +138,7 @@ def worker(ctx, a):
                 inter[name] = sum(e.inter_sent for e in mesh.ledger.since(snap).values())
         row = {n: {"step_ms": 1e3 * statistics.median(times[n]), "inter_KiB": inter[n] / 1024} for n in VARIANTS}
         if factor == a.profile_factor:
-            for n in ("flat M=2", "flat M=2 overlap"):
+            for n in OVERLAP:
                 row[n]["exposed_ms"] = _exposed_ms(layers[n], x, w)
         out["settings"][factor] = {"gbps": link.gbps, "rows": row}
     return out
@@ -175,13 +177,13 @@ def main():
     if a.profile_factor in a.slow_factors:
         print(f"\nOverlap, slow tier fast / {a.profile_factor:g}: exposed communication per step from the profiler "
               "trace (mean over ranks)")
-        print("| overlap | step (ms) | exposed communication (ms) | hidden = 1 - exposed(on) / exposed(off) |")
+        print("| overlap chunks | step (ms) | exposed communication (ms) | hidden = 1 - exposed / exposed(off) |")
         print("|---|---|---|---|")
-        rows = {n: [r["settings"][a.profile_factor]["rows"][n] for r in res] for n in ("flat M=2", "flat M=2 overlap")}
+        rows = {n: [r["settings"][a.profile_factor]["rows"][n] for r in res] for n in OVERLAP}
         off = statistics.mean(r["exposed_ms"] for r in rows["flat M=2"])
         for n, rr in rows.items():
             e = statistics.mean(r["exposed_ms"] for r in rr)
-            print(f"| {'on' if 'overlap' in n else 'off'} | {rr[0]['step_ms']:.1f} | {e:.1f} | "
+            print(f"| {n.rpartition(' ')[2] if 'overlap' in n else 'off'} | {rr[0]['step_ms']:.1f} | {e:.1f} | "
                   f"{'' if n == 'flat M=2' else f'{1 - e / off:.2f}'} |")
     if a.json:
         with open(a.json, "w") as fh:

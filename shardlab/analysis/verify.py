@@ -101,7 +101,7 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "ep4-hier-cap": ({"ep": 4, "dp_shard": 4, **HIER}, {**MOE, "moe_capacity_factor": 2.0}, "dp_replicate"),
     "ep4-hier-m1": ({"ep": 4, "dp_shard": 4, **HIER}, {**MOE, "moe_node_groups": 2, "moe_max_nodes": 1},
                     "dp_replicate"),
-    "ep4-overlap": ({"ep": 4, "dp_shard": 4, "sim_nodes": 2, "ep_overlap": True}, {**MOE, "moe_capacity_factor": 2.0},
+    "ep4-overlap": ({"ep": 4, "dp_shard": 4, "sim_nodes": 2, "ep_overlap": 2}, {**MOE, "moe_capacity_factor": 2.0},
                     "dp_replicate"),
     "ep2-hier-dp": ({"ep": 2, "dp_shard": 2, "dp_replicate": 2, **HIER, "sim_nodes": 4}, MOE, "dp_replicate"),
     "pp2-ep2-hier": ({"pp": 2, "ep": 2, "dp_shard": 2, "microbatches": 2, **HIER, "sim_nodes": 4}, {**MOE, **UNTIED},

@@ -114,7 +114,7 @@ class MoE(nn.Module):
         self.last_aux_loss = 0.0
         self._stats: dict = {}
         self.split = 1
-        """2: group the rows by half of the tokens first, counts (2, E) (parallel/expert_overlap.py)."""
+        """n > 1: group the rows by chunk of the tokens first, counts (n, E) (parallel/expert_overlap.py)."""
 
     @property
     def last_stats(self) -> dict:
@@ -188,8 +188,8 @@ class MoE(nn.Module):
         # group by expert with the dropped assignments last: shapes never depend on the routing
         # (no host read); the experts return zeros for the dropped rows, weighted by 0 anyway
         key = torch.where(r.keep, r.expert, self.n_experts)
-        if self.split == 2:  # two halves by token, half-major (expert parallel's overlap)
-            key = key + (r.token >= x.shape[0] // 2) * (self.n_experts + 1)
+        if self.split > 1:  # chunks of the tokens, chunk-major (expert parallel's overlap)
+            key = key + (r.token * self.split // x.shape[0]) * (self.n_experts + 1)
         sel = torch.argsort(key, stable=True)                 # row i of the experts' input: assignment sel[i]
         inv = torch.empty_like(sel)
         inv[sel] = torch.arange(sel.numel(), device=sel.device)

@@ -73,7 +73,7 @@ class _SumOverRanks(torch.autograd.Function):
 class ExpertParallelMoE(MoE):
     """An MoE layer whose experts live on the ep ranks. Parameter names are unchanged."""
 
-    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str, dispatch: str = "padded", overlap: bool = False):
+    def __init__(self, moe: MoE, mesh, model_cfg, prefix: str, dispatch: str = "padded", overlap: int = 0):
         with torch.device("meta"):
             super().__init__(model_cfg)
         self.router = moe.router
@@ -82,7 +82,7 @@ class ExpertParallelMoE(MoE):
         self.n_local, self.first = E // ep, self.ep.rank * (E // ep)
         self.padded = padded_dispatch(dispatch, self.capacity_factor)
         self.hier = Hierarchy(mesh, E) if dispatch == "hierarchical" and ep > 1 else None
-        self.split = 2 if overlap and ep > 1 and self.hier is None else 1  # expert_overlap.py
+        self.split = overlap if overlap > 1 and ep > 1 and self.hier is None else 1  # chunks, expert_overlap.py
         src = moe.experts
         self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
@@ -203,6 +203,7 @@ def _check_tiers(m, p) -> None:
         spanned = topo.size("ep_inter")
         require(G % spanned == 0, "model.moe_node_groups",
                 f"{G} groups cannot each sit on one of the {spanned} nodes an ep group spans; use a multiple of {spanned}")
+    require(p.ep_overlap != 1, "parallel.ep_overlap", "one chunk overlaps nothing; use 0 (off) or 2 or more chunks")
     require(not p.ep_overlap or p.ep_dispatch != "hierarchical", "parallel.ep_overlap",
             "overlap of the hierarchical dispatch is not implemented; use ep_dispatch = exact or padded")
 

@@ -2,25 +2,26 @@
 (``parallel.ep_overlap``; docs/expert-parallel.md, "Overlap").
 
 The layer's tokens are routed together (capacity, statistics and auxiliary losses exactly as
-without overlap), then their assignments go in two halves by token: half A is tokens
-[0, T/2), half B the rest (models/moe.py groups the rows half-major when ``self.split == 2``).
-Both halves' all-to-alls are asynchronous collectives of the group's process group (gloo runs
-them on its own threads, NCCL on its stream), so one half's transfer runs while the other half's
-experts compute:
+without overlap), then their assignments go in n chunks by token (``parallel.ep_overlap = n``):
+chunk c holds the tokens t with ``t * n // T == c`` (models/moe.py groups the rows chunk-major
+when ``self.split = n``). Every chunk's all-to-alls are asynchronous collectives of the group's
+process group (gloo runs them on its own threads, NCCL on its stream), so one chunk's transfer
+runs while another chunk's experts compute (n = 2: chunks A and B):
 
   forward    start dispatch A, start dispatch B | wait A, experts A, start combine A |
              wait B, experts B, start combine B | wait combine A, wait combine B
   backward   start combine-grad A, B | wait A, experts' backward A, start dispatch-grad A |
              wait B, experts' backward B, start dispatch-grad B | wait both
 
-Only the first transfer of each pass (dispatch A; combine-grad A) and the last (combine B;
-dispatch-grad B) have no compute beside them. The experts' forward runs on detached received
+Only the first transfer of each pass (dispatch of chunk 0; its combine-grad) and the last
+(combine of chunk n-1; its dispatch-grad) have no compute beside them: at most (n-1)/n of the
+transfer time can hide, half with two chunks. The experts' forward runs on detached received
 rows inside :class:`_Overlapped` and their backward is an inner ``torch.autograd.backward`` (as
 activation checkpointing does), which accumulates the expert weights' gradients. The split sizes
-are exact (read on the host after each half's count exchange): no padding. Results equal the
-non-overlapped layer up to the order of the expert weight gradients' sums over rows (float64
-1e-10, tests/distributed/test_expert_hier.py). A group that spans nodes passes the transfers
-through the tier wrapper (distributed/tiers.py), so the simulated slow tier overlaps too.
+are exact (read on the host after each chunk's count exchange, itself synchronous): no padding.
+Results equal the non-overlapped layer up to the order of the expert weight gradients' sums over
+rows (float64 1e-10, tests/distributed/test_expert_hier.py). A group that spans nodes passes the
+transfers through the tier wrapper (distributed/tiers.py), so the simulated slow tier overlaps too.
 """
 from __future__ import annotations
 
@@ -50,14 +51,14 @@ def _wait(work):
         work.wait()
 
 
-class _Half:
-    """One half's routing on this rank: its rows' splits and the regrouping of received rows."""
+class _Chunk:
+    """One chunk's routing on this rank: its rows' splits and the regrouping of received rows."""
 
     def __init__(self, layer, counts: torch.Tensor):
         ep, n_local = layer.ep.size, layer.n_local
         send = counts.view(ep, n_local)
         recv = layer.ep.all_to_all(send.contiguous())
-        self.ins, self.outs = send.sum(1).tolist(), recv.sum(1).tolist()   # this half's host read
+        self.ins, self.outs = send.sum(1).tolist(), recv.sum(1).tolist()   # this chunk's host read
         self.n = sum(self.ins)
         block = torch.arange(ep * n_local, device=counts.device).view(ep, n_local)
         key = torch.repeat_interleave(((block % n_local) * ep + block // n_local).flatten(), recv.flatten(),
@@ -69,17 +70,18 @@ class _Half:
 
 
 class _Overlapped(torch.autograd.Function):
-    """rows of half A and half B (kept rows, grouped by expert) -> their expert outputs, with
-    the transfers of one half overlapping the other's compute (module doc)."""
+    """The kept rows of each chunk (grouped by expert) -> their expert outputs, with the
+    transfers of one chunk overlapping another's compute (module doc)."""
 
     @staticmethod
-    def forward(ctx, a, b, layer, halves, capacity, *weights):
-        """``weights``: the local experts' parameters, inputs only so that the outputs need a
-        gradient whenever they do (their gradients accumulate in the inner backward)."""
-        ctx.layer, ctx.halves = layer, halves
-        works = [start_all_to_all(layer.ep, x, h.ins, h.outs) for x, h in zip((a, b), halves)]
+    def forward(ctx, layer, chunks, capacity, n, *tensors):
+        """``tensors``: the n chunks' rows, then the local experts' parameters (inputs only so
+        that the outputs need a gradient whenever they do; their gradients accumulate in the
+        inner backward)."""
+        ctx.layer, ctx.chunks, ctx.n = layer, chunks, n
+        works = [start_all_to_all(layer.ep, x, h.ins, h.outs) for x, h in zip(tensors[:n], chunks)]
         inputs, outputs, combines = [], [], []
-        for (work, got), h in zip(works, halves):
+        for (work, got), h in zip(works, chunks):
             _wait(work)
             x = got.detach().requires_grad_()
             with torch.enable_grad():
@@ -95,33 +97,37 @@ class _Overlapped(torch.autograd.Function):
         return tuple(result)
 
     @staticmethod
-    def backward(ctx, ga, gb):
-        layer, halves = ctx.layer, ctx.halves
-        works = [start_all_to_all(layer.ep, g, h.ins, h.outs) for g, h in zip((ga, gb), halves)]
-        rows_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # the same on every rank
+    def backward(ctx, *grads_out):
+        layer, chunks, n = ctx.layer, ctx.chunks, ctx.n
+        works = [start_all_to_all(layer.ep, g, h.ins, h.outs) for g, h in zip(grads_out, chunks)]
+        rows_grad = any(ctx.needs_input_grad[4:4 + n])  # the same on every rank
         back = []
-        for (work, g), h, x, y in zip(works, halves, ctx.inputs, ctx.outputs):
+        for (work, g), h, x, y in zip(works, chunks, ctx.inputs, ctx.outputs):
             _wait(work)
             torch.autograd.backward(y, g)
             if rows_grad:
                 grad = x.grad if x.grad is not None else torch.zeros_like(x)
                 back.append(start_all_to_all(layer.ep, grad, h.outs, h.ins))
-        grads = [None, None]
+        grads = [None] * n
         for i, (work, out) in enumerate(back):
             _wait(work)
             grads[i] = out
         ctx.inputs = ctx.outputs = None
-        return (grads[0], grads[1], None, None, None) + (None,) * len(ctx.needs_input_grad[5:])
+        return (None,) * 4 + tuple(grads) + (None,) * (len(ctx.needs_input_grad) - 4 - n)
 
 
 def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``x``: the rows of half A (``k * T_A``: its kept rows by expert, then its dropped ones),
-    then those of half B; ``counts`` (2, E): kept rows per expert of each half. Returns the
-    expert outputs in the same row order, zeros for dropped rows."""
-    halves = [_Half(layer, c) for c in counts]
-    n_a = layer.top_k * (x.shape[0] // layer.top_k // 2)  # half A: tokens [0, T // 2)
-    a, b = x[:halves[0].n], x[n_a:n_a + halves[1].n]
-    ya, yb = _Overlapped.apply(a, b, layer, halves, capacity, *layer.experts.parameters())
-    zeros = x.new_zeros
-    return torch.cat([ya, zeros(n_a - halves[0].n, x.shape[1]), yb,
-                      zeros(x.shape[0] - n_a - halves[1].n, x.shape[1])])
+    """``x``: the rows of chunk 0 (``k * T_0``: its kept rows by expert, then its dropped ones),
+    then those of chunk 1, ...; chunk c holds tokens t with ``t * n // T == c``; ``counts`` (n, E):
+    kept rows per expert of each chunk. Returns the expert outputs in the same row order, zeros
+    for dropped rows."""
+    n, k = counts.shape[0], layer.top_k
+    T = x.shape[0] // k
+    chunks = [_Chunk(layer, c) for c in counts]
+    starts = [k * (-(-c * T // n)) for c in range(n + 1)]  # first row of each chunk (its first token: ceil(cT/n))
+    rows = [x[starts[c]:starts[c] + h.n] for c, h in enumerate(chunks)]
+    ys = _Overlapped.apply(layer, chunks, capacity, n, *rows, *layer.experts.parameters())
+    parts = []
+    for c, (y, h) in enumerate(zip(ys, chunks)):
+        parts += [y, x.new_zeros(starts[c + 1] - starts[c] - h.n, x.shape[1])]
+    return torch.cat(parts)

@@ -27,7 +27,7 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
         ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
     overlap = dispatch == "overlap"
     layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", "exact" if overlap else dispatch,
-                                     overlap)
+                                     2 if overlap else 0)
     gen = torch.Generator().manual_seed(10 + mesh.rank)
     x = torch.randn(T, D, dtype=torch.float64, generator=gen)
     w = torch.randn(T, D, dtype=torch.float64, generator=gen)

@@ -221,8 +221,8 @@ def apply(model: nn.Module, mesh, cfg) -> nn.Module:
 
 def moe_metrics(model: nn.Module, ledger_entries: dict | None = None) -> dict:
     """Per-step MoE metrics: tokens per expert and dropped fraction of each MoE layer (global
-    batch, from the last forward) and the all-to-all bytes sent (from ledger entries, e.g.
-    ``mesh.ledger.since(snapshot)``)."""
+    batch, from the last forward) and the all-to-all bytes sent, also those of the hierarchical
+    dispatch's two tiers (from ledger entries, e.g. ``mesh.ledger.since(snapshot)``)."""
     out: dict = {}
     drops = []
     for name, moe in moe_layers(model):
@@ -235,6 +235,6 @@ def moe_metrics(model: nn.Module, ledger_entries: dict | None = None) -> dict:
     if drops:
         out["moe/dropped_fraction"] = sum(drops) / len(drops)
     if ledger_entries is not None:
-        out["moe/all_to_all_bytes"] = sum(e.bytes_sent for (op, g), e in ledger_entries.items()
-                                          if op == "all_to_all" and g == "ep")
+        a2a = [e for (op, g), e in ledger_entries.items() if op == "all_to_all" and g in ("ep", "ep_intra", "ep_inter")]
+        out["moe/all_to_all_bytes"] = sum(e.bytes_sent for e in a2a)
     return out

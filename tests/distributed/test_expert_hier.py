@@ -111,6 +111,13 @@ def test_hierarchical_ep4_over_two_nodes_equals_the_plain_layer():
         assert r[(0.0, 2, 0, "hierarchical")]["inter"] < r[(0.0, 2, 0, "exact")]["inter"]
 
 
+def test_hierarchical_on_one_node_is_the_fast_hop_alone():
+    """One node: the slow hop is a group of one (nothing crosses), the forwarding hop is the ep group."""
+    res = run(worker, 2, 1, dict(dp_shard=2, ep=2))
+    _check(res, 1, 2)
+    assert all(c["inter"] == 0 for r in res for k, c in r.items() if k != "tags")
+
+
 def _throttle_worker(ctx):
     mesh = Mesh.build(Topology(dp_shard=2, ep=2, nodes=2, inter_node_gbps=0.01, inter_node_latency_us=2000))
     comm = mesh.comm("ep")

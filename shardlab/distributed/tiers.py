@@ -63,18 +63,18 @@ class Delayed:
     earlier than ``deadline`` (perf_counter seconds); everything else is the wrapped object's."""
 
     def __init__(self, work, deadline: float):
-        self.work, self.deadline = work, deadline
+        self._inner, self.deadline = work, deadline  # not ``work``: a Pending's own ``work`` shows through
 
     def wait(self, *a, **k):
-        out = self.work.wait(*a, **k)
+        out = self._inner.wait(*a, **k)
         _sleep_until(self.deadline)
         return out
 
     def is_completed(self) -> bool:
-        return self.work.is_completed() and time.perf_counter() >= self.deadline
+        return self._inner.is_completed() and time.perf_counter() >= self.deadline
 
     def __getattr__(self, name):
-        return getattr(self.work, name)
+        return getattr(self._inner, name)
 
 
 class TieredComm:

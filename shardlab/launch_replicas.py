@@ -39,8 +39,13 @@ from .distributed.quorum import Lighthouse
 FATAL = ("Diverged:", *launch.BAD_INPUT)
 
 
+class InjectedFailure(BaseException):
+    """Raised by SIGUSR1 (the soak's "raised exception"): a BaseException, so that no ``except
+    Exception`` on the way (a failed collective is retried) can swallow it: the rank fails."""
+
+
 def _raise_on_usr1(signum, frame):
-    raise RuntimeError("injected failure (SIGUSR1: a raised exception in the training loop)")
+    raise InjectedFailure("injected failure (SIGUSR1: an exception raised in the training loop)")
 
 
 def _spare(inbox, results, parent_pid, fn, args, device, timeout_s, threads):
@@ -102,7 +107,7 @@ class _Pool:
 
 def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s: float = 60.0,
         ft_timeout_s: float = 5.0, threads: int = 0, injector=None, faults: dict | None = None,
-        max_replacements: int = 10_000, say=None, poll_s: float = 0.005):
+        max_replacements: int = 10_000, say=None, poll_s: float = 0.005, spares: int = 1):
     """(results, report); see the module doc."""
     from .train.heal import FTContext
     say = say or (lambda msg: print(msg, flush=True))
@@ -112,7 +117,7 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
     ft_store = dist.PrefixStore("ft/", store)
     lh = Lighthouse(ft_store, n_replicas, n_local, ft_timeout_s)
     pool = _Pool(mpctx, results, fn, args, device, timeout_s, threads)
-    pool.start(n_replicas * n_local + n_local)  # every replica, and one spare replica
+    pool.start((n_replicas + spares) * n_local)  # every replica, and spare replicas
     gen, procs, files = [0] * n_replicas, {}, []
     done: dict[int, dict[int, object]] = {r: {} for r in range(n_replicas)}
     failures, stopped, replaced = [], {}, [0] * n_replicas
@@ -130,8 +135,8 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
             procs[r].append(p)
         lh.spawned(r, gen[r])
         done[r] = {}
-        if len(pool.free) < n_local:
-            pool.start(n_local - len(pool.free))
+        if len(pool.free) < spares * n_local:
+            pool.start(spares * n_local - len(pool.free))
 
     def fail(r: int, why: str) -> None:
         now = time.monotonic()
@@ -141,7 +146,8 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
         for p in procs[r]:
             p.join()
         lh.mark_dead(r, why)
-        rec = next((f for f in failures if f["replica"] == r and f["gen"] == gen[r] and "detect" not in f), None)
+        rec = next((f for f in reversed(failures) if f["replica"] == r and f["gen"] == gen[r] and "detect" not in f),
+                   None)
         if rec is None:
             rec = {"replica": r, "gen": gen[r], "how": "natural", "t": now}
             failures.append(rec)

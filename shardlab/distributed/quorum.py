@@ -8,12 +8,12 @@ everything goes through one TCPStore that the launcher hosts (``launch_replicas.
 * **quorums** -- which replicas take part in the next step. A replica's local rank 0 asks
   (``req/<r>``: its step, whether it has finished); the lighthouse answers every asking replica
   (``resp/<r>/<gen>/<n>``, read by all K ranks of the replica) once every *active* replica asks,
-  or ``timeout_s`` after the first asked (a hung replica is left out). A member behind the most
+  or ``JOIN_WAIT * timeout_s`` after the first asked (a hung replica is left out). A member behind the most
   advanced step is healed from a member at that step (``heal``: {joiner: source}).
 * **decisions** -- every rank votes on each phase of a quorum (``vote/<q>/<phase>/<r>/<i>``:
   ok, fingerprint); the lighthouse writes one ``dec/<q>/<phase>``: ``commit`` (all voted ok and
   the fingerprints of each local index agree), ``diverged`` (they do not), ``abort`` (a vote
-  says failed, a member died, or a vote is missing after ``timeout_s``). One decider, so no two
+  says failed, a member died, or -- a safety net -- a vote is missing long after). One decider, so no two
   replicas can decide differently.
 
 Cross-replica collectives use a fresh gloo group per quorum *configuration* (members and their
@@ -31,6 +31,13 @@ import time
 import torch
 import torch.distributed as dist
 
+JOIN_WAIT = 4
+"""A quorum waits for every active replica (one whose rank died or went silent is dropped by the
+launcher within ``timeout_s``) at most ``JOIN_WAIT * timeout_s`` after the first one asked."""
+VOTE_WAIT = 100
+"""A phase is aborted when a vote is still missing ``VOTE_WAIT * timeout_s`` after it opened. Not the
+failure detector (a step may compute for long): a member that dies or stops is dropped by the
+launcher (exit status, heartbeat older than ``timeout_s``), which aborts its open phases at once."""
 HEARTBEAT_S = 0.2
 """How often every rank writes its heartbeat (``hb/<r>/<i>``: generation and wall time)."""
 
@@ -161,11 +168,16 @@ class Lighthouse:
     # -- supervision -----------------------------------------------------------------------
     def spawned(self, r: int, gen: int) -> None:
         self.gen[r], self.status[r], self.seen_n[r] = gen, "starting", 0
+        self._unpend(r)
+
+    def _unpend(self, r: int) -> None:
         self.pending.pop(r, None)
+        if not self.pending:
+            self.first_pending = None
 
     def mark_dead(self, r: int, why: str) -> None:
         self.status[r] = "dead"
-        self.pending.pop(r, None)
+        self._unpend(r)
         self.log.append({"t": self.clock(), "event": "dead", "replica": r, "gen": self.gen[r], "why": why})
         for (q, phase), o in list(self.open.items()):
             if r in o["members"]:
@@ -217,7 +229,7 @@ class Lighthouse:
             return  # the job's first start: every replica is waited for (a replacement is not)
         active = [r for r in range(self.R) if self.status[r] == "active"]
         everyone = all(r in self.pending for r in active)
-        if not everyone and self.clock() - self.first_pending < self.timeout_s:
+        if not everyone and self.clock() - self.first_pending < JOIN_WAIT * self.timeout_s:
             return
         members = sorted(self.pending)
         reqs = [self.pending[r] for r in members]
@@ -264,7 +276,7 @@ class Lighthouse:
                     fps.setdefault(k.rsplit("/", 1)[1], set()).add(v["fp"])
                 bad = [i for i, s in fps.items() if len(s) > 1]
                 self._decide(q, phase, f"diverged: local rank(s) {bad}" if bad else "commit", o)
-            elif now - o["since"] > self.timeout_s * (3 if phase == "heal" else 2):
+            elif now - o["since"] > VOTE_WAIT * self.timeout_s:  # a safety net: the dead are dropped sooner
                 self._decide(q, phase, "abort", o)
 
     def _decide(self, q: int, phase: str, decision: str, o: dict) -> None:

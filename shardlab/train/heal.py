@@ -170,7 +170,7 @@ class _Replica:
         quorum.wait(pg.send([meta], to, 1))
         quorum.wait(pg.send([payload], to, 2))
 
-    def _receive(self, pg, src: int) -> None:
+    def _receive(self, pg, src: int) -> tuple[torch.Tensor, dict]:
         head = torch.zeros(3, dtype=torch.int64)
         quorum.wait(pg.recv([head], src, 0))
         n, m, crc = (int(x) for x in head)
@@ -183,11 +183,20 @@ class _Replica:
             raise quorum.QuorumFailed(f"heal: checksum mismatch (crc32 {got:08x}, sender says {crc:08x}): "
                                       "state refused, asking again")
         state = json.loads(bytes(meta.numpy()))
+        params = [p for g in self.tr.optimizer.param_groups for p in g["params"]]
+        have = sum(t.numel() * t.element_size() for t in self.tensors + [torch.get_rng_state()])
+        missing = sum(math.prod(shape) * getattr(torch, dtype).itemsize for i, k, shape, dtype, _ in state["optim"]
+                      if k not in self.tr.optimizer.state.get(params[i], {}))
+        if n != have + missing:
+            raise quorum.QuorumFailed(f"heal: {n} bytes offered, this layout holds {have + missing}")
+        return payload, state
+
+    def _apply(self, payload: torch.Tensor, state: dict) -> None:
+        """Copy a verified heal into this rank's state -- only once every rank's heal of the
+        quorum is committed, so that the ranks of a replica never disagree on what they hold."""
         ensure_optim_state(self.tr.optimizer, state["optim"])
         tensors = self.tensors
         sizes = [t.numel() * t.element_size() for t in tensors + [torch.get_rng_state()]]
-        if n != sum(sizes):
-            raise quorum.QuorumFailed(f"heal: {n} bytes offered, this layout holds {sum(sizes)}")
         pos = 0
         with torch.no_grad():
             for t, size in zip(tensors, sizes):
@@ -201,11 +210,11 @@ class _Replica:
         self.counts["healed"] += 1
 
     def heal(self, q: dict) -> bool:
-        me, ok = str(self.ft.replica), True
+        me, ok, got = str(self.ft.replica), True, None
         try:
             pg = self.member.group(q)
             if me in q["heal"]:
-                self._receive(pg, q["members"].index(q["heal"][me]))
+                got = self._receive(pg, q["members"].index(q["heal"][me]))
             for joiner, src in sorted(q["heal"].items()):
                 if src == self.ft.replica:
                     self._send(pg, q["members"].index(int(joiner)))
@@ -215,12 +224,22 @@ class _Replica:
         except Exception as e:  # building the group with a dead member, ...
             ok = False
             self._say(f"heal in quorum {q['id']} failed: {type(e).__name__}: {e}")
-        return self._decided(q, "heal", ok, 0)
+        committed = self._decided(q, "heal", ok, 0)
+        if committed and got is not None:
+            self._apply(*got)
+        return committed
 
     # -- one step --------------------------------------------------------------------------
     def step(self, q: dict) -> bool:
         tr, t = self.tr, self.t
         fp = fingerprint(self.tensors)
+        try:  # the group's rendezvous now, while the members are in step (they just got the quorum)
+            self.member.group(q) if len(q["members"]) > 1 else None
+        except Exception as e:
+            self._say(f"step {tr.step + 1}: building the quorum's group failed: {type(e).__name__}: {e}")
+            self.counts["aborted"] += 1
+            self._decided(q, "step", False, fp)
+            return False
         cursor = tr.loader.state_dict()
         lr = lr_at(tr.step, t)
         for g in tr.optimizer.param_groups:

@@ -107,3 +107,23 @@ def test_replica_mode_without_replicas_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "train.fault_tolerance" in err[-1] and "dp_replicate" in err[-1], err
     assert not (tmp_path / "r").exists()
+
+
+def test_short_soak(tmp_path):
+    """benchmarks/soak.py, short: a handful of seeded failures of every kind (SIGKILL, SIGSTOP,
+    raised exception); replicas identical, no process left, every step recorded once."""
+    import argparse
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import soak
+    args = argparse.Namespace(replicas=2, ranks=1, minutes=2.0, failures=6, gap=0.3, timeout=2.0, seed=3,
+                              cache=str(tmp_path / "cache"), spares=1)
+    res = soak.soak(args)
+    print(soak.table(args, res))
+    assert res["identical"] and res["orphans"] == [] and res["clash"] == 0 and res["missing"] == 0
+    assert len(res["fails"]) == 6 and {f["how"].split(":")[0] for f in res["fails"]} == {"sigkill", "sigstop", "raise"}
+    for f in res["fails"]:
+        if "t_detect" in f:  # dropped: detected within the timeout (+ supervision slack), then rejoined
+            assert f["detect"] < args.timeout + 1.0 and f["rejoin"] is not None, f
+        else:  # ridden out: only a pause shorter than the timeout may go undetected
+            assert f["how"].startswith("sigstop") and float(f["how"].split(":")[1]) < args.timeout, f

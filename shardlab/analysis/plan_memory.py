@@ -212,7 +212,9 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             unit_bytes += shard * n * (compute or el)
         gathered.append(unit_bytes)
     root, rest = gathered[0], sorted(gathered[1:], reverse=True)
-    in_flight = 2 if p.prefetch else 1  # the unit computing and the one prefetched
+    # the unit computing and the one prefetched; none is on the shared-memory transport, whose
+    # all-gathers complete when issued (fsdp.FSDPEngine.background)
+    in_flight = 2 if p.prefetch and not inline_transport(cfg) else 1
     out["buffers"] = root + sum(rest[:in_flight])
     if not p.reshard_after_forward:  # every unit stays gathered from its forward to its backward
         out["buffers"] = float(sum(gathered))

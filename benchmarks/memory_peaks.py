@@ -43,6 +43,8 @@ LAYOUTS = {
     "pp2-zero1-dp2": (["--parallel.pp=2", "--parallel.zero_stage=1", "--parallel.microbatches=4"], (4,)),
     "cp2-dp2": (["--parallel.cp=2"], (4,)),
     "cp2-zero3": (["--parallel.cp=2", "--parallel.zero_stage=3"], (4,)),
+    "ddp-bf16": (["--parallel.zero_stage=0", "--train.precision=bf16"], (4,)),
+    "zero3-bf16": (["--parallel.zero_stage=3", "--train.precision=bf16", "--train.param_dtype=bf16"], (4,)),
     "moe-ep2-dp2": (["--model.n_experts=4", "--model.moe_top_k=2", "--parallel.ep=2"], (4,)),
     "moe-ep2-zero3": (["--model.n_experts=4", "--model.moe_top_k=2", "--parallel.ep=2", "--parallel.zero_stage=3"], (4,)),
 }

@@ -87,26 +87,12 @@ def measure(engine, optimizer) -> StateBytes:
 # -- the measured run (spawned ranks) -------------------------------------------------------------
 def _phases(engine, opt, batches, autocast, rec, step: int):
     """One training step with its phases marked (forward, backward, optimizer) and the model state
-    measured at each mark. Engines that schedule their own micro-batches (pipelines) are one
-    ``step`` phase before the optimizer."""
-    from ..parallel.engine import Engine
-    from contextlib import nullcontext
-    if type(engine).forward_backward is not Engine.forward_backward:
-        rec.mark(f"step {step}", measure(engine, opt))
-        engine.forward_backward(batches, 1.0, autocast)
-    else:
-        engine.start_step()
-        for k, (x, y) in enumerate(batches):
-            x, y = engine._local(x, y)
-            rec.mark(f"forward {step}", measure(engine, opt))
-            with autocast() if autocast else nullcontext():
-                loss = engine.forward(x, y, sync=k == len(batches) - 1)
-            rec.mark(f"backward {step}", measure(engine, opt))
-            (loss / len(batches)).backward()
-            del loss
-            engine.after_backward(k == len(batches) - 1)
-        engine.sync_grads()
-    rec.mark(f"optimizer {step}", measure(engine, opt))
+    measured at each mark, through the engine's own ``forward_backward`` (pipelines, which
+    interleave the phases, mark one ``step`` phase before the optimizer)."""
+    def mark(phase: str):
+        rec.mark(f"{phase} {step}", measure(engine, opt))
+    engine.forward_backward(batches, 1.0, autocast, mark=mark)
+    mark("optimizer")
     engine.clip_grads(1.0)
     opt.step()
 

@@ -158,7 +158,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
         out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el,
-                   opt_transient=psi_t * el)  # foreach AdamW: one temporary per parameter, all at once
+                   opt_transient=step_transient(psi_t * el, max((q.numel() for _, q in train), default=0) * el))
         if p.dp * p.cp == 1 or p.pp > 1:  # p.grad kept as autograd made it: kv heads copied over tp
             out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x
         if p.pp > 1:  # receive buffers posted ahead (engine.lookahead + 1 activations)
@@ -173,26 +173,26 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
         fel = low or el
         out["params"] = frozen
         cap = p.bucket_cap_mb * 2**20
-        biggest = 0
+        biggest = largest_shard = 0
         for n, group in _flat_groups(train, "dp_cp", topo, t.weight_decay):
             for bucket in make_buckets([q for _, q in group], cap):
                 total = sum(q.numel() for q in bucket)
                 shard = max(1, math.ceil(total / n))
                 padded = shard * n
-                biggest = max(biggest, padded)
+                biggest, largest_shard = max(biggest, padded), max(largest_shard, shard)
                 out["params"] += padded * fel
                 out["grads"] += (padded if p.zero_stage == 1 else shard) * fel
                 out["optim"] += 2 * shard * el + (shard * el if low else 0)
         if p.zero_stage == 2:
             out["buffers"] = 2 * biggest * fel  # the bucket being filled and the one reduce-scattering
-        out["opt_transient"] = out["optim"] / (3 if low else 2)  # foreach AdamW's temporary over the slices
+        out["opt_transient"] = step_transient(out["optim"] / (3 if low else 2), largest_shard * el)
         return out
     from ..parallel.fsdp import wrap_policy
     units = wrap_policy(model, p.wrap_policy, spec)
     compute = LOW.get(t.param_dtype) or (2 if t.precision in ("bf16", "fp16") else None)
     master = compute is not None and compute != el
     out["params"] = frozen
-    gathered, reduce_total = [], 0
+    gathered, reduce_total, largest_shard = [], 0, 0
     for prefix in [""] + units:
         mod = model.get_submodule(prefix) if prefix else model
         seen, mine = set(), []
@@ -206,13 +206,16 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             reduce_total += max(1, math.ceil(sum(q.numel() for _, q in group) / n)) * n * (LOW.get(t.reduce_dtype) or el)
             total = sum(q.numel() for _, q in group)
             shard = max(1, math.ceil(total / n))
+            largest_shard = max(largest_shard, shard)
             out["optim" if master else "params"] += shard * el
             out["grads"] += shard * el
             out["optim"] += 2 * shard * el
             unit_bytes += shard * n * (compute or el)
         gathered.append(unit_bytes)
     root, rest = gathered[0], sorted(gathered[1:], reverse=True)
-    in_flight = 2 if p.prefetch else 1  # the unit computing and the one prefetched
+    # the unit computing and the one prefetched; none is on the shared-memory transport, whose
+    # all-gathers complete when issued (fsdp.FSDPEngine.background)
+    in_flight = 2 if p.prefetch and not inline_transport(cfg) else 1
     out["buffers"] = root + sum(rest[:in_flight])
     if not p.reshard_after_forward:  # every unit stays gathered from its forward to its backward
         out["buffers"] = float(sum(gathered))
@@ -226,7 +229,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     out["bwd_transient"] = 2 * big + cast
     out["bwd_transient_inline"] = big + cast + largest_param
     out["largest_unit"] = float(big)
-    out["opt_transient"] = out["grads"]  # foreach AdamW's temporary: one per shard, all at once
+    out["opt_transient"] = step_transient(out["grads"], largest_shard * el)
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
     out["units"] = float(len(gathered))
     return out
@@ -251,9 +254,10 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
     p, t = cfg.parallel, cfg.train
     n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
     out["params"] = frozen
-    padded_total = 0
+    padded_total = largest_shard = 0
     for group, _ in decay_groups(train, t.weight_decay):
         shard = max(1, math.ceil(sum(q.numel() for _, q in group) / n))
+        largest_shard = max(largest_shard, shard)
         padded_total += shard * n
         out["params"] += (shard if p.zero_stage == 3 else shard * n) * el
         out["grads"] += shard * el
@@ -262,9 +266,18 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
     recv = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
         * act_dtype(cfg).itemsize
     out["buffers"] = padded_total * el * (2 if p.zero_stage == 3 else 1) + recv
-    out["opt_transient"] = out["grads"]  # foreach AdamW's temporary over the slices
+    out["opt_transient"] = step_transient(out["grads"], largest_shard * el)
     out["gathered_total"] = out["reduce_total"] = float(padded_total * el)
     return out
+
+
+def step_transient(stepped: float, largest: float) -> float:
+    """The optimizer's temporary at the step on CPU: foreach AdamW makes one tensor the size of
+    what it steps at once; train/optim.ChunkedAdamW steps runs of at most STEP_CHUNK bytes (a
+    larger tensor alone), so at most max(STEP_CHUNK, the largest tensor), and never more than
+    all ``stepped`` bytes."""
+    from ..train.optim import STEP_CHUNK
+    return float(min(stepped, max(STEP_CHUNK, largest)))
 
 
 def _copied_grad_extra(train, el: int) -> float:

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from ..distributed import heap
 from ..distributed.mesh import Mesh
 from ..distributed.placement import get_placement, replicas
 from ..distributed.reshard import gather_pieces
@@ -56,16 +57,23 @@ class Engine:
     def after_backward(self, sync: bool) -> None:
         """After one micro-batch's backward (ZeRO/FSDP: collect the reduced gradient parts)."""
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None,
+                         mark=None) -> torch.Tensor:
         """Accumulate gradients of the mean loss over all micro-batches and data-parallel ranks.
-        Returns the local mean loss (detached) for logging."""
+        Returns the local mean loss (detached) for logging. ``mark(phase)``, when given, is called
+        as each micro-batch's "forward" and "backward" begin (analysis/memory.py's timeline)."""
         self.start_step()
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)
         for k, (x, y) in enumerate(micro_batches):
             x, y = self._local(x, y)
+            if mark:
+                mark("forward")
             with autocast() if autocast else nullcontext():
                 loss = self.forward(x, y, sync=k == n - 1)
+            heap.release(self.mesh.device)  # the forward's freed temporaries, before backward grows the heap
+            if mark:
+                mark("backward")
             (loss * (loss_scale / n)).backward()
             self.after_backward(k == n - 1)
             total += loss.detach().double()

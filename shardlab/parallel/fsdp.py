@@ -98,6 +98,10 @@ class FSDPEngine(ShardedEngine):
         self.replicate_group = "dp_replicate" if mesh.size("dp_replicate") > 1 else None
         self.comm = mesh.comm(self.shard_group)
         self.reshard, self.prefetch = p.reshard_after_forward, p.prefetch
+        # Whether all-gathers run in the background (learnt at the first one). On the shared-memory
+        # transport they complete when issued, so a prefetch would overlap nothing and only hold
+        # the next unit sooner: there it is skipped (docs/data-parallel.md, Where the memory goes).
+        self.background = False
         self.home = torch.device("cpu") if p.offload else mesh.device  # where shards live
         # offload to a GPU run: shards in pinned host memory, copied to the device without blocking
         # (the copy is queued on the current stream, which the collective that reads it follows)
@@ -186,10 +190,11 @@ class FSDPEngine(ShardedEngine):
             # ``.data``: writing the gathered values must not bump the version counter that
             # autograd checks on the views it saved in forward.
             u.pending.append(f.comm.all_gather_async(src, out=f.full.data))
+            self.background = u.pending[-1].work is not None
 
     def _gather(self, u: Unit, wait: bool, prefetch_next: int | None = None):
         self._launch(u)
-        if prefetch_next is not None and self.prefetch and prefetch_next < len(self._order):
+        if prefetch_next is not None and self.prefetch and self.background and prefetch_next < len(self._order):
             self._launch(self._order[prefetch_next])
         if wait and u.pending:
             for w in u.pending:
@@ -241,7 +246,7 @@ class FSDPEngine(ShardedEngine):
         self._in_backward = True
         u = self._order[i]
         self._launch(u)
-        if self.prefetch and i > 0:
+        if self.prefetch and self.background and i > 0:
             self._launch(self._order[i - 1])
         for w in u.pending:
             w.wait()

@@ -17,15 +17,64 @@ def decay_rule(groups, cfg: TrainConfig):
     return [dict(g, weight_decay=cfg.weight_decay) for g in groups]
 
 
+STEP_CHUNK = 32 << 20  # bytes of parameters one foreach AdamW call steps (ChunkedAdamW)
+
+
+class ChunkedAdamW(torch.optim.AdamW):
+    """foreach AdamW that steps at most :data:`STEP_CHUNK` bytes of parameters per call. foreach
+    AdamW makes temporaries the size of every parameter it is handed (the square root of the
+    second moment), so over a whole replicated model they are one more model-sized tensor at the
+    step, the peak of a DDP rank (docs/data-parallel.md, Where the memory goes). The update is
+    elementwise, so stepping in chunks gives the same values bit for bit; the groups (and
+    ``param_groups``, the lr schedule's handle) are untouched. A flat ZeRO shard is one tensor, so
+    it is one chunk whatever its size."""
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # AdamW's own step without the optimizer's hooks (torch wraps ``step`` to run them): they
+        # belong to this step, which runs them once (ZeRO's post-step all-gather is one of them)
+        inner = torch.optim.AdamW.step
+        inner = inner.__wrapped__ if getattr(inner, "hooked", False) else inner
+        kept = [g["params"] for g in self.param_groups]
+        try:
+            for g in self.param_groups:
+                g["params"] = []
+            for g, params in zip(self.param_groups, kept):
+                for chunk in _chunks(params, STEP_CHUNK):
+                    g["params"] = chunk
+                    inner(self)
+                g["params"] = []
+        finally:
+            for g, params in zip(self.param_groups, kept):
+                g["params"] = params
+        return loss
+
+
+def _chunks(params, limit: int):
+    """Consecutive runs of ``params`` of at most ``limit`` bytes (a larger tensor: a run of its own)."""
+    run, size = [], 0
+    for p in params:
+        n = p.numel() * p.element_size()
+        if run and size + n > limit:
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += n
+    if run:
+        yield run
+
+
 def build_adamw(cfg: TrainConfig, device: torch.device):
-    """A function ``param_groups -> AdamW``: fused on CUDA, foreach on CPU."""
+    """A function ``param_groups -> AdamW``: fused on CUDA (no temporaries), foreach in chunks on
+    CPU (:class:`ChunkedAdamW`)."""
     def build(groups):
         kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         if device.type == "cuda":
-            kwargs["fused"] = True
-        else:
-            kwargs["foreach"] = True
-        return torch.optim.AdamW(decay_rule(groups, cfg), **kwargs)
+            return torch.optim.AdamW(decay_rule(groups, cfg), fused=True, **kwargs)
+        return ChunkedAdamW(decay_rule(groups, cfg), foreach=True, **kwargs)
     return build
 
 

@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from ...distributed import heap
 from ..engine import Engine
 from .aux import attach as attach_aux, stage_aux
 from .schedule import LAYOUT, Action, Schedule, build
@@ -87,9 +88,13 @@ class PipelineEngine(Engine):
         return self._schedules[m]
 
     # -- the step --------------------------------------------------------------------------
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None,
+                         mark=None) -> torch.Tensor:
         """Run the schedule over the micro-batches. Returns the mean loss over micro-batches on the
-        last stage and 0 on the others (``global_loss`` gives every rank the true value)."""
+        last stage and 0 on the others (``global_loss`` gives every rank the true value).
+        ``mark("step")``, when given, is called first (the schedule interleaves the phases)."""
+        if mark:
+            mark("step")
         micro_batches = [self._local(x, y) for x, y in micro_batches]  # cp: this rank's sequence shard
         m = len(micro_batches)
         sched = self.schedule(m)
@@ -138,6 +143,7 @@ class PipelineEngine(Engine):
                 if self.next[a.stage] in self.chunks:  # next stage on this rank
                     inputs[(a.mb, a.stage + 1)] = out.detach().requires_grad_()
             elif a.kind == "B":
+                heap.release(self.mesh.device)  # the forwards' freed temporaries (distributed/heap.py)
                 out, grad, x = outputs.pop(key), out_grads.pop(key, None), inputs.pop(key, None)
                 if not split:
                     torch.autograd.backward(out, grad)

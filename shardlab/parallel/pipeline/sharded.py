@@ -136,14 +136,15 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         self.gathered = False
 
     # -- the step ---------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None) -> torch.Tensor:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, autocast=None,
+                         mark=None) -> torch.Tensor:
         self.ensure_grads()
         self._gather()
         for f in self.flats:  # gradients of all micro-batches accumulate into one flat buffer
             f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
             for p, g in zip(f.params, f.views(f.grad_full)):
                 p.grad = g
-        return super().forward_backward(micro_batches, loss_scale, autocast)  # ends in sync_grads
+        return super().forward_backward(micro_batches, loss_scale, autocast, mark)  # ends in sync_grads
 
     @torch.no_grad()
     def sync_grads(self):

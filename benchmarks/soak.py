@@ -54,6 +54,9 @@ class Injector:
             return "stop"
         if t < self.next_at or any(s != "active" for s in view["status"]):
             return []
+        if self.last_t is None and not any(e["event"] == "step" and e["decision"] == "commit"
+                                           and len(e["members"]) == self.R for e in view["log"][-50:]):
+            return []  # not before the replicas have trained a step together
         if self.last_t is not None:  # the pause is over, R live replicas committed a step since
             if view["now"] < self.last_t + self.pause_s + 0.1:
                 return []
@@ -124,6 +127,7 @@ def soak(args, say=print) -> dict:
                                           timeout_s=60, ft_timeout_s=args.timeout, threads=1, injector=inj,
                                           say=lambda *_: None, spares=args.spares)
     wall = time.monotonic() - t0
+    (run_dir / "lighthouse.json").write_text(json.dumps({"log": report["log"], "failures": report["failures"]}))
     left = _children()
     by_step, clash, degraded = losses(run_dir, args.replicas)
     fails = report["failures"]

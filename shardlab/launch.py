@@ -19,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .distributed.shm_host import set_mmap_threshold
+from .launch_report import report_to
 
 BAD_INPUT = ("CheckpointError:", "ConfigError:")
 """How a rank's root error starts when it found bad input (reported in one line, exit 2)."""
@@ -132,22 +132,11 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
 def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None):
     if parent_pid is not None:
         die_with_parent(parent_pid)
-    try:
+
+    def body():
         _arm_test_hooks(rank)
-        ctx = _init(rank, world, rank, world, init_method, device, timeout_s, threads)
-        out = fn(ctx, *args)
-        # Plain pickle: tensors travel by value (torch's queue reducers would pass shared-memory
-        # handles that die with this process).
-        results.put((rank, "ok", pickle.dumps(out)))
-    except BaseException as e:  # report everything, including KeyboardInterrupt
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        return fn(_init(rank, world, rank, world, init_method, device, timeout_s, threads), *args)
+    report_to(results, (rank,), body)
 
 
 # -- TEST-ONLY fault injection (tests/distributed/test_restart.py) --------------------------------

@@ -28,12 +28,12 @@ import queue as queue_mod
 import signal
 import tempfile
 import time
-import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import launch
+from .launch_report import report_to
 from .distributed.quorum import Lighthouse
 
 FATAL = ("Diverged:", *launch.BAD_INPUT)
@@ -57,19 +57,8 @@ def _spare(inbox, results, parent_pid, fn, args, device, timeout_s, threads):
     if job is None:
         return
     r, gen, i, n_local, init_method, ft = job
-    try:
-        ctx = launch._init(i, n_local, i, n_local, init_method, device, timeout_s, threads)
-        out = fn(ctx, ft, *args)
-        results.put((r, gen, i, "ok", pickle.dumps(out)))
-    except BaseException as e:
-        results.put((r, gen, i, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+    report_to(results, (r, gen, i),
+                     lambda: fn(launch._init(i, n_local, i, n_local, init_method, device, timeout_s, threads), ft, *args))
 
 
 class _Pool:

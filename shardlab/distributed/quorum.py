@@ -110,7 +110,7 @@ class Member:
             self._pg = None  # the old configuration's group is dropped, never reused
             prefix = dist.PrefixStore(f"pg/{q['cfg']}/{self.local}/", self.store)
             self._pg = dist.ProcessGroupGloo(prefix, q["members"].index(self.replica), len(q["members"]),
-                                             datetime.timedelta(seconds=self.timeout_s))
+                                             datetime.timedelta(seconds=JOIN_WAIT * self.timeout_s))
             self._pg_cfg = q["cfg"]
         return self._pg
 

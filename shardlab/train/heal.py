@@ -44,6 +44,7 @@ from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
 from .ckpt_format import tensor_bytes
 from .data import Loader
+from .loop import Trainer, open_data  # at import: a warm spare process has paid for it before a failure
 from .metrics import MetricsWriter
 from .optim import lr_at
 
@@ -131,7 +132,6 @@ class _Replica:
     """One rank's training state and its side of the protocol."""
 
     def __init__(self, ctx, ft: FTContext, cfg: Config, data_dir: str):
-        from .loop import Trainer, open_data
         self.cfg, self.ft, self.t = cfg, ft, cfg.train
         rcfg = replica_config(cfg)
         self.mesh = Mesh.build(Topology.from_config(rcfg.parallel), ctx.device, transport="process_group")

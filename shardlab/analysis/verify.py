@@ -103,6 +103,8 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
                     "dp_replicate"),
     "ep4-overlap": ({"ep": 4, "dp_shard": 4, "sim_nodes": 2, "ep_overlap": 2}, {**MOE, "moe_capacity_factor": 2.0},
                     "dp_replicate"),
+    "pp2-dualpipe-ep2-overlap": ({"pp": 2, "pp_schedule": "dualpipe", "microbatches": 4, "ep": 2, "dp_shard": 2,
+                                  "ep_overlap": 2}, {**MOE, **UNTIED}, "dp_replicate"),
     "ep2-hier-dp": ({"ep": 2, "dp_shard": 2, "dp_replicate": 2, **HIER, "sim_nodes": 4}, MOE, "dp_replicate"),
     "pp2-ep2-hier": ({"pp": 2, "ep": 2, "dp_shard": 2, "microbatches": 2, **HIER, "sim_nodes": 4}, {**MOE, **UNTIED},
                      "dp_replicate"),

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 from shardlab.analysis.devices import get_device
-from shardlab.analysis.plan_layout import NOT_MODELLED, parse_layout, predict_pinned, refused
+from shardlab.analysis.plan_layout import parse_layout, predict_pinned, refused
 from shardlab.analysis.plan_search import HEADROOM
 from shardlab.config import Config
 
@@ -42,7 +42,9 @@ def run_config(run: dict, models: dict):
 def predict_run(run: dict, models: dict):
     """(prediction, config, note): ``ac-fit`` layouts take the lightest recomputation that fits."""
     base, spec = run_config(run, models)
-    cfg, pr = predict_pinned(base, spec, run["gpus"], run["gpu"], compile_="compile" in run.get("features", []))
+    feats = run.get("features", [])
+    cfg, pr = predict_pinned(base, spec, run["gpus"], run["gpu"], compile_="compile" in feats,
+                             features=() if refused(feats) else feats)
     return pr, cfg, (f"ac-fit: {cfg.parallel.activation_checkpointing}" if spec.get("ac") == "fit" else "")
 
 
@@ -89,7 +91,7 @@ def print_table(table: list[dict]) -> list[float]:
             errs.append(abs(r["error"]))
         print(f"| {run['id']} | {run['source']} | {run['gpus']} {run['gpu']} | {run['layout']} | {run['unit']} | "
               f"{run['published']:,} | {got} | {err} | {r['peak_gib']:.1f}{'' if r['fits'] else ' (over 92%)'} | "
-              f"{pub_mem} | {r['note']} |")
+              f"{pub_mem} | {'; '.join(x for x in (', '.join(run.get('features', [])), r['note']) if x)} |")
     return errs
 
 
@@ -98,9 +100,10 @@ def summary(errs: list[float], table: list[dict]) -> str:
     feats = sorted({f for r in table for f in r["refused"]})
     if not errs:
         return f"held-out: no modelled rows; {n_ref} refused"
+    priced = sorted({f for r in table if not r["refused"] for f in r["run"].get("features", [])})
     return (f"held-out median absolute error {100 * statistics.median(errs):.1f}%, max {100 * max(errs):.1f}% over "
-            f"{len(errs)} modelled rows; {n_ref} rows refused by name ({', '.join(feats)}: "
-            + "; ".join(NOT_MODELLED.get(f, f) for f in feats) + ")")
+            f"{len(errs)} modelled rows (features priced: {', '.join(priced) or 'none'}); "
+            + (f"{n_ref} rows refused by name ({', '.join(feats)}: not modelled)" if n_ref else "none refused"))
 
 
 def main() -> int:

@@ -24,8 +24,9 @@ Assumed where the publications do not say: Megatron micro-batch 1, the interleav
 layers, DDP, sequence parallel
 off (2021), its fused kernels modelled as ``parallel.compile``, its data-parallel all-reduce after
 the backward (Megatron-LM's DDP of that time: ``overlap_comm`` off); torchtitan TP with sequence
-parallel. The 70B row ran with torch.compile and Float8 matmuls; Float8 is not modelled, so the
-row is refused by name (it was compared with a bf16 prediction before 2026-11-26).
+parallel. The 70B row ran with torch.compile and Float8 matmuls: predicted with Float8 priced
+(analysis/plan_features.py) since it is modelled; refused by name before, and compared with a bf16
+prediction before 2026-11-26.
 """
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ def rows():
     out = []
     for label, model, gpus, dp, tp, local, ac, pub, note in TITAN:
         cfg = titan_cfg(model, gpus, dp, tp, local, ac, "compile" in note)
-        pr = predict(cfg, "h100-gt", per_rank=False)
-        got = None if "Float8" in note else pr.tokens_per_s / gpus  # Float8: not modelled, refused by name
+        pr = predict(cfg, "h100-gt", per_rank=False, features=("float8",) if "Float8" in note else ())
+        got = pr.tokens_per_s / gpus
         out.append((label, f"{gpus} H100", "tok/s/GPU", got, pub, pr.mfu, note, pr.breakdown, layout_label(cfg)))
     for name, h, heads, layers, tp, pp, gpus, batch, pub in MEGATRON:
         cfg = megatron_cfg(h, heads, layers, tp, pp, gpus, batch)
@@ -148,9 +149,9 @@ def main(argv=None) -> int:
         print(f"| {label} | {gpus} | {layout} | {unit} | {pub:,} | {got:,.0f} | {100 * err:+.1f}% | "
               f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {loo:,.0f} | {100 * lerr:+.1f}% | {note} |")
     for label, gpus, unit, _, pub, _, note, _, layout in refused:
-        print(f"| {label} | {gpus} | {layout} | {unit} | {pub:,} | refused | Float8 not modelled | | | | {note} |")
+        print(f"| {label} | {gpus} | {layout} | {unit} | {pub:,} | refused | not modelled | | | | {note} |")
     print(f"\nfit set: median absolute error, stated device constants: {100 * statistics.median(errs):.1f}% over "
-          f"{len(errs)} rows ({len(refused)} refused: Float8 is not modelled)")
+          f"{len(errs)} rows ({len(refused)} refused)")
     print(f"one global efficiency constant fitted over all rows: eta = {eta:.3f} (compute time / eta); "
           f"leave-one-out median absolute error {100 * statistics.median(loo_errs):.1f}% "
           f"({time.perf_counter() - t0:.1f} s)")

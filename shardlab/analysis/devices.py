@@ -49,6 +49,7 @@ class Device:
                                # caches and memory bandwidth), applied when a layout's ranks fill the cores
     comm_curves: tuple = ()    # CPU: ((transport, comm_curve), ...) per transport probed; comm_curve above is
                                # the one ``parallel.comm_transport = auto`` picks here (for_transport)
+    peak_fp8: float = 0.0      # dense fp8 tensor-core FLOP/s (datasheet); 0: no fp8 (Float8 linears refused)
 
 
 GiB = 2**30
@@ -63,15 +64,18 @@ GiB = 2**30
 #     "only 35% utilization on the H100"; torchtitan eager uses SDPA's FlashAttention-2 kernel).
 #     A100: 0.45, below FlashAttention-2's 50-73% forward + backward on A100 (Dao 2023): the
 #     2021 Megatron rows ran unfused attention.
+#   peak_fp8: dense FP8 Tensor Core FLOP/s, NVIDIA's H100 / H200 datasheets (3,958 TFLOP/s "with
+#     sparsity" for SXM, half of it dense: 1,979); the 96 GB part is the same H100 chip; A100 has
+#     no fp8 tensor cores (0: Float8 linears refused).
 #   links: NVLink bus bandwidth about 80% of the per-direction figure, the network about 90% of
 #     the NIC's line rate; alpha per ring step (NCCL, order of magnitude).
 DEVICES = {
     "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
-                   "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU"),
+                   "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU", peak_fp8=1979e12),
     "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.35, 360e9, 10e-6,
-                      45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU"),
+                      45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU", peak_fp8=1979e12),
     "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
-                   "H100's compute with HBM3e"),
+                   "H100's compute with HBM3e", peak_fp8=1979e12),
     "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, 0.50, 230e9, 10e-6, 22e9, 20e-6, 8,
                    "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU"),
 }

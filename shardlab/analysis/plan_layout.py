@@ -171,10 +171,10 @@ def apply_layout(base, spec: dict, gpus: int, compile_: bool = False, batch_give
 
 
 def predict_pinned(base, spec: dict, gpus: int, device: str, gpus_per_node: int | None = None,
-                   efficiency: float = 1.0, compile_: bool = False, batch_given: bool = False):
+                   efficiency: float = 1.0, compile_: bool = False, batch_given: bool = False, features=()):
     """(config, prediction) of one pinned layout. ``ac-fit``: the lightest recomputation (none,
     selective, op, full) whose peak rank fits plan_search.HEADROOM of the device; full when none
-    does."""
+    does. ``features``: predict's (float8, async_tp, selective_layer_ac)."""
     from .devices import get_device
     from .plan_search import HEADROOM
     from .predict import predict
@@ -182,22 +182,15 @@ def predict_pinned(base, spec: dict, gpus: int, device: str, gpus_per_node: int 
     modes = AC_MODES if spec.get("ac") == "fit" else (spec.get("ac", "none"),)
     for ac in modes:
         cfg = apply_layout(base, {**spec, "ac": ac}, gpus, compile_, batch_given)
-        pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False, efficiency=efficiency)
+        pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False, efficiency=efficiency,
+                       features=features)
         if pred.peak.total <= cap:
             break
     return cfg, pred
 
 
-MODELLED_FEATURES = {"compile": "torch.compile of each block: elementwise work fused (plan_time.ELEMENTWISE_PASSES)"}
-NOT_MODELLED = {
-    "float8": "Float8 linear layers (the fp8 matmul rate, the scaling casts, fp8 copies in memory)",
-    "async_tp": "asynchronous tensor parallel (TP collectives overlapped with the matmuls they feed)",
-    "selective_layer_ac": "per-layer selective recomputation (every Nth block checkpointed)",
-}
-"""Features a published run may use that the planner does not model: refused by name, never
-predicted as if the run were bf16 without them."""
-
-
 def refused(features) -> list[str]:
-    """The names in ``features`` the planner does not model (unknown names included)."""
-    return [f for f in features if f not in MODELLED_FEATURES]
+    """The names in ``features`` the planner does not model (plan_features.MODELLED; unknown
+    names included): a run that used one is refused by name, never predicted without it."""
+    from .plan_features import MODELLED
+    return [f for f in features if f not in MODELLED]

@@ -149,13 +149,16 @@ def _schedules(pp, layers, fixed, zero=0):
     return out
 
 
-def evaluate(cfg, device: str, gpus_per_node: int, capacity: float, efficiency: float = 1.0):
-    """A Candidate, or None when the layout does not fit (model state first, then all terms)."""
+def evaluate(cfg, device: str, gpus_per_node: int, capacity: float, efficiency: float = 1.0, features=()):
+    """A Candidate, or None when the layout does not fit (model state first, then all terms).
+    ``features``: predict's, where they apply to the layout (plan_features.applicable)."""
+    from .plan_features import applicable
     from .predict import predict
     p = cfg.parallel
     if not state_fits(cfg, capacity):
         return None
-    pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False, efficiency=efficiency)
+    pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False, efficiency=efficiency,
+                   features=applicable(cfg, features))
     peak = pred.peak
     if peak.total > capacity:
         return None
@@ -175,10 +178,10 @@ def _edge_ranks(pp: int) -> list[int]:
 
 
 def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | None = None,
-           efficiency: float = 1.0):
+           efficiency: float = 1.0, features=()):
     """(ranked candidates that fit, number of valid layouts, number dropped for memory). A layout
     with recomputation is not evaluated when the same layout without it fits (it cannot be
-    faster); it still counts as valid."""
+    faster); it still counts as valid. ``features``: float8 / async_tp priced (plan_features)."""
     from .devices import get_device
     capacity = HEADROOM * get_device(device).memory
     fits, valid, dropped = [], 0, 0
@@ -188,7 +191,7 @@ def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | N
         key = _without_ac(cfg)
         if key in fit_without_ac:  # dominated: recomputation only adds time (plan_time), and the
             continue               # same layout without it already fits
-        c = evaluate(cfg, device, gpus_per_node, capacity, efficiency)
+        c = evaluate(cfg, device, gpus_per_node, capacity, efficiency, features)
         if c is not None and cfg.parallel.activation_checkpointing == "none":
             fit_without_ac.add(key)
         if c is None:

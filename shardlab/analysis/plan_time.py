@@ -118,10 +118,11 @@ def _group_of_rank0(topo, group: str) -> list[int]:
     return ranks
 
 
-def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
+def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> dict:
     """{step_s, compute, exposed_comm, bubble, optimizer} for the layout. ``mem``: the rank's
     model-state bytes (plan_memory.model_state); ``traced``: activation bytes of one micro-batch
-    per stage without recomputation (plan_activations.chunk_activations)."""
+    per stage without recomputation (plan_activations.chunk_activations); ``features``: float8
+    and async_tp priced as plan_features states (GPUs)."""
     from ..distributed.topology import Topology
     from ..models.moe import expert_capacity
     from ..parallel.expert import padded_dispatch
@@ -141,6 +142,14 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     if dev.cores > 1 and topo.world_size > 1:  # and the caches / memory bandwidth (probed: busy)
         over *= 1.0 + (dev.busy - 1.0) * min(1.0, (topo.world_size - 1) / (dev.cores - 1))
     t_mm = over * mm / (peak * dev.mm_eff)
+    share = t_cast = 0.0
+    if features and dev.op_s == 0:  # Float8 linears / async TP (plan_features.py)
+        from .plan_features import block_matmul_share, block_weights, fp8_cast_bytes, fp8_matmul_seconds
+        share = block_matmul_share(cfg)
+        if "float8" in features:
+            t_mm = fp8_matmul_seconds(t_mm, share, peak, dev.peak_fp8)
+            t_cast = fp8_cast_bytes(block_weights(cfg), b * (s // p.cp), p.activation_checkpointing == "full") \
+                * m.n_layers / p.pp / dev.hbm_bw
     attn = attn_term * tokens / (p.tp * p.cp * p.pp)
     math_core = m.attention == "math"  # scores materialised: the whole S x S products as batched matmuls,
     # backward without recomputing them; their mask / softmax / dropout traffic is in the traced bytes
@@ -164,17 +173,23 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
                  "op": (t_mm * traced.get("op_mm", 0) + elem_blocks) / 3}.get(ac, 0.0)  # the products it drops
     if cpu and ac in ("full", "op"):  # the checkpoint's own per-operator cost (probed, devices.ckpt_s)
         recompute += over * ops * traced.get("op_ops", 0) * dict(dev.ckpt_s).get(ac, 0.0)
+    fwd, bwd = fwd + t_cast / 3, bwd + 2 * t_cast / 3  # Float8 casts (a recomputed forward's counted in t_cast)
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
     layers = m.n_layers / p.pp
     act_bytes = b * (s // p.cp) * m.d_model * el
-    tp_comm = 0.0
+    tp_comm = tp_exposed = 0.0
     if p.tp > 1:
         bw, al = link(topo, "tp", dev)
         one = (collective("all_gather", act_bytes, p.tp, bw, al) + collective("reduce_scatter", act_bytes, p.tp, bw, al)) \
             if p.sequence_parallel else collective("all_reduce", act_bytes, p.tp, bw, al)  # SP: two per site
-        tp_comm = one * (4 * layers + 2 + (2 * layers if ac in ("full", "op") else 0))
-        # vocabulary-parallel cross-entropy (last stage, the slowest): max, sum of exp, target logit per token
-        tp_comm += 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
+        blocks = one * (4 * layers + (2 * layers if ac in ("full", "op") else 0))
+        # the embedding's pair; vocabulary-parallel cross-entropy (last stage, the slowest): max, sum of exp,
+        # target logit per token
+        rest = 2 * one + 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
+        tp_comm = tp_exposed = blocks + rest
+        if "async_tp" in features and dev.op_s == 0:  # the blocks' collectives behind their linears' matmuls
+            from .plan_features import async_tp_exposed
+            tp_exposed = async_tp_exposed(blocks, t_mm * share * (4 / 3 if ac == "full" else 1), p.tp) + rest
     cp_comm = ring = uly = 0.0
     u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
     if p.cp // u > 1:  # ring (parallel/context.py), per block and ring size r: forward r - 1 exchanges
@@ -208,8 +223,8 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
             ep_comm += moe_layers * 2 * collective("all_reduce", 4 * (2 * m.n_experts + 3), p.dp * p.cp, bw, al)
     if cpu:  # gloo runs on the cores that compute: nothing hides behind compute
         cp_comm = ring + uly
-    f_mb = fwd + (tp_comm + cp_comm + ep_comm) / 3
-    b_mb = bwd + recompute + 2 * (tp_comm + cp_comm + ep_comm) / 3
+    f_mb = fwd + (tp_exposed + cp_comm + ep_comm) / 3
+    b_mb = bwd + recompute + 2 * (tp_exposed + cp_comm + ep_comm) / 3
     mbs = p.microbatches
     # data-parallel collectives of the engine
     dp_exposed, dp_total = 0.0, 0.0
@@ -268,4 +283,5 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict) -> dict:
     exposed = step - compute - max(bubble, 0.0) - optimizer
     return {"step_s": step, "compute": compute, "exposed_comm": max(exposed, 0.0), "bubble": max(bubble, 0.0),
             "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs, "ep_comm": ep_comm * mbs,
-            "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute}
+            "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute,
+            "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs}

@@ -119,17 +119,23 @@ def scaled_step(breakdown: dict, efficiency: float) -> float:
 
 
 def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = None,
-            per_rank: bool = True, efficiency: float = 1.0) -> Prediction:
+            per_rank: bool = True, efficiency: float = 1.0, features=()) -> Prediction:
     """Predicted memory per rank and step time for ``cfg`` (validated) on ``device``.
     ``efficiency`` < 1 divides the compute-bound time by it (:func:`scaled_step`; 1: the stated
-    device constants only)."""
+    device constants only). ``features``: names of plan_features.MODELLED a run uses beyond
+    shardlab's engine (float8, async_tp, selective_layer_ac; compile is ``parallel.compile``)."""
     from ..distributed.topology import Topology
     from ..models.spec import get_spec
     from .devices import get_device, with_nodes
     from .plan_activations import chunk_activations, micro_batch
+    from .plan_features import check_features
     from .plan_time import step_time
     p, t = cfg.parallel, cfg.train
     dev = with_nodes(get_device(device, probe), gpus_per_node)
+    features = tuple(sorted(set(features) - {"compile"}))
+    check_features(cfg, dev, features)
+    if "selective_layer_ac" in features:
+        return _layer_ac(cfg, device, probe, gpus_per_node, per_rank, efficiency, features)
     topo = Topology.from_config(p)
     stages = _stages(cfg, device, None if per_rank else sorted({0, p.pp - 1}))
     ranks = []
@@ -144,7 +150,7 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     flops = spec.flops_per_token(cfg.model, t.seq_len) if spec.task == "lm" else 0.0
     slowest = max(stages, key=lambda r: stages[r]["params"] + stages[r]["optim"])
     traced = chunk_activations(_no_ac(cfg), 0, device) if spec.task == "lm" else {}
-    parts = step_time(cfg, dev, stages[slowest], flops, traced)
+    parts = step_time(cfg, dev, stages[slowest], flops, traced, features)
     if efficiency != 1.0:
         step = scaled_step(parts, efficiency)
         parts = {**parts, "step_s": step, "compute": parts["compute"] / efficiency,
@@ -157,6 +163,36 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     elif flops:
         mfu = tps * flops / (topo.world_size * dev.peak_flops)  # of the probed matmul rate
     return Prediction(ranks, parts["step_s"], tps, mfu, parts, device, flops)
+
+
+def _layer_ac(cfg, device, probe, gpus_per_node, per_rank, efficiency, features) -> Prediction:
+    """torchtitan's per-layer selective recomputation (plan_features.layer_ac_blocks): a share f
+    of the blocks fully recomputed, the rest keeping all they save. Every per-block term (saved
+    bytes, recomputed forward, the recomputation's TP collectives) is linear in the blocks, so
+    the layout is predicted with none and with full recomputation and mixed (1 - f) : f; the
+    largest transient is the larger of the two (one recomputed block). The overlap terms'
+    max() are mixed the same way (an approximation where communication is partly hidden)."""
+    import copy
+    from .plan_features import layer_ac_share
+    if cfg.parallel.activation_checkpointing != "full":
+        from ..errors import ConfigError
+        raise ConfigError("features", "selective_layer_ac recomputes every 2nd block fully: give the layout ac-full")
+    rest = tuple(f for f in features if f != "selective_layer_ac")
+    f = layer_ac_share(cfg.model.n_layers)
+    none = _no_ac(cfg)
+    a = predict(none, device, probe, gpus_per_node, per_rank, efficiency, rest)
+    b = predict(cfg, device, probe, gpus_per_node, per_rank, efficiency, rest)
+    ranks = []
+    for ra, rb in zip(a.ranks, b.ranks):
+        r = copy.copy(rb)
+        r.activations = (1 - f) * ra.activations + f * rb.activations
+        r.wgrad = (1 - f) * ra.wgrad + f * rb.wgrad
+        r.transient = max(ra.transient, rb.transient)
+        ranks.append(r)
+    parts = {k: (1 - f) * a.breakdown[k] + f * b.breakdown[k] for k in b.breakdown if k in a.breakdown}
+    tps = b.tokens_per_s * b.step_time_s / parts["step_s"]
+    mfu = None if b.mfu is None else b.mfu * b.step_time_s / parts["step_s"]
+    return Prediction(ranks, parts["step_s"], tps, mfu, {**parts, "layer_ac_share": f}, device, b.flops_per_token)
 
 
 def memory_per_rank(cfg, device: str = "cpu") -> list[RankPrediction]:

@@ -38,8 +38,10 @@ def configure(p):
     p.add_argument("--layout", default="", help="evaluate one pinned layout instead of searching, written as the "
                    "table prints it: \"fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full\" (analysis/plan_layout.py)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (fused elementwise work)")
-    p.add_argument("--float8", action="store_true", help="Float8 linears: not modelled, refused by name")
-    p.add_argument("--async-tp", action="store_true", help="asynchronous TP: not modelled, refused by name")
+    p.add_argument("--float8", action="store_true", help="Float8 linears (torchao, tensorwise): the blocks' GEMMs at the "
+                   "device's fp8 peak, the scaling casts' passes (analysis/plan_features.py; H100/H200 only)")
+    p.add_argument("--async-tp", action="store_true", help="asynchronous TP: the blocks' TP collectives in tp chunks "
+                   "behind their matmuls (layouts with tpNsp)")
 
 
 def load_model(arg: str):
@@ -85,15 +87,15 @@ def main(args) -> int:
         fixed["schedule"] = args.schedule
     if args.ac:
         fixed["ac"] = args.ac
-    _refuse_unmodelled(args)
+    features = tuple(name for flag, name in (("float8", "float8"), ("async_tp", "async_tp")) if getattr(args, flag, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):
         if fixed:
             raise ConfigError("--layout", f"give {', '.join('--' + k for k in fixed)} inside --layout, not beside it")
-        return _pinned(base, args, dev, eta, t0)
+        return _pinned(base, args, dev, eta, t0, features)
     _check_fixed(base, args.gpus, fixed)
-    fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed, eta)
+    fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed, eta, features)
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: "
           f"{valid} valid layouts, {len(fits)} fit (search: {time.perf_counter() - t0:.1f} s wall)"
@@ -125,21 +127,12 @@ def _print_rows(cands) -> None:
               + (f"{100 * c.mfu:>6.1f}%" if c.mfu else f"{'':>7}"))
 
 
-def _refuse_unmodelled(args) -> None:
-    """A feature the planner does not model is refused by name (never predicted as bf16 without it)."""
-    from ..analysis.plan_layout import NOT_MODELLED
-    for flag, name in (("float8", "float8"), ("async_tp", "async_tp")):
-        if getattr(args, flag, False):
-            raise ConfigError(f"--{flag.replace('_', '-')}", f"{NOT_MODELLED[name]} are not modelled by the planner; "
-                                                            "leave the flag out to predict the run without them")
-
-
-def _pinned(base, args, dev, eta: float, t0: float) -> int:
+def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
     """``--layout``: the one layout's memory and time (exit 1 when it does not fit)."""
     from ..analysis.plan_layout import parse_layout, predict_pinned
     from ..analysis.plan_search import HEADROOM, Candidate, step_sentence
     cfg, pred = predict_pinned(base, parse_layout(args.layout), args.gpus, args.gpu, args.gpus_per_node, eta,
-                               getattr(args, "compile", False), bool(args.global_batch))
+                               getattr(args, "compile", False), bool(args.global_batch), features)
     peak = pred.peak
     mem = {k: getattr(peak, k) for k in ("params", "grads", "optim", "activations", "buffers", "transient", "wgrad")}
     c = Candidate(cfg, mem, peak.total, pred.tokens_per_s / args.gpus, pred.mfu, pred.breakdown)

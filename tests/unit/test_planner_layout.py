@@ -67,11 +67,13 @@ def test_bad_layouts_are_one_line_naming_the_part_exit_2(capsys, layout, gpus, p
     assert "--layout" in err and part in err and "\n" not in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("flag", ["--float8", "--async-tp"])
-def test_unmodelled_features_are_refused_by_name(capsys, flag):
-    assert main(["plan", "llama-8b", "--gpus", "8", "--layout", "fsdp8 mb2x1 ac-op", flag]) == 2
+@pytest.mark.parametrize("flag, gpu, layout, says", [
+    ("--float8", "a100", "fsdp8 mb2x1 ac-op", "no fp8 tensor cores"),
+])
+def test_features_that_cannot_be_priced_are_refused_by_name(capsys, flag, gpu, layout, says):
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", gpu, "--layout", layout, flag]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and flag in err and "not modelled" in err, err
+    assert err.count("\n") == 0 and flag in err and says in err, err
 
 
 def test_pinned_layout_prints_one_row_and_says_when_it_does_not_fit(capsys):

@@ -1,0 +1,152 @@
+"""Features of published runs the planner models beyond shardlab's own engine (docs/planner.md,
+"Features"): each from its mechanism, none fitted to a published run.
+
+A feature is passed to ``predict(cfg, device, features=...)`` (``shardlab plan --float8
+--async-tp``, the held-out runs' ``features``); a feature not in :data:`MODELLED` is refused by
+name (plan_layout.refused). shardlab's engine runs none of float8 / async_tp / selective_layer_ac:
+they are priced for runs made with other systems (torchtitan), on the layout shardlab would use.
+
+float8 (torchao's Float8Linear, dynamic tensorwise scaling; torchtitan converts every nn.Linear
+  but the output head, ``float8.filter_fqns = ["output"]``):
+  * matmul rate: the three GEMMs of each converted linear (forward, input gradient, weight
+    gradient) run at the device's dense fp8 peak (``Device.peak_fp8``, datasheet) x ``mm_eff``;
+    the head's stay at the bf16 peak. Share of the matmul FLOPs converted: the blocks' matmul
+    parameters over all matmul parameters (the head is d_model x vocab).
+  * scaling: each fp8 operand is made from its bf16 source by an amax reduction (reads it, 2 B per
+    element) and a scaled cast (reads 2 B, writes 1 B). Forward: input x and weight W; backward
+    (Float8Linear saves the bf16 x and W and casts again): x and W once more, and the output
+    gradient dY in two layouts (grad input and grad weight): :data:`CAST_BYTES` per element, at
+    the HBM bandwidth. A recomputed forward (full recomputation) casts x and W again.
+  * memory: unchanged. Float8Linear saves its bf16 input and weight (its autograd function
+    ``save_for_backward(input_hp, weight_hp_t)``), the fp8 copies live only inside one linear,
+    and FSDP gathers bf16 unless ``enable_fsdp_float8_all_gather`` is set (off by default).
+  Refused on devices without fp8 tensor cores (A100) and on MoE models (experts are not
+  nn.Linear).
+async_tp (PyTorch's micro-pipelined TP, torch.compile's all-gather-matmul / matmul-reduce-scatter
+  fusion): each sequence-parallel collective is split into tp chunks, each chunk's transfer
+  overlapping the matmul of the previous one; the first chunk cannot hide, the rest hide up to the
+  length of the blocks' linear matmuls (:func:`async_tp_exposed`).
+selective_layer_ac (torchtitan's ``selective_ac_option = "2"``): a counter over the blocks, the
+  k-th block (k from 1) checkpointed when k % 2 == 0 (:func:`layer_ac_blocks`), the others keep
+  all they save: per-block terms mixed in that proportion (predict.py).
+compile: elementwise work fused (plan_time.ELEMENTWISE_PASSES).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+MODELLED = {
+    "compile": "torch.compile of each block: elementwise work fused (plan_time.ELEMENTWISE_PASSES)",
+    "float8": "Float8 linear layers: the blocks' GEMMs at the fp8 peak, the amax / cast passes over their operands",
+}
+"""Features the planner prices, by the name a published run's ``features`` uses."""
+
+CAST_BYTES = {"x": 2 * (2 + 2 + 1), "w": 2 * (2 + 2 + 1), "dy": 2 + 2 * (2 + 1)}
+"""HBM bytes per element of a Float8Linear's operands per micro-batch (bf16 sources, fp8 casts):
+x and W: amax (read 2) + cast (read 2, write 1), forward and again in backward; dY: one amax,
+two casts (the two backward GEMMs take it in different layouts)."""
+RECOMPUTE_CAST_BYTES = {"x": 2 + 2 + 1, "w": 2 + 2 + 1}
+"""A recomputed forward's casts of x and W (full recomputation)."""
+
+LAYER_AC_FREQ = 2
+"""torchtitan's ``selective_ac_option`` for its "selective layer" runs: every 2nd block."""
+
+
+def layer_ac_blocks(n_layers: int, freq: int = LAYER_AC_FREQ) -> list[bool]:
+    """Which blocks torchtitan's layer policy checkpoints: its counter runs over the blocks in
+    order, from 1, and wraps block k when ``k % freq == 0`` (freq 0: all)."""
+    return [freq == 0 or k % freq == 0 for k in range(1, n_layers + 1)]
+
+
+def layer_ac_share(n_layers: int, freq: int = LAYER_AC_FREQ) -> float:
+    """Fraction of the blocks recomputed under the layer policy."""
+    return sum(layer_ac_blocks(n_layers, freq)) / max(1, n_layers)
+
+
+def async_tp_exposed(comm: float, overlap: float, tp: int) -> float:
+    """Seconds of ``comm`` (the blocks' TP collectives) left exposed when each is split into ``tp``
+    chunks behind ``overlap`` seconds of matmuls: the first chunk (comm / tp) cannot hide, the
+    remaining (tp - 1) / tp hide up to the matmuls' length."""
+    if tp <= 1 or comm <= 0:
+        return comm
+    first = comm / tp
+    return first + max(0.0, comm - first - overlap)
+
+
+def fp8_matmul_seconds(t_mm: float, share: float, peak: float, peak_fp8: float) -> float:
+    """Matmul seconds with ``share`` of the FLOPs at the fp8 peak instead of ``peak`` (same
+    efficiency)."""
+    return t_mm * (1.0 - share) + t_mm * share * peak / peak_fp8
+
+
+def block_matmul_share(cfg) -> float:
+    """Share of the matmul FLOPs in the blocks: all matmul parameters a token passes through
+    minus the output head (d_model x vocab), over all (models' own ``matmul_params_per_token``,
+    through the spec's FLOPs at sequence length 0: 6 x matmul parameters)."""
+    from ..models.spec import get_spec
+    m = cfg.model
+    total = get_spec(m).flops_per_token(m, 0) / 6.0
+    return max(0.0, total - m.d_model * m.vocab_size) / total if total else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _block_weights(key: str, cfg_json: str) -> tuple:
+    from ..config import from_dict
+    from ..models.spec import get_spec
+    from .shadow import local_model
+    import json
+    cfg = from_dict(json.loads(cfg_json))
+    spec = get_spec(cfg.model)
+    ends = tuple(spec.pp_first or ()) + tuple(spec.pp_last or ())
+    model = local_model(cfg, 0)
+    return tuple(tuple(p.shape) for n, p in model.named_parameters()
+                 if p.dim() == 2 and not n.startswith(tuple(e + "." for e in ends)))
+
+
+def block_weights(cfg) -> tuple:
+    """(out, in) shapes of one block's 2-D weights on a TP rank (its linears, as tensor.apply
+    shards them): traced on a one-layer meta model."""
+    from .plan_memory import _canonical
+    small = copy.deepcopy(cfg)
+    small.model.n_layers = 1
+    small.parallel.pp, small.parallel.pp_virtual, small.parallel.pp_schedule = 1, 1, "1f1b"
+    key = _canonical(small)
+    return _block_weights(key, key)
+
+
+def fp8_cast_bytes(weights, tokens: float, recompute: bool = False) -> float:
+    """HBM bytes one block's scaling casts move per micro-batch of ``tokens`` (rank-local rows
+    of each linear's input): :data:`CAST_BYTES` per element of x (tokens x in), W (out x in) and
+    dY (tokens x out), plus :data:`RECOMPUTE_CAST_BYTES` for a recomputed forward."""
+    x = sum(tokens * i for _, i in weights)
+    w = sum(o * i for o, i in weights)
+    dy = sum(tokens * o for o, _ in weights)
+    out = CAST_BYTES["x"] * x + CAST_BYTES["w"] * w + CAST_BYTES["dy"] * dy
+    if recompute:
+        out += RECOMPUTE_CAST_BYTES["x"] * x + RECOMPUTE_CAST_BYTES["w"] * w
+    return out
+
+
+def applicable(cfg, features) -> tuple:
+    """``features`` for one layout of a search: asynchronous TP only where it has something to
+    overlap (tp > 1 with sequence parallel)."""
+    p = cfg.parallel
+    return tuple(f for f in features if f != "async_tp" or (p.tp > 1 and p.sequence_parallel))
+
+
+def check_features(cfg, dev, features) -> None:
+    """Refuse, naming the feature, what cannot be priced for this layout and device."""
+    from ..errors import ConfigError
+    for f in features:
+        if f not in MODELLED:
+            raise ConfigError("features", f"{f!r} is not modelled by the planner; modelled: {', '.join(MODELLED)}")
+    if "float8" in features:
+        if not dev.peak_fp8:
+            raise ConfigError("--float8", f"{dev.name} has no fp8 tensor cores (no fp8 peak in the device table); "
+                                          "leave --float8 out or pick an H100/H200")
+        if cfg.model.n_experts:
+            raise ConfigError("--float8", "Float8 linears are modelled for dense models only (MoE experts are not "
+                                          "nn.Linear); leave --float8 out")
+    if "async_tp" in features and not (cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel):
+        raise ConfigError("--async-tp", "asynchronous TP overlaps the sequence-parallel collectives: use a tpNsp part")

@@ -265,7 +265,8 @@ class _Replica:
             if self.writer and (tr.step % self.cfg.logging.log_every == 0 or live < self.ft.n_replicas
                                 or tr.step == t.steps):
                 self.writer.write({"kind": "train", "step": tr.step, "loss": float(loss), "lr": lr,
-                                   "grad_norm": gnorm, "live_replicas": live, "replicas": self.ft.n_replicas,
+                                   "grad_norm": gnorm, "live_replicas": live, "members": q["members"],
+                                   "replicas": self.ft.n_replicas,
                                    "effective_batch": t.global_batch * live // self.ft.n_replicas,
                                    "degraded": live < self.ft.n_replicas, "replica": self.ft.replica,
                                    "gen": self.ft.gen, "fingerprint": fp, "time": time.time()})

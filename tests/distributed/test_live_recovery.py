@@ -127,3 +127,43 @@ def test_short_soak(tmp_path):
             assert f["detect"] < args.timeout + 1.0 and f["rejoin"] is not None, f
         else:  # ridden out: only a pause shorter than the timeout may go undetected
             assert f["how"].startswith("sigstop") and float(f["how"].split(":")[1]) < args.timeout, f
+
+
+def _reference(ctx, cfg, data_dir, members_by_step):
+    """One process, no quorum: step s trains on the samples of the replicas that were live at s
+    (their shards of the global batch), the mean over those samples; AdamW, clipping, LR as usual."""
+    import copy
+    from shardlab.distributed.mesh import Mesh
+    from shardlab.distributed.topology import Topology
+    from shardlab.train.loop import Trainer, open_data
+    one = copy.deepcopy(cfg)
+    one.parallel.dp_replicate = 1
+    mesh = Mesh.build(Topology.from_config(one.parallel), ctx.device, transport="process_group")
+    tr = Trainer(one, mesh, open_data(one, data_dir))
+    full, per = tr.loader, cfg.train.global_batch // cfg.parallel.dp_replicate
+
+    class Live:  # the live replicas' shards of the step's global batch
+        def next_batch(self):
+            (x, y), = full.next_batch()
+            rows = torch.cat([torch.arange(r * per, (r + 1) * per) for r in members_by_step[tr.step + 1]])
+            return [(x[rows], y[rows])]
+    tr.loader = Live()
+    while tr.step < cfg.train.steps:
+        tr.train_step()
+    return {n: p.detach().clone() for n, p in tr.engine.model.named_parameters()}
+
+
+def test_degraded_steps_equal_a_single_process_on_the_live_shards(tmp_path):
+    """The killed-mid-step run against an independent computation: one process that trains each
+    step on exactly the live replicas' samples (members recorded per step in the metrics)."""
+    from shardlab import launch
+    cfg = _cfg(tmp_path, steps=6)
+    results, _ = _run(cfg, faults={"kill": [[0, 0, 0, 2, "sigkill"]]})
+    members = {}
+    for r in (0, 1):
+        for rec in _records(tmp_path / "ft", r):
+            members.setdefault(rec["step"], rec["members"])
+    assert sorted(members) == list(range(1, 7)) and members[2] == [1] and members[1] == [0, 1]
+    ref, = launch.run(_reference, 1, cfg, str(finetune.prepare_tokens(cfg, None)), members, threads=1)
+    for name, p in results[1][0]["params"].items():
+        assert torch.allclose(p, ref[name], rtol=0, atol=1e-10), name

@@ -39,6 +39,7 @@ import functools
 MODELLED = {
     "compile": "torch.compile of each block: elementwise work fused (plan_time.ELEMENTWISE_PASSES)",
     "float8": "Float8 linear layers: the blocks' GEMMs at the fp8 peak, the amax / cast passes over their operands",
+    "async_tp": "asynchronous TP: each TP collective in tp chunks behind the blocks' matmuls, the first chunk exposed",
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
 

@@ -67,3 +67,35 @@ def test_float8_leaves_memory_unchanged():
 def test_float8_refused_without_fp8_tensor_cores():
     with pytest.raises(ConfigError, match="no fp8 tensor cores"):
         predict(_cfg("fsdp8 mb2x1 ac-op", 8), "a100", per_rank=False, features=("float8",))
+
+
+@pytest.mark.parametrize("comm, overlap, tp, exposed", [
+    (8.0, 100.0, 8, 1.0),     # matmuls longer than the collectives: only the first chunk shows
+    (8.0, 3.0, 8, 5.0),       # shorter: first chunk + what the matmuls cannot cover (7 - 3)
+    (8.0, 0.0, 8, 8.0),       # nothing to hide behind
+    (8.0, 100.0, 1, 8.0),     # no TP: nothing split
+])
+def test_async_tp_hides_all_but_the_first_chunk_up_to_the_matmuls(comm, overlap, tp, exposed):
+    from shardlab.analysis.plan_features import async_tp_exposed
+    assert async_tp_exposed(comm, overlap, tp) == pytest.approx(exposed)
+
+
+def test_async_tp_in_a_step():
+    """tp8sp on H100 (NVLink 360 GB/s, 10 us per ring step): per block 4 sequence-parallel sites,
+    2 more per recomputed block, each an all-gather and a reduce-scatter of the micro-batch's
+    activations; async TP leaves the first of 8 chunks of those exposed (the blocks' matmuls are
+    longer), the embedding's pair and the cross-entropy's 3 all-reduces stay exposed."""
+    import math
+    cfg = _cfg("fsdp8 tp8sp mb1x1 ac-full", 64, model="llama-8b")
+    m, s = cfg.model, cfg.train.seq_len
+
+    def ring(nbytes, factor):
+        return 2 * math.log2(8) * 10e-6 + factor * nbytes * 7 / 8 / 360e9
+    one = 2 * ring(s * m.d_model * 2, 1.0)
+    blocks = one * 6 * m.n_layers
+    rest = 2 * one + 3 * ring(4 * s, 2.0)
+    sync = predict(cfg, "h100", per_rank=False).breakdown
+    asy = predict(cfg, "h100", per_rank=False, features=("async_tp",)).breakdown
+    assert sync["tp_comm"] == pytest.approx(blocks + rest, rel=1e-9) and sync["tp_exposed"] == sync["tp_comm"]
+    assert asy["tp_exposed"] == pytest.approx(blocks / 8 + rest, rel=1e-9)
+    assert asy["matmul"] == sync["matmul"] and asy["step_s"] < sync["step_s"]

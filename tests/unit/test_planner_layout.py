@@ -69,6 +69,7 @@ def test_bad_layouts_are_one_line_naming_the_part_exit_2(capsys, layout, gpus, p
 
 @pytest.mark.parametrize("flag, gpu, layout, says", [
     ("--float8", "a100", "fsdp8 mb2x1 ac-op", "no fp8 tensor cores"),
+    ("--async-tp", "h100", "fsdp8 mb2x1 ac-op", "tpNsp"),
 ])
 def test_features_that_cannot_be_priced_are_refused_by_name(capsys, flag, gpu, layout, says):
     assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", gpu, "--layout", layout, flag]) == 2

@@ -40,6 +40,7 @@ MODELLED = {
     "compile": "torch.compile of each block: elementwise work fused (plan_time.ELEMENTWISE_PASSES)",
     "float8": "Float8 linear layers: the blocks' GEMMs at the fp8 peak, the amax / cast passes over their operands",
     "async_tp": "asynchronous TP: each TP collective in tp chunks behind the blocks' matmuls, the first chunk exposed",
+    "selective_layer_ac": "per-layer selective recomputation: every 2nd block fully recomputed (torchtitan's rule)",
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
 

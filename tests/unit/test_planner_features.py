@@ -99,3 +99,28 @@ def test_async_tp_in_a_step():
     assert sync["tp_comm"] == pytest.approx(blocks + rest, rel=1e-9) and sync["tp_exposed"] == sync["tp_comm"]
     assert asy["tp_exposed"] == pytest.approx(blocks / 8 + rest, rel=1e-9)
     assert asy["matmul"] == sync["matmul"] and asy["step_s"] < sync["step_s"]
+
+
+def test_layer_policy_checkpoints_every_second_block():
+    """torchtitan: a counter over the blocks from 1, block k wrapped when k % freq == 0."""
+    from shardlab.analysis.plan_features import layer_ac_blocks, layer_ac_share
+    assert layer_ac_blocks(5) == [False, True, False, True, False]
+    assert layer_ac_blocks(4, 1) == [True] * 4 and layer_ac_share(3) == pytest.approx(1 / 3)
+
+
+def test_layer_policy_mixes_the_blocks():
+    """3 blocks, the 2nd recomputed: the rank holds two blocks' saved tensors and one block's
+    input, recomputes one block's forward."""
+    cfg = _cfg("fsdp2 mb2x1 ac-full", 2, model="tiny", seq=64)
+    cfg.model.n_layers = 3
+    full = predict(cfg, "h100", per_rank=False)
+    import copy
+    c0 = copy.deepcopy(cfg)
+    c0.parallel.activation_checkpointing = "none"
+    none = predict(c0, "h100", per_rank=False)
+    per_block_full = (none.peak.activations - full.peak.activations) / 3  # a block's saved bytes minus its input
+    mixed = predict(cfg, "h100", per_rank=False, features=("selective_layer_ac",))
+    assert mixed.peak.activations == pytest.approx(full.peak.activations + 2 * per_block_full, rel=1e-9)
+    assert mixed.breakdown["recompute"] == pytest.approx(full.breakdown["recompute"] / 3, rel=1e-9)
+    with pytest.raises(ConfigError, match="ac-full"):
+        predict(c0, "h100", per_rank=False, features=("selective_layer_ac",))

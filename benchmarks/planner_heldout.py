@@ -78,7 +78,7 @@ def rows(path: Path = FILE) -> list[dict]:
 
 def print_table(table: list[dict]) -> list[float]:
     """The held-out table (markdown); returns the absolute errors of the modelled rows."""
-    print("| run | source | GPUs | layout | unit | published | predicted | error | peak GiB (bf16 layout) | published GiB | note |")
+    print("| run | source | GPUs | layout | unit | published | predicted | error | peak GiB allocated (bf16 layout) | published GiB | note |")
     print("|---|---|---|---|---|---:|---:|---:|---:|---:|---|")
     errs = []
     for r in table:

@@ -115,7 +115,12 @@ def main(args) -> int:
     return 0
 
 
+MEMORY_NOTE = ("memory: allocated bytes at the peak rank's peak (as torch.cuda.max_memory_allocated counts them); "
+               "the allocator reserves more (its segments' fragmentation: not modelled), hence the 92% plan")
+
+
 def _print_rows(cands) -> None:
+    print(MEMORY_NOTE)
     print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'W':>6}{'buf':>6}{'trans':>7}"
           f"{'total GiB':>10}{'tok/s/GPU':>11}{'MFU':>7}")
     for i, c in enumerate(cands, 1):

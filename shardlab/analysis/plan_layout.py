@@ -11,7 +11,8 @@ Parts (any order, each at most once; what is not named is 1 / off):
   ppN | ppN:SCHED[vV]                pipeline stages (the second form is the printed label's)
   1f1b | gpipe | zb-h1 | dualpipev | dualpipe | interleaved[:V]   the schedule (V virtual stages, default 2)
   mbBxM                              micro-batches of B sequences, M per step (global batch B x M x dp)
-  ac-none | ac-selective | ac-op | ac-full   recomputation (ac-fit: the lightest that fits, predict_pinned)
+  ac-none | ac-selective | ac-op | ac-full   recomputation (ac-fit: the lightest that fits, predict_pinned;
+                                     ac-layer: torchtitan's every-2nd-block policy, priced by plan_features)
 Pipeline stages need not divide the layers: the engine's own split (balanced by parameters,
 parallel/pipeline/stage.partition) is used, as the Python API does. Bad input raises
 :class:`ConfigError` naming ``--layout``, the part and the fix.
@@ -106,8 +107,8 @@ def _set(out: dict, kind: str, m, part: str) -> None:
         out["mb"], out["micro"] = _positive(m.group(1), part), _positive(m.group(2), part)
     elif kind == "ac":
         _once(out, "ac", part)
-        if m.group(1) not in AC_MODES + ("fit",):
-            raise _bad(part, f"recomputation is one of {', '.join('ac-' + a for a in AC_MODES)}")
+        if m.group(1) not in AC_MODES + ("fit", "layer"):
+            raise _bad(part, f"recomputation is one of {', '.join('ac-' + a for a in AC_MODES + ('fit', 'layer'))}")
         out["ac"] = m.group(1)
 
 
@@ -162,7 +163,7 @@ def apply_layout(base, spec: dict, gpus: int, compile_: bool = False, batch_give
             raise ConfigError("--layout", f"global batch {t.global_batch} does not split into {p.microbatches} "
                                           f"micro-batches on {p.dp} data-parallel ranks; add an mbBxM part")
     ac = spec.get("ac", "none")
-    p.activation_checkpointing = "none" if ac == "fit" else ac  # ac-fit: see predict_pinned
+    p.activation_checkpointing = {"fit": "none", "layer": "full"}.get(ac, ac)  # ac-fit, ac-layer: predict_pinned
     p.compile = bool(compile_ or p.compile)
     try:
         return cfg.validate(gpus)
@@ -180,6 +181,8 @@ def predict_pinned(base, spec: dict, gpus: int, device: str, gpus_per_node: int 
     from .predict import predict
     cap = HEADROOM * get_device(device).memory
     modes = AC_MODES if spec.get("ac") == "fit" else (spec.get("ac", "none"),)
+    if spec.get("ac") == "layer":  # every 2nd block fully recomputed (plan_features.layer_ac_blocks)
+        features = tuple(features) + ("selective_layer_ac",)
     for ac in modes:
         cfg = apply_layout(base, {**spec, "ac": ac}, gpus, compile_, batch_given)
         pred = predict(cfg, device, gpus_per_node=gpus_per_node, per_rank=False, efficiency=efficiency,

@@ -125,7 +125,7 @@ def _print_rows(cands) -> None:
           f"{'total GiB':>10}{'tok/s/GPU':>11}{'MFU':>7}")
     for i, c in enumerate(cands, 1):
         m = c.memory
-        print(f"{i:>2} {c.label():<44}" + "".join(f"{m[k] / GiB:>{w}.1f}" for k, w in
+        print(f"{i:>2} {getattr(c, 'shown', '') or c.label():<44}" + "".join(f"{m[k] / GiB:>{w}.1f}" for k, w in
               (("params", 8), ("grads", 7), ("optim", 7), ("activations", 7), ("wgrad", 6), ("buffers", 6),
                ("transient", 7)))
               + f"{c.peak_bytes / GiB:>10.1f}{c.tokens_per_gpu:>11,.0f}"
@@ -141,6 +141,8 @@ def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
     peak = pred.peak
     mem = {k: getattr(peak, k) for k in ("params", "grads", "optim", "activations", "buffers", "transient", "wgrad")}
     c = Candidate(cfg, mem, peak.total, pred.tokens_per_s / args.gpus, pred.mfu, pred.breakdown)
+    if "layer_ac_share" in pred.breakdown:  # ac-layer runs as full on the config: show what was asked
+        c.shown = c.label().replace("ac-full", "ac-layer")
     t = cfg.train
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: the layout given "
@@ -151,7 +153,7 @@ def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
         print(f"\ndoes not fit: its peak rank (pipeline stage {peak.stage}) needs {peak.total / GiB:.1f} GiB, more than "
               f"{HEADROOM:.0%} of {dev.memory / GiB:.0f} GiB ({cap / GiB:.1f} GiB)")
         return 1
-    print(f"\n{c.label()} is predicted at {step_sentence(c)}")
+    print(f"\n{getattr(c, 'shown', '') or c.label()} is predicted at {step_sentence(c)}")
     return 0
 
 

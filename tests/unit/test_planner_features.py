@@ -124,3 +124,18 @@ def test_layer_policy_mixes_the_blocks():
     assert mixed.breakdown["recompute"] == pytest.approx(full.breakdown["recompute"] / 3, rel=1e-9)
     with pytest.raises(ConfigError, match="ac-full"):
         predict(c0, "h100", per_rank=False, features=("selective_layer_ac",))
+
+
+def test_ac_layer_in_a_pinned_layout(capsys):
+    """``--layout ... ac-layer`` is the per-layer policy: the config recomputes fully, the
+    prediction mixes (plan_features), and the printed row says ac-layer."""
+    from shardlab.analysis.plan_layout import predict_pinned
+    from shardlab.cli import main
+    base = load_model("llama-8b")
+    base.train.precision, base.train.seq_len, base.train.global_batch = "bf16", 8192, 64
+    cfg, pred = predict_pinned(base, parse_layout("fsdp64 mb1x1 ac-layer"), 64, "a100")
+    ref = predict(_cfg("fsdp64 mb1x1 ac-full", 64), "a100", per_rank=False, features=("selective_layer_ac",))
+    assert cfg.parallel.activation_checkpointing == "full" and pred.step_time_s == ref.step_time_s
+    assert pred.breakdown["layer_ac_share"] == 0.5 and pred.peak.activations == ref.peak.activations
+    assert main(["plan", "llama-8b", "--gpus", "64", "--gpu", "a100", "--seq", "8192", "--layout", "fsdp64 mb1x1 ac-layer"]) == 0
+    assert "fsdp64 mb1x1 ac-layer" in capsys.readouterr().out

@@ -139,3 +139,22 @@ def test_ac_layer_in_a_pinned_layout(capsys):
     assert pred.breakdown["layer_ac_share"] == 0.5 and pred.peak.activations == ref.peak.activations
     assert main(["plan", "llama-8b", "--gpus", "64", "--gpu", "a100", "--seq", "8192", "--layout", "fsdp64 mb1x1 ac-layer"]) == 0
     assert "fsdp64 mb1x1 ac-layer" in capsys.readouterr().out
+
+
+def test_fsdp_gathers_hide_behind_the_other_units():
+    """FSDP 8 on one H100 node (NVLink 360 GB/s, 10 us per ring step), reshard after forward: per
+    unit (32 blocks + the root) two bf16 all-gathers (forward, backward) and one fp32
+    reduce-scatter of its bytes; all hidden behind the compute but one block's share."""
+    import math
+    cfg = _cfg("fsdp8 mb2x1 ac-op", 8)
+    m = cfg.model
+    d, kv = m.d_model, m.n_kv_heads * (m.d_model // m.n_heads)
+    n = 2 * m.vocab_size * d + d + m.n_layers * (2 * d * d + 2 * d * kv + 3 * d * m.ffn_hidden + 2 * d)
+    units = m.n_layers + 1
+
+    def ring(nbytes):
+        return 2 * math.log2(8) * 10e-6 + nbytes * 7 / 8 / 360e9
+    total = units * (2 * ring(2 * n / units) + ring(4 * n / units))
+    b = predict(cfg, "h100", per_rank=False).breakdown
+    assert b["dp_comm"] == pytest.approx(total, rel=1e-3)  # flat buffers padded to 8 ranks
+    assert b["dp_comm"] < b["compute"] and b["exposed_comm"] == pytest.approx(b["dp_comm"] / m.n_layers, rel=1e-9)

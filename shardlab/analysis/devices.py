@@ -84,8 +84,8 @@ FITTED_EFFICIENCY = 1.000
 """Not a device constant: the one global efficiency that, dividing the compute-bound time of the
 stated model, minimises the median error over the fit set of published runs (docs/planner.md;
 fitted by ``benchmarks/planner_validation.py``, which prints the fit and its leave-one-out error;
-never fitted to the held-out set). 1.000 since the fit set's Float8 row is refused (2026-11-26):
-the stated model is already the fit. Used only by ``shardlab plan --efficiency fitted``."""
+never fitted to the held-out set). 1.000 since the fit set's Float8 row was refused, and still
+1.000 with that row predicted with Float8 priced (2026-11-26): the stated model is already the fit. Used only by ``shardlab plan --efficiency fitted``."""
 
 
 def get_device(kind: str, probe: dict | None = None) -> Device:

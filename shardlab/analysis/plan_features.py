@@ -150,5 +150,8 @@ def check_features(cfg, dev, features) -> None:
         if cfg.model.n_experts:
             raise ConfigError("--float8", "Float8 linears are modelled for dense models only (MoE experts are not "
                                           "nn.Linear); leave --float8 out")
+    if "async_tp" in features and dev.op_s > 0:
+        raise ConfigError("--async-tp", "asynchronous TP is priced on GPUs (the CPU model overlaps nothing); "
+                                        "pick a GPU kind or leave --async-tp out")
     if "async_tp" in features and not (cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel):
         raise ConfigError("--async-tp", "asynchronous TP overlaps the sequence-parallel collectives: use a tpNsp part")

@@ -3,19 +3,18 @@
 Every :class:`~shardlab.distributed.collectives.Comm` call appends one entry to its Mesh's
 :class:`Recorder`, a ring buffer of the last ``CAPACITY`` operations: group name and members,
 op, shapes and dtypes, reduce op, a sequence number, the call site (the first stack frame
-outside shardlab/distributed) and whether the call returned. Sequence numbers count collectives
-per group, and point-to-point messages per (group, sender, receiver): every member of a group
-must have issued the same collective under the same number, and the k-th receive of a channel
-pairs with its k-th send. Recording is a tuple of (dtype, shape) pairs and a deque append: an entry never holds a tensor
-(it would keep freed buffers alive).
+outside shardlab/distributed) and whether the call returned. Sequence numbers count collectives per
+group, and point-to-point messages per (group, sender, receiver): every member of a group must have
+issued the same collective under the same number, and the k-th receive of a channel pairs with its
+k-th send. Recording is (dtype, shape) pairs and a deque append: an entry never holds a tensor.
 
-Under ``launch.run`` each rank dumps its buffer as JSON (``rank<R>.json``) into a directory the
-launcher passes (and into ``Recorder.run_dir`` when set), when its function returns or raises;
-a Comm call that raises (a gloo timeout, a closed peer) dumps at once. On a failure the launcher
-reads the dumps (:func:`collect`) and prints :func:`diagnose`: each rank's last operation and the
-ranks that are behind in, or disagree about, a collective or a message. Under torchrun or Ray
-(no launch.run parent) a rank whose Comm call fails prints that report itself from the dumps in
-``Recorder.run_dir`` (``shardlab train``: ``<run_dir>/flight``): flight_here.py.
+Under ``launch.run`` and Ray each rank dumps its buffer as JSON (``rank<R>.json``) into a directory
+the launcher passes (and into ``Recorder.run_dir`` when set), when its function returns (after
+``Recorder.at_exit``: the shared transport's unreceived-send check) or raises; a Comm call that
+raises dumps at once. On a failure the launcher reads the dumps (:func:`collect`) and prints
+:func:`diagnose`: each rank's last operation and the ranks that are behind in, or disagree about,
+a collective or a message. Under torchrun a rank whose Comm call fails prints that report itself
+from the dumps in ``Recorder.run_dir`` (``shardlab train``: ``<run_dir>/flight``): flight_here.py.
 
 Check mode (``parallel.check_collectives``): before each collective the group all-gathers a
 256-byte fingerprint (op, seq, dtype, shapes, reduce op, splits) and every rank raises
@@ -52,9 +51,7 @@ def call_site() -> str:
     f = sys._getframe(2)
     while f is not None and f.f_code.co_filename.startswith(_HERE):
         f = f.f_back
-    if f is None:
-        return "?"
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+    return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
 
 
 def meta(t) -> tuple:
@@ -78,6 +75,7 @@ class Recorder:
         self.seq: dict = {}
         self.groups: dict = {}
         self.run_dir: str | None = None
+        self.at_exit: list = []  # checks run when the launcher's rank function returns (shm_p2p.py)
         _LIVE.append(self)
 
     def enter(self, comm, op: str, tensors=(), extra=None, peer: int | None = None) -> list:
@@ -149,6 +147,8 @@ def _rank_main(dump_dir, fn, ctx, *args):
     _DUMP_DIR = dump_dir
     try:
         out = fn(ctx, *args)
+        for check in [functools.partial(c, phase) for phase in (1, 2) for rec in _LIVE for c in rec.at_exit]:
+            check()  # phase 1 of every check, then 2: raises naming a message sent and never received
     except BaseException as e:
         dump_all(f"{type(e).__name__}: {e}".splitlines()[0][:300])
         raise

@@ -74,6 +74,7 @@ class Ring:
         ctr = buf[:2 * LINE].view(torch.int64)
         self.written, self.read = ctr[0:1], ctr[LINE // 8:LINE // 8 + 1]
         self.posted, self.wanted = ctr[1:3], ctr[LINE // 8 + 1:LINE // 8 + 3]
+        self.closed = ctr[LINE // 8 + 3:LINE // 8 + 4]  # the consumer's function returned (1; 2: it raised a desync)
         self.data, self.cap = buf[2 * LINE:2 * LINE + cap], cap
 
     @staticmethod
@@ -157,6 +158,8 @@ class Channels:
         self.sizes: dict[int, deque] = {}               # peer -> bytes of the latest sends to it
         self.rounds = 0                                 # the slot of the latest publish
         self._maps: list[torch.Tensor] = []
+        self.broken = False  # a desync was raised here already: not checked again at exit
+        comm.flight.at_exit.append(self.at_exit)
 
     def post(self, kind: str, t: torch.Tensor, peer: int, entry=None) -> Op:
         if peer == self.comm.rank or not 0 <= peer < self.comm.size:
@@ -170,7 +173,10 @@ class Channels:
             (self.sends if kind == "send" else self.recvs).setdefault(peer, deque()).append(op)
             self.issued[kind, peer] = self.issued.get((kind, peer), 0) + 1
             if kind == "send":
-                self.sizes.setdefault(peer, deque(maxlen=SIZES_KEPT)).append(int(op.head[0]))
+                sizes = self.sizes.get(peer)
+                if sizes is None:
+                    sizes = self.sizes[peer] = deque(maxlen=SIZES_KEPT)
+                sizes.append(t.numel() * t.element_size())
             self.progress()
         return op
 
@@ -236,6 +242,7 @@ class Channels:
                     if op.off < op.parts[op.part].numel():
                         break
                     if op.part == 0 and not out and int(op.head[0]) != op.tensor.numel() * op.tensor.element_size():
+                        self.broken = True
                         raise RuntimeError(
                             f"{self.comm.name}: group rank {peer} sent a message of {int(op.head[0])} bytes "
                             f"where this rank's receive expects {op.tensor.numel() * op.tensor.element_size()} "
@@ -282,6 +289,30 @@ class Channels:
                         f"that it did not receive before {where} (send #{wanted + 1}{size} from {src} to {dst} "
                         "is unmatched; every send needs its receive before the group's next collective)")
         return None
+
+    def at_exit(self, phase: int) -> None:
+        """When the rank's function returned (launch.run, Ray; flight.py runs phase 1 of every
+        check, then phase 2). 1: mark this rank's incoming rings closed, raise if a peer's message
+        lies unreceived in one. 2: once each peer took this rank's messages or closed (at most the
+        group's timeout), raise if one of them lies unreceived."""
+        if phase == 1:
+            for out, inc in self.rings.values():
+                inc.closed[0] = 2 if self.broken else 1  # 2: a desync was raised here already
+        if self.broken:
+            return
+        if phase == 2:
+            self.wait_until(lambda: not any(self.sends.values()), "sends at exit")
+        me = self.comm.rank
+        for peer, (out, inc) in self.rings.items():
+            src, dst, ring = (peer, me, inc) if phase == 1 else (me, peer, out)
+            if phase == 2:
+                self.wait_until(lambda: int(out.read[0]) == int(out.written[0]) or int(out.closed[0]),
+                                f"exit: group rank {peer} to receive this rank's messages")
+            if int(ring.written[0]) > int(ring.read[0]) and int(ring.closed[0]) != 2:
+                size = ring.head() if not self.recvs.get(peer) else None
+                raise RuntimeError(f"{self.comm.name}: group rank {src} sent group rank {dst} a message"
+                                   f"{f' of {size} bytes' if size is not None else ''} that it never received "
+                                   "(its function returned; every send needs its receive)")
 
     def wait_until(self, cond, what: str) -> None:
         shm_host.wait(cond, self.timeout_s, lambda: f"{self.comm.name}: shared-memory {what}: no progress "
@@ -334,6 +365,8 @@ class RingPointToPoint:
             return
         pair = self._channels.unreceived(where) if self._channels is not None else None
         if pair or sent > wanted:
+            if self._channels is not None:
+                self._channels.broken = True
             raise RuntimeError(pair or f"{self.name}: the group's ranks sent {sent} point-to-point messages but "
                                f"asked for {wanted} before {where}: a send has no matching receive (the ranks of "
                                "its pair name it)")

@@ -148,6 +148,7 @@ def _unreceived_checks(rank, errors):
                         "send #21 of 48 bytes from 2 to 0"] if rank != 1 else
                        [f"ok: the group's ranks sent 61 point-to-point messages but asked for 60 {where}"],
                        errors, "collective")
+    _exit_checks(rank, errors)
     # a fresh group: rank 0 sends 64 bytes, rank 1 never set up the pair; the barrier names it
     # (before, a later receive of 64 bytes took this stale message)
     sh = SharedComm("fresh", dist.group.WORLD, world, rank, Ledger(), p2p_cap=CAP)
@@ -164,3 +165,35 @@ def _unreceived_checks(rank, errors):
 def test_shared_point_to_point_equals_sent_data():
     errors = run(_worker, 3, timeout_s=120)
     assert errors == [[], [], []]
+
+
+def _exit_checks(rank, errors):
+    """When the rank's function returns (flight.py runs ``Recorder.at_exit``): a message that lies
+    unreceived in a ring raises on its receiver at once, and on its sender once the receiver
+    returned too. Called here by hand on a fresh group: rank 1 sends 24 bytes rank 2 never takes."""
+    world = list(range(dist.get_world_size()))
+    sh = SharedComm("exit", dist.group.WORLD, world, rank, Ledger(), p2p_cap=CAP)
+    sh.all_reduce(torch.ones(2))
+    if rank in (1, 2):  # the pair is set up by an exchanged message first
+        buf = torch.empty(1)
+        works = [sh.isend(torch.ones(1), 3 - rank), sh.irecv(buf, 3 - rank)]
+        for w in works:
+            w.wait()
+    if rank == 1:
+        sh.isend(torch.ones(3, dtype=torch.float64), 2).wait()
+    dist.barrier()  # the send is in the ring before rank 2 looks (a later send only its sender can name)
+    def check():
+        if sh._channels is not None:
+            sh._channels.at_exit(1)
+            sh._channels.at_exit(2)
+    want = {1: "exit: group rank 1 sent group rank 2 a message of 24 bytes that it never received",
+            2: "exit: group rank 1 sent group rank 2 a message of 24 bytes that it never received"}
+    try:
+        check()
+        if rank in want:
+            errors.append(f"exit check: rank {rank} did not raise")
+    except RuntimeError as e:
+        if want.get(rank, "?") not in str(e):
+            errors.append(f"exit check: rank {rank}: {e}")
+    if sh._channels is not None:
+        sh._channels.broken = True  # checked by hand above: not again when the function returns

@@ -266,7 +266,11 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
     recv = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
         * act_dtype(cfg).itemsize
     out["buffers"] = padded_total * el * (2 if p.zero_stage == 3 else 1) + recv
-    out["opt_transient"] = step_transient(out["grads"], largest_shard * el)
+    # After the last backward (pipeline/sharded.sync_grads) the flat gradients (and under ZeRO-3
+    # the gathered stage) are still there when their reduce-scatter outputs arrive; activations
+    # are gone. So the peak after backward is the larger of that and the optimizer's temporary.
+    sync = out["buffers"] - recv + out["grads"]
+    out["opt_transient"] = max(sync, step_transient(out["grads"], largest_shard * el))
     out["gathered_total"] = out["reduce_total"] = float(padded_total * el)
     return out
 

@@ -127,14 +127,15 @@ SHARED_MISMATCHES = {
     "reduce_op": "group rank 0 in all_reduce(float32, 16 bytes, sum), group rank 1 in all_reduce(float32, 16 bytes, max)",
     "grow": "group rank 0 in all_reduce(float32, 16 bytes, sum), group rank 1 in all_reduce(float32, 400000 bytes, sum)",
     "same_bytes": "group rank 0 in all_gather(float32, 32 bytes, 2-d shape #",
+    "wrong_group": "group rank 0 in all_reduce(float32, 16 bytes, sum), group rank 1 in barrier()",  # the counter barrier
 }
 
 
 @pytest.fixture(scope="module")
 def runs():
-    jobs = ([(n, False, tr) for n in HANGS for tr in ("process_group", "shared")]
-            + [(n, True, tr) for n in MISMATCHES for tr in ("process_group", "shared")]
-            + [(n, False, "shared") for n in SHARED_MISMATCHES])
+    jobs = list(dict.fromkeys([(n, False, tr) for n in HANGS for tr in ("process_group", "shared")]
+                              + [(n, True, tr) for n in MISMATCHES for tr in ("process_group", "shared")]
+                              + [(n, False, "shared") for n in SHARED_MISMATCHES]))
     with ThreadPoolExecutor(8) as pool:
         res = list(pool.map(lambda j: _run(*j), jobs))
     return dict(zip(jobs, res))

@@ -310,17 +310,17 @@ def inline_transport(cfg) -> bool:
 def transport_bytes(cfg, pp_rank: int = 0) -> float:
     """CPU ranks on the shared-memory transport (``comm_transport`` shared, or auto on x86-64 with
     the backend algorithm): the shared pages a rank touches. A group's messages go in chunks of at
-    most c = min(distributed/shm_host.CHUNK, the longest message) per member, two regions each:
+    most c = min(distributed/shm_host.chunk_bytes(n), the longest message) per member, two regions each:
     an all-gather reads every member's regions (2 n c); an all-reduce writes its own region, a
     part of its other one, and reads a 1/n part of everyone's two ((3 - 1/n) c). Pipeline and
     ring-attention neighbours add two point-to-point rings each (``SharedComm.p2p_cap``)."""
-    from ..distributed.shm_host import CHUNK
+    from ..distributed.shm_host import chunk_bytes
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if not inline_transport(cfg):
         return 0.0
 
     def all_reduce(n, longest):
-        return (3 - 1 / n) * min(CHUNK, longest) if n > 1 else 0.0
+        return (3 - 1 / n) * min(chunk_bytes(n), longest) if n > 1 else 0.0
 
     state = model_state(cfg, pp_rank)
     b = max(1, t.global_batch // p.dp // p.microbatches)
@@ -328,11 +328,11 @@ def transport_bytes(cfg, pp_rank: int = 0) -> float:
     bucket = min(p.bucket_cap_mb * 2**20, state["grads"] or 0.0)
     if p.zero_stage == 3:  # FSDP gathers units over dp_shard x cp, all-reduces shards over replicas
         n = p.dp_shard * p.cp
-        total = 2 * n * min(CHUNK, state.get("largest_unit", 0.0)) if n > 1 else 0.0
+        total = 2 * n * min(chunk_bytes(n), state.get("largest_unit", 0.0)) if n > 1 else 0.0
         total += all_reduce(p.dp_replicate, state["grads"])
     elif p.zero_stage in (1, 2) and p.pp == 1:
         n = p.dp * p.cp
-        total = 2 * n * min(CHUNK, bucket) if n > 1 else 0.0
+        total = 2 * n * min(chunk_bytes(n), bucket) if n > 1 else 0.0
     else:
         total = all_reduce(p.dp * p.cp, bucket)
     total += all_reduce(p.tp, act)

@@ -22,10 +22,11 @@ Memories:
         Before every barrier the rank synchronises its current stream. Run on an H200
         (docs/gpu.md): ``shardlab verify`` passes with 2 and 4 ranks sharing it.
 
-Messages over ``shm_host.CHUNK`` (4 MiB per rank; not all_to_all) go in chunks, one barrier each: a
-region holds at most a chunk whatever the model (a ZeRO-3 unit once sized it: 2 N units mapped).
-The arena grows (collectively, never shrinks) when a bigger message arrives: every rank knows
-the size of all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
+Messages over ``shm_host.chunk_bytes(n)`` (4 MiB per rank, at most 16 MiB over the group; not
+all_to_all) go in chunks, one barrier each: a region holds at most a chunk whatever the model (a
+ZeRO-3 unit once sized it: 2 N units mapped). The arena grows (collectively, never shrinks) when a
+bigger message arrives: every rank knows the size of all_reduce / all_gather / reduce_scatter /
+broadcast; all_to_all first exchanges its
 per-rank sizes and splits through a small host control arena. The host barrier is a counter per
 rank in that arena (x86-64; elsewhere, or with ``host_barrier="process_group"``, the group's
 ``dist.barrier``). Point-to-point (isend / irecv / exchange) goes through a byte ring per pair
@@ -213,7 +214,7 @@ class SharedComm(RingPointToPoint, Comm):
         if t.numel() == 0:
             return t
         flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
-        spans = _spans(flat.numel(), 1, t.element_size())
+        spans = _spans(flat.numel(), 1, t.element_size(), self.size)
         self._ensure(_nbytes(flat[:spans[0][1]]))
         for lo, hi in spans:
             self._all_reduce_chunk(flat[lo:hi], op)
@@ -252,7 +253,7 @@ class SharedComm(RingPointToPoint, Comm):
         if t.numel() == 0:
             res = torch.cat([t] * self.size, dim=dim)
             return res if out is None else out.copy_(res)
-        if dim == 0 and _nbytes(t) > shm_host.CHUNK and (out is None or out.is_contiguous()):
+        if dim == 0 and _nbytes(t) > shm_host.chunk_bytes(self.size) and (out is None or out.is_contiguous()):
             return self._gather_chunks(t, out)
         self._ensure(_nbytes(t))
         inp = self._write(t)
@@ -265,7 +266,7 @@ class SharedComm(RingPointToPoint, Comm):
         """A dim-0 all_gather in chunks of ``t``'s flat elements (row i of the result is rank i's)."""
         res = out if out is not None else t.new_empty((t.shape[0] * self.size,) + tuple(t.shape[1:]))
         flat, rows = t.reshape(-1), res.view(self.size, -1)
-        spans = _spans(flat.numel(), 1, t.element_size())
+        spans = _spans(flat.numel(), 1, t.element_size(), self.size)
         self._ensure(_nbytes(flat[:spans[0][1]]))
         for lo, hi in spans:
             inp = self._write(flat[lo:hi])
@@ -291,7 +292,7 @@ class SharedComm(RingPointToPoint, Comm):
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
         if t.numel() > 0:
             c, n = out.numel(), self.size
-            rows, spans = x.reshape(n, c), _spans(c, n, t.element_size())
+            rows, spans = x.reshape(n, c), _spans(c, n, t.element_size(), n)
             self._ensure(n * spans[0][1] * t.element_size())
             for lo, hi in spans:  # chunk (lo, hi) of every rank's part: n x (hi - lo) elements
                 k, inp = hi - lo, self._free
@@ -354,7 +355,7 @@ class SharedComm(RingPointToPoint, Comm):
         if t.numel() == 0:
             return t
         flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
-        spans = _spans(flat.numel(), 1, t.element_size())
+        spans = _spans(flat.numel(), 1, t.element_size(), self.size)
         self._ensure(_nbytes(flat[:spans[0][1]]))
         for lo, hi in spans:
             inp = self._free

@@ -127,12 +127,20 @@ def mismatch(name: str, sigs: list) -> str | None:
 _ALIGN = 4096
 _MIN_CAP = 1 << 16
 CHUNK = 4 << 20  # bytes a rank writes per phase: longer all_reduce / all_gather / reduce_scatter / broadcast go in chunks
+GROUP_CHUNKS = 16 << 20  # ... and at most this much over the whole group (a rank maps every member's regions)
 
 
-def _spans(count: int, per: int, elem: int) -> list[tuple[int, int]]:
-    """Cut ``count`` elements into spans of which ``per`` copies fit in :data:`CHUNK` bytes, so that
-    the arena (and the shared pages each rank touches) is bounded by the chunk, not the model."""
-    step = max(1, CHUNK // max(1, per * elem))
+def chunk_bytes(n: int) -> int:
+    """Bytes a member of an ``n``-rank group writes per phase: :data:`CHUNK`, less in groups over 4
+    so that the 2 x n regions an all-gather reads stay at 2 x :data:`GROUP_CHUNKS` (a rank's
+    resident shared pages at N = 8 were 64 MiB; docs/data-parallel.md, Where the memory goes)."""
+    return min(CHUNK, max(1 << 16, GROUP_CHUNKS // max(1, n)))
+
+
+def _spans(count: int, per: int, elem: int, n: int = 1) -> list[tuple[int, int]]:
+    """Cut ``count`` elements into spans of which ``per`` copies fit in :func:`chunk_bytes` (n) bytes,
+    so that the arena (and the shared pages each rank touches) is bounded by the chunk, not the model."""
+    step = max(1, chunk_bytes(n) // max(1, per * elem))
     return [(j, min(count, j + step)) for j in range(0, count, step)]
 
 

@@ -123,3 +123,18 @@ def test_architecture_check_can_fail(tmp_path, monkeypatch):
         assert "x.py:2" in str(e) and "x.py:1" not in str(e)
     else:
         raise AssertionError("a module comparing against an architecture name was not reported")
+
+
+def _readme_layout() -> set[str]:
+    readme = (ROOT.parent / "README.md").read_text()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    return {line.split()[0] for line in block.splitlines() if line.split() and line.split()[0].endswith(".py")}
+
+
+def test_readme_layout_lists_every_module():
+    """The README's layout names every module of shardlab/ (one line each) and none that is gone."""
+    have = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+            if p.name != "__init__.py" or p.read_text().strip()}
+    listed = _readme_layout()
+    assert listed == have, f"missing from README: {sorted(have - listed)}; gone: {sorted(listed - have)}"
+    assert len(listed) > 100  # the parser found the block (a vacuous pass would list nothing)

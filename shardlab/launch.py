@@ -79,7 +79,7 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
 
 def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads) -> RankContext:
     # glibc's mmap threshold (bytes; 0 keeps glibc's): 1048576 lowers peaks 4-9%, costs 15% of a step
-    set_mmap_threshold(int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 0)))  # (docs/data-parallel.md)
+    set_mmap_threshold(int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 16 << 20)))  # 0: glibc's own (docs/data-parallel.md)
     backend, kind = choose_backend(device, local_world)
     torch.set_num_threads(threads or default_threads(local_world))
     dev = _rank_device(kind, local_rank)

@@ -96,12 +96,17 @@ def _rank_pp(ctx, hf_dir, ck_dir):
     cfg.validate(2)
     mesh = Mesh.build(Topology.from_config(cfg.parallel))
     engine = parallelize(meta_model(cfg.model), mesh, cfg, init=False)
-    keys, read = [], reader.read
+    keys = []
 
-    def spy(key, offsets=None, sizes=None, dtype=None):
-        keys.append(key)
-        return read(key, offsets, sizes, dtype)
-    reader.read = spy
+    class Spy(type(reader)):  # both ways a load reads a piece (parallel/state.py: read_into when offered)
+        def read(self, key, *args, **kwargs):
+            keys.append(key)
+            return super().read(key, *args, **kwargs)
+
+        def read_into(self, key, *args, **kwargs):
+            keys.append(key)
+            return super().read_into(key, *args, **kwargs)
+    reader.__class__ = Spy
     engine.load_pieces(reader, None)
     x, y = _batch()
     loss = engine.global_loss(engine.forward_backward(list(zip(x.chunk(2), y.chunk(2)))))

@@ -16,7 +16,7 @@ from typing import Any
 
 from .checks import did_you_mean as _did_you_mean
 from .checks import validate
-from .config_checks import allowed, check_ranges
+from .config_checks import check_ranges
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -393,16 +393,3 @@ def _is_deepspeed(data: dict) -> bool:
     keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization"}
     return bool(keys & set(data)) and not (set(data) & (set(SECTIONS) - {"model"}))
 
-
-def describe(cfg: Config) -> str:
-    """The resolved config as TOML-like text with each field's docstring as a comment."""
-    lines = []
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        lines.append(f"[{section}]")
-        for fl in dataclasses.fields(obj):
-            v = getattr(obj, fl.name)
-            rng = allowed(fl)
-            lines.append(f"{fl.name} = {json.dumps(v)}  # {fl.metadata.get('doc', '')}" + (f" [{rng}]" if rng else ""))
-        lines.append("")
-    return "\n".join(lines)

@@ -2,7 +2,11 @@
 each field with its docstring; validated (against --nproc when given)."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from .. import config as C
+from ..config_checks import allowed
 
 
 def configure(parser):
@@ -14,5 +18,19 @@ def configure(parser):
 def main(args) -> int:
     cfg = C.load(args.config, args.overrides)
     cfg.validate(args.nproc)
-    print(C.describe(cfg))
+    print(describe(cfg))
     return 0
+
+
+def describe(cfg: C.Config) -> str:
+    """The resolved config as TOML-like text with each field's docstring as a comment."""
+    lines = []
+    for section in C.SECTIONS:
+        obj = getattr(cfg, section)
+        lines.append(f"[{section}]")
+        for fl in dataclasses.fields(obj):
+            v = getattr(obj, fl.name)
+            rng = allowed(fl)
+            lines.append(f"{fl.name} = {json.dumps(v)}  # {fl.metadata.get('doc', '')}" + (f" [{rng}]" if rng else ""))
+        lines.append("")
+    return "\n".join(lines)

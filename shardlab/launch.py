@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .distributed.shm_host import set_mmap_threshold
+from .distributed.heap import set_mmap_threshold
 from .launch_report import report_to
 
 BAD_INPUT = ("CheckpointError:", "ConfigError:")

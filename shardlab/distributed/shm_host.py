@@ -161,22 +161,6 @@ def _reduce_into(out, parts: list, op: str):
     return out
 
 
-def set_mmap_threshold(nbytes: int) -> None:
-    """glibc (Linux): buffers of at least ``nbytes`` are mapped on their own and unmapped when
-    freed, so a rank's resident set follows its live tensors instead of keeping the heap's high
-    water (glibc's own threshold rises to 32 MiB after the first large free, so a 24 MiB FSDP unit
-    then comes from the heap and leaves a hole there). Every rank sets 16 MiB (launch.py): an FSDP x
-    TP rank's peak 16% lower, steps 0-5% slower; at 1 MiB every tensor of a megabyte is faulted in
-    afresh and steps ran 15% slower (docs/data-parallel.md, Where the memory goes). 0: glibc's own."""
-    if not nbytes or not platform.system() == "Linux":
-        return
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes))  # M_MMAP_THRESHOLD (also stops its dynamic rise)
-    except (OSError, AttributeError):
-        pass
-
-
 def modes_off(fn):
     """Run a collective with the Python dispatch modes (``TorchDispatchMode``) switched off. Its
     internals (spins on the shared counters, a first call's mapping of the arena) dispatch a

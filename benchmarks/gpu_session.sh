@@ -6,16 +6,21 @@
 # step with under 15 s left is skipped (logged). Steps run in the order given in STEPS:
 #
 #   env           nvidia-smi, cores, /dev/shm, torch and the device
+#   shared_gpu    the same-GPU transport's CUDA test (comm stream, events, async collectives), alone
 #   checks        side by side (they time nothing): the gpu-marked tests, `shardlab verify` at
 #                 N = 2 and 4 ranks sharing the GPU (VERIFY_N2 / VERIFY_N4: layout lists), and on
 #                 4 cores of their own the CPU pp = 4 schedules (or, with CHECKS_PLANNER set,
 #                 benchmarks/planner_calibration.py --device cuda on those layouts)
-#   single        GPT-2 124M, shardlab's loop vs a plain compiled loop (PROFILE_STEPS: profile)
+#   single        GPT-2 124M, shardlab's loop (compile_scope auto = the whole model, and blocks) vs a
+#                 plain compiled loop, side by side in one process (PROFILE_STEPS: profile them)
 #   single_eager  the same without torch.compile;  single1b: the 1B Llama
-#   comm / comm2  same-GPU collectives at 64 MiB, N = 2, 4, 8 / N = 2 only (gloo vs shared)
+#   comm / comm2  same-GPU collectives at 64 MiB, N = 2, 4, 8 / N = 2 only: the transport on its
+#                 comm stream (shared) beside its first version (shared_sync) and gloo (N = 2)
 #   memory        Llama-1B on 2 ranks: DDP vs ZeRO-3 with prefetch on/off (benchmarks/gpu_memory.py)
+#   peaks         benchmarks/memory_peaks.py --device cuda on PEAKS layouts (predicted vs max allocated)
 #   planner       predicted vs torch.cuda.max_memory_allocated, tiny layouts
-#   overlap       ZeRO-3 (and DDP) over gloo under --profile (OVERLAP_ZERO: the stages)
+#   overlap       Llama-1B, 2 ranks on the same-GPU transport, ZeRO-3 and DDP under --profile: the
+#                 share of communication hidden under compute (OVERLAP_ZERO: the stages)
 #   moe           the experts' kernels on the GPU
 #
 #   OUT=$OUT bash benchmarks/gpu_session.sh     # default: env checks single comm memory overlap
@@ -27,7 +32,7 @@ LOG="$OUT/log.txt"
 WORK=$(mktemp -d)
 PY=${PY:-$(command -v python >/dev/null && echo python || echo python3)}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"env checks single comm memory overlap"}
+STEPS=${STEPS:-"env shared_gpu single single1b comm overlap memory peaks"}
 DEADLINE=$((SECONDS + ${DEADLINE_S:-540}))
 GPU_TESTS="tests/unit/test_moe.py tests/unit/test_checkpoint_io.py tests/distributed/test_shared_comm.py
   tests/distributed/test_gpu_offload.py tests/distributed/test_async_checkpoint.py tests/distributed/test_compile.py"
@@ -89,31 +94,39 @@ for s in $STEPS; do
         read -r rc t0 < "$WORK/$name.rc"
         collect "$name" "$rc" "$t0"
       done ;;
+    shared_gpu)  # the comm-stream path first: if it is wrong, the comm and overlap rows say nothing
+      step shared_gpu 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        tests/distributed/test_shared_comm.py::test_shared_collectives_on_one_gpu ;;
     single)  # shardlab's loop vs a plain compiled loop, bf16, GPT-2 124M at 16 x 1024 tokens
-      step single_gpt2 130 "$PY" benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda \
-        --blocks 4 --per-block 5 --warmup 3 --profile-steps "${PROFILE_STEPS:-0}" ;;
+      step single_gpt2 150 "$PY" benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda \
+        --blocks 4 --per-block 5 --warmup 3 --profile-steps "${PROFILE_STEPS:-0}" \
+        --variants='--parallel.compile_scope=blocks' ;;
     single_eager)  # the same without torch.compile (is the gap in the compiled blocks or in the loop?)
       step single_gpt2_eager 60 "$PY" benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda \
         --blocks 3 --per-block 5 --warmup 2 --parallel.compile=false ;;
     single1b)  # the 1B Llama at seq 2048 (compiled)
-      step single_llama1b 200 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda \
+      step single_llama1b 170 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda \
         --blocks 3 --per-block 3 --warmup 2 --parallel.compile=true ;;
     comm2)  # N = 2 only
-      comm 2 35 process_group,shared ;;
+      comm 2 35 process_group,shared,shared_sync ;;
     comm)  # N ranks on one GPU at 64 MiB: the shared-memory transport over CUDA IPC (and gloo at N = 2)
-      comm 2 35 process_group,shared
-      for n in 4 8; do comm "$n" 30 shared; done ;;
-    memory)  # Llama-1B, 2 ranks sharing the GPU: DDP vs ZeRO-3 with prefetch on/off
-      step memory_1b 80 "$PY" benchmarks/gpu_memory.py --config configs/llama-1b.toml --nproc 2 --train.global_batch=4 ;;
+      comm 2 35 process_group,shared,shared_sync
+      for n in 4 8; do comm "$n" 30 shared,shared_sync; done ;;
+    memory)  # Llama-1B, 2 ranks sharing the GPU: DDP vs ZeRO-3 with prefetch on/off (MEM_BATCH: global batch)
+      step memory_1b 90 "$PY" benchmarks/gpu_memory.py --config configs/llama-1b.toml --nproc 2 \
+        --train.global_batch="${MEM_BATCH:-2}" ;;
+    peaks)  # predicted vs max allocated, the ~100M Llama of the memory issue (PEAKS: layouts, at N = 4)
+      # shellcheck disable=SC2086
+      step peaks 120 "$PY" benchmarks/memory_peaks.py --device cuda --n 4 \
+        --only ${PEAKS:-ddp zero1 zero2 zero3 zero3-noprefetch tp2-sp-dp2 pp2-1f1b-dp2 ddp-bf16 zero3-bf16} ;;
     planner)  # the planner's predicted total vs torch.cuda.max_memory_allocated, tiny layouts
       step planner 120 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "dp:1,fsdp:2,tp2:2,pp2-1f1b:2" ;;
-    overlap)  # 2 ranks over gloo (asynchronous, unlike the shared transport): ZeRO-3 and DDP traces,
-              # the summary's line: how much of each rank's communication overlapped its compute
+    overlap)  # Llama-1B, 2 ranks on the same-GPU transport (collectives on its comm stream):
+              # ZeRO-3 and DDP traces; the summary's line: how much communication overlapped compute
       for zero in ${OVERLAP_ZERO:-3 0}; do
-        step "overlap_zero$zero" 60 "$PY" -m shardlab.cli train configs/llama-350m.toml --nproc 2 \
-          --train.device=cuda --train.precision=bf16 --train.steps=4 --train.global_batch=4 --profile 2 \
-          --parallel.zero_stage=$zero --parallel.comm_transport=process_group --checkpoint.save=false \
-          --logging.progress=false --logging.run_dir="$WORK/overlap_zero$zero"
+        step "overlap_zero$zero" 70 "$PY" -m shardlab.cli train configs/llama-1b.toml --nproc 2 \
+          --train.device=cuda --train.steps=5 --train.global_batch=2 --profile 2 --parallel.zero_stage=$zero \
+          --checkpoint.save=false --logging.progress=false --logging.run_dir="$WORK/overlap_zero$zero"
       done ;;
     moe)  # the experts' kernels: per-expert loop vs torch._grouped_mm
       step moe_kernel 120 "$PY" benchmarks/moe_kernel.py --device cuda --dtypes bfloat16 float32 --tokens 2048 8192 ;;

@@ -98,20 +98,24 @@ def profile_steps(name, step_fn, n, device) -> str:
             + prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
 
 
-def bench(ctx, cfg, data_dir, blocks, per_block, warmup, prof_steps=0):
+def bench(ctx, cfgs, data_dir, blocks, per_block, warmup, prof_steps=0):
+    """Each config of ``cfgs`` (the variants) as a shardlab Trainer, beside one plain loop (the
+    first config's settings); all alternate in blocks. Returns the median step of each variant,
+    then the plain loop's."""
     mesh = Mesh.build(Topology(), ctx.device)
     data = TokenData(data_dir)
-    ours, plain = Trainer(cfg, mesh, data), PlainLoop(cfg, data, ctx.device)
-    _timed(ours.train_step, warmup, ctx.device)
-    _timed(plain.train_step, warmup, ctx.device)
-    t_ours, t_plain = [], []
+    loops = [Trainer(c, mesh, data).train_step for c in cfgs] + [PlainLoop(cfgs[0], data, ctx.device).train_step]
+    for step in loops:
+        _timed(step, warmup, ctx.device)
+    times = [[] for _ in loops]
     for _ in range(blocks):
-        t_ours += _timed(ours.train_step, per_block, ctx.device)
-        t_plain += _timed(plain.train_step, per_block, ctx.device)
+        for t, step in zip(times, loops):
+            t += _timed(step, per_block, ctx.device)
     if prof_steps:
-        print(profile_steps("shardlab", ours.train_step, prof_steps, ctx.device), flush=True)
-        print(profile_steps("plain PyTorch", plain.train_step, prof_steps, ctx.device), flush=True)
-    return statistics.median(t_ours), statistics.median(t_plain), str(ctx.device), \
+        for k, step in enumerate(loops):
+            name = "plain PyTorch" if k == len(cfgs) else f"shardlab, variant {k}"
+            print(profile_steps(name, step, prof_steps, ctx.device), flush=True)
+    return [statistics.median(t) for t in times], \
         (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu")
 
 
@@ -125,29 +129,41 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the row as JSON here")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many steps of each loop: device busy time, syncs, top operators")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated extra override sets, each a shardlab loop of its own measured beside "
+                         "the default one, e.g. --variants='--parallel.compile_scope=blocks' (write it with =)")
     args, overrides = ap.parse_known_args(argv)
-    cfg = C.load(args.config, overrides)
-    cfg.train.device = args.device
-    cfg.logging.progress = False
-    cfg.validate(1)
+    sets = [[]] + [v.split() for v in args.variants.split(";") if v.strip()]
+    cfgs = []
+    for extra in sets:
+        cfg = C.load(args.config, overrides + extra)
+        cfg.train.device = args.device
+        cfg.logging.progress = False
+        cfg.validate(1)
+        cfgs.append(cfg)
+    cfg = cfgs[0]
     data_dir = str(prepare(cfg.data))
-    (ours, plain, dev, name), = launch.run(bench, 1, cfg, data_dir, args.blocks, args.per_block, args.warmup,
-                                          args.profile_steps, device=args.device)
+    (times, name), = launch.run(bench, 1, cfgs, data_dir, args.blocks, args.per_block, args.warmup,
+                                args.profile_steps, device=args.device)
+    plain = times[-1]
     tokens = cfg.train.global_batch * cfg.train.seq_len
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-    peak, label = peak_flops(torch.device(dev), cfg.train.precision) if dev != "cpu" else (None, "cpu")
-    row = {"config": args.config, "device": name, "precision": cfg.train.precision, "compile": cfg.parallel.compile,
-           "plain_tok_s": tokens / plain, "shardlab_tok_s": tokens / ours, "ratio": plain / ours,
-           "plain_mfu": fpt * tokens / plain / peak if peak else None,
-           "shardlab_mfu": fpt * tokens / ours / peak if peak else None}
+    peak, label = peak_flops(torch.device(args.device), cfg.train.precision) if args.device != "cpu" else (None, "cpu")
     mfu = (lambda v: f"{100 * v:.1f}%" if v else "n/a")
-    print("| config | device | precision | compile | plain PyTorch tok/s | shardlab tok/s | ratio | MFU plain / shardlab |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| {Path(args.config).name} | {name} | {cfg.train.precision} | {cfg.parallel.compile} | "
-          f"{row['plain_tok_s']:,.0f} | {row['shardlab_tok_s']:,.0f} | {row['ratio']:.3f} | "
-          f"{mfu(row['plain_mfu'])} / {mfu(row['shardlab_mfu'])} |")
+    print("| config | device | precision | compile | variant | plain PyTorch tok/s | shardlab tok/s | ratio | MFU plain / shardlab |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for extra, ours in zip(sets, times[:-1]):
+        row = {"config": args.config, "device": name, "precision": cfg.train.precision, "compile": cfg.parallel.compile,
+               "variant": " ".join(extra) or "default", "plain_tok_s": tokens / plain, "shardlab_tok_s": tokens / ours,
+               "ratio": plain / ours, "plain_mfu": fpt * tokens / plain / peak if peak else None,
+               "shardlab_mfu": fpt * tokens / ours / peak if peak else None}
+        rows.append(row)
+        print(f"| {Path(args.config).name} | {name} | {cfg.train.precision} | "
+              f"{cfg.parallel.compile} | {row['variant']} | {row['plain_tok_s']:,.0f} | {row['shardlab_tok_s']:,.0f} | "
+              f"{row['ratio']:.3f} | {mfu(row['plain_mfu'])} / {mfu(row['shardlab_mfu'])} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(row, indent=1))
+        Path(args.json).write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,17 @@ def one_of(value, options, field_name: str) -> None:
                                           f"choose one of {', '.join(map(str, options))}")
 
 
+def whole_graph(cfg) -> bool:
+    """Whether ``parallel.compile`` compiles the whole model as one graph (``compile_scope``):
+    only where no parallel module hooks into it (one rank: no tp, cp, pp, data parallel, ZeRO or
+    experts), so the blocks are not units of anything. Inductor then also fuses the embedding,
+    the final norm, the head's casts and the loss, as in a plain ``torch.compile(model)`` loop
+    (docs/gpu.md, Single device)."""
+    p = cfg.parallel
+    alone = p.world_size == 1 and p.zero_stage == 0 and cfg.model.n_experts == 0
+    return p.compile_scope != "blocks" and alone
+
+
 def validate(cfg, world_size: int | None = None) -> None:
     from .models.spec import get_spec
     from .parallel import context, expert, recompute, tensor, zero
@@ -54,6 +65,9 @@ def validate(cfg, world_size: int | None = None) -> None:
             "reduce-scatters in it)")
     one_of(p.comm_algorithm, ("backend", "ring", "tree", "rhd", "auto"), "parallel.comm_algorithm")
     one_of(p.activation_checkpointing, recompute.MODES, "parallel.activation_checkpointing")
+    require(p.compile_scope != "model" or whole_graph(cfg), "parallel.compile_scope",
+            "'model' compiles the model as one graph, which only one rank without ZeRO or experts allows; "
+            "use auto (model where allowed) or blocks")
     one_of(t.precision, ("fp32", "fp64", "bf16", "fp16"), "train.precision")
     if spec.task == "lm":
         require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")

@@ -116,6 +116,7 @@ class ParallelConfig:
     microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).", ge=1, le=2**20)
     activation_checkpointing: str = f("none", "Activation recomputation: none, full (each block keeps its input), selective (Megatron's: the attention core) or op (torchtitan's per-operator policy: each block keeps its attention output and every other matrix product's; docs/planner.md).", choices=('none', 'full', 'selective', 'op'))
     compile: bool = f(False, "Wrap each block, and the loss (without tensor parallel), with torch.compile.")
+    compile_scope: str = f("auto", "With compile: blocks (each block and the loss), model (the whole model as one graph, as a plain torch.compile(model) loop: one rank without tp/cp/pp/ep/ZeRO) or auto (model where allowed, else blocks).", choices=('auto', 'blocks', 'model'))
     wrap_policy: str = f("blocks", "ZeRO-3/FSDP units: blocks (the architecture's blocks), size:<N> (outermost "
                                    "modules with >= N parameters) or class:<Name>[,<Name>] (modules of those classes).", nonempty=True)
     comm_algorithm: str = f("backend", "Collective algorithm: backend, ring, tree, rhd or auto.", choices=('backend', 'ring', 'tree', 'rhd', 'auto'))

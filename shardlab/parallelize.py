@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .checks import whole_graph
 from .distributed.mesh import Mesh
 from .models.spec import get_spec
 from .parallel.engine import Engine
@@ -46,7 +47,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, init: bool = True) -> Engine:
     # Activation checkpointing and compile wrap whole blocks in place (names unchanged).
     from .parallel import recompute
     recompute.apply(model, p.activation_checkpointing, spec)
-    if p.compile:
+    if p.compile and whole_graph(cfg):
+        model.compile()  # one graph: embedding, blocks, head and loss (a plain torch.compile(model) loop's)
+    elif p.compile:
         for block in spec.blocks(model).values():
             block.compile()
         _compile_loss(model, p)

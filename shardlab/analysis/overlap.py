@@ -5,10 +5,11 @@ A trace holds complete events (``"ph": "X"``) with a start and a duration. Two k
 out of them:
 
 * on a GPU trace (one with ``kernel`` events): communication = kernels whose name names a
-  collective library (``nccl``) or a collective, and the host-side collective spans below (gloo
-  and the shared-memory transport move CUDA tensors from the host: no collective kernel);
-  compute = every other kernel (less those inside ``shm:`` spans). Overlap is a kernel running
-  while a collective is in flight.
+  collective library (``nccl``) or a collective, gloo's host-side spans below (gloo moves CUDA
+  tensors from the host: no kernel), and the GPU work (kernels, copies) that the shared-memory
+  transport's ``shm:<op>`` spans launched (matched by the trace's correlation ids; it runs on a
+  stream of its own); compute = every other kernel. Overlap is a kernel running while a
+  collective is in flight.
 * on a CPU trace: communication = the collective's own span on its backend thread (gloo's
   ``gloo:<op>`` annotations: gloo runs the collective on a thread of its own), and the
   shared-memory transport's ``shm:<op>`` spans (it runs each collective inline, on the loop's
@@ -80,6 +81,26 @@ def _is_comm(name: str) -> bool:
     return any(w in n for w in COMM_WORDS)
 
 
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Trace categories of work on the GPU."""
+
+
+def _launched(spans, events) -> tuple[set, list]:
+    """The correlation ids of the GPU work launched (``cuda_runtime`` / ``cuda_driver`` calls)
+    inside ``spans`` on their own thread, and the spans that launched nothing. The shared
+    transport on CUDA queues its copies and reductions on a stream of its own (shm_cuda.py): its
+    communication is that GPU work, not the host span that queued it."""
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    ids, idle = set(), []
+    for s in spans:
+        inside = [c["args"]["correlation"] for c in calls if c.get("tid") == s.get("tid") and "correlation" in
+                  c.get("args", {}) and s["ts"] <= c["ts"] <= s["ts"] + s["dur"]]
+        ids.update(inside)
+        if not inside:
+            idle.append(s)
+    return ids, idle
+
+
 def overlap(trace) -> dict:
     """{comm_us, overlapped_us, fraction, device} of a Chrome trace (a path or the loaded dict)."""
     if not isinstance(trace, dict):
@@ -90,14 +111,19 @@ def overlap(trace) -> dict:
     main = Counter(e.get("tid") for e in ops).most_common(1)
     tid = main[0][0] if main else None
     inline = [e for e in events if e["name"].startswith("shm:")]
-    host = inline + [e for e in events if e["name"].lower().startswith("gloo:") or
-                     (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"]))]
-    if kernels:  # host-side collectives (gloo, the shared transport) run on the same clock
-        comm = host + [e for e in kernels if _is_comm(e["name"])]
-        compute = [e for e in kernels if not _is_comm(e["name"])]
+    other = [e for e in events if e["name"].lower().startswith("gloo:") or
+             (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"])
+              and not e["name"].startswith("shm:"))]
+    if kernels:  # host-side collectives (gloo) run on the same clock as the kernels
+        ids, idle = _launched(inline, events)
+        gpu = [e for e in events if e.get("cat") in GPU_WORK]
+        shm = [e for e in gpu if e.get("args", {}).get("correlation") in ids]
+        comm = other + idle + shm + [e for e in kernels if _is_comm(e["name"])]
+        compute = [e for e in kernels if not _is_comm(e["name"]) and e.get("args", {}).get("correlation") not in ids]
+        inline = idle
         device = "gpu"
     else:
-        comm = host
+        comm = inline + other
         compute = [e for e in ops if e.get("tid") == tid and not any(w in e["name"].lower() for w in NOT_COMPUTE)]
         device = "cpu"
     c = merge((e["ts"], e["ts"] + e["dur"]) for e in comm)

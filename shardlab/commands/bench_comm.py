@@ -32,6 +32,9 @@ import time
 
 import torch
 
+TRANSPORTS = ("process_group", "shared", "shared_sync")
+"""--transport values: the backend (the --algorithms columns), the shared-memory transport, and on
+CUDA its first version (stream drained at each barrier), measured beside it."""
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -79,8 +82,9 @@ def configure(parser):
     parser.add_argument("--algorithms", default="backend,ring,tree,rhd",
                         help="comma list of backend, ring, tree, rhd, auto")
     parser.add_argument("--transport", default="process_group",
-                        help="comma list of process_group (the --algorithms columns) and shared "
-                             "(one column: shared memory, distributed/shm.py)")
+                        help="comma list of process_group (the --algorithms columns), shared (one column: "
+                             "shared memory, distributed/shm.py) and shared_sync (on CUDA: its first version, "
+                             "the stream drained at each barrier)")
     parser.add_argument("--dtype", default="float32", help="element type (float32, bfloat16, int64, ...)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per point (fewer for huge sizes)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per point")
@@ -105,9 +109,9 @@ def _settings(args) -> dict:
     if bad:
         raise ValueError(f"--algorithms: unknown {bad}; choose from {', '.join(ALGORITHMS)}")
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
-    bad = [t for t in transports if t not in ("process_group", "shared")] or ([] if transports else ["(none)"])
+    bad = [t for t in transports if t not in TRANSPORTS] or ([] if transports else ["(none)"])
     if bad:
-        raise ValueError(f"--transport: unknown {bad}; choose from process_group, shared")
+        raise ValueError(f"--transport: unknown {bad}; choose from {', '.join(TRANSPORTS)}")
     if "process_group" not in transports:
         algorithms = []
     dtype = getattr(torch, args.dtype, None)
@@ -120,7 +124,7 @@ def _settings(args) -> dict:
     if args.inter_gbps < 0 or args.inter_latency_us < 0:
         raise ValueError("--inter-gbps / --inter-latency-us: must be >= 0")
     return dict(ops=ops, sizes=parse_sizes(args.sizes, args.factor), algorithms=algorithms,
-                shared="shared" in transports, dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile,
+                shared=[t for t in transports if t != "process_group"], dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile,
                 nodes=args.nodes, link=(args.inter_gbps, args.inter_latency_us))
 
 
@@ -143,14 +147,14 @@ def columns(op: str, algorithms: list[str], sizes: list[int]) -> list[str]:
 def label(op: str, algorithm: str) -> str:
     from ..distributed.algorithms import select
 
-    if algorithm in ("backend", "auto", "shared"):
+    if algorithm in ("backend", "auto") or algorithm in TRANSPORTS:
         return algorithm
     impl = select(op, algorithm, 1)
     return algorithm if impl == algorithm else impl
 
 
 def _call(comms, op: str, x: torch.Tensor, algorithm: str, splits):
-    comm = comms[algorithm == "shared"]
+    comm = comms.get(algorithm, comms["process_group"])
     if op == "all_reduce":
         comm.all_reduce(x, algorithm=algorithm)
     elif op == "all_gather":
@@ -194,9 +198,12 @@ def _worker(ctx, s):
     n, dtype = ctx.world_size, getattr(torch, s["dtype"])
     ledger = Ledger()
     comm = Comm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger)
-    comms = (comm, SharedComm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger, device=ctx.device))
+    comms = {"process_group": comm}
+    for t in s["shared"]:  # shared_sync: the first CUDA version (stream drained at each barrier)
+        comms[t] = SharedComm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger, device=ctx.device,
+                              cuda_streams=t == "shared")
     per_node = n // s["nodes"]
-    comms = tuple(tiered(c, lambda r: r // per_node, Link(*s["link"])) for c in comms)
+    comms = {k: tiered(c, lambda r: r // per_node, Link(*s["link"])) for k, c in comms.items()}
     prof = None
     if s["profile"]:
         from torch.profiler import ProfilerActivity, profile
@@ -207,7 +214,7 @@ def _worker(ctx, s):
         for size in s["sizes"]:
             x, splits = _input(op, size, n, dtype, ctx.device)
             iters = max(3, min(s["iters"], (256 << 20) // max(1, size)))
-            algos = columns(op, s["algorithms"], s["sizes"]) + (["shared"] if s["shared"] else [])
+            algos = columns(op, s["algorithms"], s["sizes"]) + s["shared"]
             sent, inter = {}, {}
             for algo in algos:
                 for _ in range(s["warmup"]):

@@ -19,14 +19,13 @@ Memories:
         is left behind even if a rank dies later.
   CUDA  each rank allocates its regions on its device; the handles are exchanged as CUDA IPC
         handles (``torch.multiprocessing.reductions.reduce_tensor``) pickled over the group.
-        Before every barrier the rank synchronises its current stream. Run on an H200
-        (docs/gpu.md): ``shardlab verify`` passes with 2 and 4 ranks sharing it.
+        Collectives run on a communication stream, ordered across processes by interprocess
+        events, not host waits (shm_cuda.py), in chunks of shm_cuda.CHUNK bytes per rank.
 
-Messages over ``shm_host.chunk_bytes(n)`` (4 MiB per rank, at most 16 MiB over the group; not
-all_to_all) go in chunks, one barrier each: a region holds at most a chunk whatever the model (a
-ZeRO-3 unit once sized it: 2 N units mapped). The arena grows (collectively, never shrinks) when a
-bigger message arrives: every rank knows the size of all_reduce / all_gather / reduce_scatter /
-broadcast; all_to_all first exchanges its
+Messages over the chunk (CPU: ``shm_host.chunk_bytes(n)``, 4 MiB per rank, at most 16 MiB over
+the group; not all_to_all) go in chunks, one barrier each: a region holds at most a chunk. The
+arena grows (collectively, never shrinks) for a bigger message: every rank knows the size of
+all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
 per-rank sizes and splits through a small host control arena. The host barrier is a counter per
 rank in that arena (x86-64; elsewhere, or with ``host_barrier="process_group"``, the group's
 ``dist.barrier``). Point-to-point (isend / irecv / exchange) goes through a byte ring per pair
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
 from . import shm_host
+from .shm_cuda import CHUNK as CUDA_CHUNK, StreamOrder, run_async, streamed
 from .shm_host import X86, _reduce_into, _round, _spans, modes_off as _modes_off
 from .shm_p2p import RingPointToPoint
 
@@ -60,10 +60,13 @@ class SharedComm(RingPointToPoint, Comm):
     ``device`` goes through the process group instead (the base class)."""
 
     def __init__(self, name, group, ranks, rank, ledger, algorithm="backend", flight=None,
-                 device: torch.device | str = "cpu", host_barrier: str = "auto", p2p_cap: int = 16 << 20):
+                 device: torch.device | str = "cpu", host_barrier: str = "auto", p2p_cap: int = 16 << 20,
+                 cuda_streams: bool = True):
         """``host_barrier``: "shm" (flags in shared memory, x86-64 only), "process_group"
         (``dist.barrier``) or "auto" (shm on x86-64). ``p2p_cap``: bytes of each point-to-point
-        ring (per pair and direction; longer messages stream through it)."""
+        ring (per pair and direction; longer messages stream through it). ``cuda_streams=False``:
+        the first CUDA version (the stream drained at every barrier, host-sized chunks), kept to
+        be measured against (``shardlab bench comm --transport shared_sync``)."""
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
         if host_barrier not in ("auto", "shm", "process_group"):
             raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
@@ -81,6 +84,10 @@ class SharedComm(RingPointToPoint, Comm):
         self._free = 0  # which region (0: a, 1: b) this rank may write before a call's first barrier
         self.p2p_cap = p2p_cap  # point-to-point (RingPointToPoint, shm_p2p.py)
         self.timeout_s = shm_host.group_timeout(group)  # how long a barrier or a ring may wait
+        cuda = self.device.type == "cuda"
+        streams = cuda and cuda_streams and self.size > 1
+        self._order = StreamOrder(self.device) if streams else None  # shm_cuda.py
+        self._chunk = CUDA_CHUNK if streams else shm_host.chunk_bytes(self.size)  # bytes per rank per phase
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
@@ -156,6 +163,8 @@ class SharedComm(RingPointToPoint, Comm):
         handles = [None] * self.size
         dist.all_gather_object(handles, handle, group=self.group)
         bufs = [mine if i == self.rank else rebuild(*h) for i, h in enumerate(handles)]
+        if self._order is not None:
+            self._order.exchange(self.group, self.rank, self.size)  # the peers' events (once)
         return [(b[:cap], b[cap:]) for b in bufs]
 
     def _ensure(self, nbytes: int):
@@ -180,14 +189,20 @@ class SharedComm(RingPointToPoint, Comm):
         return self._regions[i][which][:numel * es].view(dtype)
 
     def _sync(self):
-        """The host barrier; on CUDA the current stream is drained first (its writes are visible,
-        its reads of others' regions done)."""
-        if self.device.type == "cuda":
+        """The host barrier. On CUDA each rank's stream work before it is marked by an event, and
+        the stream waits for every peer's after it (shm_cuda.py); before the events are exchanged
+        (the first barrier) the stream is drained instead."""
+        events = self._order is not None and self._order.peers
+        if events:
+            self._order.arrive()
+        elif self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         if self.host_barrier == "shm":
             self._shm_barrier()
         else:
             dist.barrier(group=self.group)
+        if events:
+            self._order.depart()
 
     def _write(self, t: torch.Tensor) -> int:
         """Copy ``t`` into this rank's free region; return the region written."""
@@ -204,6 +219,7 @@ class SharedComm(RingPointToPoint, Comm):
     # -- collectives ---------------------------------------------------------------------------
     @_recorded("all_reduce", _t_op)
     @_modes_off
+    @streamed
     def all_reduce(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> torch.Tensor:
         """In place: t <- op over the group. ``op``: sum, avg, max, min."""
         self._check_avg("all_reduce", t, op)
@@ -214,7 +230,7 @@ class SharedComm(RingPointToPoint, Comm):
         if t.numel() == 0:
             return t
         flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
-        spans = _spans(flat.numel(), 1, t.element_size(), self.size)
+        spans = _spans(flat.numel(), 1, t.element_size(), self._chunk)
         self._ensure(_nbytes(flat[:spans[0][1]]))
         for lo, hi in spans:
             self._all_reduce_chunk(flat[lo:hi], op)
@@ -243,6 +259,7 @@ class SharedComm(RingPointToPoint, Comm):
         return self._gather(t, dim)
 
     @_modes_off
+    @streamed
     def _gather(self, t: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """all_gather, written into ``out`` when given (no fresh result to allocate and fault in)."""
         if self.size == 1 or self._elsewhere(t):
@@ -253,7 +270,7 @@ class SharedComm(RingPointToPoint, Comm):
         if t.numel() == 0:
             res = torch.cat([t] * self.size, dim=dim)
             return res if out is None else out.copy_(res)
-        if dim == 0 and _nbytes(t) > shm_host.chunk_bytes(self.size) and (out is None or out.is_contiguous()):
+        if dim == 0 and _nbytes(t) > self._chunk and (out is None or out.is_contiguous()):
             return self._gather_chunks(t, out)
         self._ensure(_nbytes(t))
         inp = self._write(t)
@@ -266,7 +283,7 @@ class SharedComm(RingPointToPoint, Comm):
         """A dim-0 all_gather in chunks of ``t``'s flat elements (row i of the result is rank i's)."""
         res = out if out is not None else t.new_empty((t.shape[0] * self.size,) + tuple(t.shape[1:]))
         flat, rows = t.reshape(-1), res.view(self.size, -1)
-        spans = _spans(flat.numel(), 1, t.element_size(), self.size)
+        spans = _spans(flat.numel(), 1, t.element_size(), self._chunk)
         self._ensure(_nbytes(flat[:spans[0][1]]))
         for lo, hi in spans:
             inp = self._write(flat[lo:hi])
@@ -278,6 +295,7 @@ class SharedComm(RingPointToPoint, Comm):
 
     @_recorded("reduce_scatter", _t_rs)
     @_modes_off
+    @streamed
     def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum",
                        algorithm: str | None = None) -> torch.Tensor:
         """Reduce over the group and keep this rank's 1/size slice of ``dim``."""
@@ -292,7 +310,7 @@ class SharedComm(RingPointToPoint, Comm):
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
         if t.numel() > 0:
             c, n = out.numel(), self.size
-            rows, spans = x.reshape(n, c), _spans(c, n, t.element_size(), n)
+            rows, spans = x.reshape(n, c), _spans(c, n, t.element_size(), self._chunk)
             self._ensure(n * spans[0][1] * t.element_size())
             for lo, hi in spans:  # chunk (lo, hi) of every rank's part: n x (hi - lo) elements
                 k, inp = hi - lo, self._free
@@ -307,6 +325,7 @@ class SharedComm(RingPointToPoint, Comm):
 
     @_recorded("all_to_all", _t_a2a)
     @_modes_off
+    @streamed
     def all_to_all(self, t: torch.Tensor, in_splits: list[int] | None = None,
                    out_splits: list[int] | None = None, algorithm: str | None = None) -> torch.Tensor:
         """Exchange dim-0 chunks: chunk i of ``t`` goes to rank i (uneven splits allowed)."""
@@ -346,6 +365,7 @@ class SharedComm(RingPointToPoint, Comm):
 
     @_recorded("broadcast", _t_src)
     @_modes_off
+    @streamed
     def broadcast(self, t: torch.Tensor, src: int = 0, algorithm: str | None = None) -> torch.Tensor:
         """In place from group rank ``src``."""
         if self.size == 1 or self._elsewhere(t):
@@ -355,7 +375,7 @@ class SharedComm(RingPointToPoint, Comm):
         if t.numel() == 0:
             return t
         flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
-        spans = _spans(flat.numel(), 1, t.element_size(), self.size)
+        spans = _spans(flat.numel(), 1, t.element_size(), self._chunk)
         self._ensure(_nbytes(flat[:spans[0][1]]))
         for lo, hi in spans:
             inp = self._free
@@ -369,19 +389,19 @@ class SharedComm(RingPointToPoint, Comm):
             t.copy_(flat.view(t.shape))
         return t
 
-    # -- "asynchronous" variants: run now, return a completed Pending -------------------------
+    # -- asynchronous variants: on CUDA queued on the comm stream; on the CPU done when issued -----
     @_recorded("all_reduce", _t_op)
     def all_reduce_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
-        """``all_reduce(t, op)`` now; ``.wait()`` returns ``t``."""
-        return Pending(None, self.all_reduce(t, op))
+        """``all_reduce(t, op)``; ``.wait()`` returns ``t`` (on CUDA: the caller's stream waits)."""
+        return Pending(*run_async(self, lambda: self.all_reduce(t, op)))
 
     @_recorded("all_gather", _t_out)
     def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
                          algorithm: str | None = None) -> Pending:
-        """A dim-0 all-gather of ``t`` now, into ``out`` if given; ``.wait()`` returns it."""
-        return Pending(None, self._gather(t, 0, out))
+        """A dim-0 all-gather of ``t``, into ``out`` if given; ``.wait()`` returns it."""
+        return Pending(*run_async(self, lambda: self._gather(t, 0, out)))
 
     @_recorded("reduce_scatter", _t_op)
     def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
-        """A dim-0 reduce-scatter now; ``.wait()`` returns this rank's slice."""
-        return Pending(None, self.reduce_scatter(t, 0, op))
+        """A dim-0 reduce-scatter; ``.wait()`` returns this rank's slice."""
+        return Pending(*run_async(self, lambda: self.reduce_scatter(t, 0, op)))

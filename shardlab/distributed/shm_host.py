@@ -137,10 +137,11 @@ def chunk_bytes(n: int) -> int:
     return min(CHUNK, max(1 << 16, GROUP_CHUNKS // max(1, n)))
 
 
-def _spans(count: int, per: int, elem: int, n: int = 1) -> list[tuple[int, int]]:
-    """Cut ``count`` elements into spans of which ``per`` copies fit in :func:`chunk_bytes` (n) bytes,
-    so that the arena (and the shared pages each rank touches) is bounded by the chunk, not the model."""
-    step = max(1, chunk_bytes(n) // max(1, per * elem))
+def _spans(count: int, per: int, elem: int, chunk: int) -> list[tuple[int, int]]:
+    """Cut ``count`` elements into spans of which ``per`` copies fit in ``chunk`` bytes (the
+    comm's: :func:`chunk_bytes` on the CPU), so that the arena (and the shared pages each rank
+    touches) is bounded by the chunk, not the model."""
+    step = max(1, chunk // max(1, per * elem))
     return [(j, min(count, j + step)) for j in range(0, count, step)]
 
 

@@ -91,6 +91,8 @@ class Engine:
         return total / len(micro_batches)
 
     def sync_grads(self):
+        if self.mesh.size("dp_cp") == 1 and self.mesh.size("edp") == 1:
+            return  # nothing to average (one rank, or model-parallel only): no per-parameter calls
         comm = self.mesh.comm("dp_cp")
         for name, p in self.named_parameters():
             if p.grad is None:

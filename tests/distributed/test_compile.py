@@ -1,5 +1,6 @@
 """``parallel.compile``: every block and, without tensor parallel, the loss module compiled in
-place (parallelize.py); the compiled step equals the eager one (fp32, one process)."""
+place (``compile_scope = "blocks"``), or at one rank the whole model as one graph (``auto``);
+either compiled step equals the eager one (fp32, one process)."""
 from __future__ import annotations
 
 import pytest
@@ -19,16 +20,16 @@ CFG = {"model": {"vocab_size": 512, "d_model": 32, "n_layers": 2, "n_heads": 4, 
 def _worker(ctx):
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0)).to(ctx.device)
     out = {}
-    for compiled in (False, True):
-        cfg = from_dict({**CFG, "parallel": {"compile": compiled}})
+    for compiled, scope in ((False, "auto"), (True, "blocks"), (True, "auto")):
+        cfg = from_dict({**CFG, "parallel": {"compile": compiled, "compile_scope": scope}})
         mesh = Mesh.build(Topology(), ctx.device)
         engine = parallelize(build_model(cfg.model, seed=1, device=ctx.device), mesh, cfg)
         model = engine.model
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         flags = [getattr(m, "_compiled_call_impl", None) is not None
-                 for m in [model.criterion, *get_spec(cfg.model).blocks(model).values()]]
-        out[compiled] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}, flags)
+                 for m in [model, model.criterion, *get_spec(cfg.model).blocks(model).values()]]
+        out[compiled, scope] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}, flags)
     return out
 
 
@@ -36,11 +37,26 @@ def _worker(ctx):
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_compile_wraps_blocks_and_loss_and_equals_eager(device):
     out = launch.run(_worker, 1, device=device, timeout_s=300)[0]
-    (l0, g0, f0), (l1, g1, f1) = out[False], out[True]
-    assert not any(f0) and all(f1)                       # eager: nothing compiled; compile: loss and blocks
-    assert abs(l0.item() - l1.item()) <= 1e-5 * abs(l0.item())
-    for name, g in g0.items():
-        assert (g - g1[name]).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), name
+    (l0, g0, f0), (l1, g1, f1), (l2, g2, f2) = out[False, "auto"], out[True, "blocks"], out[True, "auto"]
+    assert not any(f0)                                   # eager: nothing compiled
+    assert f1 == [False] + [True] * (len(f1) - 1)        # blocks: the loss and every block
+    assert f2 == [True] + [False] * (len(f2) - 1)        # auto at one rank: the whole model, one graph
+    for loss, grads in ((l1, g1), (l2, g2)):
+        assert abs(l0.item() - loss.item()) <= 1e-5 * abs(l0.item())
+        for name, g in g0.items():
+            assert (g - grads[name]).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), name
+
+
+def test_compile_scope_model_needs_one_rank(tmp_path):
+    """``compile_scope = "model"`` where a parallel module hooks into the blocks: one line, exit 2."""
+    import subprocess
+    import sys
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[parallel]\ncompile = true\ncompile_scope = \"model\"\ndp_shard = 2\nzero_stage = 3\n")
+    r = subprocess.run([sys.executable, "-m", "shardlab.cli", "config", "show", str(cfg), "--nproc", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "parallel.compile_scope" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_vocab_parallel_loss_stays_eager():

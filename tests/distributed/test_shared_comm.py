@@ -261,6 +261,7 @@ def _gpu_worker(ctx):
     _check("cuda all_to_all", got, torch.cat([inputs[i].split(splits[i])[r] for i in range(n)]), errors, 0)
     inputs = [_data(30 + s, (7,), torch.float64) for s in range(n)]  # a host tensor: the process group
     _check("cpu tensor on the cuda SharedComm", sh.all_reduce(inputs[r].clone()), _reduce(inputs, "sum"), errors)
+    _check_gpu_streams(sh, dev, errors)
     # point-to-point of CUDA tensors through the host rings (shm_p2p.py), one longer than a ring
     for numel in (3, 5_000_000):
         inputs = [_data(40 + s, (numel,), torch.float32) for s in range(n)]
@@ -270,6 +271,38 @@ def _gpu_worker(ctx):
             w.wait()
         _check(f"cuda sendrecv {numel}", buf.cpu(), inputs[(r - 1) % n], errors, 0)
     return errors
+
+
+def _check_gpu_streams(sh, dev, errors):
+    """The comm-stream path (shm_cuda.py): events exchanged; asynchronous collectives queued beside
+    compute on the caller's stream, without a host synchronisation, equal to the reference after
+    ``wait()``; a message over shm_cuda.CHUNK in chunks."""
+    from shardlab.distributed.shm_cuda import CHUNK
+    n, r = sh.size, sh.rank
+    if not sh._order or not sh._order.peers:
+        errors.append("cuda: no interprocess events after the first collectives")
+    ins = [[_data(50 + 7 * k + s, (1000 + k,), torch.float32) for s in range(n)] for k in range(3)]
+    xs = [ins[k][r].to(dev) for k in range(3)]
+    g_in = ins[0][r].to(dev) * 2  # not one of xs: those are being reduced in place, unwaited
+    m = torch.randn(512, 512, device=dev)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        works = [sh.all_reduce_async(x) for x in xs]
+        gath = sh.all_gather_async(g_in, out=torch.empty(n * g_in.numel(), device=dev))
+        m = m @ m  # compute queued on the caller's stream meanwhile
+    except RuntimeError as e:
+        errors.append(f"cuda async collectives synchronised the host: {e}")
+        return
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for k, w in enumerate(works):
+        _check(f"cuda all_reduce_async {k}", w.wait().cpu(), _reduce(ins[k], "sum"), errors, 1e-5)
+    _check("cuda all_gather_async", gath.wait().cpu(), torch.cat([x * 2 for x in ins[0]]), errors, 1e-6)
+    big = [_data(90 + s, (CHUNK // 4 + 12_345,), torch.float32) for s in range(n)]
+    _check("cuda all_reduce over a chunk", sh.all_reduce(big[r].to(dev)).cpu(), _reduce(big, "sum"), errors, 1e-5)
+    rs = sh.reduce_scatter_async(big[r][:n * 1000].to(dev))
+    _check("cuda reduce_scatter_async", rs.wait().cpu(), _reduce([b[:n * 1000] for b in big], "sum").chunk(n)[r],
+           errors, 1e-5)
 
 
 def test_bench_comm_shared_column(tmp_path, capsys):

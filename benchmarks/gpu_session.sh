@@ -127,6 +127,9 @@ for s in $STEPS; do
         step "overlap_zero$zero" 70 "$PY" -m shardlab.cli train configs/llama-1b.toml --nproc 2 \
           --train.device=cuda --train.steps=5 --train.global_batch=2 --profile 2 --parallel.zero_stage=$zero \
           --checkpoint.save=false --logging.progress=false --logging.run_dir="$WORK/overlap_zero$zero"
+        for f in "$WORK/overlap_zero$zero"/profile/rank*.json; do  # traces back, compressed (16 MiB a file)
+          [ -f "$f" ] && gzip -c "$f" > "$OUT/overlap_zero${zero}_$(basename "$f").gz"
+        done
       done ;;
     moe)  # the experts' kernels: per-expert loop vs torch._grouped_mm
       step moe_kernel 120 "$PY" benchmarks/moe_kernel.py --device cuda --dtypes bfloat16 float32 --tokens 2048 8192 ;;

@@ -110,7 +110,9 @@ def overlap(trace) -> dict:
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     main = Counter(e.get("tid") for e in ops).most_common(1)
     tid = main[0][0] if main else None
-    inline = [e for e in events if e["name"].startswith("shm:")]
+    # the host-side spans; a GPU trace also projects each onto the GPU (``gpu_user_annotation``:
+    # first to last kernel of the range, waits included), which is not compute-free time
+    inline = [e for e in events if e["name"].startswith("shm:") and e.get("cat") != "gpu_user_annotation"]
     other = [e for e in events if e["name"].lower().startswith("gloo:") or
              (e.get("tid") != tid and e.get("cat") == "user_annotation" and _is_comm(e["name"])
               and not e["name"].startswith("shm:"))]

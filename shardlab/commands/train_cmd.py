@@ -68,8 +68,9 @@ def backend_note(device: str, nproc: int) -> str:
     gpus = torch.cuda.device_count()
     if backend != "gloo":
         return ""
-    return (f"shardlab: {nproc} ranks on {gpus} GPU(s): the ranks share GPUs and communicate over gloo "
-            "(NCCL needs one GPU per rank), slower than NCCL; use --nproc <= the GPU count for NCCL")
+    return (f"shardlab: {nproc} ranks on {gpus} GPU(s): the ranks share GPUs, so the process group is gloo "
+            "(NCCL needs one GPU per rank); groups whose ranks share one GPU communicate through CUDA IPC "
+            "(parallel.comm_transport auto), the others over gloo; use --nproc <= the GPU count for NCCL")
 
 
 def absolute_paths(cfg: C.Config) -> None:

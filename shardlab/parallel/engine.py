@@ -152,14 +152,15 @@ class Engine:
         """The gradient tensors this rank holds (engines with flat buffers return those)."""
         return [p.grad for p in self.parameters() if p.grad is not None]
 
-    def clip_grads(self, max_norm: float) -> float:
-        """Scale every gradient by min(1, max_norm / global norm); returns the norm."""
+    def clip_grads(self, max_norm: float, read: bool = True) -> float | torch.Tensor:
+        """Scale every gradient by min(1, max_norm / global norm); returns the norm (``read=False``:
+        as the device tensor, without a host read)."""
         norm = self.grad_norm()
         if max_norm > 0:  # always scaled (by exactly 1.0 when under the limit): no host read here
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for (device, dtype), grads in by_device_and_dtype(self.grads()).items():
                 torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
-        return float(norm)
+        return float(norm) if read else norm
 
     # -- state in global coordinates (checkpoints: parallel/state.py) ----------------------------
     def replicate_groups(self, pl) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from . import finetune, images
 from .data import Loader, TokenData
 from .metrics import (MetricsWriter, bounded_mfu, flops_per_token, job_cpu_peak, note_beaten_peak, peak_flops,
                       peak_memory_bytes, recompute_flops_per_token)
-from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype
+from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype, skips_on_device, step_if_finite
 
 
 def open_data(cfg: Config, data_dir: str):
@@ -91,7 +91,12 @@ class Trainer:
         # shards, its pipeline stage), before clipping; one world all-reduce of the overflow flag.
         overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
         gnorm, nonfinite, found = float("nan"), False, None
-        if not overflow:
+        if not overflow and self.anomaly is None and skips_on_device(self.optimizer):
+            # the fused optimizer skips a non-finite step itself: no host read mid-step (the run
+            # loop reads the norm and the flag once the step is done: resolve())
+            gnorm = self.engine.clip_grads(t.grad_clip, read=False)
+            nonfinite = step_if_finite(self.optimizer, gnorm)
+        elif not overflow:
             gnorm = self.engine.clip_grads(t.grad_clip)
             # fp32/bf16: a non-finite global gradient norm (same on every rank) means the loss or
             # the gradients are inf/nan: never step on it (train.nonfinite: stop or skip)
@@ -102,7 +107,7 @@ class Trainer:
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"local_loss": local, "lr": lr, "grad_norm": gnorm, "skipped": overflow or nonfinite,
+        return {"local_loss": local, "lr": lr, "grad_norm": gnorm, "skipped": overflow | nonfinite,
                 "nonfinite": nonfinite, "anomaly": found}
 
     @torch.no_grad()
@@ -168,6 +173,15 @@ class Trainer:
             self.scaler.load_state_dict(meta["scaler"])
         ckpt.restore_rank_rng(reader, self.rank, self.mesh.world_size, self.device)
         self.step = int(reader.step)
+
+
+def resolve(out: dict) -> dict:
+    """A step's device-side results (the fused optimizer's path) as host values, read once the
+    step is done."""
+    for key, kind in (("grad_norm", float), ("nonfinite", bool), ("skipped", bool)):
+        if isinstance(out[key], torch.Tensor):
+            out[key] = kind(out[key])
+    return out
 
 
 def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
@@ -273,6 +287,7 @@ class _Run:
         if cuda:
             torch.cuda.synchronize(self.mesh.device)
         dt = time.perf_counter() - t0
+        resolve(out)
         self.window_time += dt
         self.window_steps += 1
         self.times.append(dt)

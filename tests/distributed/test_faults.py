@@ -135,12 +135,18 @@ def test_nonfinite_loss_stops_in_one_line(tmp_path, capsys):
     assert "Traceback" not in cap.err and "nan" not in cap.out
 
 
-def _skip_worker(ctx, cfg, data_dir):
+def _skip_worker(ctx, cfg, data_dir, fused=False):
     from shardlab.distributed.mesh import Mesh
     from shardlab.distributed.topology import Topology
+    from shardlab.train import loop
     from shardlab.train.data import TokenData
-    from shardlab.train.loop import Trainer
+    from shardlab.train.loop import Trainer, resolve
+    if fused:  # the CUDA path on the CPU: torch's fused AdamW skips the step itself (found_inf)
+        t = cfg.train
+        loop.build_adamw = lambda *_: lambda groups: torch.optim.AdamW(
+            groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay, fused=True)
     tr = Trainer(cfg, Mesh.build(Topology.from_config(cfg.parallel), ctx.device), TokenData(data_dir))
+    assert loop.skips_on_device(tr.optimizer) == fused
     fb = tr.engine.forward_backward
 
     def poisoned(*a, **k):  # step 1's gradients are nan
@@ -152,16 +158,17 @@ def _skip_worker(ctx, cfg, data_dir):
     tr.engine.forward_backward = poisoned
     outs, params = [], []
     for _ in range(3):
-        outs.append(tr.train_step())
+        outs.append(resolve(tr.train_step()))
         params.append([p.detach().clone() for p in tr.engine.parameters()])
     return [(o["skipped"], o["nonfinite"]) for o in outs], params
 
 
-def test_nonfinite_skip_leaves_the_parameters(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_nonfinite_skip_leaves_the_parameters(tmp_path, fused):
     from shardlab.train.data import prepare
     cfg = C.load(None, TINY + [f"--data.cache_dir={tmp_path}/cache", f"--logging.run_dir={tmp_path}/run",
                                "--train.nonfinite=skip"])
-    (flags, params), = launch.run(_skip_worker, 1, cfg, str(prepare(cfg.data)))
+    (flags, params), = launch.run(_skip_worker, 1, cfg, str(prepare(cfg.data)), fused)
     assert flags == [(False, False), (True, True), (False, False)]
     assert all(torch.equal(a, b) for a, b in zip(params[0], params[1]))  # the skipped step changed nothing
     assert all(bool(torch.isfinite(p).all()) for p in params[2])

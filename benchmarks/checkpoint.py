@@ -151,7 +151,7 @@ def _blocking_worker(ctx, cfg, root: str, seq: int, rounds: int) -> dict:
     """Blocking time per save, sync vs async, the Trainer's call (``ckpt.save``) on the same state:
     each round saves blocking, then asynchronously (timed until ``save`` returns), then waits
     for the background write (``finish_saves``, timed apart), then one training step."""
-    from shardlab.train import checkpoint as ckpt
+    from shardlab.train import async_save, checkpoint as ckpt
 
     mesh, engine, opt = _ranks.build_engine(cfg, ctx.device, "meta")
     _ranks.train_step(cfg, mesh, engine, opt, 1, seq)
@@ -162,8 +162,8 @@ def _blocking_worker(ctx, cfg, root: str, seq: int, rounds: int) -> dict:
         step = i + 1
         out["sync"].append(_ranks.timed(lambda: ckpt.save(Path(root) / "sync", step, mesh, pieces, meta,
                                                           ctx.device, keep=1)))
-        out["async"].append(_ranks.timed(lambda: ckpt.save(Path(root) / "async", step, mesh, pieces, meta,
-                                                           ctx.device, keep=1, async_save=True)))
+        out["async"].append(_ranks.timed(lambda: async_save.save(Path(root) / "async", step, mesh, pieces, meta,
+                                                                 ctx.device, keep=1)))
         out["background"].append(_ranks.timed(lambda: ckpt.finish_saves(mesh)))
         out["rss"].append(_ranks.max_over_ranks(_ranks.rss_mib()))
         _ranks.train_step(cfg, mesh, engine, opt, 1, seq, step=step)

@@ -43,7 +43,7 @@ from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model, get_spec
 from shardlab.models.moe import MoE
-from shardlab.parallel import context, expert
+from shardlab.parallel import context, expert, ulysses
 
 
 def activation_bytes(model, fn) -> int:
@@ -245,7 +245,7 @@ def ulysses(n, seq, dev, iters=3):
         cfg.parallel.cp, cfg.parallel.cp_impl, cfg.parallel.cp_ulysses = n, impl, (u if impl == "unified" else 1)
         mesh = Mesh.build(Topology(cp=n, cp_ulysses=u))
         model = build_model(cfg.model, seed=0, device=dev)
-        model = context.apply(model, mesh, cfg, get_spec(cfg.model).attention(model))
+        model = (ulysses if impl != "ring" else context).apply(model, mesh, cfg, get_spec(cfg.model).attention(model))
         x, y = (context.shard_batch(data[:, :-1], data[:, 1:], mesh)[i].to(dev) for i in (0, 1))
         times = []
         for it in range(iters + 1):

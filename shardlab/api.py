@@ -30,7 +30,7 @@ from .distributed.regions import Piece
 from .distributed.topology import Topology
 from .train import checkpoint as ckpt
 from .train.groups import regroup, user_groups
-from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at
+from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
 
 __all__ = ["initialize", "ModelEngine", "resolve_config"]
 
@@ -86,7 +86,7 @@ def resolve_config(config, world_size: int) -> C.Config:
         raise ConfigError("parallel.dp_shard", f"dp_replicate * dp_shard = {p.dp} but the job has {world_size} "
                           "ranks; leave both at 1 (all ranks are data-parallel)")
     p.dp_replicate, p.dp_shard = 1, world_size
-    from .checks import one_of
+    from .errors import one_of
     from .parallel.zero import check_config
     check_config(cfg)
     one_of(cfg.train.precision, ("fp32", "fp64", "bf16", "fp16"), "train.precision")
@@ -227,7 +227,7 @@ class ModelEngine:
         self.accumulation = cfg.parallel.microbatches
         self.global_steps = 0   # optimizer steps (skipped fp16 steps included, as DeepSpeed counts)
         self.micro_steps = 0    # backward passes since the last optimizer step
-        self.last_overflow = False
+        self.last_overflow = self.last_nonfinite = False
         if self._schedule:
             self._set_lr()
 
@@ -293,18 +293,15 @@ class ModelEngine:
         (``train.grad_clip``), optimizer and scheduler step, zero gradients. Otherwise nothing."""
         if self.micro_steps < self.accumulation:
             return
-        t = self.cfg.train
         self.engine.sync_grads()
-        overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
-        if not overflow:
-            if self._schedule:
-                self._set_lr()
-            self.grad_norm = self.engine.clip_grads(t.grad_clip)
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self._schedule:
+            self._set_lr()
+        out = optimizer_step(self.engine, self.optimizer, self.scaler, self.cfg.train.grad_clip,
+                             self.mesh.comm("world"), self.device)
+        self.grad_norm, overflow = float(out["grad_norm"]), out["overflow"]
+        self.last_nonfinite = bool(out["nonfinite"])  # the step was not applied (the train loop's rule)
+        if not overflow and not self.last_nonfinite and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.last_overflow = overflow
         self.global_steps += 1
         self.micro_steps = 0
@@ -348,10 +345,10 @@ class ModelEngine:
                             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
-        return ckpt.save(directory, self.global_steps, self.mesh,
-                         lambda: self.engine.state_pieces(self.optimizer) + self._buffer_pieces(), meta,
-                         self.device, keep=keep or self.cfg.checkpoint.keep,
-                         async_save=self.cfg.checkpoint.async_save)
+        from .train.async_save import saver
+        return saver(self.cfg.checkpoint.async_save)(
+            directory, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
+            self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep)
 
     def wait_checkpoint(self) -> None:
         """With ``checkpoint.async_save``: wait for the save in flight and raise (on every rank)

@@ -7,24 +7,7 @@ pipeline/schedule.py, zero.py), and what no single module owns is checked here.
 """
 from __future__ import annotations
 
-from .errors import ConfigError
-
-
-def require(cond: bool, field_name: str, message: str) -> None:
-    """Raise ConfigError(field_name, message) unless ``cond``."""
-    if not cond:
-        raise ConfigError(field_name, message)
-
-
-def did_you_mean(name: str, options) -> str:
-    import difflib
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def one_of(value, options, field_name: str) -> None:
-    require(value in options, field_name, f"unknown value {value!r}{did_you_mean(str(value), [str(o) for o in options])}; "
-                                          f"choose one of {', '.join(map(str, options))}")
+from .errors import did_you_mean, one_of, require  # noqa: F401  (did_you_mean: config.py's)
 
 
 def whole_graph(cfg) -> bool:
@@ -40,8 +23,8 @@ def whole_graph(cfg) -> bool:
 
 def validate(cfg, world_size: int | None = None) -> None:
     from .models.spec import get_spec
-    from .parallel import context, expert, recompute, tensor, zero
-    from .parallel.pipeline import schedule
+    from .parallel import context, expert, recompute, tensor, ulysses, zero
+    from .parallel.pipeline import schedule, sharded
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "microbatches", "pp_virtual"):
         require(getattr(p, name) >= 1, f"parallel.{name}", "must be >= 1")
@@ -56,8 +39,10 @@ def validate(cfg, world_size: int | None = None) -> None:
         spec.check(cfg)
     tensor.check_config(cfg)
     context.check_config(cfg)
+    ulysses.check_config(cfg)
     expert.check_config(cfg)
     schedule.check_config(cfg)
+    sharded.check_config(cfg)  # MoE and ZeRO/FSDP inside pipeline stages (aux.py, sharded.py)
     zero.check_config(cfg)
     require(not t.reduce_dtype or p.zero_stage != 0 or (p.tp == 1 and p.pp == 1 and m.n_experts == 0),
             "train.reduce_dtype", "with zero_stage 0 (DDP) it covers plain data parallel only, not TP, PP or MoE "

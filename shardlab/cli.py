@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from .config import ConfigError, parse_overrides
-    from .launch import BAD_INPUT, WorkerError
+    from .errors import BAD_INPUT
+    from .launch import WorkerError
 
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import did_you_mean as _did_you_mean
+from .errors import did_you_mean as _did_you_mean
 from .checks import validate
 from .config_checks import check_ranges
 from .errors import ConfigError

@@ -53,9 +53,9 @@ def check_field(section: str, fl, value) -> None:
 
 
 def check_ranges(cfg) -> None:
-    """Every field of every section against its declared range (first failure raised)."""
-    from .config import SECTIONS
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
+    """Every field of every section (the config's own dataclass fields) against its declared
+    range (first failure raised)."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
         for fl in dataclasses.fields(obj):
-            check_field(section, fl, getattr(obj, fl.name))
+            check_field(section.name, fl, getattr(obj, fl.name))

@@ -1,4 +1,6 @@
-"""The error a user can fix: bad input reported as one line naming the field and the fix (exit 2)."""
+"""The error a user can fix: bad input reported as one line naming the field and the fix (exit 2),
+and the small checks every layer uses to raise it (the bottom of the import graph: no shardlab
+imports, so config, models and each parallel module can check their own settings)."""
 from __future__ import annotations
 
 
@@ -8,3 +10,24 @@ class ConfigError(ValueError):
     def __init__(self, field_name: str, message: str):
         self.field, self.detail = field_name, message
         super().__init__(f"config error: {field_name}: {message}")
+
+
+BAD_INPUT = ("CheckpointError:", "ConfigError:")
+"""First words of a rank's error that mean bad input (one line, exit 2), not a crash."""
+
+
+def require(cond: bool, field_name: str, message: str) -> None:
+    """Raise ConfigError(field_name, message) unless ``cond``."""
+    if not cond:
+        raise ConfigError(field_name, message)
+
+
+def did_you_mean(name: str, options) -> str:
+    import difflib
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def one_of(value, options, field_name: str) -> None:
+    require(value in options, field_name, f"unknown value {value!r}{did_you_mean(str(value), [str(o) for o in options])}; "
+                                          f"choose one of {', '.join(map(str, options))}")

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .distributed.heap import set_mmap_threshold
+from .errors import BAD_INPUT  # noqa: F401  (launch_replicas.py reads it here)
 from .launch_report import report_to
 
-BAD_INPUT = ("CheckpointError:", "ConfigError:")
 """How a rank's root error starts when it found bad input (reported in one line, exit 2)."""
 
 

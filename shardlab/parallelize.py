@@ -42,7 +42,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, init: bool = True) -> Engine:
     cp_shard = None
     if p.cp > 1:  # CP: ring attention; each rank keeps its load-balanced shard of every sequence
         from .parallel import context
-        model = context.apply(model, mesh, cfg, spec.attention(model))
+        from .parallel import ulysses
+        model = (ulysses if p.cp_impl != "ring" else context).apply(model, mesh, cfg, spec.attention(model))
         cp_shard = lambda x, y: context.shard_batch(x, y, mesh)  # noqa: E731
     # Activation checkpointing and compile wrap whole blocks in place (names unchanged).
     from .parallel import recompute

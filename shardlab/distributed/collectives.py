@@ -331,7 +331,14 @@ class Comm(ProcessGroupP2P):
                                           group=self.group, async_op=True)
         return Pending(work, out, (lambda r: r.div_(self.size)) if op == "avg" else None)
 
+    def control_device(self, device) -> torch.device:
+        """Where a small control tensor (a flag, a note) for this group goes: ``device`` under
+        NCCL, which moves device memory only; the host elsewhere (no device round trip)."""
+        return torch.device(device) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
     @_recorded("barrier", lambda: ((), None))
     def barrier(self):
+        """Wait for every rank of the group (counted in the ledger: a call, no bytes)."""
         if self.size > 1:
+            self.ledger.record("barrier", self.name, 0, 0, modelled=True)
             dist.barrier(group=self.group)

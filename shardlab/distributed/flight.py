@@ -386,7 +386,7 @@ def diagnose_failure(err, dump_dir: str, procs) -> None:
     """On a failed run: read the ranks' dumps (``procs``: the rank processes, waited for briefly;
     or their number, all ended: Ray), print each rank's last operation and the ranks missing from /
     disagreeing about a collective (docs/faults.md, Hangs and desyncs), append it to ``err``."""
-    from ..launch import BAD_INPUT
+    from ..errors import BAD_INPUT
     root = str(err).split("\n")[1] if "\n" in str(err) else ""
     if root.startswith(BAD_INPUT):  # bad input found by a rank: one line, no communication report
         return

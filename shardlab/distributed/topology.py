@@ -19,6 +19,8 @@ Named groups (each a list of rank lists that partition the world):
             Ulysses all-to-all) is ``cp_ulysses`` consecutive cp ranks, a cp_ring group (ring
             attention) the ``cp / cp_ulysses`` ranks with the same ulysses_idx. With the default
             cp_ulysses = 1 the cp_ring groups are the cp groups (docs/context-parallel.md).
+  pp_pair   DualPipe's pairs: pipeline ranks i and pp-1-i of one pipeline group (the two holders
+            of the same stages; the middle rank alone when pp is odd)
   ep_intra, ep_inter   the two tiers of an ep group (docs/expert-parallel.md, "Two tiers"): the
             ep ranks on one node, and the ep ranks with the same index inside their node's part
             of the ep group (one per node). With one node: ep_intra = ep, ep_inter = the rank alone.
@@ -39,7 +41,7 @@ GROUPS = {
     "tp": ("tp",), "dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     "dp_shard_cp": ("dp_shard", "cp"), "world": AXES,
 }
-DERIVED = ("ep", "edp", "cp_ulysses", "cp_ring", "ep_intra", "ep_inter")
+DERIVED = ("ep", "edp", "cp_ulysses", "cp_ring", "ep_intra", "ep_inter", "pp_pair")
 """Groups that are not products of whole axes (see the module doc)."""
 
 
@@ -115,6 +117,8 @@ class Topology:
         """Number of ranks in one group of the given name."""
         if group in ("ep_intra", "ep_inter"):
             return len(self.groups(group)[0])
+        if group == "pp_pair":
+            return min(2, self.pp)
         if group == "ep":
             return self.ep
         if group == "edp":
@@ -160,6 +164,8 @@ class Topology:
         """All groups of this name, each a sorted list of ranks; together they partition the world."""
         if name in ("ep_intra", "ep_inter"):
             return self._tier_groups(name)
+        if name == "pp_pair":
+            return sorted(sorted({g[i], g[len(g) - 1 - i]}) for g in self.groups("pp") for i in range((len(g) + 1) // 2))
         if name in ("ep", "edp", "cp_ulysses", "cp_ring"):
             return self._derived_groups(name)
         if name not in GROUPS:

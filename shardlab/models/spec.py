@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,10 +89,10 @@ def _discover() -> None:
     if _discovered:
         return
     _discovered = True
-    from .. import models
-    for info in pkgutil.iter_modules(models.__path__):
+    package = __name__.rpartition(".")[0]  # shardlab.models: its sub-packages, found on disk
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.ispkg:
-            importlib.import_module(f"{models.__name__}.{info.name}")
+            importlib.import_module(f"{package}.{info.name}")
 
 
 def specs() -> dict[str, ModelSpec]:

@@ -309,10 +309,9 @@ def positions_hook(comm):
 
 
 def check_config(cfg) -> None:
-    """Load balancing cuts every sequence into 2*cp chunks (called by ``validate``); Ulysses'
-    head constraints (ulysses.py)."""
+    """Load balancing cuts every sequence into 2*cp chunks (called by ``validate``, which also
+    calls ulysses.check_config: Ulysses' head constraints)."""
     from ..errors import ConfigError
-    from . import ulysses
     cp, seq = cfg.parallel.cp, cfg.train.seq_len
     if cp > 1 and seq % (2 * cp):
         raise ConfigError("train.seq_len", f"{seq} must be divisible by 2*cp={2 * cp} for load-balanced "
@@ -322,21 +321,18 @@ def check_config(cfg) -> None:
         raise ConfigError("model.attention", f"{cfg.model.attention!r} cannot run under ring context parallel "
                                              "(the ring has its own kernel); set parallel.cp_impl = \"ulysses\" or "
                                              "model.attention = \"sdpa\"")
-    ulysses.check_config(cfg)
 
 
 def apply(model: nn.Module, mesh, cfg=None, cores=None) -> nn.Module:
     """Swap every attention core ``cores`` = [(owner, attribute)] for ring attention over ``cp``
-    (or, by ``parallel.cp_impl``, Ulysses / unified: ulysses.py) and make the model read its tokens
-    as this rank's load-balanced shard (positions added by a forward pre-hook)."""
+    and make the model read its tokens as this rank's load-balanced shard (positions added by a
+    forward pre-hook). ``parallel.cp_impl`` ulysses / unified: ulysses.apply instead (parallelize.py
+    picks; ulysses builds on this module)."""
     comm = mesh.comm("cp")
     if comm.size == 1:
         return model
     if cfg is not None and cfg.train.seq_len % (2 * comm.size):
         raise ValueError(f"train.seq_len={cfg.train.seq_len} must be divisible by 2*cp={2 * comm.size}")
-    if cfg is not None and cfg.parallel.cp_impl != "ring":
-        from . import ulysses
-        return ulysses.apply(model, mesh, cfg, cores)
     for owner, attr in cores:  # the spec's attention cores (ModelSpec.attention)
         setattr(owner, attr, RingAttention(comm))
     model.register_forward_pre_hook(positions_hook(comm), with_kwargs=True)

@@ -171,7 +171,7 @@ def moe_layers(model: nn.Module):
 
 def check_config(cfg) -> None:
     """Expert-parallel constraints (called by ``validate``)."""
-    from ..checks import require
+    from ..errors import require
     m, p = cfg.model, cfg.parallel
     require((p.dp_shard * p.cp) % p.ep == 0, "parallel.ep",
             f"ep={p.ep} must divide dp_shard*cp={p.dp_shard * p.cp} (experts borrow data-parallel ranks)")
@@ -184,7 +184,7 @@ def check_config(cfg) -> None:
 
 def _check_tiers(m, p) -> None:
     """Simulated nodes, node-limited routing, the hierarchical dispatch and overlap."""
-    from ..checks import require
+    from ..errors import require
     from ..distributed.topology import Topology
     require(p.world_size % p.sim_nodes == 0, "parallel.sim_nodes",
             f"{p.sim_nodes} nodes do not divide the world of {p.world_size} ranks; choose a divisor")

@@ -44,8 +44,8 @@ def degree(parallel) -> int:
 
 
 def check_config(cfg) -> None:
-    """Heads must split over the Ulysses degree (called by ``context.check_config``)."""
-    from ..checks import require
+    """Heads must split over the Ulysses degree (called by ``validate``)."""
+    from ..errors import require
     p, m = cfg.parallel, cfg.model
     require(p.cp_impl == "unified" or p.cp_ulysses == 1, "parallel.cp_ulysses",
             f"{p.cp_ulysses} only applies to parallel.cp_impl=unified (now {p.cp_impl}); set it to 1")

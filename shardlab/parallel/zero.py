@@ -47,7 +47,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def check_config(cfg) -> None:
     """Data-parallel sharding and precision options (called by ``validate``)."""
-    from ..checks import one_of, require
+    from ..errors import one_of, require
     p, t = cfg.parallel, cfg.train
     one_of(p.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
     require(not p.offload or p.zero_stage == 3, "parallel.offload",

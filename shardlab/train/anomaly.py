@@ -24,7 +24,6 @@ import sys
 import warnings
 
 import torch
-import torch.distributed as dist
 
 
 def _tensors(x):
@@ -46,6 +45,10 @@ def _bad(x) -> str | None:
             if not bool(torch.isfinite(t).all()):
                 return "nan" if bool(torch.isnan(t).any()) else "inf"
     return None
+
+
+NOTE_BYTES = 1024
+"""Longest note (UTF-8 bytes) one rank's detector sends the others."""
 
 
 class Detector:
@@ -101,19 +104,23 @@ class Detector:
         """Before the forward pass of training step ``step`` (1-based, as the loop reports it)."""
         self.step, self.first, self.tainted = step, None, set()
 
-    def agree(self, device: torch.device) -> str | None:
-        """Collective over the default group (every rank calls it once per step): the note of the
-        lowest rank that found a non-finite value, the same on every rank, or None."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+    def agree(self, comm, device) -> str | None:
+        """Collective over ``comm`` (the Mesh's world; every rank calls it once per step): the
+        note of the lowest rank that found a non-finite value, the same on every rank, or None.
+        One small all-reduce; a broadcast of the note only when there is one."""
+        if comm.size == 1:
             return self.first
-        flag = torch.tensor([0.0 if self.first is None else 1.0],
-                            device=device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+        device = comm.control_device(device)
+        first = torch.tensor([comm.size if self.first is None else comm.rank], dtype=torch.int64, device=device)
+        src = int(comm.all_reduce(first, op="min"))
+        if src == comm.size:
             return None
-        notes = [None] * dist.get_world_size()
-        dist.all_gather_object(notes, self.first)
-        return next(n for n in notes if n is not None)
+        buf = torch.zeros(NOTE_BYTES, dtype=torch.uint8, device=device)
+        if comm.rank == src:
+            text = self.first.encode()[:NOTE_BYTES]
+            buf[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        comm.broadcast(buf, src)
+        return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
     def remove(self) -> None:
         for h in self.handles:

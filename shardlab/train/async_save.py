@@ -30,7 +30,7 @@ import torch
 from . import checkpoint as ckpt
 from .ckpt_format import CheckpointError
 
-__all__ = ["AsyncSaver", "save", "finish", "HOOK_ENV"]
+__all__ = ["AsyncSaver", "save", "saver", "finish", "HOOK_ENV"]
 
 HOOK_ENV = "SHARDLAB_TEST_ASYNC_SAVE_HOOK"
 """Tests only: ``KIND:RANK:STEP`` makes rank RANK's writer of step STEP, in the middle of its data
@@ -184,7 +184,14 @@ def save(directory, step: int, mesh, pieces, meta, device, keep: int = 3) -> Pat
     global _SAVER
     if _SAVER is None:
         _SAVER = AsyncSaver()
+        ckpt.IN_FLIGHT.append(finish)  # a later synchronous save or the end of the run waits for it
     return _SAVER.save(directory, step, mesh, pieces, meta, device, keep=keep)
+
+
+def saver(asynchronous: bool):
+    """The save function a run uses: this module's ``save`` (``checkpoint.async_save``) or
+    train/checkpoint.save; both take the same arguments."""
+    return save if asynchronous else ckpt.save
 
 
 def finish(mesh) -> None:

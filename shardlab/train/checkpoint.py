@@ -225,15 +225,12 @@ def commit(directory, step: int, world_size: int, meta: dict, keep: int = 3) -> 
 
 
 def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[[], dict], device,
-         keep: int = 3, async_save: bool = False) -> Path | None:
+         keep: int = 3) -> Path | None:
     """The whole save protocol, collective over ``mesh``'s world: rank 0 prepares the staging
     directory, every rank writes its ``pieces()`` and RNG states, rank 0 writes the index with
     ``meta()`` and commits atomically. Only barriers synchronise. Returns the path on rank 0.
-    ``async_save``: return once this rank's pieces are copied to host memory; a background
-    thread writes and rank 0's commits (train/async_save.py); call :func:`finish_saves` at the end."""
-    if async_save:
-        from . import async_save as _async
-        return _async.save(directory, step, mesh, pieces, meta, device, keep=keep)
+    (train/async_save.save has the same signature and returns once this rank's pieces are in
+    host memory; call :func:`finish_saves` at the end.)"""
     finish_saves(mesh)  # an asynchronous save still in flight (async_save switched off mid-run)
     world = mesh.comm("world")
     if mesh.rank == 0:
@@ -246,11 +243,16 @@ def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[
     return path
 
 
+IN_FLIGHT: list[Callable] = []
+"""``finish(mesh)`` of the saver that has saves in flight (train/async_save.py registers its own
+at its first save: this module does not import it)."""
+
+
 def finish_saves(mesh) -> None:
     """Collective, at the end of training: wait for the asynchronous save in flight and raise
     (on every rank) if it failed on any. A no-op where no asynchronous save was started."""
-    from . import async_save as _async
-    _async.finish(mesh)
+    for finish in IN_FLIGHT:
+        finish(mesh)
 
 
 def list_checkpoints(directory) -> list[Path]:

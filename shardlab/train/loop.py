@@ -10,7 +10,6 @@ The architecture's ``task`` (models/spec.py) picks the data: ``lm`` token window
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -26,11 +25,12 @@ from ..parallelize import parallelize
 from .. import launch
 from . import anomaly
 from . import checkpoint as ckpt
+from .async_save import saver
 from . import finetune, images
 from .data import Loader, TokenData
 from .metrics import (MetricsWriter, bounded_mfu, flops_per_token, job_cpu_peak, note_beaten_peak, peak_flops,
                       peak_memory_bytes, recompute_flops_per_token)
-from .optim import LossScaler, autocast_factory, build_adamw, lr_at, param_dtype, skips_on_device, step_if_finite
+from .optim import LossScaler, autocast_factory, build_adamw, lr_at, optimizer_step, param_dtype
 
 
 def open_data(cfg: Config, data_dir: str):
@@ -87,28 +87,11 @@ class Trainer:
         if self.anomaly:
             self.anomaly.begin(self.step + 1)
         local = self.engine.forward_backward(micro, self.scaler.scale, self.autocast)
-        # fp16: unscale exactly the gradient tensors this rank owns (flat shards, buckets, TP/EP
-        # shards, its pipeline stage), before clipping; one world all-reduce of the overflow flag.
-        overflow = self.scaler.unscale_and_check(self.engine.grads(), self.mesh.comm("world"), self.device)
-        gnorm, nonfinite, found = float("nan"), False, None
-        if not overflow and self.anomaly is None and skips_on_device(self.optimizer):
-            # the fused optimizer skips a non-finite step itself: no host read mid-step (the run
-            # loop reads the norm and the flag once the step is done: resolve())
-            gnorm = self.engine.clip_grads(t.grad_clip, read=False)
-            nonfinite = step_if_finite(self.optimizer, gnorm)
-        elif not overflow:
-            gnorm = self.engine.clip_grads(t.grad_clip)
-            # fp32/bf16: a non-finite global gradient norm (same on every rank) means the loss or
-            # the gradients are inf/nan: never step on it (train.nonfinite: stop or skip)
-            found = self.anomaly.agree(self.device) if self.anomaly else None  # first non-finite module
-            nonfinite = not math.isfinite(gnorm) or found is not None
-            if not nonfinite:
-                self.optimizer.step()
-        self.scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
+        out = optimizer_step(self.engine, self.optimizer, self.scaler, t.grad_clip, self.mesh.comm("world"),
+                             self.device, self.anomaly)
         self.step += 1
-        return {"local_loss": local, "lr": lr, "grad_norm": gnorm, "skipped": overflow | nonfinite,
-                "nonfinite": nonfinite, "anomaly": found}
+        return {"local_loss": local, "lr": lr, "grad_norm": out["grad_norm"],
+                "skipped": out["overflow"] | out["nonfinite"], "nonfinite": out["nonfinite"], "anomaly": out["anomaly"]}
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
@@ -140,8 +123,8 @@ class Trainer:
         def pieces():  # a LoRA run on a base: adapters only, the base stays where it is
             out = self.engine.state_pieces(self.optimizer)
             return finetune.drop_frozen(out) if finetune.adapter_only(self.cfg) else out
-        return ckpt.save(directory, self.step, self.mesh, pieces, meta, self.device, keep=self.cfg.checkpoint.keep,
-                         async_save=self.cfg.checkpoint.async_save)
+        return saver(self.cfg.checkpoint.async_save)(directory, self.step, self.mesh, pieces, meta, self.device,
+                                                      keep=self.cfg.checkpoint.keep)
 
     def _with_adapters(self, reader):
         """Adapters a reader lacks (a base without them) read as their seeded initial values."""

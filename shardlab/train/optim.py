@@ -86,6 +86,31 @@ def step_if_finite(optimizer, norm: torch.Tensor) -> torch.Tensor:
     return bad
 
 
+def optimizer_step(engine, optimizer, scaler, grad_clip: float, world, device, anomaly=None) -> dict:
+    """The end of every training step, shared by the train loop and ``api.ModelEngine``: fp16
+    unscale of exactly the gradient tensors this rank owns and one world all-reduce of the
+    overflow flag; clipping; the non-finite check (a non-finite global norm, the same on every
+    rank, means the loss or the gradients are inf/nan: never step on it); the optimizer step;
+    the loss scale's update; zeroed gradients. With a fused optimizer and no anomaly detector the
+    check runs on the device (:func:`step_if_finite`): ``grad_norm`` and ``nonfinite`` are then
+    device tensors, read once the step is done (train/loop.resolve). Returns ``{overflow,
+    grad_norm, nonfinite, anomaly}`` (``anomaly``: the detector's note, or None)."""
+    overflow = scaler.unscale_and_check(engine.grads(), world, device)
+    gnorm, nonfinite, found = float("nan"), False, None
+    if not overflow and anomaly is None and skips_on_device(optimizer):
+        gnorm = engine.clip_grads(grad_clip, read=False)
+        nonfinite = step_if_finite(optimizer, gnorm)
+    elif not overflow:
+        gnorm = engine.clip_grads(grad_clip)
+        found = anomaly.agree(world, device) if anomaly else None  # the first non-finite module
+        nonfinite = not math.isfinite(gnorm) or found is not None
+        if not nonfinite:
+            optimizer.step()
+    scaler.update(overflow)
+    optimizer.zero_grad(set_to_none=True)
+    return {"overflow": overflow, "grad_norm": gnorm, "nonfinite": nonfinite, "anomaly": found}
+
+
 def build_adamw(cfg: TrainConfig, device: torch.device):
     """A function ``param_groups -> AdamW``: fused on CUDA (no temporaries), foreach in chunks on
     CPU (:class:`ChunkedAdamW`)."""

@@ -138,7 +138,7 @@ def test_nonfinite_loss_stops_in_one_line(tmp_path, capsys):
 def _skip_worker(ctx, cfg, data_dir, fused=False):
     from shardlab.distributed.mesh import Mesh
     from shardlab.distributed.topology import Topology
-    from shardlab.train import loop
+    from shardlab.train import loop, optim
     from shardlab.train.data import TokenData
     from shardlab.train.loop import Trainer, resolve
     if fused:  # the CUDA path on the CPU: torch's fused AdamW skips the step itself (found_inf)
@@ -146,7 +146,7 @@ def _skip_worker(ctx, cfg, data_dir, fused=False):
         loop.build_adamw = lambda *_: lambda groups: torch.optim.AdamW(
             groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay, fused=True)
     tr = Trainer(cfg, Mesh.build(Topology.from_config(cfg.parallel), ctx.device), TokenData(data_dir))
-    assert loop.skips_on_device(tr.optimizer) == fused
+    assert optim.skips_on_device(tr.optimizer) == fused
     fb = tr.engine.forward_backward
 
     def poisoned(*a, **k):  # step 1's gradients are nan

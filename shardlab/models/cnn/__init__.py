@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ...checks import require
+from ...errors import require
 from ..spec import ModelSpec, register
 from .model import CNN, FLAT, IMAGE_SIZE
 

@@ -278,7 +278,8 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None)
     """Keep this rank's stages of ``model``, mark their placements, check the schedule, and
     return the engine. Call after TP/EP/CP have transformed the model. ``materialize(model)``
     gives a meta model's kept stages their storage (only this rank's layers are ever drawn).
-    ``make_engine``: the engine class (or factory) to build, default PipelineEngine (sharded.py)."""
+    ``make_engine``: the engine class (or factory) to build, default PipelineEngine (sharded.py's;
+    the package's ``apply`` picks dual.py's for the dualpipe schedule)."""
     p = cfg.parallel
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs
@@ -289,8 +290,6 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None)
     mark_pipeline_placements(model)
     if materialize is not None:
         materialize(model)
-    if dual and make_engine is None:  # two parameter copies: gradients summed per pair (dual.py)
-        from .dual import DualPipeEngine as make_engine
     engine = (make_engine or PipelineEngine)(model, mesh, cfg, chunks, ranges, spec)
     engine._schedules[p.microbatches] = engine_sched
     return engine

@@ -121,7 +121,7 @@ def check_counts(name: str, p: int, m: int, v: int = 1) -> None:
 
 def check_config(cfg) -> None:
     """Pipeline constraints (called by ``validate``)."""
-    from ...checks import one_of, require
+    from ...errors import one_of, require
     m, p = cfg.model, cfg.parallel
     one_of(p.pp_schedule, SCHEDULES, "parallel.pp_schedule")
     require(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
@@ -154,8 +154,6 @@ def check_config(cfg) -> None:
     require(not m.tie_embeddings, "model.tie_embeddings",
             "the embedding (first stage) and the head (last stage) cannot share a weight across "
             "pipeline stages; set model.tie_embeddings = false or parallel.pp = 1")
-    from .sharded import check_config as sharded_checks  # MoE and ZeRO/FSDP compose: aux.py, sharded.py
-    sharded_checks(cfg)
 
 
 def gpipe(p: int, m: int) -> list[list[tuple]]:

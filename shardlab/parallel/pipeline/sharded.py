@@ -45,7 +45,7 @@ from .engine import PipelineEngine
 
 def check_config(cfg) -> None:
     """What stage-local sharding does not implement (called by ``validate`` with pp > 1)."""
-    from ...checks import require
+    from ...errors import require
     p, t = cfg.parallel, cfg.train
     if p.pp == 1 or p.zero_stage == 0:
         return

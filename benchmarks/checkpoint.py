@@ -59,7 +59,7 @@ def fsdp_cfg(path, overrides, n: int, seq: int):
 
 
 def _crcs(pieces) -> dict:
-    from shardlab.train.ckpt_format import crc32
+    from shardlab.checkpoint.format import crc32
     return {(p.key, tuple(p.offsets)): crc32(p.tensor) for p in pieces}
 
 
@@ -86,7 +86,7 @@ def _phase(fn) -> tuple[float, float]:
 
 def _worker(ctx, cfg, root: str, seq: int) -> dict:
     import torch.distributed.checkpoint as dcp
-    from shardlab.train import checkpoint as ckpt
+    from shardlab.checkpoint import save as ckpt
 
     rank, world = ctx.rank, ctx.world_size
     mesh, engine, opt = _ranks.build_engine(cfg, ctx.device, "meta")
@@ -151,7 +151,7 @@ def _blocking_worker(ctx, cfg, root: str, seq: int, rounds: int) -> dict:
     """Blocking time per save, sync vs async, the Trainer's call (``ckpt.save``) on the same state:
     each round saves blocking, then asynchronously (timed until ``save`` returns), then waits
     for the background write (``finish_saves``, timed apart), then one training step."""
-    from shardlab.train import async_save, checkpoint as ckpt
+    from shardlab.checkpoint import async_save, save as ckpt
 
     mesh, engine, opt = _ranks.build_engine(cfg, ctx.device, "meta")
     _ranks.train_step(cfg, mesh, engine, opt, 1, seq)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [["cli"], ["api", "analysis"], ["launch"], ["train"], ["parallelize"], ["parallel"],
-          ["config", "models"], ["distributed"], ["errors"]]
+          ["config", "models"], ["checkpoint"], ["distributed"], ["errors"]]
 """Packages by layer, top to bottom (docs/architecture.md): an import should point down."""
 
 

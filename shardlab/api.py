@@ -28,7 +28,7 @@ from .errors import ConfigError
 from .distributed.mesh import Mesh
 from .distributed.regions import Piece
 from .distributed.topology import Topology
-from .train import checkpoint as ckpt
+from .checkpoint import save as ckpt
 from .train.groups import regroup, user_groups
 from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
 
@@ -334,7 +334,7 @@ class ModelEngine:
         return out
 
     def save_checkpoint(self, directory, keep: int | None = None) -> Path | None:
-        """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (train/checkpoint.py): every rank
+        """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (checkpoint/save.py): every rank
         writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective."""
         if self.micro_steps:
             raise RuntimeError(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
@@ -345,7 +345,7 @@ class ModelEngine:
                             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
-        from .train.async_save import saver
+        from .checkpoint.async_save import saver
         return saver(self.cfg.checkpoint.async_save)(
             directory, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
             self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep)

@@ -231,7 +231,7 @@ def _newest_reported(run_storage: str):
     a worker killed right after reporting can leave it uploaded but unregistered, and
     ``get_checkpoint()`` then offers an older one (or none). The name is unique to this launch, so
     every checkpoint there belongs to it; a partial upload fails validation and is skipped."""
-    from .train.checkpoint import latest_valid
+    from .checkpoint.save import latest_valid
     return latest_valid(run_storage, warn=lambda *_: None) if Path(run_storage).is_dir() else None
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from ..train import checkpoint as ckpt
-from ..train.ckpt_format import SafetensorsWriter, volume
+from ..checkpoint import save as ckpt
+from ..checkpoint.format import SafetensorsWriter, volume
 
 
 def _resolve(path: str) -> Path:

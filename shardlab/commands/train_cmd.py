@@ -91,7 +91,7 @@ def check_resume(cfg: C.Config):
     """With ``--resume``: the newest valid checkpoint (None: a fresh start, the directory exists
     but holds no checkpoint yet). Refuses (exit 2) instead of silently starting over: when the
     checkpoint directory does not exist (a mistyped path), or checkpoints exist but none is usable."""
-    from ..train.checkpoint import CheckpointError, Reader, list_checkpoints, latest_valid
+    from ..checkpoint.save import CheckpointError, Reader, list_checkpoints, latest_valid
     from ..train.loop import checkpoint_dir
     if not cfg.checkpoint.resume:
         return None
@@ -115,7 +115,7 @@ def check_resume(cfg: C.Config):
 def clean_interrupted(cfg: C.Config) -> None:
     """Before training (rank 0): remove what interrupted saves left in the checkpoint directory,
     with one line saying so (train/checkpoint.remove_interrupted)."""
-    from ..train.checkpoint import remove_interrupted
+    from ..checkpoint.save import remove_interrupted
     from ..train.loop import checkpoint_dir
     removed = remove_interrupted(checkpoint_dir(cfg))
     if removed:
@@ -125,7 +125,7 @@ def clean_interrupted(cfg: C.Config) -> None:
 
 def _finished(cfg: C.Config, latest, quiet: bool = False) -> bool:
     """--resume of a run whose newest checkpoint is already at train.steps: say so in one line."""
-    from ..train.checkpoint import Reader
+    from ..checkpoint.save import Reader
     if latest is None:
         return False
     reader = Reader(latest)
@@ -154,7 +154,7 @@ def main(args) -> int:
         latest = check_resume(cfg)
         clean_interrupted(cfg)
     else:  # under torchrun every rank must agree on a finished run
-        from ..train.checkpoint import latest_valid
+        from ..checkpoint.save import latest_valid
         from ..train.loop import checkpoint_dir
         latest = latest_valid(checkpoint_dir(cfg), warn=lambda *_: None) if cfg.checkpoint.resume else None
     if _finished(cfg, latest, quiet=not main_rank):

@@ -331,6 +331,19 @@ class Comm(ProcessGroupP2P):
                                           group=self.group, async_op=True)
         return Pending(work, out, (lambda r: r.div_(self.size)) if op == "avg" else None)
 
+    @_recorded("all_to_all", _t_a2a)
+    def all_to_all_async(self, t: torch.Tensor, in_splits: list[int] | None = None,
+                         out_splits: list[int] | None = None, algorithm: str | None = None) -> Pending:
+        """``all_to_all`` issued on the process group without waiting (gloo runs it on a thread of
+        its own, NCCL on its stream); ``.wait()`` returns the received rows."""
+        if self.size == 1:
+            return Pending(None, t)
+        in_splits, out_splits = self._a2a_splits(t, in_splits, out_splits)
+        out = torch.empty((sum(out_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        self._count_a2a(t, in_splits, out_splits)
+        return Pending(dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group,
+                                              async_op=True), out)
+
     def control_device(self, device) -> torch.device:
         """Where a small control tensor (a flag, a note) for this group goes: ``device`` under
         NCCL, which moves device memory only; the host elsewhere (no device round trip)."""

@@ -8,7 +8,7 @@ Every local tensor a rank holds maps to boxes of global tensors:
 * a ZeRO/FSDP flat shard covers a flat (row-major) element range ``[lo, hi)`` of each local
   parameter, which :func:`flat_boxes` cuts into at most ``2 * ndim - 1`` boxes.
 
-Initialisation (models/init.py) and checkpoints (train/checkpoint.py) speak only in boxes, so
+Initialisation (models/init.py) and checkpoints (checkpoint/save.py) speak only in boxes, so
 neither ever needs a full copy of a tensor that the layout shards.
 """
 from __future__ import annotations

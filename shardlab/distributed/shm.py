@@ -13,27 +13,16 @@ rank is at worst in the final phase of call k, reading the region that call k re
 k+1 writes the other one first (``self._free``). Every region written after a barrier is read by
 others only after the next one.
 
-Memories:
-  CPU   one file under /dev/shm, mapped by every rank (``torch.from_file(shared=True)``); group
-        rank 0 creates it, the others map it, then it is unlinked (the mappings stay), so nothing
-        is left behind even if a rank dies later.
-  CUDA  each rank allocates its regions on its device; the handles are exchanged as CUDA IPC
-        handles (``torch.multiprocessing.reductions.reduce_tensor``) pickled over the group.
-        Collectives run on a communication stream, ordered across processes by interprocess
-        events, not host waits (shm_cuda.py), in chunks of shm_cuda.CHUNK bytes per rank.
+Memories: CPU, one /dev/shm file mapped by every rank and unlinked at once (nothing left behind
+if a rank dies); CUDA, each rank's regions on its device, opened by the others from CUDA IPC
+handles, the phases on a comm stream ordered by interprocess events (shm_cuda.py).
 
-Messages over the chunk (CPU: ``shm_host.chunk_bytes(n)``, 4 MiB per rank, at most 16 MiB over
-the group; not all_to_all) go in chunks, one barrier each: a region holds at most a chunk. The
-arena grows (collectively, never shrinks) for a bigger message: every rank knows the size of
-all_reduce / all_gather / reduce_scatter / broadcast; all_to_all first exchanges its
-per-rank sizes and splits through a small host control arena. The host barrier is a counter per
-rank in that arena (x86-64; elsewhere, or with ``host_barrier="process_group"``, the group's
-``dist.barrier``). Point-to-point (isend / irecv / exchange) goes through a byte ring per pair
-of ranks and direction in shared memory (shm_p2p.py; x86-64, not in check mode: there the process
-group's); ``barrier`` is the base class's. Every barrier, the counter barrier of each collective
-included, also checks that no message between two ranks was sent and not received before it
-(shm_p2p.py, "Sends left unreceived"). Bytes are counted in the ledger exactly as the base class counts backend
-collectives (ring model, "modelled"), so ledgers of both transports compare.
+Messages over the chunk (CPU: ``shm_host.chunk_bytes(n)``; CUDA: shm_cuda.CHUNK; not all_to_all)
+go in chunks, one barrier each. The arena grows collectively for a bigger message (all_to_all
+first exchanges its splits through a small host control arena). The host barrier is a counter
+per rank in that arena (x86-64; elsewhere ``dist.barrier``), which also checks that no
+point-to-point message was left unreceived (shm_p2p.py: byte rings per pair of ranks). Bytes are
+counted in the ledger as the base class counts backend collectives, so both transports compare.
 """
 from __future__ import annotations
 
@@ -400,6 +389,12 @@ class SharedComm(RingPointToPoint, Comm):
                          algorithm: str | None = None) -> Pending:
         """A dim-0 all-gather of ``t``, into ``out`` if given; ``.wait()`` returns it."""
         return Pending(*run_async(self, lambda: self._gather(t, 0, out)))
+
+    @_recorded("all_to_all", _t_a2a)
+    def all_to_all_async(self, t: torch.Tensor, in_splits: list[int] | None = None,
+                         out_splits: list[int] | None = None, algorithm: str | None = None) -> Pending:
+        """``all_to_all``; ``.wait()`` returns the received rows."""
+        return Pending(*run_async(self, lambda: self.all_to_all(t, in_splits, out_splits)))
 
     @_recorded("reduce_scatter", _t_op)
     def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:

@@ -195,7 +195,7 @@ def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: d
     source's ids (``Pretrained.special_tokens``): bos/eos/pad in both files, generation's eos =
     every stop id (e.g. <|endoftext|> and <|im_end|>) so ``generate()`` ends a turn where shardlab
     does. Returns (tensors, parameters)."""
-    from ..train.ckpt_format import SafetensorsWriter, volume
+    from ..checkpoint.format import SafetensorsWriter, volume
     mod = arch_module(cfg.arch)
     hf_cfg = mod.config_to_hf(cfg)  # refuses what HF cannot express before writing anything
     special = special or {}

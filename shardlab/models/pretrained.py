@@ -142,7 +142,7 @@ class Pretrained:
         if self.kind == "hf":
             from .hf import HFReader
             return HFReader(self.path, self.cfg)
-        from ..train.checkpoint import Reader
+        from ..checkpoint.save import Reader
         return with_base(Reader(self.path))
 
     def _gguf_reader(self):
@@ -164,7 +164,7 @@ class Pretrained:
             return T.from_gguf_reader(self._gguf_reader())
         if self.kind == "hf":
             return T.from_hf_dir(self.path) if (self.path / "tokenizer.json").exists() else None
-        from ..train.checkpoint import Reader
+        from ..checkpoint.save import Reader
         meta = Reader(self.path).meta
         origin = meta.get("base") or meta.get("tokenizer_source")
         if origin:
@@ -194,7 +194,7 @@ class Pretrained:
             if isinstance(gen.get("eos_token_id"), (int, list)):
                 out["stop_ids"] = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
         else:
-            from ..train.checkpoint import Reader
+            from ..checkpoint.save import Reader
             meta = Reader(self.path).meta
             origin = meta.get("base_source") or meta.get("base") or meta.get("tokenizer_source")
             out.update(meta.get("special_tokens") or (open_source(origin["source"]).special_tokens() if origin else {}))
@@ -238,7 +238,7 @@ def open_source(source: str) -> Pretrained:
     if (path / "config.json").exists():
         from .hf import model_config_from_hf, read_hf_config
         return Pretrained(source, "hf", path, model_config_from_hf(read_hf_config(path)))
-    from ..train import checkpoint as ckpt
+    from ..checkpoint import save as ckpt
     step = path if (path / "index.json").exists() else ckpt.latest_valid(path, warn=lambda *_: None)
     if step is None:
         raise ConfigError("source", f"{source!r} holds no config.json (Hugging Face) and no valid shardlab "

@@ -16,8 +16,8 @@ from torch import nn
 from ..distributed import heap
 from ..distributed.mesh import Mesh
 from ..distributed.placement import get_placement, replicas
-from ..distributed.reshard import gather_pieces
-from . import state
+from ..checkpoint.reshard import gather_pieces
+from ..checkpoint import pieces as state
 
 
 def by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
@@ -162,7 +162,7 @@ class Engine:
                 torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
         return float(norm) if read else norm
 
-    # -- state in global coordinates (checkpoints: parallel/state.py) ----------------------------
+    # -- state in global coordinates (checkpoints: checkpoint/pieces.py) ----------------------------
     def replicate_groups(self, pl) -> tuple[str, ...]:
         """Groups over which a parameter with placement ``pl`` is replicated (tp and pp are
         added by ``writes_piece`` when the placement does not shard over them)."""

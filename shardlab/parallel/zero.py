@@ -38,7 +38,7 @@ from torch import nn
 
 from ..distributed.placement import get_placement, replicas
 from ..distributed.regions import Piece, writes_piece
-from . import state
+from ..checkpoint import pieces as state
 from .engine import Engine
 from .ddp import make_buckets
 
@@ -183,7 +183,7 @@ class ShardedEngine(Engine):
         return sq.sqrt()
 
 
-    # -- state in global coordinates (parallel/state.py) ----------------------------------------
+    # -- state in global coordinates (checkpoint/pieces.py) ----------------------------------------
     def _replicate_groups(self, f: FlatParam | None = None) -> tuple[str, ...]:
         """Groups over which flat buffer ``f`` is replicated (expert buffers: none, ``edp`` shards them)."""
         return (self.replicate_group,) if self.replicate_group and (f is None or f.group != "edp") else ()

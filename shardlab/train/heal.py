@@ -42,7 +42,7 @@ from ..config import Config, ConfigError
 from ..distributed import quorum
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
-from .ckpt_format import tensor_bytes
+from ..checkpoint.format import tensor_bytes
 from .data import Loader
 from .loop import Trainer, open_data  # at import: a warm spare process has paid for it before a failure
 from .metrics import MetricsWriter

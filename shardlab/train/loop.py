@@ -20,12 +20,12 @@ from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
 from ..models.spec import add_adapters, count_params, get_spec, meta_model
 from ..parallel.materialize import model_init_fn
-from ..parallel.state import WithInitial
+from ..checkpoint.pieces import WithInitial
 from ..parallelize import parallelize
 from .. import launch
 from . import anomaly
-from . import checkpoint as ckpt
-from .async_save import saver
+from ..checkpoint import save as ckpt
+from ..checkpoint.async_save import saver
 from . import finetune, images
 from .data import Loader, TokenData
 from .metrics import (MetricsWriter, bounded_mfu, flops_per_token, job_cpu_peak, note_beaten_peak, peak_flops,
@@ -110,7 +110,7 @@ class Trainer:
         """classify: top-1 accuracy over the whole test split (collective); lm: None."""
         return images.accuracy(self.engine, self.loader, autocast=self.autocast) if self.task == "classify" else None
 
-    # -- checkpoints (train/checkpoint.py: each rank writes and reads its own boxes) ----------
+    # -- checkpoints (checkpoint/save.py: each rank writes and reads its own boxes) ----------
     def save_checkpoint(self, directory: Path) -> Path | None:
         """Every rank writes its own pieces (no gather); rank 0 writes the index last and commits
         (train/checkpoint.save). Only barriers synchronise, so nothing else is collective."""

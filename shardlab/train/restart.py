@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .. import launch
 from ..config import Config, ConfigError
-from .checkpoint import Reader, latest_valid, remove_interrupted
+from ..checkpoint.save import Reader, latest_valid, remove_interrupted
 from .metrics import MetricsWriter, read_metrics
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shardlab.cli import main as cli_main
-from shardlab.train import async_save
-from shardlab.train import checkpoint as ckpt
+from shardlab.checkpoint import async_save
+from shardlab.checkpoint import save as ckpt
 
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=16", "--train.seq_len=16", "--train.global_batch=4", "--train.warmup_steps=0",

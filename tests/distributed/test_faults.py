@@ -116,7 +116,7 @@ def test_interrupted_save_is_removed_and_finished_run_says_so(tmp_path, capsys):
 
 
 def test_old_copy_of_a_resaved_step_is_restored(tmp_path):
-    from shardlab.train.checkpoint import remove_interrupted
+    from shardlab.checkpoint.save import remove_interrupted
     ck = tmp_path / "ck"
     (ck / ".old-step_00000004").mkdir(parents=True)  # crash between the two renames of commit()
     (ck / ".old-step_00000002").mkdir()

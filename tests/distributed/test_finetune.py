@@ -14,7 +14,7 @@ from shardlab import config as C  # noqa: E402
 from shardlab.models import lora  # noqa: E402
 from shardlab.models.pretrained import with_base  # noqa: E402
 from shardlab.models.spec import add_adapters, meta_model  # noqa: E402
-from shardlab.train import checkpoint as ckpt  # noqa: E402
+from shardlab.checkpoint import save as ckpt  # noqa: E402
 
 TARGETS = "layers.*.attention.wq,layers.*.attention.wo,layers.*.feed_forward.w2"
 

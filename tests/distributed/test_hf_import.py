@@ -16,7 +16,7 @@ from shardlab.distributed.topology import Topology  # noqa: E402
 from shardlab.models import meta_model  # noqa: E402
 from shardlab.models.hf import HFReader  # noqa: E402
 from shardlab.parallelize import parallelize  # noqa: E402
-from shardlab.train import checkpoint as ckpt  # noqa: E402
+from shardlab.checkpoint import save as ckpt  # noqa: E402
 
 TOL = 2e-5
 LAYOUTS = {"tp2": {"tp": 2}, "fsdp2": {"dp_shard": 2, "zero_stage": 3}}
@@ -98,7 +98,7 @@ def _rank_pp(ctx, hf_dir, ck_dir):
     engine = parallelize(meta_model(cfg.model), mesh, cfg, init=False)
     keys = []
 
-    class Spy(type(reader)):  # both ways a load reads a piece (parallel/state.py: read_into when offered)
+    class Spy(type(reader)):  # both ways a load reads a piece (checkpoint/pieces.py: read_into when offered)
         def read(self, key, *args, **kwargs):
             keys.append(key)
             return super().read(key, *args, **kwargs)

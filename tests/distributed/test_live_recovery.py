@@ -52,7 +52,7 @@ def _identical(results):
 
 def test_no_failure_equals_plain_data_parallel(tmp_path):
     from shardlab.cli import main as cli_main
-    from shardlab.train.checkpoint import Reader, latest_valid
+    from shardlab.checkpoint.save import Reader, latest_valid
     cfg = _cfg(tmp_path)
     results, report = _run(cfg)
     assert report["failures"] == [] and all(r[0]["degraded"] == 0 and r[0]["steps"] == 6 for r in results)

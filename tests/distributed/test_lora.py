@@ -74,7 +74,7 @@ def _base_then_lora(ctx, base_cfg, lora_cfg, directory):
     mesh = Mesh.build(Topology.from_config(base_cfg.parallel))
     base = Trainer(base_cfg, mesh, data)
     base.train_step()
-    from shardlab.train.checkpoint import latest_valid
+    from shardlab.checkpoint.save import latest_valid
     base.save_checkpoint(Path(directory["ckpt"]))
     path = latest_valid(Path(directory["ckpt"]))  # every rank (save returns the path on rank 0 only)
     base_state = base.engine.full_state(base.optimizer, everywhere=True)

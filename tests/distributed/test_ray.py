@@ -43,7 +43,7 @@ def _losses(run_dir):
 
 
 def _final(run_dir):
-    from shardlab.train.checkpoint import Reader, latest_valid
+    from shardlab.checkpoint.save import Reader, latest_valid
     reader = Reader(latest_valid(Path(run_dir) / "checkpoints"))
     try:
         return int(reader.step), {k: reader.read(k) for k in reader.keys() if k.startswith(("model.", "optim."))}

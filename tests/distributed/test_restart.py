@@ -20,7 +20,7 @@ TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--mode
 
 
 def _final_state(run_dir):
-    from shardlab.train.checkpoint import Reader, latest_valid
+    from shardlab.checkpoint.save import Reader, latest_valid
     reader = Reader(latest_valid(Path(run_dir) / "checkpoints"))
     tensors = {k: reader.read(k) for k in reader.keys() if k.startswith(("model.", "optim."))}
     return tensors, int(reader.step)

@@ -53,7 +53,7 @@ def test_data_parallel_matches_single_process(tmp_path, dp, micro):
 
 def _final_state(run_dir):
     """Every global tensor of the newest checkpoint (read back whole through the Reader) and its meta."""
-    from shardlab.train.checkpoint import Reader, latest_valid
+    from shardlab.checkpoint.save import Reader, latest_valid
     reader = Reader(latest_valid(Path(run_dir) / "checkpoints"))
     tensors = {k: reader.read(k) for k in reader.keys()}
     return tensors, dict(reader.meta, step=reader.step)

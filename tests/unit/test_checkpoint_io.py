@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardlab.train import checkpoint as ckpt
-from shardlab.train.ckpt_format import flat_boxes, plan_cover
+from shardlab.checkpoint import save as ckpt
+from shardlab.checkpoint.format import flat_boxes, plan_cover
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -243,8 +243,8 @@ def test_read_into_fills_in_place_checks_crc_and_respects_wrappers(tmp_path, mon
     chunk by chunk (CHUNK shrunk so the piece spans several); a box that is not one piece, a
     dtype or layout that differs, goes through ``read``; a flipped byte is refused; a wrapping
     reader (``__getattr__`` forwarding) is read through its own ``read`` by ``state.fill``."""
-    from shardlab.parallel import state
-    from shardlab.train import ckpt_reader
+    from shardlab.checkpoint import pieces as state
+    from shardlab.checkpoint import reader as ckpt_reader
     monkeypatch.setattr(ckpt_reader, "CHUNK", 40)
     w = torch.randn(6, 5, dtype=torch.float64)
     path = save(tmp_path, 1, {"model.w": w}, row_split("model.w", (6, 5), 2))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardlab.config import ConfigError, DataConfig
-from shardlab.train import checkpoint as ckpt
+from shardlab.checkpoint import save as ckpt
 from shardlab.train.data import Loader, TokenData, prepare
 
 
@@ -84,7 +84,7 @@ def test_checkpoint_roundtrip_prune_and_damage(tmp_path):
 
 _KILLED_CHILD = """
 import os, signal, sys, torch
-from shardlab.train import checkpoint as ckpt, ckpt_format
+from shardlab.checkpoint import format as ckpt_format, save as ckpt
 d, w = sys.argv[1], torch.arange(12.0).view(4, 3)
 staging = ckpt.prepare(d, 1)
 for r in range(2):

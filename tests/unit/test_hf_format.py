@@ -21,7 +21,7 @@ from shardlab.models.pretrained import load_model as _load  # noqa: E402
 def load_model(d):
     model, cfg, _ = _load(str(d))
     return model, cfg
-from shardlab.train import checkpoint as ckpt  # noqa: E402
+from shardlab.checkpoint import save as ckpt  # noqa: E402
 
 TOL = 1e-5  # float32 (the bar of the issue); transformers and shardlab order some reductions differently
 

@@ -11,7 +11,7 @@ from shardlab.cli import main as cli_main
 from shardlab.config import Config, ModelConfig
 from shardlab.models import build_model
 from shardlab.models.hf import model_config_dict
-from shardlab.train import checkpoint as ckpt
+from shardlab.checkpoint import save as ckpt
 
 transformers = pytest.importorskip("transformers")
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ...distributed.collectives import Comm
 from ...distributed.placement import get_placement, replicas
-from .. import state
+from ...checkpoint import pieces as state
 from .engine import PipelineEngine
 
 

@@ -1,6 +1,6 @@
 """Global tensors from every rank's pieces: ``full_state`` for tests, tools and small models.
 
-Checkpoints never use this (each rank writes and reads its own boxes: train/checkpoint.py).
+Checkpoints never use this (each rank writes and reads its own boxes: checkpoint/save.py).
 Here every rank's :class:`~.regions.Piece` s are exchanged with two tensor all-gathers over the
 world -- a JSON description and the raw bytes, padded to the longest rank's -- and assembled into
 whole tensors. No pickle, and the collectives run on the mesh's device (NCCL takes no CPU
@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from .regions import Piece
+from ..distributed.regions import Piece
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
                                torch.int32, torch.uint8, torch.bool)}

@@ -31,9 +31,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .ckpt_format import (CheckpointError, Piece, SafetensorsWriter, dtype_name, flat_boxes, fsync_path,
-                          plan_cover)
-from .ckpt_reader import Reader
+from .format import CheckpointError, Piece, SafetensorsWriter, dtype_name, flat_boxes, fsync_path, plan_cover
+from .reader import Reader
 
 __all__ = ["CheckpointError", "Deferred", "Piece", "PREFIX", "staging_dir", "prepare", "write_rank", "commit",
            "remove_interrupted", "finish_saves",
@@ -244,7 +243,7 @@ def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[
 
 
 IN_FLIGHT: list[Callable] = []
-"""``finish(mesh)`` of the saver that has saves in flight (train/async_save.py registers its own
+"""``finish(mesh)`` of the saver that has saves in flight (checkpoint/async_save.py registers its own
 at its first save: this module does not import it)."""
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .ckpt_format import _ST_DTYPES, CheckpointError, crc32, dtype_from_name, plan_cover, read_header
+from .format import _ST_DTYPES, CheckpointError, crc32, dtype_from_name, plan_cover, read_header
 
 _FIX = "re-save or use an older checkpoint"
 CHUNK = 4 << 20

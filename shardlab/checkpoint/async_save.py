@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from .ckpt_format import CheckpointError
+from . import save as ckpt
+from .format import CheckpointError
 
 __all__ = ["AsyncSaver", "save", "saver", "finish", "HOOK_ENV"]
 

@@ -24,7 +24,8 @@ slower tier; hierarchical: (latency + bytes / bandwidth) of the slow hop over N 
 the fast hop over L ranks. An ep group inside one node, or a CPU, keeps plan_time's one-link
 all-to-all.
 
-DualPipe's overlap (DeepSeek-V3 report, section 3.2.1): in each overlapped "F&B" pair of chunks
+DualPipe's overlap (DeepSeek-V3 report, section 3.2.1; DualPipe and DualPipeV alike): in each
+overlapped "F&B" pair of chunks
 (dualpipe.py's steps nF0B1F1B0 and nB1F1B0) one chunk's dispatch / combine runs while the other
 chunk computes. Priced (feature ``dualpipe_overlap``): the paired chunks' all-to-all time hides
 behind the pair's compute up to its length; the unpaired chunks' stays exposed
@@ -110,10 +111,11 @@ def a2a_seconds(cfg, topo, dev, tokens: int, el: int, assignments: float = 0.0) 
     return t, {"slow": slow, "fast": fast, "nodes_hit": rows["nodes_hit"], "N": n, "L": l}
 
 
-def paired_share(pp: int, m: int) -> float:
-    """Share of the forward and backward chunks that DualPipe's order (parallel/pipeline/dualpipe.py,
-    DeepSeek's eight steps) runs in overlapped F&B pairs, on the rank with the fewest (rank 0, the
-    pipe's end: h = 0)."""
-    n_half, n = pp // 2, m // 2
+def paired_share(schedule: str, pp: int, m: int) -> float:
+    """Share of the forward and backward chunks that DualPipe's or DualPipeV's order
+    (parallel/pipeline/dualpipe.py, DeepSeek's eight steps) runs in overlapped F&B pairs, on the
+    rank with the fewest (rank 0: h = 0). DualPipe: p / 2 ranks per half, m / 2 micro-batches per
+    chunk; DualPipeV: p and m."""
+    n_half, n = (pp // 2, m // 2) if schedule == "dualpipe" else (pp, m)
     pairs = 2 * (n - 2 * n_half + 1) + (n_half - 1)  # step 4: F0&B1, F1&B0 each; step 5: F1&B0
     return max(0.0, min(1.0, 2 * pairs / (4 * n)))  # chunks in pairs over 2n forwards + 2n backwards

@@ -230,7 +230,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         cp_comm = ring + uly
     ep_total = ep_comm
     if "dualpipe_overlap" in features and not cpu:  # F&B pairs: one chunk's all-to-alls behind the other's compute
-        paired = paired_share(p.pp, p.microbatches)
+        paired = paired_share(p.pp_schedule, p.pp, p.microbatches)
         ep_comm = (1 - paired) * ep_comm + paired * max(0.0, ep_comm - (fwd + bwd + recompute))
     f_mb = fwd + (tp_exposed + cp_comm + ep_comm) / 3
     b_mb = bwd + recompute + 2 * (tp_exposed + cp_comm + ep_comm) / 3

@@ -224,7 +224,7 @@ def _check_fixed(base, gpus: int, fixed: dict) -> None:
     if "ac" in fixed:
         p.activation_checkpointing = fixed["ac"]
     p.dp_shard = gpus // (p.tp * p.pp * p.cp) if gpus % (p.tp * p.pp * p.cp) == 0 else 1
-    p.microbatches = max(p.pp, 1)
+    p.microbatches = max(p.pp * (2 if p.pp_schedule in ("dualpipe", "dualpipev") else 1), 1)  # their minimum
     cfg.train.global_batch = p.dp_shard * p.microbatches * max(1, cfg.train.global_batch // (p.dp_shard * p.microbatches))
     cfg.validate(p.world_size)  # raises ConfigError naming the field (exit 2)
 

@@ -15,7 +15,7 @@ from shardlab.analysis.plan_moe import a2a_seconds, ep_nodes, nodes_hit, paired_
 from shardlab.analysis.predict import predict
 from shardlab.commands.plan_cmd import load_model
 from shardlab.distributed.topology import Topology
-from shardlab.parallel.pipeline.dualpipe import _rank_order
+from shardlab.parallel.pipeline.dualpipe import _rank_order, dualpipe, dualpipev
 
 
 def _routes(E, k, N, G=0, M=0):
@@ -89,14 +89,18 @@ def test_hierarchical_time_is_its_two_hops_and_flat_the_slower_tier():
     assert t == pytest.approx(6 * dev.inter_alpha + b["slow"] / dev.inter_bw + 6 * dev.intra_alpha + b["fast"] / dev.intra_bw)
 
 
-@pytest.mark.parametrize("pp,m", [(4, 8), (8, 16), (16, 120), (8, 40)])
-def test_paired_share_counts_the_engines_dualpipe_order(pp, m):
-    """DualPipe's F&B pairs in the engine's order for rank 0 (h = 0): a forward followed at once
-    by a plain backward (zero-bubble backwards, whose W is deferred, are not overlapped pairs)."""
-    ops = _rank_order(pp // 2, 0, m // 2)
-    pairs = sum(1 for a, b in zip(ops, ops[1:]) if a[0] == "F" and b[0] == "B" and not b[2])
-    chunks = sum(1 for o in ops if o[0] in "FB")
-    assert paired_share(pp, m) == pytest.approx(2 * pairs / chunks)
+@pytest.mark.parametrize("schedule,pp,m", [("dualpipe", 4, 8), ("dualpipe", 8, 16), ("dualpipe", 16, 120),
+                                           ("dualpipe", 8, 40), ("dualpipev", 4, 8), ("dualpipev", 16, 120)])
+def test_paired_share_counts_the_engines_dualpipe_order(schedule, pp, m):
+    """DualPipe's F&B pairs in the engine's order for rank 0 (dualpipe._rank_order, as
+    dualpipe.dualpipe / dualpipev call it for rank 0): a forward followed at once by a plain
+    backward (zero-bubble backwards, whose W is deferred, are not overlapped pairs)."""
+    ref = _rank_order(pp // 2, 0, m // 2) if schedule == "dualpipe" else _rank_order(pp, 0, m)
+    rank0 = (dualpipe if schedule == "dualpipe" else dualpipev)(pp, m)[0]
+    assert sum(a[0] == "F" for a in rank0) == sum(o[0] == "F" for o in ref)
+    pairs = sum(1 for a, b in zip(ref, ref[1:]) if a[0] == "F" and b[0] == "B" and not b[2])
+    chunks = sum(1 for o in ref if o[0] in "FB")
+    assert paired_share(schedule, pp, m) == pytest.approx(2 * pairs / chunks)
 
 
 def test_tiers_apply_only_across_nodes():

@@ -38,8 +38,8 @@ import math
 
 def ep_nodes(topo, dev) -> tuple[int, int]:
     """(N nodes, L ep ranks per node) of rank 0's ep group on ``dev``'s nodes."""
-    from .plan_time import _group_of_rank0
-    ranks = _group_of_rank0(topo, "ep")
+    # listing every group of a large world is slow; there rank 0's ep group is taken as its first ranks
+    ranks = topo.group_of("ep", 0) if topo.world_size <= 4096 else list(range(topo.size("ep")))
     per = {}
     for r in ranks:
         per[r // dev.gpus_per_node] = per.get(r // dev.gpus_per_node, 0) + 1

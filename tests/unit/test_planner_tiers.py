@@ -129,3 +129,15 @@ def test_deepseek_plan_prints_the_tiers_and_the_overlap_hides_all_to_all(capsys)
                      "ddp128 ep64 pp16 1f1b mb1x120 ac-full", "--dualpipe-overlap"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("config error: --dualpipe-overlap")
+
+
+@pytest.mark.parametrize("label,dispatch", [("ddp128 ep64-hier pp16:dualpipev mb1x120 ac-full", "hierarchical"),
+                                            ("ddp128 ep64 pp16:dualpipe mb1x120 ac-full", "exact")])
+def test_the_dispatch_in_a_layout_and_its_label(label, dispatch):
+    """``epN-hier`` sets parallel.ep_dispatch (plain ``epN`` keeps the config's), and the search's
+    label prints it back: a printed label parses to the same layout."""
+    base = load_model("deepseek-v3")
+    base.parallel.ep_dispatch = "exact"
+    cfg = apply_layout(base, parse_layout(label), 2048)
+    from shardlab.analysis.plan_search import layout_label
+    assert cfg.parallel.ep_dispatch == dispatch and layout_label(cfg) == label

@@ -66,6 +66,35 @@ def row(base, gpu: str, dispatch: str, max_nodes: int, overlap: bool, layout: st
             "params": pr.peak.params / GiB}
 
 
+MEASURED_KIB = {  # docs/expert-parallel.md, "Two tiers" (benchmarks/moe_dispatch.py): the ledger's slow-tier
+    # KiB sent per rank per step, MoE layer fwd + bwd, 2 simulated nodes x 2 ranks, ep 4, 16 experts, 512
+    # tokens per rank, d 128, fp32, uniform routing
+    (8, "exact", 0): 4069, (8, "hierarchical", 0): 1088, (8, "exact", 1): 4124, (8, "hierarchical", 1): 548,
+    (2, "exact", 0): 1030, (2, "hierarchical", 0): 787, (2, "exact", 1): 1027, (2, "hierarchical", 1): 522,
+}
+
+
+def cpu_check() -> None:
+    """The planner's slow-tier bytes for benchmarks/moe_dispatch.py's layer against the ledger's."""
+    from shardlab.analysis.devices import with_nodes
+    from shardlab.analysis.plan_moe import a2a_seconds
+    from shardlab.config import Config
+    from shardlab.distributed.topology import Topology
+    print("\n## CPU check: slow-tier bytes against the ledger (benchmarks/moe_dispatch.py)\n")
+    print("| top-k | dispatch | M | planner KiB per rank per step | measured (ledger) | planner / measured |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for (k, dispatch, M), measured in MEASURED_KIB.items():
+        cfg = Config()
+        m, p = cfg.model, cfg.parallel
+        m.d_model, m.n_heads, m.ffn_hidden, m.n_experts, m.moe_top_k = 128, 4, 256, 16, k
+        m.moe_node_groups, m.moe_max_nodes = (2, 1) if M else (0, 0)
+        p.dp_shard, p.ep, p.ep_dispatch = 4, 4, dispatch
+        _, b = a2a_seconds(cfg, Topology.from_config(p), with_nodes(get_device("h100"), 2), 512, 4)
+        got = 4 * b["slow"] / 1024  # dispatch and combine, forward and backward
+        print(f"| {k} | {'flat' if dispatch == 'exact' else dispatch} | {M or 'all'} | {got:,.0f} | {measured:,} | "
+              f"{got / measured:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpu", default="h800")
@@ -117,6 +146,7 @@ def main() -> None:
           f"({h['a2a']:.2f} s -> {h['exposed']:.2f} s per step)")
     print(f"- throughput: 1,543 tokens/s per GPU published with FP8 GEMMs; {h['tok']:,.0f} predicted in bf16 "
           f"(Float8 is refused on MoE models: not comparable)")
+    cpu_check()
     print(f"\n({time.perf_counter() - t0:.1f} s)")
 
 

@@ -13,7 +13,8 @@ no limit). Per token and MoE layer, d-wide rows of ``el`` bytes:
     tier carries k (N - 1) / N rows and the fast tier k (L - 1) / (N L). Node-limited routing
     does not change these: it only groups a token's rows on fewer nodes.
   hierarchical (parallel/expert_hier.py): one row per other node the token uses (its k gate
-    weights and k ids ride along: 2k columns), D (N - 1) / N with D the expected number of
+    weights and k ids ride along, 2k columns, in the dispatch and its gradient: k on average over
+    a layer's four passes), D (N - 1) / N with D the expected number of
     distinct nodes (:func:`nodes_hit`); then inside each node the rows are expanded to their
     assignments and sent to the experts' ranks: k (L - 1) / L rows over the fast tier. The
     engine runs the two hops one after the other (two all-to-alls), so their times add.
@@ -99,7 +100,9 @@ def a2a_seconds(cfg, topo, dev, tokens: int, el: int, assignments: float = 0.0) 
     row = m.d_model * el
     if p.ep_dispatch == "hierarchical":
         slow_rows, fast_rows = rows["hierarchical"]
-        slow = tokens * slow_rows * (row + 2 * m.moe_top_k * el)  # gate weights and ids ride along
+        # gate weights and ids ride along (2k columns) in the dispatch and its gradient, not in the combine
+        # and its gradient: k columns on average over the four passes the caller charges
+        slow = tokens * slow_rows * (row + m.moe_top_k * el)
         fast = tokens * fast_rows * row
         t = (2 * math.log2(n) * dev.inter_alpha + slow / dev.inter_bw
              + (2 * math.log2(l) * dev.intra_alpha + fast / dev.intra_bw if l > 1 else 0.0))

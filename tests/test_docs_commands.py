@@ -47,6 +47,8 @@ RUN = {  # exactly as written (+ small step counts), in this order, in one share
     "shardlab schedule --pp 4 --microbatches 8 --schedule zb-h1 --out zb.png",
     "shardlab schedule --pp 4 --microbatches 8 --schedule dualpipev",
     "shardlab plan llama-8b --gpus 8 --gpu h100 --global-batch 8 --seq 8192",
+    "shardlab plan deepseek-v3 --gpus 2048 --gpu h800 --layout \"ddp128 ep64 pp16 dualpipev mb1x120 ac-full\" "
+    "--dualpipe-overlap",
     "shardlab generate smollm2 --chat --prompt \"What is the capital of France?\" --max-new-tokens 20",
 }
 PARSE_ONLY = {  # command prefix -> why it is not run here
@@ -59,6 +61,8 @@ PARSE_ONLY = {  # command prefix -> why it is not run here
     "shardlab generate smollm2 --prompt 'The three": "the same model as the generate commands that run",
     "shardlab plan path/to/config.json": "path/to/config.json stands for your own Hugging Face config.json",
     "shardlab plan llama-405b": "16,384 GPUs: a long search",
+    "shardlab plan deepseek-v3 --gpus 2048 --gpu h800 --pp 16": "a search over 326 MoE layouts: ~2 minutes "
+                                                               "(tests/unit/test_planner_tiers.py runs one layout)",
     "shardlab checkpoint export runs/smollm2-lora": "needs the LoRA run of `make finetune` (minutes)",
     "shardlab checkpoint inspect runs/smollm2-lora": "needs the LoRA run of `make finetune` (minutes)",
     "shardlab generate runs/smollm2-lora": "needs the LoRA run of `make finetune` (minutes)",

@@ -67,6 +67,9 @@ GiB = 2**30
 #   peak_fp8: dense FP8 Tensor Core FLOP/s, NVIDIA's H100 / H200 datasheets (3,958 TFLOP/s "with
 #     sparsity" for SXM, half of it dense: 1,979); the 96 GB part is the same H100 chip; A100 has
 #     no fp8 tensor cores (0: Float8 linears refused).
+#   H800 (export part, DeepSeek-V3 report section 3.1): H100's SXM chip (compute, fp8, HBM3) with
+#     NVLink at 400 GB/s (200 per direction: 160 at 80%, the report's "NVLink 160 GB/s") and one
+#     400 Gb/s InfiniBand NIC per GPU (the report's "IB 50 GB/s": 45 at 90%).
 #   links: NVLink bus bandwidth about 80% of the per-direction figure, the network about 90% of
 #     the NIC's line rate; alpha per ring step (NCCL, order of magnitude).
 DEVICES = {
@@ -76,6 +79,9 @@ DEVICES = {
                       45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU", peak_fp8=1979e12),
     "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute with HBM3e", peak_fp8=1979e12),
+    "h800": Device("H800 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 160e9, 10e-6, 45e9, 20e-6, 8,
+                   "H100's compute and HBM3, NVLink cut to 400 GB/s (200 GB/s per direction), 400 Gb/s InfiniBand "
+                   "per GPU (DeepSeek-V3's platform)", peak_fp8=1979e12),
     "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, 0.50, 230e9, 10e-6, 22e9, 20e-6, 8,
                    "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU"),
 }

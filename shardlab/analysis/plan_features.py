@@ -30,6 +30,11 @@ selective_layer_ac (torchtitan's ``selective_ac_option = "2"``): a counter over 
   k-th block (k from 1) checkpointed when k % 2 == 0 (:func:`layer_ac_blocks`), the others keep
   all they save: per-block terms mixed in that proportion (predict.py).
 compile: elementwise work fused (plan_time.ELEMENTWISE_PASSES).
+dualpipe_overlap (DeepSeek-V3's DualPipe: each F&B pair of chunks computes one while the other's
+  dispatch / combine runs): the paired chunks' expert all-to-alls hide behind the pair's compute
+  up to its length, the unpaired ones' stay exposed (plan_moe.paired_share); DualPipe and
+  DualPipeV. shardlab's DualPipe serialises the pair on one stream: priced for runs made with
+  DeepSeek's system.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ MODELLED = {
     "float8": "Float8 linear layers: the blocks' GEMMs at the fp8 peak, the amax / cast passes over their operands",
     "async_tp": "asynchronous TP: each TP collective in tp chunks behind the blocks' matmuls, the first chunk exposed",
     "selective_layer_ac": "per-layer selective recomputation: every 2nd block fully recomputed (torchtitan's rule)",
+    "dualpipe_overlap": "DualPipe's F&B pairs: one chunk's expert all-to-alls behind the other's compute (plan_moe.py)",
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
 
@@ -50,6 +56,9 @@ x and W: amax (read 2) + cast (read 2, write 1), forward and again in backward; 
 two casts (the two backward GEMMs take it in different layouts)."""
 RECOMPUTE_CAST_BYTES = {"x": 2 + 2 + 1, "w": 2 + 2 + 1}
 """A recomputed forward's casts of x and W (full recomputation)."""
+
+DUAL = ("dualpipe", "dualpipev")
+"""The schedules whose order has DeepSeek's overlapped F&B pairs (dualpipe_overlap)."""
 
 LAYER_AC_FREQ = 2
 """torchtitan's ``selective_ac_option`` for its "selective layer" runs: every 2nd block."""
@@ -132,9 +141,11 @@ def fp8_cast_bytes(weights, tokens: float, recompute: bool = False) -> float:
 
 def applicable(cfg, features) -> tuple:
     """``features`` for one layout of a search: asynchronous TP only where it has something to
-    overlap (tp > 1 with sequence parallel)."""
+    overlap (tp > 1 with sequence parallel), DualPipe's overlap only on DualPipe with experts."""
     p = cfg.parallel
-    return tuple(f for f in features if f != "async_tp" or (p.tp > 1 and p.sequence_parallel))
+    dual = p.pp > 1 and p.pp_schedule in DUAL and p.ep > 1 and cfg.model.n_experts
+    return tuple(f for f in features if (f != "async_tp" or (p.tp > 1 and p.sequence_parallel))
+                 and (f != "dualpipe_overlap" or dual))
 
 
 def check_features(cfg, dev, features) -> None:
@@ -150,6 +161,10 @@ def check_features(cfg, dev, features) -> None:
         if cfg.model.n_experts:
             raise ConfigError("--float8", "Float8 linears are modelled for dense models only (MoE experts are not "
                                           "nn.Linear); leave --float8 out")
+    if "dualpipe_overlap" in features and not (cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in DUAL
+                                               and cfg.model.n_experts and cfg.parallel.ep > 1):
+        raise ConfigError("--dualpipe-overlap", "DualPipe's overlap hides expert all-to-alls in its F&B pairs: "
+                                                "use an epN part and ppN dualpipe (or dualpipev)")
     if "async_tp" in features and dev.op_s > 0:
         raise ConfigError("--async-tp", "asynchronous TP is priced on GPUs (the CPU model overlaps nothing); "
                                         "pick a GPU kind or leave --async-tp out")

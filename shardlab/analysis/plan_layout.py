@@ -7,7 +7,8 @@ Parts (any order, each at most once; what is not named is 1 / off):
   repN                               HSDP: N replicas of the fsdp group
   tpN | tpNsp                        tensor parallel (sp: sequence parallel)
   cpN | cpN-ulysses | cpN-unifiedU   context parallel (ring, Ulysses, Ulysses degree U inside rings)
-  epN                                expert parallel (MoE models)
+  epN | epN-hier | epN-exact | epN-padded   expert parallel (MoE models) and its dispatch
+                                     (parallel.ep_dispatch: hierarchical, exact, padded; default the config's)
   ppN | ppN:SCHED[vV]                pipeline stages (the second form is the printed label's)
   1f1b | gpipe | zb-h1 | dualpipev | dualpipe | interleaved[:V]   the schedule (V virtual stages, default 2)
   mbBxM                              micro-batches of B sequences, M per step (global batch B x M x dp)
@@ -31,14 +32,14 @@ _PARTS = [
     (re.compile(r"^rep(\d+)$"), "rep"),
     (re.compile(r"^tp(\d+)(sp)?$"), "tp"),
     (re.compile(r"^cp(\d+)(?:-(ulysses)|-(unified)(\d+))?$"), "cp"),
-    (re.compile(r"^ep(\d+)$"), "ep"),
+    (re.compile(r"^ep(\d+)(?:-(hier|exact|padded))?$"), "ep"),
     (re.compile(r"^pp(\d+)(?::([a-z0-9-]+?)(?:v(\d+))?)?$"), "pp"),
     (re.compile(r"^(1f1b|gpipe|zb-h1|dualpipev|dualpipe|interleaved)(?::(\d+))?$"), "schedule"),
     (re.compile(r"^mb(\d+)x(\d+)$"), "mb"),
     (re.compile(r"^ac-([a-z]+)$"), "ac"),
 ]
 HELP = ("write it as shardlab plan prints layouts, e.g. \"fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full\" "
-        "(parts: fsdpN ddpN zero1-N zero2-N repN tpN[sp] cpN[-ulysses] epN ppN SCHEDULE[:V] mbBxM ac-MODE)")
+        "(parts: fsdpN ddpN zero1-N zero2-N repN tpN[sp] cpN[-ulysses] epN[-hier] ppN SCHEDULE[:V] mbBxM ac-MODE)")
 
 
 def _bad(part: str, fix: str) -> ConfigError:
@@ -95,6 +96,8 @@ def _set(out: dict, kind: str, m, part: str) -> None:
     elif kind == "ep":
         _once(out, "ep", part)
         out["ep"] = _positive(m.group(1), part)
+        if m.group(2):
+            out["ep_dispatch"] = {"hier": "hierarchical"}.get(m.group(2), m.group(2))
     elif kind == "pp":
         _once(out, "pp", part)
         out["pp"] = _positive(m.group(1), part)
@@ -130,6 +133,7 @@ def apply_layout(base, spec: dict, gpus: int, compile_: bool = False, batch_give
     cfg = copy.deepcopy(base)
     p, t = cfg.parallel, cfg.train
     p.tp, p.cp, p.pp, p.ep = spec.get("tp", 1), spec.get("cp", 1), spec.get("pp", 1), spec.get("ep", 1)
+    p.ep_dispatch = spec.get("ep_dispatch", p.ep_dispatch)
     p.sequence_parallel = spec.get("sp", False)
     p.cp_impl, p.cp_ulysses = spec.get("cp_impl", "ring"), spec.get("cp_ulysses", 1)
     p.zero_stage = spec.get("zero", 0)

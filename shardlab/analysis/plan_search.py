@@ -49,7 +49,8 @@ def layout_label(cfg) -> str:
         if getattr(p, name) > 1:
             parts.append(f"{name}{getattr(p, name)}" + ("sp" if name == "tp" and p.sequence_parallel else "")
                          + ({"ulysses": "-ulysses", "unified": f"-unified{p.cp_ulysses}"}.get(p.cp_impl, "")
-                            if name == "cp" else ""))
+                            if name == "cp" else "")
+                         + ("-hier" if name == "ep" and p.ep_dispatch == "hierarchical" else ""))
     if p.pp > 1:
         parts.append(f"pp{p.pp}:{p.pp_schedule}" + (f"v{p.pp_virtual}" if p.pp_virtual > 1 else ""))
     mb = cfg.train.global_batch // p.dp // p.microbatches

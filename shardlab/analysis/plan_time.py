@@ -128,6 +128,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     from ..parallel.expert import padded_dispatch
     from .plan_activations import micro_batch, schedule_peaks
     from .plan_memory import act_dtype
+    from .plan_moe import a2a_seconds, ep_nodes, paired_share
     from .devices import for_transport
     p, m, t = cfg.parallel, cfg.model, cfg.train
     dev = for_transport(dev, p.comm_transport)  # CPU: the probed curve of this layout's transport
@@ -207,7 +208,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         uly = layers * (2 * collective("all_to_all", x, u, bw, al) + 2 * collective("all_to_all", x * kvh / heads, u, bw, al))
         uly *= 2 + (1 if ac != "none" else 0)  # backward: one all-to-all per forward one; recompute repeats them
         cp_comm += uly  # between dependent kernels: exposed
-    ep_comm = 0.0
+    ep_comm, ep_tiers = 0.0, {}
     if m.n_experts:  # per MoE layer: dispatch + combine, forward and backward; counts; batch-wide stats
         moe_layers = m.n_layers / max(1, m.moe_every) / p.pp
         rows = b * (s // p.cp) * m.moe_top_k * m.d_model * el
@@ -216,13 +217,21 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
                                                  m.n_experts) * m.d_model * el
         if p.ep > 1:
             bw, al = link(topo, "ep", dev)
-            ep_comm += moe_layers * (4 * collective("all_to_all", rows, p.ep, bw, al)
-                                     + collective("all_to_all", 8 * m.n_experts, p.ep, bw, al))
+            tiers = not (dev.comm_curve or dev.comm_n) and ep_nodes(topo, dev)[0] > 1
+            if tiers:  # the group spans nodes: each tier's bytes on its own link (plan_moe.py)
+                one, ep_tiers = a2a_seconds(cfg, topo, dev, b * (s // p.cp), el, rows / (m.d_model * el))
+            else:
+                one = collective("all_to_all", rows, p.ep, bw, al)
+            ep_comm += moe_layers * (4 * one + collective("all_to_all", 8 * m.n_experts, p.ep, bw, al))
         if p.dp * p.cp > 1:
             bw, al = link(topo, "dp_cp", dev)
             ep_comm += moe_layers * 2 * collective("all_reduce", 4 * (2 * m.n_experts + 3), p.dp * p.cp, bw, al)
     if cpu:  # gloo runs on the cores that compute: nothing hides behind compute
         cp_comm = ring + uly
+    ep_total = ep_comm
+    if "dualpipe_overlap" in features and not cpu:  # F&B pairs: one chunk's all-to-alls behind the other's compute
+        paired = paired_share(p.pp_schedule, p.pp, p.microbatches)
+        ep_comm = (1 - paired) * ep_comm + paired * max(0.0, ep_comm - (fwd + bwd + recompute))
     f_mb = fwd + (tp_exposed + cp_comm + ep_comm) / 3
     b_mb = bwd + recompute + 2 * (tp_exposed + cp_comm + ep_comm) / 3
     mbs = p.microbatches
@@ -282,6 +291,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     compute = mbs * (fwd + bwd + recompute)
     exposed = step - compute - max(bubble, 0.0) - optimizer
     return {"step_s": step, "compute": compute, "exposed_comm": max(exposed, 0.0), "bubble": max(bubble, 0.0),
-            "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs, "ep_comm": ep_comm * mbs,
+            "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs, "ep_comm": ep_total * mbs,
+            "ep_exposed": ep_comm * mbs, "ep_tiers": ep_tiers,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute,
             "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs}

@@ -191,7 +191,8 @@ def _layer_ac(cfg, device, probe, gpus_per_node, per_rank, efficiency, features)
         r.wgrad = (1 - f) * ra.wgrad + f * rb.wgrad
         r.transient = max(ra.transient, rb.transient)
         ranks.append(r)
-    parts = {k: (1 - f) * a.breakdown[k] + f * b.breakdown[k] for k in b.breakdown if k in a.breakdown}
+    parts = {k: (1 - f) * a.breakdown[k] + f * b.breakdown[k] if isinstance(v, (int, float)) else v
+             for k, v in b.breakdown.items() if k in a.breakdown}
     tps = b.tokens_per_s * b.step_time_s / parts["step_s"]
     mfu = None if b.mfu is None else b.mfu * b.step_time_s / parts["step_s"]
     return Prediction(ranks, parts["step_s"], tps, mfu, {**parts, "layer_ac_share": f}, device, b.flops_per_token)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,8 @@ def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
         tensor.apply(model, mesh, cfg, spec.tp_plan)
     if cfg.model.n_experts > 0:
         from ..parallel import expert
-        model = expert.apply(model, mesh, cfg)
+        hier = p.ep_dispatch == "hierarchical"  # traced as the exact dispatch: its hops are priced by plan_moe.py
+        model = expert.apply(model, mesh, replace(cfg, parallel=replace(p, ep_dispatch="exact")) if hier else cfg)
     if p.pp > 1:  # the cut the engine makes (pipeline/engine.py apply): the schedule's layout
         from ..parallel.pipeline.stage import split_model
         from .plan_pipeline import layout

@@ -21,7 +21,7 @@ GiB = 2**30
 def configure(p):
     p.add_argument("model", help="config (.toml/.json), preset name from configs/ (e.g. llama-8b), or an HF config.json")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
-    p.add_argument("--gpu", default="h100", help="device kind: h100, h100-gt, h200, a100")
+    p.add_argument("--gpu", default="h100", help="device kind: h100, h100-gt, h200, h800, a100")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain)")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's)")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
@@ -42,6 +42,10 @@ def configure(p):
                    "device's fp8 peak, the scaling casts' passes (analysis/plan_features.py; H100/H200 only)")
     p.add_argument("--async-tp", action="store_true", help="asynchronous TP: the blocks' TP collectives in tp chunks "
                    "behind their matmuls (layouts with tpNsp)")
+    p.add_argument("--dualpipe-overlap", action="store_true", help="DualPipe's F&B pairs overlap one chunk's expert "
+                   "all-to-alls with the other's compute (DeepSeek-V3; analysis/plan_moe.py; epN with ppN dualpipe)")
+    p.add_argument("--compare", default="", help="after the search, also evaluate this layout (e.g. a published "
+                   "one, written as for --layout) and print it under the table")
 
 
 def load_model(arg: str):
@@ -87,12 +91,15 @@ def main(args) -> int:
         fixed["schedule"] = args.schedule
     if args.ac:
         fixed["ac"] = args.ac
-    features = tuple(name for flag, name in (("float8", "float8"), ("async_tp", "async_tp")) if getattr(args, flag, False))
+    features = tuple(name for flag, name in (("float8", "float8"), ("async_tp", "async_tp"),
+                                             ("dualpipe_overlap", "dualpipe_overlap")) if getattr(args, flag, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):
         if fixed:
             raise ConfigError("--layout", f"give {', '.join('--' + k for k in fixed)} inside --layout, not beside it")
+        if getattr(args, "compare", ""):
+            raise ConfigError("--compare", "goes with a search, not with --layout; drop one of them")
         return _pinned(base, args, dev, eta, t0, features)
     _check_fixed(base, args.gpus, fixed)
     fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed, eta, features)
@@ -105,10 +112,14 @@ def main(args) -> int:
         where = f"the smallest cluster that fits is {n} GPUs" if n else "no cluster up to 2^20 GPUs fits"
         print(f"no layout fits: every one needs more than {HEADROOM:.0%} of {dev.memory / GiB:.0f} GiB "
               f"on some rank; {where} (try --gpus {n})" if n else f"no layout fits; {where}")
+        _compare(base, args, dev, eta, features)
         return 1
     top = fits[:args.top]
     _print_rows(top)
     print("\n" + why(top[0], top[1:], valid, dropped))
+    if tier_line(top[0].breakdown):
+        print(tier_line(top[0].breakdown))
+    _compare(base, args, dev, eta, features)
     if args.plot:
         plot(top, dev.memory * HEADROOM, args.plot)
         print(f"memory breakdown plot: {args.plot}")
@@ -132,29 +143,65 @@ def _print_rows(cands) -> None:
               + (f"{100 * c.mfu:>6.1f}%" if c.mfu else f"{'':>7}"))
 
 
-def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
-    """``--layout``: the one layout's memory and time (exit 1 when it does not fit)."""
+def _pinned_row(base, args, layout: str, eta: float, features=()):
+    """(candidate, prediction) of one layout written as for ``--layout``."""
     from ..analysis.plan_layout import parse_layout, predict_pinned
-    from ..analysis.plan_search import HEADROOM, Candidate, step_sentence
-    cfg, pred = predict_pinned(base, parse_layout(args.layout), args.gpus, args.gpu, args.gpus_per_node, eta,
+    from ..analysis.plan_search import Candidate
+    cfg, pred = predict_pinned(base, parse_layout(layout), args.gpus, args.gpu, args.gpus_per_node, eta,
                                getattr(args, "compile", False), bool(args.global_batch), features)
     peak = pred.peak
     mem = {k: getattr(peak, k) for k in ("params", "grads", "optim", "activations", "buffers", "transient", "wgrad")}
     c = Candidate(cfg, mem, peak.total, pred.tokens_per_s / args.gpus, pred.mfu, pred.breakdown)
     if "layer_ac_share" in pred.breakdown:  # ac-layer runs as full on the config: show what was asked
         c.shown = c.label().replace("ac-full", "ac-layer")
-    t = cfg.train
+    return c, pred
+
+
+def _verdict(c, dev) -> str:
+    from ..analysis.plan_search import HEADROOM, step_sentence
+    cap = HEADROOM * dev.memory
+    if c.peak_bytes > cap:
+        return (f"does not fit: its peak rank needs {c.peak_bytes / GiB:.1f} GiB, more than "
+                f"{HEADROOM:.0%} of {dev.memory / GiB:.0f} GiB ({cap / GiB:.1f} GiB)")
+    return f"{getattr(c, 'shown', '') or c.label()} is predicted at {step_sentence(c)}"
+
+
+def tier_line(bd: dict) -> str:
+    """The expert all-to-all over two tiers (plan_moe.py), when the ep group spans nodes."""
+    t = bd.get("ep_tiers") or {}
+    if not t:
+        return ""
+    return (f"expert all-to-all over {t['N']} nodes x {t['L']} ranks: a token's experts on {t['nodes_hit']:.2f} nodes "
+            f"on average; per pass and micro-batch {t['slow'] / 2**20:,.0f} MiB over the network, "
+            f"{t['fast'] / 2**20:,.0f} MiB over NVLink; {bd['ep_comm']:.2f} s of all-to-all per step, "
+            f"{bd['ep_exposed']:.2f} s exposed")
+
+
+def _compare(base, args, dev, eta: float, features=()) -> None:
+    """``--compare LAYOUT``: one more layout's row under the search's (a published layout)."""
+    if not getattr(args, "compare", ""):
+        return
+    c, _ = _pinned_row(base, args, args.compare, eta, features)
+    print(f"\ncompared (--compare {args.compare!r}):")
+    _print_rows([c])
+    print(_verdict(c, dev))
+    if tier_line(c.breakdown):
+        print(tier_line(c.breakdown))
+
+
+def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
+    """``--layout``: the one layout's memory and time (exit 1 when it does not fit)."""
+    from ..analysis.plan_search import HEADROOM
+    c, pred = _pinned_row(base, args, args.layout, eta, features)
+    t = c.cfg.train
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: the layout given "
           f"({time.perf_counter() - t0:.1f} s wall)" + (f"; compute time / {eta:.3f} (--efficiency fitted)" if eta != 1.0 else ""))
     _print_rows([c])
-    cap = HEADROOM * dev.memory
-    if peak.total > cap:
-        print(f"\ndoes not fit: its peak rank (pipeline stage {peak.stage}) needs {peak.total / GiB:.1f} GiB, more than "
-              f"{HEADROOM:.0%} of {dev.memory / GiB:.0f} GiB ({cap / GiB:.1f} GiB)")
-        return 1
-    print(f"\n{getattr(c, 'shown', '') or c.label()} is predicted at {step_sentence(c)}")
-    return 0
+    if tier_line(c.breakdown):
+        print(tier_line(c.breakdown))
+    print("\n" + _verdict(c, dev).replace("its peak rank", f"its peak rank (pipeline stage {pred.peak.stage})"))
+    return 1 if c.peak_bytes > HEADROOM * dev.memory else 0
 
 
 def _check_fixed(base, gpus: int, fixed: dict) -> None:
@@ -177,7 +224,7 @@ def _check_fixed(base, gpus: int, fixed: dict) -> None:
     if "ac" in fixed:
         p.activation_checkpointing = fixed["ac"]
     p.dp_shard = gpus // (p.tp * p.pp * p.cp) if gpus % (p.tp * p.pp * p.cp) == 0 else 1
-    p.microbatches = max(p.pp, 1)
+    p.microbatches = max(p.pp * (2 if p.pp_schedule in ("dualpipe", "dualpipev") else 1), 1)  # their minimum
     cfg.train.global_batch = p.dp_shard * p.microbatches * max(1, cfg.train.global_batch // (p.dp_shard * p.microbatches))
     cfg.validate(p.world_size)  # raises ConfigError naming the field (exit 2)
 

@@ -100,7 +100,7 @@ class ParallelConfig:
                                    "host read, activation memory set by C; exact sends only the kept rows (fewer bytes; "
                                    "split sizes read on the host). Dropless runs (capacity 0) always use exact. hierarchical: exact rows, each token crossing to another node once, forwarded inside it (docs/expert-parallel.md, Two tiers).",
                          choices=("padded", "exact", "hierarchical"))
-    ep_overlap: int = f(0, "Expert parallel: split each MoE layer's tokens into this many chunks (2 or more; 0 = off) so that one chunk's all-to-all runs while another's experts compute, forward and backward, on the group's asynchronous process-group collectives (exact split sizes; not with ep_dispatch = hierarchical).", ge=0, le=64)
+    ep_overlap: int = f(0, "Expert parallel: split each MoE layer's tokens into this many chunks (2 or more; 0 = off) so that one chunk's all-to-all runs while another's experts compute, forward and backward, on the group's asynchronous process-group collectives (exact split sizes; with ep_dispatch = hierarchical the chunks run as lanes, distributed/lanes.py).", ge=0, le=64)
     sim_nodes: int = f(1, "Simulate this many nodes on one host: contiguous blocks of world/sim_nodes ranks; slow-tier bytes counted per group, throttled by sim_inter_node_*. 1 = one node (a real multi-host run finds its hosts).", ge=1, le=2**16)
     sim_inter_node_gbps: float = f(0.0, "Bandwidth per rank between simulated nodes, GB/s; 0 = not throttled (docs/collectives.md, Two tiers).", ge=0, le=1e6)
     sim_inter_node_latency_us: float = f(0.0, "Latency per message between simulated nodes, microseconds.", ge=0, le=1e7)

@@ -40,6 +40,7 @@ import time
 import torch
 
 from ..distributed.autograd import all_to_all
+from ..distributed.lanes import exchange
 from ..models.moe import count
 
 
@@ -73,7 +74,7 @@ _EXACT_INTS = {torch.float64: 2**53, torch.float32: 2**24, torch.float16: 2**11,
 def _a2a_rows(comm, rows: torch.Tensor, send_counts: torch.Tensor):
     """Exchange ``rows`` (grouped by destination, ``send_counts`` per group rank) over ``comm``:
     counts first, then the rows (autograd). Returns (received rows, in_splits, out_splits)."""
-    recv_counts = comm.all_to_all(send_counts.contiguous())
+    recv_counts = exchange(comm, send_counts.contiguous())
     ins, outs = send_counts.tolist(), recv_counts.tolist()  # the hop's one host read
     return all_to_all(rows, comm, ins, outs), ins, outs
 
@@ -99,7 +100,7 @@ def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> 
     payload = torch.cat([x.index_select(0, pt), w] + ([ids.to(x.dtype)] if inline else []), 1)
     got, ins1, outs1 = _a2a_rows(h.inter, payload, hit.sum(1))
     got_ids = (got[:, D + k:].detach().round() if inline else
-               h.inter.all_to_all(ids.to(torch.int32).contiguous(), ins1, outs1)).long()
+               exchange(h.inter, ids.to(torch.int32).contiguous(), ins1, outs1)).long()
     xr, wr = got[:, :D], got[:, D:D + k]                             # R received pairs
     # 3. fast hop: one row per assignment, sorted by (owner's local index, expert)
     R = got.shape[0]
@@ -110,7 +111,7 @@ def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> 
     rows = xr.index_select(0, sel // k)
     es = e.view(-1)[sel]                                              # their experts, sorted
     per_dest = count(h.exp_local.to(dev)[es] * h.per_rank + es % h.per_rank, h.L * h.per_rank).view(h.L, -1)
-    recv = h.intra.all_to_all(per_dest)                              # (L, per_rank): from source s
+    recv = exchange(h.intra, per_dest)                               # (L, per_rank): from source s
     ins2, outs2 = per_dest.sum(1).tolist(), recv.sum(1).tolist()
     arrived = all_to_all(rows, h.intra, ins2, outs2)
     # 4. experts on rows regrouped from (source, expert) to (expert, source), as the flat dispatch

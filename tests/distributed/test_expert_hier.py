@@ -1,5 +1,5 @@
-"""Two tiers: the hierarchical expert dispatch (parallel/expert_hier.py), the overlapped one
-(parallel/expert_overlap.py) and node-limited routing over simulated nodes, against the single-process MoE layer on each rank's tokens (float64), and
+"""Two tiers: the hierarchical expert dispatch (parallel/expert_hier.py), the overlapped ones
+(parallel/expert_overlap.py: flat in chunks, hierarchical in lanes) and node-limited routing over simulated nodes, against the single-process MoE layer on each rank's tokens (float64), and
 the slow-tier bytes the tier wrapper (distributed/tiers.py) counts against what the routing
 implies. Run with every point-to-point tag forced to 0 (NCCL's matching by issue order)."""
 import time
@@ -25,13 +25,13 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     ref = build_model(cfg.model, seed=4, dtype=torch.float64).layers["0"].feed_forward
     with torch.no_grad():  # a peaked router: experts overflow under a capacity
         ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
-    overlap = dispatch == "overlap"
-    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", "exact" if overlap else dispatch,
-                                     2 if overlap else 0)
+    overlap = dispatch in ("overlap", "hier-overlap")
+    base = {"overlap": "exact", "hier-overlap": "hierarchical"}.get(dispatch, dispatch)
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", base, 2 if overlap else 0)
     gen = torch.Generator().manual_seed(10 + mesh.rank)
     x = torch.randn(T, D, dtype=torch.float64, generator=gen)
     w = torch.randn(T, D, dtype=torch.float64, generator=gen)
-    # the overlapped layer with a capacity: an input without gradient (the experts still get theirs)
+    # the overlapped layers with a capacity: an input without gradient (the experts still get theirs)
     no_grad_in = overlap and cfg.model.moe_capacity_factor > 0
     xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_(not no_grad_in)
     y_ref = ref(xr)
@@ -68,7 +68,7 @@ def worker(ctx, nodes, topo):
                 for m, g in ((0, 0), (1, nodes)):
                     cfg = make_cfg(topo, top_k=k, capacity=cap)
                     cfg.model.moe_node_groups, cfg.model.moe_max_nodes = g, m
-                    for dispatch in ("hierarchical", "exact", "overlap"):
+                    for dispatch in ("hierarchical", "exact", "overlap", "hier-overlap"):
                         out[(cap, k, m, dispatch)] = _layer_case(mesh, cfg, dispatch)
     out["tags"] = seen
     return out
@@ -81,8 +81,10 @@ def _slow_bytes(case, dispatch, k, everyone, ep_nodes):
         back = sum(c["rows"].get(case["rank"], 0) for c in everyone)  # counts: n_local ints per rank (per half)
         return (sum(case["rows"].values()) + back) * D * 8 + ep_nodes * 8 * (2 if dispatch == "overlap" else 1)
     # hierarchical: row + k weights + k ids (float64 columns) per (node, token), to and from the same local index
+    # (overlapped: the same rows in 2 chunks of the tokens, a count exchange per chunk)
     back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
-    return sum(case["pairs"].values()) * (D + 2 * k) * 8 + back * D * 8 + 8 * (ep_nodes - 1)
+    counts = 8 * (ep_nodes - 1) * (2 if dispatch == "hier-overlap" else 1)
+    return sum(case["pairs"].values()) * (D + 2 * k) * 8 + back * D * 8 + counts
 
 
 def _check(res, nodes, n_local):
@@ -98,7 +100,7 @@ def _check(res, nodes, n_local):
                 assert c["max_nodes"] <= m, (rank, key, c)
             everyone = [o[key] for o in res if o[key]["node"] != c["node"]]
             other_ranks = sum(1 for o in res if o[key]["node"] != c["node"])
-            cross = nodes if dispatch == "hierarchical" else n_local * other_ranks
+            cross = nodes if dispatch.startswith("hier") else n_local * other_ranks
             assert c["inter"] == _slow_bytes(c, dispatch, k, everyone, cross), (rank, key, c)
 
 

@@ -112,6 +112,7 @@ class ParallelConfig:
     offload: bool = f(False, "FSDP/ZeRO: keep parameters and optimizer states on the CPU.")
     sequence_parallel: bool = f(False, "TP: shard norm/dropout regions along the sequence (all-gather/reduce-scatter).")
     pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev (DeepSeek's V shape, 2*pp stages, microbatches >= 2*pp) or dualpipe (bidirectional, two parameter copies per rank: 2x parameter memory; pp and microbatches even, microbatches >= 2*pp).", choices=('gpipe', '1f1b', 'interleaved', 'zb-h1', 'dualpipev', 'dualpipe'))
+    pp_overlap: bool = f(False, "DualPipe/DualPipeV: run each forward that the schedule pairs with a backward of another micro-batch (its F&B) as two lanes, one's all-to-alls travelling while the other computes (distributed/lanes.py; docs/expert-parallel.md, Overlap).")
     pp_virtual: int = f(1, "Virtual stages per pipeline rank (interleaved schedule).", ge=1, le=1024)
     microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).", ge=1, le=2**20)
     activation_checkpointing: str = f("none", "Activation recomputation: none, full (each block keeps its input), selective (Megatron's: the attention core) or op (torchtitan's per-operator policy: each block keeps its attention output and every other matrix product's; docs/planner.md).", choices=('none', 'full', 'selective', 'op'))

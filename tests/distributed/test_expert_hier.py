@@ -39,7 +39,9 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     snap = mesh.ledger.snapshot()
     y = layer(xe)
     inter = sum(e.inter_sent for (op, _), e in mesh.ledger.since(snap).items() if op == "all_to_all")
+    snap = mesh.ledger.snapshot()
     (y * w).sum().backward()
+    inter_bwd = sum(e.inter_sent for (op, _), e in mesh.ledger.since(snap).items() if op == "all_to_all")
     err = max((y - y_ref).abs().max().item(), 0 if no_grad_in else (xe.grad - xr.grad).abs().max().item(),
               (layer.router.weight.grad - ref.router.weight.grad).abs().max().item())
     for name in ("w1", "w2", "w3"):
@@ -54,7 +56,7 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     owner = torch.tensor(ep_ranks)[r.expert // layer.n_local]
     rows = {int(q): int((other & (owner == q)).sum()) for q in owner[other].unique()}
     return dict(err=err, same=torch.equal(r.keep, rr.keep) and torch.equal(r.expert, rr.expert),
-                dropped=int((~r.keep).sum()), inter=inter, pairs=pairs, rows=rows, node=mine, rank=mesh.rank,
+                dropped=int((~r.keep).sum()), inter=inter, inter_bwd=inter_bwd, pairs=pairs, rows=rows, node=mine, rank=mesh.rank,
                 local=mesh.local_rank("ep_intra"),
                 max_nodes=int(max(len(set(node[r.keep & (r.token == t)].tolist())) for t in range(T))))
 
@@ -87,6 +89,15 @@ def _slow_bytes(case, dispatch, k, everyone, ep_nodes):
     return sum(case["pairs"].values()) * (D + 2 * k) * 8 + back * D * 8 + counts
 
 
+def _slow_bytes_backward(case, dispatch, k, everyone):
+    """Backward slow-tier bytes: the transposes of the forward's row exchanges, no count exchange;
+    the hierarchical dispatch's gradient rows carry the k weights' gradients, not the ids."""
+    if dispatch in ("exact", "overlap"):
+        return (sum(case["rows"].values()) + sum(c["rows"].get(case["rank"], 0) for c in everyone)) * D * 8
+    back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
+    return sum(case["pairs"].values()) * D * 8 + back * (D + k) * 8
+
+
 def _check(res, nodes, n_local):
     assert all(r["tags"] <= {0} for r in res)
     assert sum(r[(1.0, 2, 0, "hierarchical")]["dropped"] for r in res) > 0  # the capacity drops
@@ -102,6 +113,8 @@ def _check(res, nodes, n_local):
             other_ranks = sum(1 for o in res if o[key]["node"] != c["node"])
             cross = nodes if dispatch.startswith("hier") else n_local * other_ranks
             assert c["inter"] == _slow_bytes(c, dispatch, k, everyone, cross), (rank, key, c)
+            if not (cap and dispatch.endswith("overlap")):  # there the input needs no gradient
+                assert c["inter_bwd"] == _slow_bytes_backward(c, dispatch, k, everyone), (rank, key, c)
 
 
 def test_hierarchical_ep4_over_two_nodes_equals_the_plain_layer():

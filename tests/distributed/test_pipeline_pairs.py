@@ -64,7 +64,7 @@ def test_dualpipe_pairs_overlap_and_equal_the_reference():
     cfg = _cfg(False)
     model = build_model(cfg.model, SEED, dtype=torch.float64)
     x, y = batch(cfg, 8)
-    ref_loss = float(model(x, y))
+    ref_loss = float(model(x, y).detach())
     for r in run(_worker, 4, timeout_s=240):
         assert not r[False]["pairs"] and len(r[True]["pairs"]) == 2, r[True]["pairs"]  # F0 B1, F1 B0
         for f, b, switches, overlapped in r[True]["pairs"]:

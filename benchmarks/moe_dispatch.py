@@ -8,15 +8,25 @@ divided by each factor; 0 = not throttled) and each variant of one MoE layer's f
   flat          the all-to-all over the ep group (``ep_dispatch = exact``)
   hierarchical  once per token and destination node over the slow tier, forwarded inside
   M = 1 / 2     node-limited routing: each token's experts on at most M of the 2 nodes (2 = all)
-  overlap n     flat, the tokens in n chunks, one chunk's all-to-all beside another's experts
+  overlap n     the tokens in n chunks, one chunk's all-to-all beside another's experts (flat:
+                async all-to-alls in one thread; hierarchical: the chunks as lanes,
+                distributed/lanes.py)
+  F&B           DualPipe's pair: the forward of one micro-batch and the backward of the previous
+                one as two lanes (the same work as one micro-batch's forward+backward)
 
 it reports the step time (median over rounds of the slowest rank; variants interleaved round by
 round) and the bytes one rank sends over the slow tier per step (ledger, mean over ranks; all
 collectives of the layer: dispatch, combine, count exchanges, the auxiliary statistics' all-reduce).
-Then, for overlap off / 2 / 4 chunks, the exposed communication per step read from a profiler trace
-(union of the loop thread's ``tier:*`` collective spans, ``ep:wait`` waits and ``shm:*`` spans,
-analysis/overlap.py's interval arithmetic) and the share of the all-to-all time hidden:
+Then, for overlap off / 2 / 4 chunks / F&B, the exposed communication per step read from a profiler
+trace (union of the ``tier:*`` collective spans, ``ep:wait`` waits and ``shm:*`` spans, analysis/
+overlap.py's interval arithmetic; with lanes, of every thread: only the lane holding the baton runs,
+so a wait in any lane is a wait of the rank) and the share of the all-to-all time hidden:
 1 - exposed(on) / exposed(off).
+
+``--bytes-top-k``: first, for each top-k, one step of flat and hierarchical (M = all): the slow-tier
+bytes and the ratio against what deduplication per destination node can reach at best (remote
+(node, token) pairs / remote assignments of the step's routing, and its closed form for uniform
+routing, N (1 - C(E - E/N, k) / C(E, k)) / k with N nodes).
 
     PYTHONPATH=. python benchmarks/moe_dispatch.py [--tokens 512 --top-k 8 --experts 16]
 
@@ -37,6 +47,7 @@ import torch.distributed as dist
 
 from shardlab.analysis.overlap import merge
 from shardlab.config import ModelConfig
+from shardlab.distributed.lanes import Lanes
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.tiers import Link, TieredComm
 from shardlab.distributed.topology import Topology
@@ -44,31 +55,46 @@ from shardlab.launch import run
 from shardlab.models import build_model
 from shardlab.parallel import expert
 
-VARIANTS = {  # name -> (ep_dispatch, overlap, moe_max_nodes)
-    "flat M=2": ("exact", False, 0), "hierarchical M=2": ("hierarchical", False, 0),
-    "flat M=1": ("exact", False, 1), "hierarchical M=1": ("hierarchical", False, 1),
-    "flat M=2 overlap 2": ("exact", 2, 0), "flat M=2 overlap 4": ("exact", 4, 0),
+VARIANTS = {  # name -> (ep_dispatch, overlap chunks or "fb", moe_max_nodes)
+    "flat M=2": ("exact", 0, 0), "hierarchical M=2": ("hierarchical", 0, 0),
+    "flat M=1": ("exact", 0, 1), "hierarchical M=1": ("hierarchical", 0, 1),
+    "flat M=2 overlap 2": ("exact", 2, 0), "flat M=2 overlap 4": ("exact", 4, 0), "flat M=2 F&B": ("exact", "fb", 0),
+    "hierarchical M=2 overlap 2": ("hierarchical", 2, 0), "hierarchical M=2 overlap 4": ("hierarchical", 4, 0),
+    "hierarchical M=2 F&B": ("hierarchical", "fb", 0),
 }
 
-OVERLAP = ("flat M=2", "flat M=2 overlap 2", "flat M=2 overlap 4")
+OVERLAP = {"flat M=2": ("flat M=2 overlap 2", "flat M=2 overlap 4", "flat M=2 F&B"),
+           "hierarchical M=2": ("hierarchical M=2 overlap 2", "hierarchical M=2 overlap 4", "hierarchical M=2 F&B")}
+
+
+def _layer(mesh, a, dispatch, overlap, m, top_k):
+    cfg = ModelConfig(vocab_size=64, d_model=a.d_model, n_layers=1, n_heads=4, ffn_hidden=a.ffn,
+                      n_experts=a.experts, moe_top_k=top_k, moe_node_groups=2 if m else 0, moe_max_nodes=m)
+    ref = build_model(cfg, seed=4).layers["0"].feed_forward
+    with torch.no_grad():
+        ref.router.weight.normal_(0, 1e-3, generator=torch.Generator().manual_seed(1))
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg, "layers.0.feed_forward", dispatch,
+                                     overlap if isinstance(overlap, int) else 0)
+    layer.fb = overlap == "fb"
+    layer.pending = None  # F&B: the previous micro-batch's loss, whose backward runs beside the next forward
+    return layer
 
 
 def _layers(mesh, a):
-    out = {}
-    for name, (dispatch, overlap, m) in VARIANTS.items():
-        cfg = ModelConfig(vocab_size=64, d_model=a.d_model, n_layers=1, n_heads=4, ffn_hidden=a.ffn,
-                          n_experts=a.experts, moe_top_k=a.top_k, moe_node_groups=2 if m else 0, moe_max_nodes=m)
-        ref = build_model(cfg, seed=4).layers["0"].feed_forward
-        with torch.no_grad():
-            ref.router.weight.normal_(0, 1e-3, generator=torch.Generator().manual_seed(1))
-        out[name] = expert.ExpertParallelMoE(ref, mesh, cfg, "layers.0.feed_forward", dispatch, overlap)
-    return out
+    return {name: _layer(mesh, a, dispatch, overlap, m, a.top_k) for name, (dispatch, overlap, m) in VARIANTS.items()}
 
 
 def _step(layer, x, w):
     layer.zero_grad(set_to_none=True)
     x.grad = None
-    (layer(x) * w).sum().backward()
+    if not layer.fb:
+        (layer(x) * w).sum().backward()
+        return
+    if layer.pending is None:
+        layer.pending = (layer(x) * w).sum()
+    prev, out = layer.pending, {}
+    Lanes().run(lambda: out.update(loss=(layer(x) * w).sum()), prev.backward)
+    layer.pending = out["loss"]
 
 
 def _set_link(mesh, link):
@@ -95,9 +121,14 @@ def _fast_gbps(mesh, nbytes=1 << 21, iters=10) -> float:
 
 
 def _exposed_ms(layer, x, w, steps=3) -> float:
-    """Exposed communication per step from a Chrome trace of ``steps`` steps (module doc)."""
+    """Exposed communication per step from a Chrome trace of ``steps`` steps (module doc). Variants
+    with lanes are traced on all threads; the others on the loop's thread, where all their
+    communication runs (a trace of all threads would lose the shared-memory transport's ``shm:``
+    spans: it opens them only where ``_profiler_enabled()``, which such a trace does not set)."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    lanes = layer.fb or layer.hier_chunks > 1
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=lanes)) as prof:
         for _ in range(steps):
             _step(layer, x, w)
     with tempfile.TemporaryDirectory() as d:
@@ -105,21 +136,44 @@ def _exposed_ms(layer, x, w, steps=3) -> float:
         prof.export_chrome_trace(path)
         with open(path) as fh:
             events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    ops = [e for e in events if e.get("cat") == "cpu_op"]
-    tid = statistics.mode(e.get("tid") for e in ops)
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("tid") == tid
-            and e["name"].startswith(("tier:", "ep:wait", "shm:"))]
+    if not lanes:
+        tid = statistics.mode(e.get("tid") for e in events if e.get("cat") == "cpu_op")
+        events = [e for e in events if e.get("tid") == tid]
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(("tier:", "ep:wait", "shm:"))]
     return sum(b - a for a, b in merge(comm)) / 1e3 / steps
+
+
+def _bytes(mesh, a, x, w) -> dict:
+    """Per top-k: slow-tier bytes of one step, flat and hierarchical, and the routing's remote
+    (node, token) pairs and remote assignments (module doc)."""
+    out = {}
+    for k in a.bytes_top_k:
+        row = {}
+        for name, dispatch in (("flat", "exact"), ("hier", "hierarchical")):
+            layer = _layer(mesh, a, dispatch, 0, 0, k)
+            snap = mesh.ledger.snapshot()
+            _step(layer, x, w)
+            row[name] = sum(e.inter_sent for e in mesh.ledger.since(snap).values())
+        r, h = layer.last_routing, layer.hier
+        node = h.exp_node[r.expert]
+        remote = r.keep & (node != mesh.node_of(mesh.rank))
+        row["assignments"] = int(remote.sum())
+        row["pairs"] = len(set(zip(node[remote].tolist(), r.token[remote].tolist())))
+        out[k] = row
+    return out
 
 
 def worker(ctx, a):
     mesh = Mesh.build(Topology(dp_shard=4, ep=4, nodes=2))
-    layers = _layers(mesh, a)
     g = torch.Generator().manual_seed(10 + ctx.rank)
     x, w = torch.randn(a.tokens, a.d_model, generator=g), torch.randn(a.tokens, a.d_model, generator=g)
     x.requires_grad_()  # as inside a model: the dispatch's backward runs too
+    out = {"bytes": _bytes(mesh, a, x, w) if a.bytes_top_k else {}}
+    if not a.slow_factors:
+        return out
+    layers = _layers(mesh, a)
     fast = _fast_gbps(mesh)
-    out = {"fast_gbps": fast, "settings": {}}
+    out.update({"fast_gbps": fast, "settings": {}})
     for factor in a.slow_factors:
         link = Link(fast / factor, a.latency_us) if factor else Link()
         _set_link(mesh, link)
@@ -138,27 +192,29 @@ def worker(ctx, a):
                 inter[name] = sum(e.inter_sent for e in mesh.ledger.since(snap).values())
         row = {n: {"step_ms": 1e3 * statistics.median(times[n]), "inter_KiB": inter[n] / 1024} for n in VARIANTS}
         if factor == a.profile_factor:
-            for n in OVERLAP:
+            for n in [n for off, ons in OVERLAP.items() for n in (off,) + ons]:
                 row[n]["exposed_ms"] = _exposed_ms(layers[n], x, w)
         out["settings"][factor] = {"gbps": link.gbps, "rows": row}
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--ffn", type=int, default=256)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--slow-factors", type=float, nargs="+", default=[0, 4, 16],
-                    help="slow tier = measured fast-tier bandwidth / factor (0: not throttled)")
-    ap.add_argument("--latency-us", type=float, default=20.0, help="slow-tier latency per message")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--profile-factor", type=float, default=16, help="the setting whose overlap is profiled")
-    ap.add_argument("--json", default="")
-    a = ap.parse_args()
-    res = run(worker, 4, a, timeout_s=1200)
+def _print_bytes(res, a):
+    from math import comb
+    N, E = 2, a.experts
+    print(f"\nSlow-tier bytes per rank per step (fwd+bwd), hierarchical vs flat, M = all: 4 ranks = 2 simulated "
+          f"nodes x 2, {E} experts, {a.tokens} tokens per rank, d {a.d_model}, fp32, uniform routing (mean over ranks)")
+    print("| top-k | flat (KiB) | hierarchical (KiB) | hierarchical / flat | remote (node, token) pairs / remote "
+          "assignments | closed form N(1 - C(E-E/N,k)/C(E,k))/k | target 1/(ranks per node) |")
+    print("|---|---|---|---|---|---|---|")
+    for k in a.bytes_top_k:
+        rows = [r["bytes"][k] for r in res]
+        flat, hier = (statistics.mean(r[n] for r in rows) / 1024 for n in ("flat", "hier"))
+        ideal = sum(r["pairs"] for r in rows) / max(1, sum(r["assignments"] for r in rows))
+        form = N * (1 - comb(E - E // N, k) / comb(E, k)) / k
+        print(f"| {k} | {flat:.0f} | {hier:.0f} | {hier / flat:.3f} | {ideal:.3f} | {form:.3f} | 0.5 |")
+
+
+def _print_steps(res, a):
     fast = res[0]["fast_gbps"]
     print(f"\nMoE layer fwd+bwd, 4 ranks = 2 simulated nodes x 2, ep 4, {a.experts} experts top-{a.top_k}, "
           f"{a.tokens} tokens per rank, d {a.d_model}, ffn {a.ffn}, fp32, uniform routing; fast tier (measured "
@@ -174,17 +230,43 @@ def main():
         for n, r in rows.items():
             print(f"| {tier} | {n} | {r['step_ms']:.1f} | {r['step_ms'] / base['step_ms']:.2f} | "
                   f"{r['inter_KiB']:.0f} | {r['inter_KiB'] / base['inter_KiB']:.2f} |")
-    if a.profile_factor in a.slow_factors:
-        print(f"\nOverlap, slow tier fast / {a.profile_factor:g}: exposed communication per step from the profiler "
-              "trace (mean over ranks)")
-        print("| overlap chunks | step (ms) | exposed communication (ms) | hidden = 1 - exposed / exposed(off) |")
-        print("|---|---|---|---|")
-        rows = {n: [r["settings"][a.profile_factor]["rows"][n] for r in res] for n in OVERLAP}
-        off = statistics.mean(r["exposed_ms"] for r in rows["flat M=2"])
+    if a.profile_factor not in a.slow_factors:
+        return
+    print(f"\nOverlap, slow tier fast / {a.profile_factor:g}: exposed communication per step from the profiler "
+          "trace of all threads (mean over ranks)")
+    print("| dispatch | overlap | step (ms) | exposed communication (ms) | hidden = 1 - exposed / exposed(off) |")
+    print("|---|---|---|---|---|")
+    for off, ons in OVERLAP.items():
+        rows = {n: [r["settings"][a.profile_factor]["rows"][n] for r in res] for n in (off,) + ons}
+        base = statistics.mean(r["exposed_ms"] for r in rows[off])
         for n, rr in rows.items():
             e = statistics.mean(r["exposed_ms"] for r in rr)
-            print(f"| {n.rpartition(' ')[2] if 'overlap' in n else 'off'} | {rr[0]['step_ms']:.1f} | {e:.1f} | "
-                  f"{'' if n == 'flat M=2' else f'{1 - e / off:.2f}'} |")
+            how = "off" if n == off else n.removeprefix(off + " ")
+            print(f"| {off.split()[0]} | {how} | {rr[0]['step_ms']:.1f} | {e:.1f} | "
+                  f"{'' if n == off else f'{1 - e / base:.2f}'} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--slow-factors", type=float, nargs="*", default=[0, 4, 16],
+                    help="slow tier = measured fast-tier bandwidth / factor (0: not throttled)")
+    ap.add_argument("--latency-us", type=float, default=20.0, help="slow-tier latency per message")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile-factor", type=float, default=16, help="the setting whose overlap is profiled")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--bytes-top-k", type=int, nargs="*", default=[],
+                    help="first: slow-tier bytes of flat vs hierarchical for each of these top-k (module doc)")
+    a = ap.parse_args()
+    res = run(worker, 4, a, timeout_s=1800)
+    if a.bytes_top_k:
+        _print_bytes(res, a)
+    if a.slow_factors:
+        _print_steps(res, a)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

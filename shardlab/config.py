@@ -100,7 +100,7 @@ class ParallelConfig:
                                    "host read, activation memory set by C; exact sends only the kept rows (fewer bytes; "
                                    "split sizes read on the host). Dropless runs (capacity 0) always use exact. hierarchical: exact rows, each token crossing to another node once, forwarded inside it (docs/expert-parallel.md, Two tiers).",
                          choices=("padded", "exact", "hierarchical"))
-    ep_overlap: int = f(0, "Expert parallel: split each MoE layer's tokens into this many chunks (2 or more; 0 = off) so that one chunk's all-to-all runs while another's experts compute, forward and backward, on the group's asynchronous process-group collectives (exact split sizes; not with ep_dispatch = hierarchical).", ge=0, le=64)
+    ep_overlap: int = f(0, "Expert parallel: split each MoE layer's tokens into this many chunks (2 or more; 0 = off) so that one chunk's all-to-all runs while another's experts compute, forward and backward, on the group's asynchronous process-group collectives (exact split sizes; with ep_dispatch = hierarchical the chunks run as lanes, distributed/lanes.py).", ge=0, le=64)
     sim_nodes: int = f(1, "Simulate this many nodes on one host: contiguous blocks of world/sim_nodes ranks; slow-tier bytes counted per group, throttled by sim_inter_node_*. 1 = one node (a real multi-host run finds its hosts).", ge=1, le=2**16)
     sim_inter_node_gbps: float = f(0.0, "Bandwidth per rank between simulated nodes, GB/s; 0 = not throttled (docs/collectives.md, Two tiers).", ge=0, le=1e6)
     sim_inter_node_latency_us: float = f(0.0, "Latency per message between simulated nodes, microseconds.", ge=0, le=1e7)
@@ -112,6 +112,7 @@ class ParallelConfig:
     offload: bool = f(False, "FSDP/ZeRO: keep parameters and optimizer states on the CPU.")
     sequence_parallel: bool = f(False, "TP: shard norm/dropout regions along the sequence (all-gather/reduce-scatter).")
     pp_schedule: str = f("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, dualpipev (DeepSeek's V shape, 2*pp stages, microbatches >= 2*pp) or dualpipe (bidirectional, two parameter copies per rank: 2x parameter memory; pp and microbatches even, microbatches >= 2*pp).", choices=('gpipe', '1f1b', 'interleaved', 'zb-h1', 'dualpipev', 'dualpipe'))
+    pp_overlap: bool = f(False, "DualPipe/DualPipeV: run each forward that the schedule pairs with a backward of another micro-batch (its F&B) as two lanes, one's all-to-alls travelling while the other computes (distributed/lanes.py; docs/expert-parallel.md, Overlap).")
     pp_virtual: int = f(1, "Virtual stages per pipeline rank (interleaved schedule).", ge=1, le=1024)
     microbatches: int = f(1, "Micro-batches per step (gradient accumulation; pipeline micro-batches).", ge=1, le=2**20)
     activation_checkpointing: str = f("none", "Activation recomputation: none, full (each block keeps its input), selective (Megatron's: the attention core) or op (torchtitan's per-operator policy: each block keeps its attention output and every other matrix product's; docs/planner.md).", choices=('none', 'full', 'selective', 'op'))

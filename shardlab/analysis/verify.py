@@ -105,6 +105,15 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
                     "dp_replicate"),
     "pp2-dualpipe-ep2-overlap": ({"pp": 2, "pp_schedule": "dualpipe", "microbatches": 4, "ep": 2, "dp_shard": 2,
                                   "ep_overlap": 2}, {**MOE, **UNTIED}, "dp_replicate"),
+    "ep4-hier-overlap": ({"ep": 4, "dp_shard": 4, **HIER, "ep_overlap": 2}, {**MOE, "moe_capacity_factor": 2.0},
+                         "dp_replicate"),
+    # DualPipe's F&B pairs as lanes: one micro-batch's all-to-alls beside the other's compute
+    "pp2-dualpipe-ep2-fb": ({"pp": 2, "pp_schedule": "dualpipe", "microbatches": 4, "ep": 2, "dp_shard": 2,
+                             "pp_overlap": True}, {**MOE, **UNTIED}, "dp_replicate"),
+    "pp2-dualpipev-ep2-fb": ({"pp": 2, "pp_schedule": "dualpipev", "microbatches": 4, "ep": 2, "dp_shard": 2,
+                              "pp_overlap": True}, {**MOE, **UNTIED}, "dp_replicate"),
+    "pp2-dualpipe-ep2-hier-fb": ({"pp": 2, "pp_schedule": "dualpipe", "microbatches": 4, "ep": 2, "dp_shard": 2,
+                                  "pp_overlap": True, **HIER, "sim_nodes": 4}, {**MOE, **UNTIED}, "dp_replicate"),
     "ep2-hier-dp": ({"ep": 2, "dp_shard": 2, "dp_replicate": 2, **HIER, "sim_nodes": 4}, MOE, "dp_replicate"),
     "pp2-ep2-hier": ({"pp": 2, "ep": 2, "dp_shard": 2, "microbatches": 2, **HIER, "sim_nodes": 4}, {**MOE, **UNTIED},
                      "dp_replicate"),
@@ -148,7 +157,7 @@ def describe(cfg: C.Config) -> str:
              p.pp_schedule if p.pp > 1 else "", f"m{p.microbatches}" if p.microbatches > 1 else "",
              f"E{cfg.model.n_experts}" if cfg.model.n_experts else "",
              p.ep_dispatch if p.ep > 1 and p.ep_dispatch == "hierarchical" else "",
-             "overlap" if p.ep > 1 and p.ep_overlap else "",
+             "overlap" if p.ep > 1 and p.ep_overlap else "", "F&B lanes" if p.pp > 1 and p.pp_overlap else "",
              f"cap{cfg.model.moe_capacity_factor:g}" if cfg.model.moe_capacity_factor else "",
              f"M{cfg.model.moe_max_nodes}/{cfg.model.moe_node_groups}" if cfg.model.moe_max_nodes else ""]
     return " ".join([Topology.from_config(p).describe()] + [e for e in extra if e])

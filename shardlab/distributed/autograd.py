@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from .lanes import exchange
+
 
 def _chunk(x: torch.Tensor, comm, dim: int) -> torch.Tensor:
     if x.shape[dim] % comm.size:
@@ -110,11 +112,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, in_splits, out_splits):
         ctx.comm, ctx.in_splits, ctx.out_splits = comm, in_splits, out_splits
-        return comm.all_to_all(x.contiguous(), in_splits, out_splits)
+        return exchange(comm, x.contiguous(), in_splits, out_splits)  # overlapped inside a lane (lanes.py)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm.all_to_all(g.contiguous(), ctx.out_splits, ctx.in_splits), None, None, None
+        return exchange(ctx.comm, g.contiguous(), ctx.out_splits, ctx.in_splits), None, None, None
 
 
 def copy_to_region(x: torch.Tensor, comm) -> torch.Tensor:

@@ -12,6 +12,9 @@ run). It changes no result; it does two things around each call of the wrapped C
   memory or gloo on one host) runs inside that time; the throttle adds only what is missing.
   Asynchronous calls and point-to-point works get the same deadline on their ``wait()``, so
   computation issued meanwhile overlaps the simulated transfer exactly as it would the real one.
+  A rank has one slow link: collectives that overlap in time queue on it (a call's transfer
+  starts when the link is free, ``_book``), so two transfers in flight together take the sum of
+  their times, not the longer one (point-to-point messages are priced each on their own).
 
 Which bytes cross, per rank (group rank ``me``, ``node[q]`` the node of group rank q):
   all_to_all      the rows sent to / received from ranks on other nodes (exact, from the splits);
@@ -50,6 +53,21 @@ class Link:
     @property
     def throttled(self) -> bool:
         return self.gbps > 0 or self.latency_us > 0
+
+
+_link_free = [0.0]
+"""When this rank's simulated slow link is free again (perf_counter seconds): one link per rank
+(process), shared by all its tiered groups."""
+
+
+def _book(t0: float, delay: float) -> float:
+    """The deadline of a transfer of ``delay`` seconds issued at ``t0``: after the link's earlier
+    transfers (module doc); books the link until then."""
+    if delay <= 0:
+        return t0
+    end = max(t0, _link_free[0]) + delay
+    _link_free[0] = end
+    return end
 
 
 def _sleep_until(deadline: float):
@@ -117,27 +135,26 @@ class TieredComm:
 
     def _run(self, op: str, cost: tuple[int, int, float], call):
         """Run ``call()``, count the slow-tier bytes, return no earlier than start + delay. Under
-        the profiler the whole call, throttle included, is one ``tier:<op>`` span."""
-        if torch.autograd._profiler_enabled():
-            with torch.profiler.record_function(f"tier:{op}"):
-                return self._run_now(op, cost, call)
-        return self._run_now(op, cost, call)
+        the profiler the whole call, throttle included, is one ``tier:<op>`` span (always opened:
+        a profiler of all threads does not show in ``_profiler_enabled()`` on them)."""
+        with torch.profiler.record_function(f"tier:{op}"):
+            return self._run_now(op, cost, call)
 
     def _run_now(self, op, cost, call):
         sent, recv, delay = cost
-        t0 = time.perf_counter()
+        deadline = _book(time.perf_counter(), delay)
         out = call()
         self.inner.ledger.record_inter(op, self.inner.name, sent, recv)
-        _sleep_until(t0 + delay)
+        _sleep_until(deadline)
         return out
 
     def _start(self, op: str, cost: tuple[int, int, float], call) -> Delayed:
         """An asynchronous call: counted now, its ``wait()`` no earlier than start + delay."""
         sent, recv, delay = cost
-        t0 = time.perf_counter()
+        deadline = _book(time.perf_counter(), delay)
         work = call()
         self.inner.ledger.record_inter(op, self.inner.name, sent, recv)
-        return Delayed(work, t0 + delay)
+        return Delayed(work, deadline)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t, op="sum", algorithm=None):

@@ -48,12 +48,13 @@ import torch
 from torch import nn
 
 from ..distributed.autograd import all_to_all
+from ..distributed.lanes import exchange
 from ..errors import ConfigError
 from ..distributed.placement import Placement, set_placement
 from ..models.moe import MoE, Experts
 from ..models.moe_gemm import padded_slots
 from .expert_hier import Hierarchy, hierarchical_moe
-from .expert_overlap import overlapped_experts
+from .expert_overlap import hierarchical_overlapped, overlapped_experts
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -83,6 +84,7 @@ class ExpertParallelMoE(MoE):
         self.padded = padded_dispatch(dispatch, self.capacity_factor)
         self.hier = Hierarchy(mesh, E) if dispatch == "hierarchical" and ep > 1 else None
         self.split = overlap if overlap > 1 and ep > 1 and self.hier is None else 1  # chunks, expert_overlap.py
+        self.hier_chunks = overlap if overlap > 1 and self.hier is not None else 1    # lanes, expert_overlap.py
         src = moe.experts
         self.experts = Experts(self.n_local, src.w1.shape[2], src.w1.shape[1], src.impl)
         for name in ("w1", "w2", "w3"):
@@ -98,6 +100,9 @@ class ExpertParallelMoE(MoE):
             return super().forward(x)
         flat = x.reshape(-1, x.shape[-1])
         r = self.last_routing = self.route(flat)
+        if self.hier_chunks > 1:
+            out = hierarchical_overlapped(self, self.hier, flat, r, self.capacity(flat.shape[0]), self.hier_chunks)
+            return out.view(x.shape)
         return hierarchical_moe(self, self.hier, flat, r, self.capacity(flat.shape[0])).view(x.shape)
 
     def batch_sum(self, t):
@@ -114,7 +119,7 @@ class ExpertParallelMoE(MoE):
             self._time(t0, t0, t1, t1)
             return out
         send = counts.view(ep, n_local)
-        recv = self.ep.all_to_all(send.contiguous())                 # row s: counts from rank s
+        recv = exchange(self.ep, send.contiguous())                  # row s: counts from rank s
         # received rows come as [source 0: expert 0 rows, expert 1 rows, ...][source 1: ...]; the
         # experts want them by expert: key (source s, expert e) -> e*ep + s
         block = torch.arange(ep * n_local, device=x.device).view(ep, n_local)
@@ -204,8 +209,6 @@ def _check_tiers(m, p) -> None:
         require(G % spanned == 0, "model.moe_node_groups",
                 f"{G} groups cannot each sit on one of the {spanned} nodes an ep group spans; use a multiple of {spanned}")
     require(p.ep_overlap != 1, "parallel.ep_overlap", "one chunk overlaps nothing; use 0 (off) or 2 or more chunks")
-    require(not p.ep_overlap or p.ep_dispatch != "hierarchical", "parallel.ep_overlap",
-            "overlap of the hierarchical dispatch is not implemented; use ep_dispatch = exact or padded")
 
 
 def apply(model: nn.Module, mesh, cfg) -> nn.Module:

@@ -23,8 +23,8 @@ T tokens were routed (models/moe.py: k kept-or-dropped assignments per token):
      token's assignments on node b: one row per pair;
   6. slow hop back: one row per (node, token) to the token's rank, which sums over nodes.
 
-Bytes per token over the slow tier: one row (plus k weights and k ids) per other node
-used, against one row per assignment on another node for the flat all-to-all; the fast tier
+Bytes per token over the slow tier: one row (plus k weights and k ids forward, k weights'
+gradients backward) per other node used, against one row per assignment on another node for the flat all-to-all; the fast tier
 carries the per-assignment rows. Sizes are exact (uneven): the split sizes are read on the host
 once per hop, as in the flat ``exact`` dispatch. Everything the gradient needs is autograd:
 the row/weight all-to-alls (the transpose exchange backward), gathers whose backward scatters
@@ -40,6 +40,7 @@ import time
 import torch
 
 from ..distributed.autograd import all_to_all
+from ..distributed.lanes import exchange
 from ..models.moe import count
 
 
@@ -70,11 +71,30 @@ _EXACT_INTS = {torch.float64: 2**53, torch.float32: 2**24, torch.float16: 2**11,
 """Integers up to these are exact in each dtype: expert ids ride in the row's own message."""
 
 
-def _a2a_rows(comm, rows: torch.Tensor, send_counts: torch.Tensor):
+class _WithIds(torch.autograd.Function):
+    """The slow hop's all-to-all of rows with the expert ids as trailing columns: forward sends
+    ``[rows | ids]``, backward returns the gradient of ``rows`` only (the ids have none: the
+    transpose exchange would carry k zero columns per row back over the slow tier)."""
+
+    @staticmethod
+    def forward(ctx, rows, ids, comm, ins, outs):
+        ctx.comm, ctx.ins, ctx.outs, ctx.width = comm, ins, outs, rows.shape[1]
+        return exchange(comm, torch.cat([rows, ids], 1), ins, outs)
+
+    @staticmethod
+    def backward(ctx, g):
+        return exchange(ctx.comm, g[:, :ctx.width].contiguous(), ctx.outs, ctx.ins), None, None, None, None
+
+
+def _a2a_rows(comm, rows: torch.Tensor, send_counts: torch.Tensor, ids: torch.Tensor | None = None):
     """Exchange ``rows`` (grouped by destination, ``send_counts`` per group rank) over ``comm``:
-    counts first, then the rows (autograd). Returns (received rows, in_splits, out_splits)."""
-    recv_counts = comm.all_to_all(send_counts.contiguous())
+    counts first, then the rows (autograd), with ``ids`` as extra columns that get no gradient.
+    Returns (received rows, in_splits, out_splits)."""
+    recv_counts = exchange(comm, send_counts.contiguous())
     ins, outs = send_counts.tolist(), recv_counts.tolist()  # the hop's one host read
+    if ids is not None and comm.size > 1:
+        return _WithIds.apply(rows, ids, comm, ins, outs), ins, outs
+    rows = rows if ids is None else torch.cat([rows, ids], 1)
     return all_to_all(rows, comm, ins, outs), ins, outs
 
 
@@ -96,10 +116,10 @@ def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> 
     w = (r.weight.view(k, T)[:, pt] * on).t().to(x.dtype)           # (P, k)
     ids = torch.where(on, expert[:, pt], -1).t()
     inline = layer.n_experts <= _EXACT_INTS.get(x.dtype, 0)          # ids exact in x's dtype: one message
-    payload = torch.cat([x.index_select(0, pt), w] + ([ids.to(x.dtype)] if inline else []), 1)
-    got, ins1, outs1 = _a2a_rows(h.inter, payload, hit.sum(1))
+    payload = torch.cat([x.index_select(0, pt), w], 1)
+    got, ins1, outs1 = _a2a_rows(h.inter, payload, hit.sum(1), ids.to(x.dtype) if inline else None)
     got_ids = (got[:, D + k:].detach().round() if inline else
-               h.inter.all_to_all(ids.to(torch.int32).contiguous(), ins1, outs1)).long()
+               exchange(h.inter, ids.to(torch.int32).contiguous(), ins1, outs1)).long()
     xr, wr = got[:, :D], got[:, D:D + k]                             # R received pairs
     # 3. fast hop: one row per assignment, sorted by (owner's local index, expert)
     R = got.shape[0]
@@ -110,7 +130,7 @@ def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> 
     rows = xr.index_select(0, sel // k)
     es = e.view(-1)[sel]                                              # their experts, sorted
     per_dest = count(h.exp_local.to(dev)[es] * h.per_rank + es % h.per_rank, h.L * h.per_rank).view(h.L, -1)
-    recv = h.intra.all_to_all(per_dest)                              # (L, per_rank): from source s
+    recv = exchange(h.intra, per_dest)                               # (L, per_rank): from source s
     ins2, outs2 = per_dest.sum(1).tolist(), recv.sum(1).tolist()
     arrived = all_to_all(rows, h.intra, ins2, outs2)
     # 4. experts on rows regrouped from (source, expert) to (expert, source), as the flat dispatch

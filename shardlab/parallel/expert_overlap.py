@@ -22,33 +22,22 @@ are exact (read on the host after each chunk's count exchange, itself synchronou
 Results equal the non-overlapped layer up to the order of the expert weight gradients' sums over
 rows (float64 1e-10, tests/distributed/test_expert_hier.py). A group that spans nodes passes the
 transfers through the tier wrapper (distributed/tiers.py), so the simulated slow tier overlaps too.
+
+The hierarchical dispatch (expert_hier.py) overlaps the same way with lanes
+(distributed/lanes.py, :func:`hierarchical_overlapped`): chunk c of the tokens runs its two hops
+and experts in lane c, every transfer (the count exchanges included) started asynchronously and
+the baton passed to the next chunk while it travels; the backward runs each chunk's inner
+``torch.autograd.backward`` in its lane the same way. Its first transfer per pass and hop waits
+with nothing beside it only for chunk 0; the rest can hide behind the other chunks' forwarding,
+expert and combine compute.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..distributed.tiers import TieredComm
-
-
-def start_all_to_all(comm, t: torch.Tensor, in_splits: list[int], out_splits: list[int]):
-    """Start ``comm``'s all-to-all of ``t`` asynchronously on its process group, counted in the
-    ledger like the synchronous call (and priced by the tier wrapper when ``comm`` has one).
-    Returns (work with ``wait()``, output tensor filled once it is waited for)."""
-    base = comm.inner if isinstance(comm, TieredComm) else comm
-    out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
-    t = t.contiguous()
-
-    def start():
-        base._count_a2a(t, in_splits, out_splits)
-        return dist.all_to_all_single(out, t, out_splits, in_splits, group=base.group, async_op=True)
-    work = comm.all_to_all_start(t, in_splits, out_splits, start) if isinstance(comm, TieredComm) else start()
-    return work, out
-
-
-def _wait(work):
-    with torch.profiler.record_function("ep:wait"):
-        work.wait()
+from ..distributed.lanes import Lanes, start_all_to_all, wait as _wait
+from ..models.moe import Routing
+from .expert_hier import hierarchical_moe
 
 
 class _Chunk:
@@ -131,3 +120,49 @@ def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: i
     for c, (y, h) in enumerate(zip(ys, chunks)):
         parts += [y, x.new_zeros(starts[c + 1] - starts[c] - h.n, x.shape[1])]
     return torch.cat(parts)
+
+
+class _HierChunks(torch.autograd.Function):
+    """The hierarchical layer's output for routed tokens, chunk c of the tokens in lane c."""
+
+    @staticmethod
+    def forward(ctx, layer, h, r, capacity, n, x, weight, *params):
+        """``weight``: the routing's gate weights (k*T, j-major); ``params``: the local experts'
+        (inputs only so that the output needs a gradient whenever they do)."""
+        T, k = x.shape[0], layer.top_k
+        ctx.bounds = bounds = [c * T // n for c in range(n + 1)]
+        need_x, need_w = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+
+        def lane(c):
+            a, b = bounds[c], bounds[c + 1]
+            xc = x[a:b].detach().requires_grad_(need_x)
+            wc = weight.view(k, T)[:, a:b].detach().requires_grad_(need_w)
+            with torch.enable_grad():  # the gates' reshape too: it must reach wc's gradient
+                rc = Routing(r.expert.view(k, T)[:, a:b].reshape(-1), None, wc.reshape(-1),
+                             r.keep.view(k, T)[:, a:b].reshape(-1))
+                return xc, wc, hierarchical_moe(layer, h, xc, rc, capacity)
+        ctx.lanes = Lanes()
+        ctx.chunks = ctx.lanes.run(*[(lambda c=c: lane(c)) for c in range(n)])
+        return torch.cat([y.detach() for _, _, y in ctx.chunks])
+
+    @staticmethod
+    def backward(ctx, g):
+        bounds = ctx.bounds
+
+        def lane(c):
+            xc, wc, y = ctx.chunks[c]
+            if y.requires_grad:
+                torch.autograd.backward(y, g[bounds[c]:bounds[c + 1]])
+            zero = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731 (unused chunk)
+            return zero(xc), zero(wc)
+        grads = ctx.lanes.run(*[(lambda c=c: lane(c)) for c in range(len(ctx.chunks))])
+        ctx.chunks = None
+        gx = torch.cat([gx for gx, _ in grads]) if ctx.needs_input_grad[5] else None
+        gw = torch.cat([gw for _, gw in grads], 1).reshape(-1) if ctx.needs_input_grad[6] else None
+        return (None,) * 5 + (gx, gw) + (None,) * (len(ctx.needs_input_grad) - 7)
+
+
+def hierarchical_overlapped(layer, h, x: torch.Tensor, r, capacity: int, n: int) -> torch.Tensor:
+    """The hierarchical dispatch of ``x`` (T, D) routed as ``r``, in ``n`` chunks of the tokens
+    whose transfers overlap each other's compute (module doc)."""
+    return _HierChunks.apply(layer, h, r, capacity, n, x, r.weight, *layer.experts.parameters())

@@ -1,5 +1,5 @@
-"""Two tiers: the hierarchical expert dispatch (parallel/expert_hier.py), the overlapped one
-(parallel/expert_overlap.py) and node-limited routing over simulated nodes, against the single-process MoE layer on each rank's tokens (float64), and
+"""Two tiers: the hierarchical expert dispatch (parallel/expert_hier.py), the overlapped ones
+(parallel/expert_overlap.py: flat in chunks, hierarchical in lanes) and node-limited routing over simulated nodes, against the single-process MoE layer on each rank's tokens (float64), and
 the slow-tier bytes the tier wrapper (distributed/tiers.py) counts against what the routing
 implies. Run with every point-to-point tag forced to 0 (NCCL's matching by issue order)."""
 import time
@@ -25,13 +25,13 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     ref = build_model(cfg.model, seed=4, dtype=torch.float64).layers["0"].feed_forward
     with torch.no_grad():  # a peaked router: experts overflow under a capacity
         ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
-    overlap = dispatch == "overlap"
-    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", "exact" if overlap else dispatch,
-                                     2 if overlap else 0)
+    overlap = dispatch in ("overlap", "hier-overlap")
+    base = {"overlap": "exact", "hier-overlap": "hierarchical"}.get(dispatch, dispatch)
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", base, 2 if overlap else 0)
     gen = torch.Generator().manual_seed(10 + mesh.rank)
     x = torch.randn(T, D, dtype=torch.float64, generator=gen)
     w = torch.randn(T, D, dtype=torch.float64, generator=gen)
-    # the overlapped layer with a capacity: an input without gradient (the experts still get theirs)
+    # the overlapped layers with a capacity: an input without gradient (the experts still get theirs)
     no_grad_in = overlap and cfg.model.moe_capacity_factor > 0
     xr, xe = x.clone().requires_grad_(), x.clone().requires_grad_(not no_grad_in)
     y_ref = ref(xr)
@@ -39,7 +39,9 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     snap = mesh.ledger.snapshot()
     y = layer(xe)
     inter = sum(e.inter_sent for (op, _), e in mesh.ledger.since(snap).items() if op == "all_to_all")
+    snap = mesh.ledger.snapshot()
     (y * w).sum().backward()
+    inter_bwd = sum(e.inter_sent for (op, _), e in mesh.ledger.since(snap).items() if op == "all_to_all")
     err = max((y - y_ref).abs().max().item(), 0 if no_grad_in else (xe.grad - xr.grad).abs().max().item(),
               (layer.router.weight.grad - ref.router.weight.grad).abs().max().item())
     for name in ("w1", "w2", "w3"):
@@ -54,7 +56,7 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     owner = torch.tensor(ep_ranks)[r.expert // layer.n_local]
     rows = {int(q): int((other & (owner == q)).sum()) for q in owner[other].unique()}
     return dict(err=err, same=torch.equal(r.keep, rr.keep) and torch.equal(r.expert, rr.expert),
-                dropped=int((~r.keep).sum()), inter=inter, pairs=pairs, rows=rows, node=mine, rank=mesh.rank,
+                dropped=int((~r.keep).sum()), inter=inter, inter_bwd=inter_bwd, pairs=pairs, rows=rows, node=mine, rank=mesh.rank,
                 local=mesh.local_rank("ep_intra"),
                 max_nodes=int(max(len(set(node[r.keep & (r.token == t)].tolist())) for t in range(T))))
 
@@ -68,7 +70,7 @@ def worker(ctx, nodes, topo):
                 for m, g in ((0, 0), (1, nodes)):
                     cfg = make_cfg(topo, top_k=k, capacity=cap)
                     cfg.model.moe_node_groups, cfg.model.moe_max_nodes = g, m
-                    for dispatch in ("hierarchical", "exact", "overlap"):
+                    for dispatch in ("hierarchical", "exact", "overlap", "hier-overlap"):
                         out[(cap, k, m, dispatch)] = _layer_case(mesh, cfg, dispatch)
     out["tags"] = seen
     return out
@@ -81,8 +83,19 @@ def _slow_bytes(case, dispatch, k, everyone, ep_nodes):
         back = sum(c["rows"].get(case["rank"], 0) for c in everyone)  # counts: n_local ints per rank (per half)
         return (sum(case["rows"].values()) + back) * D * 8 + ep_nodes * 8 * (2 if dispatch == "overlap" else 1)
     # hierarchical: row + k weights + k ids (float64 columns) per (node, token), to and from the same local index
+    # (overlapped: the same rows in 2 chunks of the tokens, a count exchange per chunk)
     back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
-    return sum(case["pairs"].values()) * (D + 2 * k) * 8 + back * D * 8 + 8 * (ep_nodes - 1)
+    counts = 8 * (ep_nodes - 1) * (2 if dispatch == "hier-overlap" else 1)
+    return sum(case["pairs"].values()) * (D + 2 * k) * 8 + back * D * 8 + counts
+
+
+def _slow_bytes_backward(case, dispatch, k, everyone):
+    """Backward slow-tier bytes: the transposes of the forward's row exchanges, no count exchange;
+    the hierarchical dispatch's gradient rows carry the k weights' gradients, not the ids."""
+    if dispatch in ("exact", "overlap"):
+        return (sum(case["rows"].values()) + sum(c["rows"].get(case["rank"], 0) for c in everyone)) * D * 8
+    back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
+    return sum(case["pairs"].values()) * D * 8 + back * (D + k) * 8
 
 
 def _check(res, nodes, n_local):
@@ -98,8 +111,10 @@ def _check(res, nodes, n_local):
                 assert c["max_nodes"] <= m, (rank, key, c)
             everyone = [o[key] for o in res if o[key]["node"] != c["node"]]
             other_ranks = sum(1 for o in res if o[key]["node"] != c["node"])
-            cross = nodes if dispatch == "hierarchical" else n_local * other_ranks
+            cross = nodes if dispatch.startswith("hier") else n_local * other_ranks
             assert c["inter"] == _slow_bytes(c, dispatch, k, everyone, cross), (rank, key, c)
+            if not (cap and dispatch.endswith("overlap")):  # there the input needs no gradient
+                assert c["inter_bwd"] == _slow_bytes_backward(c, dispatch, k, everyone), (rank, key, c)
 
 
 def test_hierarchical_ep4_over_two_nodes_equals_the_plain_layer():

@@ -48,11 +48,15 @@ def test_verify_on_the_process_group(capsys):
 def test_verify_two_tier_layouts():
     """Expert parallel over simulated nodes: the hierarchical dispatch (ep4 over 2 nodes x 2
     ranks; with a capacity; with dp; with pp), node-limited routing (M = 1 of 2 groups), the
-    overlapped dispatch (ep4 over 2 nodes, two chunks; inside DualPipe's stages), each
-    equal to the single-process model (docs/expert-parallel.md, Two tiers). One spawn for all."""
+    overlapped dispatches (flat and hierarchical over 2 nodes, two chunks; inside DualPipe's
+    stages) and DualPipe's F&B pairs run as lanes (dualpipe with the hierarchical dispatch over 4
+    nodes; dualpipe, dualpipev), each equal to the single-process model (docs/expert-parallel.md,
+    Two tiers). One spawn for all; the last three span no nodes."""
     names = ["ep4-hier", "ep4-hier-cap", "ep4-hier-m1", "ep2-hier-dp", "pp2-ep2-hier", "ep4-overlap",
-             "pp2-dualpipe-ep2-overlap"]
+             "ep4-hier-overlap", "pp2-dualpipe-ep2-hier-fb", "pp2-dualpipe-ep2-overlap", "pp2-dualpipe-ep2-fb",
+             "pp2-dualpipev-ep2-fb"]
     cfg = verify.layout_config(names[0], 4)
     rows = verify.run_layouts(names, 4, str(prepare(cfg.data)), 2, {})
     assert all(r["ok"] for r in rows), rows
-    assert all("over 2 nodes" in r["detail"] or "over 4 nodes" in r["detail"] for r in rows[:-1])
+    assert all("over 2 nodes" in r["detail"] or "over 4 nodes" in r["detail"] for r in rows[:-3])
+    assert all("F&B lanes" in r["detail"] for r in rows if r["layout"].endswith("-fb")), rows

@@ -82,7 +82,9 @@ def test_count_and_config_errors():
     from shardlab.config import Config, ConfigError
     for changes, field in (({"pp_schedule": "dualpipev", "microbatches": 6}, "parallel.microbatches"),
                            ({"pp_schedule": "dualpipe", "microbatches": 8, "zero_stage": 1}, "parallel.zero_stage"),
-                           ({"pp_schedule": "dualpipe", "microbatches": 12, "pp": 3}, "parallel.pp")):
+                           ({"pp_schedule": "dualpipe", "microbatches": 12, "pp": 3}, "parallel.pp"),
+                           ({"pp_schedule": "1f1b", "microbatches": 8, "pp_overlap": True}, "parallel.pp_overlap"),
+                           ({"pp": 1, "pp_overlap": True}, "parallel.pp_overlap")):
         cfg = Config()
         cfg.model.n_layers, cfg.parallel.pp, cfg.train.global_batch = 8, 4, 48
         for key, value in changes.items():

@@ -17,13 +17,15 @@ With stage ids so numbered, stage id s lives on rank s (s < p) or 2p-1-s, in bot
 
 The order per rank follows DeepSeek's reference (github.com/deepseek-ai/DualPipe, eight steps:
 nF0, nF0F1, nB1W1F1, nF0B1F1B0, nB1F1B0, nB1B0, nWB0, nW) with its overlapped "F&B" pairs
-serialised as F then B (this executor has one stream) and its zero-bubble backwards: a
+listed as F then B (with ``parallel.pp_overlap`` the executor runs each pair as two lanes whose
+all-to-alls overlap the other's compute: pairs.py) and its zero-bubble backwards: a
 backward with ``zb`` defers its W to a FIFO queue, popped by the next "W" step; a plain
 backward is B immediately followed by its W (cost B + W).
 
 Bubble per rank (DeepSeek-V3 report, F, B, W per chunk, B = full backward, F&B = one overlapped
 forward + backward): 1F1B (PP-1)(F+B), ZB1P (PP-1)(F+B-2W), DualPipe (PP/2-1)(F&B+B-3W); with
-the pair serialised, F&B = F + B, hence :func:`dual_idle`.
+the pair serialised, F&B = F + B, hence :func:`dual_idle` (lanes hide transfers, not compute:
+one lane runs at a time, so F&B stays F + B in compute).
 """
 from __future__ import annotations
 

@@ -20,14 +20,18 @@ Every compute action is time-stamped (``engine.last_timeline``) for measured tim
 from __future__ import annotations
 
 from contextlib import nullcontext
+import threading
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from ...distributed import heap
+from ...distributed.lanes import Lanes
 from ..engine import Engine
 from .aux import attach as attach_aux, stage_aux
+from .pairs import is_pair, pair
 from .schedule import LAYOUT, Action, Schedule, build
 from .simulate import check
 from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model, stage_views
@@ -58,8 +62,11 @@ class PipelineEngine(Engine):
         self._schedules: dict = {}
         self.lookahead = 2  # receives posted ahead of the one being waited for (buffers: 3 activations)
         self.last_timeline: list = []
+        self.last_pairs: list = []  # last step: (F, B, baton passes at transfers) of each F&B run as lanes
         self.wgrad_peak_bytes = 0  # last step: most bytes held for deferred W (inputs + output grads)
         self._capture: list | None = None
+        self._capture_thread = None
+        self.pp_overlap = p.pp_overlap  # F&B pairs as lanes (pairs.py)
         owns = lambda mod: any(p.requires_grad for p in mod.parameters(recurse=False))  # noqa: E731
         for mod in model.modules():  # W needs each parameter-owning module's output (split backward)
             if owns(mod):
@@ -72,7 +79,8 @@ class PipelineEngine(Engine):
         self.chunks = stage_views(self.model, self.spec, self.ranges, sorted(self.chunks))
 
     def _record_output(self, module, args, output):
-        if self._capture is not None and torch.is_tensor(output) and output.requires_grad:
+        if (self._capture is not None and torch.is_tensor(output) and output.requires_grad
+                and threading.get_ident() == self._capture_thread):  # not a paired B's recompute
             self._capture.append((module, output, direct_input(module, args)))
 
     def _recv_key(self, a) -> tuple:
@@ -81,9 +89,13 @@ class PipelineEngine(Engine):
     def schedule(self, m: int):
         """The checked action lists for m micro-batches (built and simulated once per m)."""
         if m not in self._schedules:
-            sched = build(self.schedule_name, self.pp, m, self.v)
+            sched = build(self.schedule_name, self.pp, m, 1 if self.schedule_name in LAYOUT else self.v)
             check(sched)  # refuses a deadlocking or incomplete list with the reason
             check_p2p_order(sched)  # receives in the order of the sends (no tags)
+            if self.pp_overlap:
+                sched = pair(sched)
+                check(sched)
+                check_p2p_order(sched)
             self._schedules[m] = sched
         return self._schedules[m]
 
@@ -92,21 +104,25 @@ class PipelineEngine(Engine):
                          mark=None) -> torch.Tensor:
         """Run the schedule over the micro-batches. Returns the mean loss over micro-batches on the
         last stage and 0 on the others (``global_loss`` gives every rank the true value).
-        ``mark("step")``, when given, is called first (the schedule interleaves the phases)."""
+        ``mark("step")``, when given, is called first (the schedule interleaves the phases).
+        With ``parallel.pp_overlap`` every F&B pair (pairs.py) runs as two lanes."""
         if mark:
             mark("step")
         micro_batches = [self._local(x, y) for x, y in micro_batches]  # cp: this rank's sequence shard
         m = len(micro_batches)
         sched = self.schedule(m)
         self._check_batch(micro_batches)
-        split = sched.split_bw
-        inputs, outputs, out_grads, saved_z, in_grads = {}, {}, {}, {}, {}
-        losses, aux_sum = [], 0.0  # aux: MoE losses of stages before the last (aux.py)
-        self.wgrad_peak_bytes, held, held_now = 0, {}, 0
+        st = SimpleNamespace(mbs=micro_batches, m=m, scale=loss_scale, autocast=autocast, split=sched.split_bw,
+                             inputs={}, outputs={}, out_grads={}, saved_z={}, in_grads={}, losses=[], aux_sum=0.0,
+                             held={}, held_now=0)
+        self.wgrad_peak_bytes, self.last_pairs = 0, []
         timeline = []
         actions = sched.ranks[self.pp_rank]
-        recvs, n_recv = [a for a in actions if a.kind.startswith("RECV")], 0
-        for a in actions:
+        recvs, n_recv, skip = [a for a in actions if a.kind.startswith("RECV")], 0, False
+        for i, a in enumerate(actions):
+            if skip:  # the B of a pair, run with its F
+                skip = False
+                continue
             key = (a.mb, a.stage)
             if a.kind.startswith("RECV"):  # also post the next `lookahead` receives ahead of need
                 for r in recvs[n_recv:n_recv + 1 + self.lookahead]:
@@ -114,74 +130,100 @@ class PipelineEngine(Engine):
                 n_recv += 1
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
-                inputs[key] = self.link.recv(a.peer, self._recv_key(a)).requires_grad_()
+                st.inputs[key] = self.link.recv(a.peer, self._recv_key(a)).requires_grad_()
             elif a.kind == "RECV_B":
-                out_grads[key] = self.link.recv(a.peer, self._recv_key(a))
+                st.out_grads[key] = self.link.recv(a.peer, self._recv_key(a))
             elif a.kind == "SEND_F":
-                self.link.send(outputs[key], a.peer)
+                self.link.send(st.outputs[key], a.peer)
             elif a.kind == "SEND_B":
-                self.link.send(in_grads.pop(key), a.peer)
-            elif a.kind == "F":
-                tokens, targets = micro_batches[a.mb]
-                x = tokens if self.prev[a.stage] is None else inputs[key]  # received, or handed over locally
-                self._capture = [] if split else None
-                with autocast() if autocast else nullcontext():
-                    out = self.chunks[a.stage](x, targets if self.next[a.stage] is None else None,
-                                               positions=self._positions(tokens))
-                if split:
-                    saved_z[key], self._capture = self._capture, None
-                    if {id(mod) for mod, _, _ in saved_z[key]} != self._owners[a.stage]:
-                        raise RuntimeError(f"zb-h1: a parameter-owning module of stage {a.stage} did not return "
-                                           "one tensor that requires grad; its weights would get no W; use 1f1b")
-                if self.next[a.stage] is None:  # the loss stage (dualpipe: one per direction)
-                    losses.append(out.detach().double())
-                    out = out * (loss_scale / m)
-                else:
-                    out, aux = attach_aux(self.chunks[a.stage], out, loss_scale / m)
-                    aux_sum += aux
-                outputs[key] = out
-                if self.next[a.stage] in self.chunks:  # next stage on this rank
-                    inputs[(a.mb, a.stage + 1)] = out.detach().requires_grad_()
-            elif a.kind == "B":
-                heap.release(self.mesh.device)  # the forwards' freed temporaries (distributed/heap.py)
-                out, grad, x = outputs.pop(key), out_grads.pop(key, None), inputs.pop(key, None)
-                if not split:
-                    torch.autograd.backward(out, grad)
-                    if x is not None:
-                        in_grads[key] = x.grad
-                else:
-                    zs = [z for _, z, _ in saved_z[key]]
-                    wrt = ([x] if x is not None else []) + zs
-                    keep = any(inp is None for _, _, inp in saved_z[key])  # an autograd W needs the graph
-                    grads = torch.autograd.grad(out, wrt, grad, retain_graph=keep, allow_unused=True)
-                    if x is not None:
-                        in_grads[key], grads = grads[0], grads[1:]
-                    saved_z[key] = [(mod, z if inp is None else None, inp, g)
-                                    for (mod, z, inp), g in zip(saved_z[key], grads)]
-                    del zs, wrt, grads
-                    held[key] = held_bytes(saved_z[key])
-                    held_now += held[key]
-                    self.wgrad_peak_bytes = max(self.wgrad_peak_bytes, held_now)
-                if self.prev[a.stage] in self.chunks:  # previous stage on this rank
-                    out_grads[(a.mb, a.stage - 1)] = in_grads.pop(key)
-                del out, grad, x  # nothing may keep this micro-batch's graph alive past W
-            elif a.kind == "W":
-                held_now -= held.pop(key)
-                for mod, z, inp, g in saved_z.pop(key):
-                    if g is None:
-                        continue
-                    if inp is not None:
-                        weight_grads(mod, inp, g)
-                    else:
-                        params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
-                        torch.autograd.backward(z, g, inputs=params)
-                    del z, inp, g
+                self.link.send(st.in_grads.pop(key), a.peer)
+            elif a.kind == "F" and self.pp_overlap and is_pair(actions, i):
+                b, spans, lanes = actions[i + 1], {}, Lanes()
+                lanes.run(lambda: self._timed(spans, a, self._forward, st),
+                          lambda: self._timed(spans, b, self._backward, st))
+                timeline += [(a,) + spans[a], (b,) + spans[b]]
+                self.last_pairs.append((a, b, lanes.switches))
+                skip = True
+                continue
+            elif a.kind in ("F", "B", "W"):
+                {"F": self._forward, "B": self._backward, "W": self._weights}[a.kind](a, st)
             if a.kind in ("F", "B", "W"):
                 timeline.append((a, t0, time.perf_counter()))
         self.link.wait_sends()
         self.last_timeline = timeline
         self.sync_grads()
-        return self._local_loss(losses, aux_sum / m, m)
+        return self._local_loss(st.losses, st.aux_sum / m, m)
+
+    @staticmethod
+    def _timed(spans: dict, a, fn, st) -> None:
+        t0 = time.perf_counter()
+        fn(a, st)
+        spans[a] = (t0, time.perf_counter())
+
+    def _forward(self, a, st) -> None:
+        """F: run the stage; the last stage computes loss_i * loss_scale / m."""
+        key = (a.mb, a.stage)
+        tokens, targets = st.mbs[a.mb]
+        x = tokens if self.prev[a.stage] is None else st.inputs[key]  # received, or handed over locally
+        self._capture = [] if st.split else None
+        self._capture_thread = threading.get_ident()
+        with st.autocast() if st.autocast else nullcontext():
+            out = self.chunks[a.stage](x, targets if self.next[a.stage] is None else None,
+                                       positions=self._positions(tokens))
+        if st.split:
+            st.saved_z[key], self._capture = self._capture, None
+            if {id(mod) for mod, _, _ in st.saved_z[key]} != self._owners[a.stage]:
+                raise RuntimeError(f"zb-h1: a parameter-owning module of stage {a.stage} did not return "
+                                   "one tensor that requires grad; its weights would get no W; use 1f1b")
+        if self.next[a.stage] is None:  # the loss stage (dualpipe: one per direction)
+            st.losses.append(out.detach().double())
+            out = out * (st.scale / st.m)
+        else:
+            out, aux = attach_aux(self.chunks[a.stage], out, st.scale / st.m)
+            st.aux_sum += aux
+        st.outputs[key] = out
+        if self.next[a.stage] in self.chunks:  # next stage on this rank
+            st.inputs[(a.mb, a.stage + 1)] = out.detach().requires_grad_()
+
+    def _backward(self, a, st) -> None:
+        """B: the whole backward, or with a split backward the input gradient only (module doc)."""
+        key = (a.mb, a.stage)
+        heap.release(self.mesh.device)  # the forwards' freed temporaries (distributed/heap.py)
+        out, grad, x = st.outputs.pop(key), st.out_grads.pop(key, None), st.inputs.pop(key, None)
+        if not st.split:
+            torch.autograd.backward(out, grad)
+            if x is not None:
+                st.in_grads[key] = x.grad
+        else:
+            zs = [z for _, z, _ in st.saved_z[key]]
+            wrt = ([x] if x is not None else []) + zs
+            keep = any(inp is None for _, _, inp in st.saved_z[key])  # an autograd W needs the graph
+            grads = torch.autograd.grad(out, wrt, grad, retain_graph=keep, allow_unused=True)
+            if x is not None:
+                st.in_grads[key], grads = grads[0], grads[1:]
+            st.saved_z[key] = [(mod, z if inp is None else None, inp, g)
+                               for (mod, z, inp), g in zip(st.saved_z[key], grads)]
+            del zs, wrt, grads
+            st.held[key] = held_bytes(st.saved_z[key])
+            st.held_now += st.held[key]
+            self.wgrad_peak_bytes = max(self.wgrad_peak_bytes, st.held_now)
+        if self.prev[a.stage] in self.chunks:  # previous stage on this rank
+            st.out_grads[(a.mb, a.stage - 1)] = st.in_grads.pop(key)
+        del out, grad, x  # nothing may keep this micro-batch's graph alive past W
+
+    def _weights(self, a, st) -> None:
+        """W: the weight gradients from the saved output gradients (wgrad.py)."""
+        key = (a.mb, a.stage)
+        st.held_now -= st.held.pop(key)
+        for mod, z, inp, g in st.saved_z.pop(key):
+            if g is None:
+                continue
+            if inp is not None:
+                weight_grads(mod, inp, g)
+            else:
+                params = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+                torch.autograd.backward(z, g, inputs=params)
+            del z, inp, g
 
     def _local_loss(self, losses: list, aux: float, m: int) -> torch.Tensor:
         """Sum of this rank's micro-batch losses / m (the mean over micro-batches on the last
@@ -291,5 +333,6 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None)
     if materialize is not None:
         materialize(model)
     engine = (make_engine or PipelineEngine)(model, mesh, cfg, chunks, ranges, spec)
-    engine._schedules[p.microbatches] = engine_sched
+    if not p.pp_overlap:  # else paired on first use (engine.schedule)
+        engine._schedules[p.microbatches] = engine_sched
     return engine

@@ -126,6 +126,8 @@ def check_config(cfg) -> None:
     one_of(p.pp_schedule, SCHEDULES, "parallel.pp_schedule")
     require(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
             "virtual stages > 1 need pp_schedule = 'interleaved'")
+    require(not p.pp_overlap or (p.pp > 1 and p.pp_schedule in LAYOUT), "parallel.pp_overlap",
+            "the F&B overlap pairs DualPipe's forwards and backwards; use pp > 1 with pp_schedule = dualpipe or dualpipev")
     if p.pp == 1:
         return
     require(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",

@@ -162,3 +162,31 @@ def test_readme_layout_lists_every_module():
     listed = _readme_layout()
     assert listed == have, f"missing from README: {sorted(have - listed)}; gone: {sorted(listed - have)}"
     assert len(listed) > 100  # the parser found the block (a vacuous pass would list nothing)
+
+
+COMM_CALL = re.compile(r"\bdist\.(all_reduce|all_gather\w*|broadcast\w*|reduce_scatter\w*|all_to_all\w*|barrier|"
+                       r"monitored_barrier|new_group|group\.WORLD|send|recv|isend|irecv|batch_isend_irecv|gather|"
+                       r"scatter)\b")
+COMM_EXCEPTIONS = {  # module -> why it may call torch.distributed itself
+    "launch.py": "starts the ranks and creates the process group",
+    "launch_ray.py": "starts the ranks and creates the process group",
+    "launch_replicas.py": "starts the replica groups and their process groups",
+    "commands/bench_comm.py": "times the backend's collectives themselves",
+    "commands/doctor_cmd.py": "probes the backend itself",
+    "parallel/ddp.py": "torch's DistributedDataParallel API takes a process_group (the engine passes its Mesh's Comm)",
+}
+
+
+def test_communication_only_through_the_mesh():
+    """Outside the communication layer (distributed/) every collective goes through a Mesh's
+    Comm: no default group, no group created elsewhere, every byte in the rank's one ledger."""
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith("distributed/") or rel in COMM_EXCEPTIONS:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if COMM_CALL.search(line.split("#")[0]):
+                found.append(f"{rel}:{i}: {line.strip()[:80]}")
+    assert not found, "torch.distributed called outside the Mesh:\n" + "\n".join(found)
+    assert COMM_CALL.search("x = dist.new_group([0, 1])") and not COMM_CALL.search("dist.get_rank()")

@@ -14,34 +14,17 @@ direction). So every part lives on the two ranks ``r`` and ``p-1-r`` (``p`` even
 * Norm and checkpoints: a part is counted (and saved) once, by the rank holding it as its "down"
   stage (stage id == pp rank): the mirror copy is left out of the gradient norm and of the pieces.
 
-The pair groups are created here, explicitly: every rank creates every pair group of every
-pipeline group, in the same order (``new_group`` is collective); for ``p = 2`` the pair is the
-pipeline group itself. Nothing is stored outside the engine.
+The pair is the Mesh's ``pp_pair`` group (distributed/topology.py), built with the others, so its
+all-reduce is counted and runs on the Mesh's transport (shared memory on one host); for ``p = 2``
+it is the pipeline group itself.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ...distributed.collectives import Comm
 from ...distributed.placement import get_placement, replicas
 from ...checkpoint import pieces as state
 from .engine import PipelineEngine
-
-
-def pair_comm(mesh) -> Comm:
-    """The 2-rank group {r, p-1-r} of this rank's pipeline group (collective over the world)."""
-    p = mesh.size("pp")
-    if p == 2:
-        return mesh.comm("pp")
-    mine = None
-    for ranks in mesh.topology.groups("pp"):  # every rank, every group, same order
-        for i in range(p // 2):
-            pair = sorted((ranks[i], ranks[p - 1 - i]))
-            group = dist.new_group(pair)
-            if mesh.rank in pair:
-                mine = (group, pair)
-    return Comm("pp_pair", mine[0], mine[1], mesh.rank, mesh.ledger, mesh.algorithm, mesh.flight)
 
 
 class DualPipeEngine(PipelineEngine):
@@ -49,7 +32,7 @@ class DualPipeEngine(PipelineEngine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pair = pair_comm(self.mesh)
+        self.pair = self.mesh.comm("pp_pair")  # ranks i and pp-1-i: the two copies of the same stages
         down = self.chunks[self.pp_rank]  # stage id == pp rank: the part this rank owns
         self._owned = {id(p) for p in down.parameters()}
 

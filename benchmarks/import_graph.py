@@ -27,7 +27,8 @@ def group(mod: str) -> str:
     parts = mod.split(".")
     top = parts[1] if len(parts) > 1 else "api"
     return {"config_checks": "config", "checks": "config", "deepspeed_config": "config", "commands": "cli",
-            "launch_ray": "launch", "launch_replicas": "launch", "launch_report": "launch"}.get(top, top)
+            "launch_ray": "launch", "launch_replicas": "launch", "launch_report": "launch",
+            "launch_restart": "launch"}.get(top, top)
 
 
 def graph(src: Path, everywhere: bool) -> dict[str, set[str]]:

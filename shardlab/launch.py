@@ -55,6 +55,11 @@ class RankContext:
     """Called by every rank as ``on_checkpoint(path, step)`` after each checkpoint save (Ray Train's
     checkpoint reporting, shardlab/launch_ray.py), else None."""
 
+    def after_step(self, step: int) -> None:
+        """Called by the training loop after each step: TEST-ONLY fault injection, a no-op unless
+        this launcher armed it (SHARDLAB_TEST_KILL_AT_STEP). The rank needs no import of this module."""
+        injected_fault_point(step)
+
 
 def choose_backend(device: str, nproc_local: int) -> tuple[str, str]:
     """-> (backend, device kind). NCCL needs one GPU per rank; N ranks on one GPU use gloo."""

@@ -22,7 +22,6 @@ from ..models.spec import add_adapters, count_params, get_spec, meta_model
 from ..parallel.materialize import model_init_fn
 from ..checkpoint.pieces import WithInitial
 from ..parallelize import parallelize
-from .. import launch
 from . import anomaly
 from ..checkpoint import save as ckpt
 from ..checkpoint.async_save import saver
@@ -190,7 +189,8 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
             run.log(out)
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
             run.evaluate()
-        launch.injected_fault_point(step)  # TEST-ONLY fault injection (a no-op unless launch armed it)
+        if hasattr(ctx, "after_step"):
+            ctx.after_step(step)  # TEST-ONLY fault injection (a no-op unless the launcher armed it)
         every = cfg.checkpoint.every
         if cfg.checkpoint.save and ((every and step % every == 0) or step == cfg.train.steps):
             run.tr.save_checkpoint(run.ck_dir)

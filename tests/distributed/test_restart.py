@@ -11,7 +11,7 @@ import torch
 from shardlab import config as C
 from shardlab.cli import main as cli_main
 from shardlab.train.metrics import read_metrics
-from shardlab.train import restart
+from shardlab import launch_restart as restart
 
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=16", "--train.seq_len=16", "--train.global_batch=4", "--train.warmup_steps=0",

@@ -23,10 +23,10 @@ import copy
 import sys
 from pathlib import Path
 
-from .. import launch
-from ..config import Config, ConfigError
-from ..checkpoint.save import Reader, latest_valid, remove_interrupted
-from .metrics import MetricsWriter, read_metrics
+from . import launch
+from .config import Config, ConfigError
+from .checkpoint.save import Reader, latest_valid, remove_interrupted
+from .train.metrics import MetricsWriter, read_metrics
 
 
 def parse_elastic(text: str) -> tuple[int, int]:
@@ -66,7 +66,7 @@ def resized(cfg: Config, n: int) -> Config:
 
 
 def _checkpoint(cfg: Config) -> tuple[Path | None, int]:
-    from .loop import checkpoint_dir
+    from .train.loop import checkpoint_dir
     path = latest_valid(checkpoint_dir(cfg), warn=lambda *_: None) if cfg.checkpoint.save else None
     if path is None:
         return None, 0
@@ -141,5 +141,5 @@ def run_with_restarts(cfg: Config, nproc: int, start, max_restarts: int,
 
 
 def _ckpt_dir(cfg: Config) -> Path:
-    from .loop import checkpoint_dir
+    from .train.loop import checkpoint_dir
     return checkpoint_dir(cfg)

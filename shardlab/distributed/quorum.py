@@ -187,6 +187,7 @@ class Lighthouse:
         self.open: dict[tuple[int, str], dict] = {}  # (qid, phase) -> {members, since}
         self.log: list[dict] = []  # decisions and quorums with times, for the recovery table
         self.seen_t = [clock()] * n_replicas  # when each replica last asked or voted
+        self.step_of = [0] * n_replicas  # the step each replica (this generation) last asked at
         self.silent_s = (VOTE_WAIT + JOIN_WAIT) * timeout_s
         """An active replica that neither asks nor votes this long is hung (``silent``)."""
         self.done = False
@@ -196,6 +197,7 @@ class Lighthouse:
     # -- supervision -----------------------------------------------------------------------
     def spawned(self, r: int, gen: int) -> None:
         self.gen[r], self.status[r], self.seen_n[r], self.seen_t[r] = gen, "starting", 0, self.clock()
+        self.step_of[r] = 0
         self._unpend(r)
 
     def _unpend(self, r: int) -> None:
@@ -247,7 +249,7 @@ class Lighthouse:
             req = json.loads(self.store.get(key))
             if req["gen"] != self.gen[r] or req["n"] <= self.seen_n[r]:
                 continue
-            self.seen_n[r], self.seen_t[r] = req["n"], self.clock()
+            self.seen_n[r], self.seen_t[r], self.step_of[r] = req["n"], self.clock(), req["step"]
             self.status[r] = "active"
             self.pending[r] = req
             for (q, phase), o in list(self.open.items()):  # a member asking again left that quorum
@@ -277,6 +279,10 @@ class Lighthouse:
         top = max(q["step"] for q in reqs)
         last = reqs[0]["last"] if self.stop_at is None else max(top, min(reqs[0]["last"], self.stop_at))
         finals = all(q["step"] >= last for q in reqs)
+        if top < max((self.step_of[r] for r in range(self.R) if self.status[r] == "active"), default=0):
+            # a live replica ahead of every asker has not asked yet: never train behind it (a
+            # replacement alone would train from its start); it asks, or is dropped as dead
+            return self._retry() if late else None
         if finals and len(members) < self.R:  # finished replicas wait for a replacement to catch up
             return self._retry() if late else None
         if finals and all(q["step"] == top for q in reqs):

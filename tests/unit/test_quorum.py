@@ -51,6 +51,27 @@ def test_finished_replicas_waiting_for_a_replacement_are_told_to_ask_again():
     assert q["members"] == [0, 1] and q["heal"] == {"1": 0} and not q["done"]
 
 
+def test_a_replacement_never_trains_alone_behind_a_live_replica():
+    """A slow survivor at step 7 has not asked yet: the replacement (step 0) is not given a quorum
+    of its own (it would train from its start); it is told to ask again, then healed."""
+    store, clock = dist.HashStore(), Clock()
+    lh = quorum.Lighthouse(store, 2, 1, 1.0, clock=clock)
+    for r in (0, 1):
+        _ask(store, r, 1, 7, 20)
+    lh.poll()
+    lh.mark_dead(1, "test")
+    lh.spawned(1, 1)
+    _ask(store, 1, 1, 0, 20, gen=1)
+    lh.poll()
+    clock.t += quorum.JOIN_WAIT * 1.0 + 0.01
+    lh.poll()
+    assert json.loads(store.get("resp/1/1/1")) == {"retry": True}
+    _ask(store, 1, 2, 0, 20, gen=1)
+    _ask(store, 0, 2, 7, 20)
+    lh.poll()
+    assert json.loads(store.get("resp/1/1/2"))["heal"] == {"1": 0}
+
+
 def test_first_start_answers_ask_again_while_a_replica_is_still_starting():
     store, clock = dist.HashStore(), Clock()
     lh = quorum.Lighthouse(store, 2, 1, 2.0, clock=clock)

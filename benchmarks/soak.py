@@ -1,6 +1,6 @@
 """Soak test of live recovery (train.fault_tolerance = replica; docs/faults.md, "Live recovery").
 
-    python benchmarks/soak.py --replicas 2 --ranks 1 --minutes 10 --failures 200 --out benchmarks/results/soak.md
+    python benchmarks/soak.py --replicas 2 --ranks 2 --minutes 10 --failures 200 --gap 0.3 --out benchmarks/results/soak.md
 
 R replica groups of K ranks train a tiny model (CPU, gloo) for many steps while a seeded injector
 fails a random rank of a random replica: SIGKILL, SIGSTOP (then SIGCONT after 0.3-2x the timeout:

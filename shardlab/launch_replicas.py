@@ -248,6 +248,8 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
             for r in lh.silent():
                 fail(r, f"silent in the protocol for {lh.silent_s:g} s (no request, no vote: hung)")
             lh.poll()
+            if lh.lost:
+                raise launch.WorkerError(0, lh.lost)
             now = time.monotonic()
             for (r, i), until in list(stopped.items()):
                 if now >= until:

@@ -188,6 +188,9 @@ class Lighthouse:
         self.log: list[dict] = []  # decisions and quorums with times, for the recovery table
         self.seen_t = [clock()] * n_replicas  # when each replica last asked or voted
         self.step_of = [0] * n_replicas  # the step each replica (this generation) last asked at
+        self.best = 0  # the most advanced step any quorum was formed at
+        self.lost: str | None = None
+        """Set when every replica holding the run's state failed at once (the launcher ends the job)."""
         self.silent_s = (VOTE_WAIT + JOIN_WAIT) * timeout_s
         """An active replica that neither asks nor votes this long is hung (``silent``)."""
         self.done = False
@@ -283,6 +286,10 @@ class Lighthouse:
             # a live replica ahead of every asker has not asked yet: never train behind it (a
             # replacement alone would train from its start); it asks, or is dropped as dead
             return self._retry() if late else None
+        if top < self.best:  # no live replica holds the state any more: never restart silently
+            self.lost = (f"every replica holding step {self.best} failed at once (the survivors ask at step {top}): "
+                         "the state is lost; resume from the last checkpoint with --resume")
+            return None
         if finals and len(members) < self.R:  # finished replicas wait for a replacement to catch up
             return self._retry() if late else None
         if finals and all(q["step"] == top for q in reqs):
@@ -294,6 +301,7 @@ class Lighthouse:
             self.cfg += 1
         self.last_members, self.aborted = key, False
         self.qid += 1
+        self.best = max(self.best, top)
         q = {"id": self.qid, "cfg": self.cfg, "members": members, "step": top, "heal": heal,
              "done": self.done, "replicas": self.R, "last": last}
         now = self.clock()

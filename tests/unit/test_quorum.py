@@ -112,3 +112,17 @@ def test_an_active_replica_that_stops_asking_is_silent():
     assert lh.silent() == []
     clock.t += 2
     assert lh.silent() == [1]
+
+
+def test_every_holder_of_the_state_gone_is_an_error_not_a_silent_restart():
+    store, clock = dist.HashStore(), Clock()
+    lh = quorum.Lighthouse(store, 2, 1, 1.0, clock=clock)
+    for r in (0, 1):
+        _ask(store, r, 1, 7, 20)
+    lh.poll()
+    for r in (0, 1):
+        lh.mark_dead(r, "test")
+        lh.spawned(r, 1)
+        _ask(store, r, 1, 0, 20, gen=1)
+    lh.poll()
+    assert "every replica holding step 7 failed at once" in lh.lost and not store.check(["resp/0/1/1"])

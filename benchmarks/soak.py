@@ -1,6 +1,6 @@
 """Soak test of live recovery (train.fault_tolerance = replica; docs/faults.md, "Live recovery").
 
-    python benchmarks/soak.py --replicas 2 --ranks 1 --minutes 10 --failures 200 --out benchmarks/results/soak.md
+    python benchmarks/soak.py --replicas 2 --ranks 2 --minutes 10 --failures 200 --gap 0.3 --out benchmarks/results/soak.md
 
 R replica groups of K ranks train a tiny model (CPU, gloo) for many steps while a seeded injector
 fails a random rank of a random replica: SIGKILL, SIGSTOP (then SIGCONT after 0.3-2x the timeout:
@@ -38,7 +38,7 @@ from shardlab.train.heal import train_replica  # noqa: E402
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=16", "--train.seq_len=16", "--train.warmup_steps=10", "--train.lr=1e-3",
         "--logging.progress=false", "--logging.tensorboard=false", "--train.eval_every=0", "--train.threads=1",
-        "--logging.log_every=1", "--train.steps=1000000"]
+        "--logging.log_every=1", "--train.steps=1000000", "--checkpoint.save=false"]
 
 
 class Injector:
@@ -125,7 +125,7 @@ def soak(args, say=print) -> dict:
     t0 = time.monotonic()
     results, report = launch_replicas.run(train_replica, args.replicas, args.ranks, cfg, str(data_dir),
                                           timeout_s=60, ft_timeout_s=args.timeout, threads=1, injector=inj,
-                                          say=lambda *_: None, spares=args.spares)
+                                          say=lambda *_: None, spares=args.spares, start_timeout_s=args.start_timeout)
     wall = time.monotonic() - t0
     (run_dir / "lighthouse.json").write_text(json.dumps({"log": report["log"], "failures": report["failures"]}))
     left = _children()
@@ -141,12 +141,15 @@ def soak(args, say=print) -> dict:
         e = next((e for e in qlog if e["t"] > t), None)
         if e is not None:
             near.add(quorums[e["id"]]["step"] + 1)
+    times = [e["t"] for e in qlog]
+    gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)  # the longest time with no step committed
     jumps = [(s, abs(by_step[s] - by_step[s - 1])) for s in steps if s - 1 in by_step]
     at = max((d for s, d in jumps if s in near), default=float("nan"))
     other = max((d for s, d in jumps if s not in near and s > 20), default=float("nan"))
     out = {"wall": wall, "fails": fails, "identical": len(fps) == 1, "orphans": left, "steps": len(steps),
            "last": steps[-1] if steps else 0, "missing": (steps[-1] - len(steps)) if steps else 0, "clash": clash,
-           "degraded": len(degraded), "jump_at": at, "jump_else": other,
+           "degraded": len(degraded), "jump_at": at, "jump_else": other, "gap": gap,
+           "restarts": sum(1 for f in fails if "did not ask" in f.get("why", "") or "silent" in f.get("why", "")),
            "refused": sum(x["refused"] for rep in results for x in rep), "run_dir": str(run_dir)}
     return out
 
@@ -175,6 +178,8 @@ def table(args, res: dict) -> str:
     lines += ["",
               f"- replicas identical at the end (state fingerprints): {'yes' if res['identical'] else 'NO'}",
               f"- processes of the run left after it: {len(res['orphans'])}",
+              f"- longest time with no step committed by any replica: {res['gap']:.2f} s; replacements failed "
+              f"for not joining in time or for silence: {res['restarts']}",
               f"- steps with no record: {res['missing']}; steps recorded with two different losses: {res['clash']}",
               f"- largest loss change at a step right after a drop: {res['jump_at']:.4f}; elsewhere (after step 20): "
               f"{res['jump_else']:.4f}",
@@ -191,6 +196,8 @@ def main():
     ap.add_argument("--gap", type=float, default=0.5, help="mean seconds between failures (once recovered)")
     ap.add_argument("--spares", type=int, default=2, help="warm spare replica groups kept started")
     ap.add_argument("--timeout", type=float, default=1.5, help="train.ft_timeout_s")
+    ap.add_argument("--start-timeout", type=float, default=30.0,
+                    help="a replacement that has not asked to join after this many seconds is started again")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", default="/tmp/shardlab-soak-cache")
     ap.add_argument("--out", default=None)

@@ -2,16 +2,31 @@
 
 ``run(fn, n_replicas, n_local, *args)`` hosts the TCPStore that replicas coordinate through and
 the :class:`~shardlab.distributed.quorum.Lighthouse`, starts ``n_replicas`` groups of
-``n_local`` processes (each group its own torch.distributed world of ``n_local``), and calls
-``fn(ctx, ft, *args)`` in each rank. It supervises them every few milliseconds:
+``n_local`` processes (each group its own torch.distributed world of ``n_local``). Each rank
+calls ``prepared = fn(ctx, *args)`` as soon as its group is up, before it knows which replica
+it will be (a *hot spare*: torch imported, world joined, engine and data built), then
+``prepared.run(ft)`` once assigned. The launcher supervises every few milliseconds:
 
 * a rank that exits (killed, crashed, raised) or whose heartbeat is older than ``ft_timeout_s``
   (stopped, hung) fails its whole replica group: the group's other ranks are SIGKILLed, the
   lighthouse drops it from open quorums (the survivors' step is aborted and retried without it),
-  and a replacement group (generation + 1) is started from warm spare processes (already started,
-  torch imported) so that it can ask to join within a second; it is healed from a live peer;
+  and a replacement group (generation + 1) is assigned from the hot spare groups (a new spare
+  group is started to keep ``spares`` ready) so that it asks to join within a second; it is
+  healed from a live peer;
+* a rank that reports an error fails its replica at once (its peers are SIGKILLed without
+  waiting for the rank to exit); a replica still starting after ``start_timeout_s`` (it never
+  asked to join: a stuck rendezvous, a rank hung at start) or active but silent in the protocol
+  for ``lh.silent_s`` (no request, no vote) is failed and replaced the same way;
 * a rank whose error is bad input or a divergence (``quorum.Diverged``) ends the job
   (:class:`launch.WorkerError`), as does a replica slot replaced more than ``max_replacements`` times.
+
+Every wait has a deadline: the launcher's (above), the ranks' waits for the lighthouse
+(``quorum.ANSWER_WAIT`` / ``quorum.DECISION_WAIT``; the lighthouse answers "ask again" rather
+than hold a request longer than ``JOIN_WAIT * ft_timeout_s``), cross-replica gloo groups
+(``JOIN_WAIT * ft_timeout_s``), each replica's own collectives (``timeout_s``). Ranks report
+through files (written then renamed; read by the launcher), never a queue shared by all ranks:
+a rank SIGKILLed while writing to a shared ``multiprocessing.Queue`` keeps its lock forever,
+and every later writer then hangs at exit (the 2 x 2 soak's stall).
 
 ``injector(seconds since start, view)`` (benchmarks/soak.py) may return faults to apply:
 [(replica, local rank, how)] with how ``sigkill``, ``sigstop:<seconds>`` (SIGCONT after) or
@@ -24,16 +39,17 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue as queue_mod
+import shutil
 import signal
+import sys
 import tempfile
 import time
+import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import launch
-from .launch_report import report_to
 from .distributed.quorum import Lighthouse
 
 FATAL = ("Diverged:", *launch.BAD_INPUT)
@@ -48,44 +64,92 @@ def _raise_on_usr1(signum, frame):
     raise InjectedFailure("injected failure (SIGUSR1: an exception raised in the training loop)")
 
 
-def _spare(inbox, results, parent_pid, fn, args, device, timeout_s, threads):
-    """A warm process: imports done, waits for its assignment (replica, gen, local, ...)."""
+def _result_path(run_dir: str, r: int, gen: int, i: int) -> str:
+    return os.path.join(run_dir, f"result-r{r}-g{gen}-i{i}.pkl")
+
+
+def _ready_path(run_dir: str, pid: int) -> str:
+    return os.path.join(run_dir, f"ready-{pid}")
+
+
+def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads):
+    """A hot spare: one rank of a spare group. First (local rank, group size, rendezvous) arrives:
+    it joins its group's world and calls ``fn(ctx, *args)`` (which builds everything a replica
+    needs that does not depend on which replica it will be: the engine, the data); then it waits
+    for its assignment ``(replica, gen, ft)``, runs ``prepared.run(ft)`` and reports ("ok",
+    pickled value) or ("error", traceback) in its result file, then exits at once (``os._exit``:
+    no exit handler can hang on a peer that is gone)."""
     launch.die_with_parent(parent_pid)
     signal.signal(signal.SIGUSR1, _raise_on_usr1)
-    from .train import heal  # noqa: F401  (warm: the import cost is paid before a failure)
+    group = inbox.get()
+    if group is None:
+        return
+    i, n_local, init_method = group
+    prepared, error = None, None
+    try:
+        prepared = fn(launch._init(i, n_local, i, n_local, init_method, device, timeout_s, threads), *args)
+    except BaseException as e:  # reported once assigned: the launcher then replaces the replica
+        error = f"{type(e).__name__}: {e} (while the spare prepared)\n{traceback.format_exc()}"
+    open(_ready_path(run_dir, os.getpid()), "w").close()  # the start deadline counts from here
     job = inbox.get()
     if job is None:
-        return
-    r, gen, i, n_local, init_method, ft = job
-    report_to(results, (r, gen, i),
-                     lambda: fn(launch._init(i, n_local, i, n_local, init_method, device, timeout_s, threads), ft, *args))
+        os._exit(0)
+    r, gen, ft = job
+    code = 0
+    try:
+        if error:
+            raise RuntimeError(error)
+        # Plain pickle: tensors by value (torch's reducers would pass handles that die with us)
+        out = ("ok", pickle.dumps(prepared.run(ft)))
+    except BaseException as e:  # everything, InjectedFailure included
+        out, code = ("error", error or f"{type(e).__name__}: {e}\n{traceback.format_exc()}"), 1
+    path = _result_path(run_dir, r, gen, i)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(out, f)
+    os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _Pool:
-    """Spare processes, started ahead of need."""
+    """Hot spare groups of ``n_local`` processes, started (and prepared) ahead of need."""
 
-    def __init__(self, mpctx, results, fn, args, device, timeout_s, threads):
-        self.mpctx, self.results, self.spec = mpctx, results, (fn, args, device, timeout_s, threads)
-        self.free: list[tuple] = []
+    def __init__(self, mpctx, run_dir, n_local, fn, args, device, timeout_s, threads):
+        self.mpctx, self.run_dir, self.K, self.spec = mpctx, run_dir, n_local, (fn, args, device, timeout_s, threads)
+        self.free: list[list[tuple]] = []
         self.all: list = []
+        self.n = 0
 
-    def start(self, n: int) -> None:
-        for _ in range(n):
-            inbox = self.mpctx.Queue()
-            p = self.mpctx.Process(target=_spare, args=(inbox, self.results, os.getpid(), *self.spec), daemon=False)
-            p.start()
-            self.free.append((p, inbox))
-            self.all.append((p, inbox))  # the queue lives as long as its process (spawn unpickles it late)
+    def start(self, n_groups: int) -> None:
+        for _ in range(n_groups):
+            self.n += 1
+            init, group = f"file://{os.path.join(self.run_dir, f'rdzv-{self.n}')}", []
+            for i in range(self.K):
+                inbox = self.mpctx.Queue()
+                p = self.mpctx.Process(target=_spare, args=(inbox, self.run_dir, os.getpid(), *self.spec),
+                                       daemon=False)
+                p.start()
+                inbox.put((i, self.K, init))
+                group.append((p, inbox))
+                self.all.append((p, inbox))  # the queue lives as long as its process (spawn unpickles it late)
+            self.free.append(group)
 
-    def take(self, n: int) -> list[tuple]:
-        if len(self.free) < n:
-            self.start(n - len(self.free))
-        out, self.free = self.free[:n], self.free[n:]
-        return out
+    def take(self) -> list[tuple]:
+        """The oldest spare group all of whose processes are alive (a broken one is killed)."""
+        while self.free:
+            group = self.free.pop(0)
+            if all(p.is_alive() for p, _ in group):
+                return group
+            for p, _ in group:
+                p.kill()
+        self.start(1)
+        return self.free.pop(0)
 
     def stop(self) -> None:
-        for _, inbox in self.free:
-            inbox.put(None)
+        for group in self.free:
+            for _, inbox in group:
+                inbox.put(None)
         deadline = time.time() + 5
         for p, _ in self.all:
             p.join(timeout=max(0.0, deadline - time.time()))
@@ -96,36 +160,37 @@ class _Pool:
 
 def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s: float = 60.0,
         ft_timeout_s: float = 5.0, threads: int = 0, injector=None, faults: dict | None = None,
-        max_replacements: int = 10_000, say=None, poll_s: float = 0.005, spares: int = 1):
-    """(results, report); see the module doc."""
+        max_replacements: int = 10_000, say=None, poll_s: float = 0.005, spares: int = 1,
+        start_timeout_s: float | None = None):
+    """(results, report); see the module doc. ``start_timeout_s`` (default ``timeout_s``): a
+    replica (re)started that has not asked to join that long after its spare group was ready
+    (or ``timeout_s + start_timeout_s`` after its assignment, ready or not) is failed and
+    started again."""
     from .train.heal import FTContext
     say = say or (lambda msg: print(msg, flush=True))
+    start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
     mpctx = mp.get_context("spawn")
-    results = mpctx.Queue()
+    run_dir = tempfile.mkdtemp(prefix="shardlab-ft-")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ft_store = dist.PrefixStore("ft/", store)
     lh = Lighthouse(ft_store, n_replicas, n_local, ft_timeout_s)
-    pool = _Pool(mpctx, results, fn, args, device, timeout_s, threads)
-    pool.start((n_replicas + spares) * n_local)  # every replica, and spare replicas
-    gen, procs, files = [0] * n_replicas, {}, []
+    pool = _Pool(mpctx, run_dir, n_local, fn, args, device, timeout_s, threads)
+    pool.start(n_replicas + spares)  # every replica, and spare replica groups
+    gen, procs, started, assigned = [0] * n_replicas, {}, [0.0] * n_replicas, [0.0] * n_replicas
     done: dict[int, dict[int, object]] = {r: {} for r in range(n_replicas)}
     failures, stopped, replaced = [], {}, [0] * n_replicas
     t0 = time.monotonic()
 
     def start(r: int) -> None:
-        fd, path = tempfile.mkstemp(prefix=f"shardlab-ft-r{r}-g{gen[r]}-")
-        os.close(fd)
-        os.unlink(path)
-        files.append(path)
         ft = FTContext(r, gen[r], n_replicas, store.port, ft_timeout_s, dict(faults or {}))
         procs[r] = []
-        for i, (p, inbox) in enumerate(pool.take(n_local)):
-            inbox.put((r, gen[r], i, n_local, f"file://{path}", ft))
+        for p, inbox in pool.take():
+            inbox.put((r, gen[r], ft))
             procs[r].append(p)
         lh.spawned(r, gen[r])
-        done[r] = {}
-        if len(pool.free) < spares * n_local:
-            pool.start(spares * n_local - len(pool.free))
+        done[r], started[r], assigned[r] = {}, time.monotonic(), time.monotonic()
+        if len(pool.free) < spares:
+            pool.start(spares - len(pool.free))
 
     def fail(r: int, why: str) -> None:
         now = time.monotonic()
@@ -151,27 +216,40 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
         for r in range(n_replicas):
             start(r)
         while not (lh.done and all(len(done[r]) == n_local for r in range(n_replicas))):
-            while True:
-                try:
-                    r, g, i, status, payload = results.get_nowait()
-                except queue_mod.Empty:
-                    break
-                if g != gen[r]:
-                    continue
-                if status == "ok":
-                    done[r][i] = pickle.loads(payload)
-                elif payload.startswith(FATAL):
-                    raise launch.WorkerError(r * n_local + i, payload)
-                else:
-                    procs[r][i].join(timeout=1.0)
             for r in range(n_replicas):
-                codes = [p.exitcode for p in procs[r]]
-                bad = next((c for c in codes if c not in (None, 0)), None)
-                if bad is not None:
-                    fail(r, f"rank exited ({'signal ' + str(-bad) if bad < 0 else 'exit code ' + str(bad)})")
+                failed = None
+                for i, p in enumerate(procs[r]):
+                    path = _result_path(run_dir, r, gen[r], i)
+                    if i in done[r] or not os.path.exists(path):
+                        continue
+                    with open(path, "rb") as f:
+                        status, payload = pickle.load(f)
+                    if status == "ok":
+                        done[r][i] = pickle.loads(payload)
+                    elif payload.startswith(FATAL):
+                        raise launch.WorkerError(r * n_local + i, payload)
+                    else:  # a reported error fails the replica now, whether or not the rank has exited
+                        failed = failed or f"local rank {i} raised {payload.splitlines()[0][:200]}"
+                bad = next((c for c in (p.exitcode for p in procs[r]) if c not in (None, 0)), None)
+                if failed is None and bad is not None:
+                    failed = f"rank exited ({'signal ' + str(-bad) if bad < 0 else 'exit code ' + str(bad)})"
+                if failed is None and lh.status[r] == "starting":
+                    now = time.monotonic()
+                    if not all(os.path.exists(_ready_path(run_dir, p.pid)) for p in procs[r]):
+                        if now - assigned[r] > timeout_s + start_timeout_s:
+                            failed = f"its spare group was not ready {timeout_s + start_timeout_s:g} s after assignment"
+                        started[r] = now
+                    elif now - started[r] > start_timeout_s:
+                        failed = f"did not ask to join within {start_timeout_s:g} s of its start (stuck at start)"
+                if failed is not None:
+                    fail(r, failed)
             for r in lh.stale(ft_timeout_s):
                 fail(r, f"no heartbeat for {ft_timeout_s:g} s (stopped or hung)")
+            for r in lh.silent():
+                fail(r, f"silent in the protocol for {lh.silent_s:g} s (no request, no vote: hung)")
             lh.poll()
+            if lh.lost:
+                raise launch.WorkerError(0, lh.lost)
             now = time.monotonic()
             for (r, i), until in list(stopped.items()):
                 if now >= until:
@@ -202,11 +280,7 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
                     p.kill()
                     p.join()
         pool.stop()
-        results.close()
-        results.join_thread()
-        for f in files:
-            if os.path.exists(f):
-                os.unlink(f)
+        shutil.rmtree(run_dir, ignore_errors=True)
     _recovery_times(failures, lh.log)
     return [[done[r][i] for i in range(n_local)] for r in range(n_replicas)], \
         {"failures": failures, "log": lh.log, "seconds": time.monotonic() - t0}
@@ -253,7 +327,8 @@ def train(cfg, nproc: int, data_dir: str, say=None) -> int:
     same = len({h["fingerprint"] for h in heads}) == 1
     say(f"shardlab: {n_rep} replicas x {nproc // n_rep} rank(s) trained {heads[0]['step']} steps in "
         f"{report['seconds']:.1f} s; {sum(h['degraded'] for h in heads[:1])} degraded step(s) seen by replica 0; "
-        f"final state fingerprints {'identical' if same else 'DIFFER'} ({', '.join(format(h['fingerprint'], '08x') for h in heads)})")
+        f"final state fingerprints {'identical' if same else 'DIFFER'} ({', '.join(format(h['fingerprint'], '08x') for h in heads)})"
+        + (f"; resumed from {heads[0]['resumed_from']}" if heads[0].get("resumed_from") else ""))
     return 0 if same else 1
 
 

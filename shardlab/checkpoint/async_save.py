@@ -190,7 +190,7 @@ def save(directory, step: int, mesh, pieces, meta, device, keep: int = 3) -> Pat
 
 def saver(asynchronous: bool):
     """The save function a run uses: this module's ``save`` (``checkpoint.async_save``) or
-    train/checkpoint.save; both take the same arguments."""
+    checkpoint/save.save; both take the same arguments."""
     return save if asynchronous else ckpt.save
 
 

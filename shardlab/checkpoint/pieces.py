@@ -3,7 +3,7 @@
 Saving: every rank lists :class:`~shardlab.distributed.regions.Piece` s -- boxes of global
 tensors (``model.<name>``, ``optim.<name>.<state>``) -- for the parameters and optimizer states it
 holds; of identical replicas only one rank lists a piece (:func:`writes_piece`). Loading: every
-rank asks a *reader* (train/checkpoint.Reader, or :class:`DictReader` over global tensors) for
+rank asks a *reader* (checkpoint/save.Reader, or :class:`DictReader` over global tensors) for
 exactly the boxes it needs, so a checkpoint written under one layout loads under any other and no
 rank reads more than it holds.
 
@@ -120,7 +120,7 @@ def param_pieces(named, optimizer, mesh, replicate_groups) -> list[Piece]:
 
 def fill(reader, key: str, offsets, sizes, out: torch.Tensor) -> None:
     """``out[...] = reader.read(key, offsets, sizes)``, read straight into ``out`` when the
-    reader's class offers ``read_into`` (train/checkpoint.Reader: one copy, checksummed while
+    reader's class offers ``read_into`` (checkpoint/save.Reader: one copy, checksummed while
     read). Looked up on the class, not the instance: a wrapping reader whose ``__getattr__``
     forwards to the reader it wraps (LoRA merging, initial values) must go through its ``read``."""
     read_into = getattr(type(reader), "read_into", None)

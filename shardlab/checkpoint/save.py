@@ -16,7 +16,7 @@ Saving (the caller barriers between the phases)::
 
 A crash at any point before the rename leaves only a hidden ``.tmp-`` directory, which is
 never listed; the previous checkpoints are untouched. Loading under any layout: ``Reader``
-(ckpt_reader.py) reads only the slices that intersect the box a rank asks for. Nothing is ever
+(reader.py) reads only the slices that intersect the box a rank asks for. Nothing is ever
 unpickled: tensors come from safetensors, the rest from JSON. Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -228,7 +228,7 @@ def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[
     """The whole save protocol, collective over ``mesh``'s world: rank 0 prepares the staging
     directory, every rank writes its ``pieces()`` and RNG states, rank 0 writes the index with
     ``meta()`` and commits atomically. Only barriers synchronise. Returns the path on rank 0.
-    (train/async_save.save has the same signature and returns once this rank's pieces are in
+    (checkpoint/async_save.save has the same signature and returns once this rank's pieces are in
     host memory; call :func:`finish_saves` at the end.)"""
     finish_saves(mesh)  # an asynchronous save still in flight (async_save switched off mid-run)
     world = mesh.comm("world")

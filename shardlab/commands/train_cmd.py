@@ -115,7 +115,7 @@ def check_resume(cfg: C.Config):
 
 def clean_interrupted(cfg: C.Config) -> None:
     """Before training (rank 0): remove what interrupted saves left in the checkpoint directory,
-    with one line saying so (train/checkpoint.remove_interrupted)."""
+    with one line saying so (checkpoint/save.remove_interrupted)."""
     from ..checkpoint.save import remove_interrupted
     from ..train.loop import checkpoint_dir
     removed = remove_interrupted(checkpoint_dir(cfg))
@@ -143,6 +143,7 @@ def _finished(cfg: C.Config, latest, quiet: bool = False) -> bool:
 def main(args) -> int:
     cfg, nproc, base = resolve(args)
     restarts, elastic = _restart_args(args, cfg, nproc)
+    _replica_args(args, cfg)
     ray_opts = _ray_options(args, cfg, restarts, elastic)
     main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
     if args.dry_run:
@@ -205,6 +206,21 @@ def _restart_args(args, cfg, nproc) -> tuple[int, tuple[int, int] | None]:
         raise C.ConfigError("--elastic", "needs --max-restarts K >= 1 (a smaller world is a restart)")
     restart.check_elastic(cfg, nproc, elastic)
     return args.max_restarts, elastic
+
+
+def _replica_args(args, cfg) -> None:
+    """train.fault_tolerance = replica: what it cannot run with, refused before anything starts."""
+    if cfg.train.fault_tolerance != "replica":
+        return
+    from ..train.heal import check
+    live = "with train.fault_tolerance=replica a failed replica is replaced live while the others train on"
+    if args.max_restarts:
+        raise C.ConfigError("--max-restarts", f"not with train.fault_tolerance=replica ({live}); drop --max-restarts, "
+                                              "or set --train.fault_tolerance=off for whole-job restarts")
+    if args.launcher == "ray" or launch.under_torchrun():
+        raise C.ConfigError("train.fault_tolerance", "replica recovery runs under shardlab's own launcher only; "
+                                                     "drop --launcher ray / torchrun, or set --train.fault_tolerance=off")
+    check(cfg)
 
 
 def _ray_options(args, cfg, restarts, elastic):

@@ -9,7 +9,9 @@ everything goes through one TCPStore that the launcher hosts (``launch_replicas.
   (``req/<r>``: its step, whether it has finished); the lighthouse answers every asking replica
   (``resp/<r>/<gen>/<n>``, read by all K ranks of the replica) once every *active* replica asks,
   or ``JOIN_WAIT * timeout_s`` after the first asked (a hung replica is left out). A member behind the most
-  advanced step is healed from a member at that step (``heal``: {joiner: source}).
+  advanced step is healed from a member at that step (``heal``: {joiner: source}). A request that
+  cannot be answered with a quorum by then (the job's first start, finished replicas waiting for
+  a replacement) is answered "ask again" (``retry``), so that no rank waits without a deadline.
 * **decisions** -- every rank votes on each phase of a quorum (``vote/<q>/<phase>/<r>/<i>``:
   ok, fingerprint); the lighthouse writes one ``dec/<q>/<phase>``: ``commit`` (all voted ok and
   the fingerprints of each local index agree), ``diverged`` (they do not), ``abort`` (a vote
@@ -40,6 +42,15 @@ failure detector (a step may compute for long): a member that dies or stops is d
 launcher (exit status, heartbeat older than ``timeout_s``), which aborts its open phases at once."""
 HEARTBEAT_S = 0.2
 """How often every rank writes its heartbeat (``hb/<r>/<i>``: generation and wall time)."""
+ANSWER_WAIT = 2 * JOIN_WAIT
+"""A rank waits at most ``ANSWER_WAIT * timeout_s + SLACK_S`` for the lighthouse's answer to its
+request (it answers within ``JOIN_WAIT * timeout_s``, a quorum or "ask again"); past it the rank
+fails with :class:`QuorumTimeout` (the launcher is gone or stuck) and its replica is replaced."""
+DECISION_WAIT = VOTE_WAIT + 2 * JOIN_WAIT
+"""A rank waits at most ``DECISION_WAIT * timeout_s + SLACK_S`` for a decision on its vote (the
+lighthouse's own safety net aborts a phase after ``VOTE_WAIT * timeout_s``)."""
+SLACK_S = 10.0
+"""Seconds added to the ranks' waits for the lighthouse: a loaded machine's scheduling delays."""
 
 
 def connect(port: int, timeout_s: float, host: str = "127.0.0.1"):
@@ -50,6 +61,10 @@ def connect(port: int, timeout_s: float, host: str = "127.0.0.1"):
 
 class QuorumFailed(RuntimeError):
     """A cross-replica phase failed (a peer died, a timeout): the step is retried in a new quorum."""
+
+
+class QuorumTimeout(RuntimeError):
+    """The lighthouse did not answer in time (launcher gone or stuck): this rank fails."""
 
 
 class Diverged(RuntimeError):
@@ -86,22 +101,32 @@ class Member:
 
     def quorum(self, step: int, last: int) -> dict:
         """Ask for the next quorum at ``step`` (``last``: the step training ends at; a replica at
-        it waits for the others) and wait for the lighthouse's answer (same on all K ranks)."""
-        self.n += 1
-        if self.local == 0:
-            self.store.set(f"req/{self.replica}", json.dumps({"n": self.n, "gen": self.gen, "step": int(step),
-                                                              "last": int(last)}))
-        key = f"resp/{self.replica}/{self.gen}/{self.n}"
-        self.store.wait([key], datetime.timedelta(days=1))  # the lighthouse always answers, or dies
-        return json.loads(self.store.get(key))
+        it waits for the others) and wait for the lighthouse's answer (same on all K ranks);
+        asks again while the answer is "retry"."""
+        while True:
+            self.n += 1
+            if self.local == 0:
+                self.store.set(f"req/{self.replica}", json.dumps({"n": self.n, "gen": self.gen, "step": int(step),
+                                                                  "last": int(last)}))
+            q = json.loads(self._wait(f"resp/{self.replica}/{self.gen}/{self.n}", ANSWER_WAIT, "a quorum"))
+            if not q.get("retry"):
+                return q
 
     def vote(self, q: dict, phase: str, ok: bool, fingerprint: int = 0) -> str:
         """This rank's vote on ``phase`` of quorum ``q``; returns the lighthouse's decision."""
         self.store.set(f"vote/{q['id']}/{phase}/{self.replica}/{self.local}",
                        json.dumps({"ok": bool(ok), "fp": int(fingerprint)}))
-        key = f"dec/{q['id']}/{phase}"
-        self.store.wait([key], datetime.timedelta(days=1))
-        return self.store.get(key).decode()
+        return self._wait(f"dec/{q['id']}/{phase}", DECISION_WAIT, f"the decision on {phase} of quorum {q['id']}").decode()
+
+    def _wait(self, key: str, factor: float, what: str) -> bytes:
+        limit = factor * self.timeout_s + SLACK_S
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=limit))
+            return self.store.get(key)
+        except Exception as e:  # DistStoreError (timeout) or the store's connection gone
+            raise QuorumTimeout(f"replica {self.replica} local rank {self.local}: no answer from the lighthouse "
+                                f"on {what} within {limit:g} s ({type(e).__name__}); the launcher is gone or "
+                                "stuck: this rank fails and its replica is replaced") from None
 
     def group(self, q: dict):
         """The gloo group of this local index over the quorum's members (rank = position in
@@ -161,13 +186,21 @@ class Lighthouse:
         self.qid, self.cfg, self.last_members, self.aborted = 0, 0, None, False
         self.open: dict[tuple[int, str], dict] = {}  # (qid, phase) -> {members, since}
         self.log: list[dict] = []  # decisions and quorums with times, for the recovery table
+        self.seen_t = [clock()] * n_replicas  # when each replica last asked or voted
+        self.step_of = [0] * n_replicas  # the step each replica (this generation) last asked at
+        self.best = 0  # the most advanced step any quorum was formed at
+        self.lost: str | None = None
+        """Set when every replica holding the run's state failed at once (the launcher ends the job)."""
+        self.silent_s = (VOTE_WAIT + JOIN_WAIT) * timeout_s
+        """An active replica that neither asks nor votes this long is hung (``silent``)."""
         self.done = False
         self.stop_at: int | None = None
         """Set by the launcher (the soak's end): training ends at this step instead of train.steps."""
 
     # -- supervision -----------------------------------------------------------------------
     def spawned(self, r: int, gen: int) -> None:
-        self.gen[r], self.status[r], self.seen_n[r] = gen, "starting", 0
+        self.gen[r], self.status[r], self.seen_n[r], self.seen_t[r] = gen, "starting", 0, self.clock()
+        self.step_of[r] = 0
         self._unpend(r)
 
     def _unpend(self, r: int) -> None:
@@ -199,6 +232,12 @@ class Lighthouse:
                     break
         return out
 
+    def silent(self) -> list[int]:
+        """Active replicas that have neither asked nor voted for ``silent_s`` (their heartbeat
+        thread beats, their training thread is stuck): the launcher fails them."""
+        now = self.clock()
+        return [r for r in range(self.R) if self.status[r] == "active" and now - self.seen_t[r] > self.silent_s]
+
     # -- the loop ----------------------------------------------------------------------------
     def poll(self) -> None:
         self._read_requests()
@@ -213,7 +252,7 @@ class Lighthouse:
             req = json.loads(self.store.get(key))
             if req["gen"] != self.gen[r] or req["n"] <= self.seen_n[r]:
                 continue
-            self.seen_n[r] = req["n"]
+            self.seen_n[r], self.seen_t[r], self.step_of[r] = req["n"], self.clock(), req["step"]
             self.status[r] = "active"
             self.pending[r] = req
             for (q, phase), o in list(self.open.items()):  # a member asking again left that quorum
@@ -222,22 +261,37 @@ class Lighthouse:
             if self.first_pending is None:
                 self.first_pending = self.clock()
 
+    def _retry(self) -> None:
+        """Answer every pending request "ask again" (no quorum can form yet)."""
+        for r, req in self.pending.items():
+            self.store.set(f"resp/{r}/{self.gen[r]}/{req['n']}", json.dumps({"retry": True}))
+        self.pending, self.first_pending = {}, None
+
     def _maybe_form(self) -> None:
         if not self.pending:
             return
+        late = self.clock() - self.first_pending >= JOIN_WAIT * self.timeout_s
         if any(self.status[r] == "starting" and self.gen[r] == 0 for r in range(self.R)):
-            return  # the job's first start: every replica is waited for (a replacement is not)
+            return self._retry() if late else None  # the first start waits for every replica (a replacement is not)
         active = [r for r in range(self.R) if self.status[r] == "active"]
         everyone = all(r in self.pending for r in active)
-        if not everyone and self.clock() - self.first_pending < JOIN_WAIT * self.timeout_s:
+        if not everyone and not late:
             return
         members = sorted(self.pending)
         reqs = [self.pending[r] for r in members]
         top = max(q["step"] for q in reqs)
         last = reqs[0]["last"] if self.stop_at is None else max(top, min(reqs[0]["last"], self.stop_at))
         finals = all(q["step"] >= last for q in reqs)
+        if top < max((self.step_of[r] for r in range(self.R) if self.status[r] == "active"), default=0):
+            # a live replica ahead of every asker has not asked yet: never train behind it (a
+            # replacement alone would train from its start); it asks, or is dropped as dead
+            return self._retry() if late else None
+        if top < self.best:  # no live replica holds the state any more: never restart silently
+            self.lost = (f"every replica holding step {self.best} failed at once (the survivors ask at step {top}): "
+                         "the state is lost; resume from the last checkpoint with --resume")
+            return None
         if finals and len(members) < self.R:  # finished replicas wait for a replacement to catch up
-            return
+            return self._retry() if late else None
         if finals and all(q["step"] == top for q in reqs):
             self.done = True
         source = min(r for r, q in zip(members, reqs) if q["step"] == top)
@@ -247,6 +301,7 @@ class Lighthouse:
             self.cfg += 1
         self.last_members, self.aborted = key, False
         self.qid += 1
+        self.best = max(self.best, top)
         q = {"id": self.qid, "cfg": self.cfg, "members": members, "step": top, "heal": heal,
              "done": self.done, "replicas": self.R, "last": last}
         now = self.clock()
@@ -267,6 +322,8 @@ class Lighthouse:
                 continue  # the step's clock starts when the heal is decided
             keys = [f"vote/{q}/{phase}/{r}/{i}" for r in o["members"] for i in range(self.K)]
             if self.store.check(keys):
+                for r in o["members"]:
+                    self.seen_t[r] = now
                 votes = [json.loads(self.store.get(k)) for k in keys]
                 if not all(v["ok"] for v in votes):
                     self._decide(q, phase, "abort", o)

@@ -6,7 +6,7 @@ values of config.json it reads), ``config_from_hf(hf: dict) -> dict`` (ModelConf
 else is here and names no architecture:
 
 * :class:`HFReader` is the checkpoint reader interface (``keys/has/global_shape/dtype/read``,
-  as train/ckpt_reader.Reader and parallel/state.DictReader) over an HF directory
+  as checkpoint/reader.Reader and checkpoint/pieces.DictReader) over an HF directory
   (``model.safetensors`` or ``model.safetensors.index.json`` shards): ``read(key, offsets,
   sizes)`` reads only the HF slice that covers the box (``safe_open(...).get_slice``) and
   converts it (transpose, fused-column split, rotary row permutation). So any engine loads HF

@@ -19,6 +19,14 @@ Per step (docs/faults.md, "Live recovery"):
    asked again in a new quorum. On commit: clip, AdamW step. Fingerprints that differ: the run
    stops (``quorum.Diverged``): never a silent divergence.
 
+Evaluation (``train.eval_every``, and at the last step): every member evaluates the whole
+validation set (the shards of all R replicas, so the same sequences and the same mean as without
+replicas; the members hold identical state, so they agree) and the lowest member's rank 0
+records it. Checkpoints (``checkpoint.every``, and at the last step): the lowest member of the
+committed step saves its replica's state (the format of a job of one replica: it loads under any
+layout); ``--resume`` loads the newest one in every replica at the first start (a replacement is
+healed from a peer, never from disk).
+
 Data order: replica r always trains shard r of step s (``dp_rank = r * dp_in + its dp rank``);
 in a step with L of R replicas live, the shards of the missing ones are skipped for that step
 (never trained twice, never trained later): the effective batch is L / R of ``global_batch``,
@@ -42,9 +50,11 @@ from ..config import Config, ConfigError
 from ..distributed import quorum
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
+from ..models.spec import get_spec
 from ..checkpoint.format import tensor_bytes
+from ..checkpoint import save as ckpt
 from .data import Loader
-from .loop import Trainer, open_data  # at import: a warm spare process has paid for it before a failure
+from .loop import Trainer, checkpoint_dir, open_data  # at import: a warm spare process has paid for it before a failure
 from .metrics import MetricsWriter
 from .optim import lr_at
 
@@ -66,7 +76,9 @@ class FTContext:
     faults: dict = field(default_factory=dict)
     """TEST-ONLY injected faults (tests/distributed/test_live_recovery.py): ``kill``: list of
     [replica, gen, local, step, how] (how: sigkill, raise); ``corrupt_once``: a flag file path: the
-    first heal sent while it does not exist has a flipped byte (the file is created)."""
+    first heal sent while it does not exist has a flipped byte (the file is created); ``hold_start``:
+    list of [replica, gen, seconds]: that start waits so long before it asks to join (a slow start;
+    a hung one past the launcher's start deadline)."""
 
 
 def replica_config(cfg: Config) -> Config:
@@ -88,8 +100,12 @@ def check(cfg: Config) -> None:
         raise ConfigError("train.global_batch", f"{t.global_batch} is not divisible by dp_replicate = "
                                                 f"{p.dp_replicate} (each replica trains its share)")
     if t.precision == "fp16":
-        raise ConfigError("train.fault_tolerance", "fp16's loss scaler is not agreed across replicas; use "
-                                                   "--train.precision=bf16 or fp32 with replica recovery")
+        raise ConfigError("train.precision", "fp16's dynamic loss scaler is not agreed across replicas in replica "
+                                             "recovery; use --train.precision=bf16 or fp32 with "
+                                             "train.fault_tolerance=replica")
+    if get_spec(cfg.model).task == "classify":
+        raise ConfigError("train.fault_tolerance", "replica recovery trains language models only (this model is an "
+                                                   "image classifier); set --train.fault_tolerance=off")
 
 
 def local_tensors(engine, optimizer) -> list[torch.Tensor]:
@@ -129,23 +145,38 @@ def fingerprint(tensors: list[torch.Tensor]) -> int:
 
 
 class _Replica:
-    """One rank's training state and its side of the protocol."""
+    """One rank's training state and its side of the protocol. Built before the rank knows its
+    replica (a hot spare, ``launch_replicas``); :meth:`run` takes the assignment."""
 
-    def __init__(self, ctx, ft: FTContext, cfg: Config, data_dir: str):
-        self.cfg, self.ft, self.t = cfg, ft, cfg.train
+    def __init__(self, ctx, cfg: Config, data_dir: str):
+        self.cfg, self.t = cfg, cfg.train
         rcfg = replica_config(cfg)
         self.mesh = Mesh.build(Topology.from_config(rcfg.parallel), ctx.device, transport="process_group")
         data = open_data(cfg, data_dir)
         self.tr = Trainer(rcfg, self.mesh, data)
-        topo, c = self.mesh.topology, self.mesh.coords
-        dp_in = topo.size("dp")
-        self.tr.loader = Loader(data, self.t.seq_len, self.t.global_batch, cfg.parallel.microbatches,
-                                ft.replica * dp_in + c["dp_shard"], ft.n_replicas * dp_in, self.t.seed, ctx.device)
+        R, dp_in = cfg.parallel.dp_replicate, self.mesh.topology.size("dp")
+        self.loaders = [Loader(data, self.t.seq_len, self.t.global_batch, cfg.parallel.microbatches,  # shard r of
+                               r * dp_in + self.mesh.coords["dp_shard"], R * dp_in, self.t.seed, ctx.device)  # a batch
+                        for r in range(R)]
+        self.val = [mb for b in zip(*(ld.val_batches(self.t.eval_batches) for ld in self.loaders))
+                    for mb in b]  # batch-major: the shards of all replicas, every batch
+        self.counts = {"steps": 0, "degraded": 0, "aborted": 0, "healed": 0, "refused": 0}
+
+    def _assign(self, ft: FTContext) -> None:
+        cfg, self.ft = self.cfg, ft
+        self.tr.loader = self.loaders[ft.replica]
+        self.resumed = None
+        if ft.gen == 0 and cfg.checkpoint.resume:  # a replacement is healed from a peer, never from disk
+            self.resumed = ckpt.latest_valid(checkpoint_dir(cfg), warn=lambda *_: None)
+            if self.resumed is not None:
+                self.tr.load_checkpoint(self.resumed)
+        for r, gen, seconds in ft.faults.get("hold_start", []):  # TEST-ONLY: a slow or stuck start
+            if (r, gen) == (ft.replica, ft.gen):
+                time.sleep(seconds)
         self.member = quorum.Member(ft.store_port, ft.replica, ft.gen, self.mesh.rank, self.mesh.world_size, ft.timeout_s)
         self.writer = None
         if self.mesh.rank == 0:
             self.writer = MetricsWriter(Path(cfg.logging.run_dir) / f"replica_{ft.replica}", False)
-        self.counts = {"steps": 0, "degraded": 0, "aborted": 0, "healed": 0, "refused": 0}
 
     # -- healing ---------------------------------------------------------------------------
     def _meta(self) -> bytes:
@@ -274,7 +305,22 @@ class _Replica:
             tr.loader.load_state_dict(cursor)
             self.counts["aborted"] += 1
         tr.optimizer.zero_grad(set_to_none=True)
+        if committed:
+            self._after(q)
         return committed
+
+    def _after(self, q: dict) -> None:
+        """Evaluation (every member) and checkpoint (the lowest member) after a committed step."""
+        tr, t, step = self.tr, self.t, self.tr.step
+        if (t.eval_every and step % t.eval_every == 0) or step == q["last"]:
+            val = tr.evaluate(self.val)
+            if self.writer and self.ft.replica == q["members"][0]:
+                self.writer.write({"kind": "val", "step": step, "val_loss": val, "replica": self.ft.replica,
+                                   "live_replicas": len(q["members"])})
+        every = self.cfg.checkpoint.every
+        if self.cfg.checkpoint.save and self.ft.replica == q["members"][0] and \
+                ((every and step % every == 0) or step == q["last"]):
+            tr.save_checkpoint(checkpoint_dir(self.cfg))
 
     def _decided(self, q: dict, phase: str, ok: bool, fp: int) -> bool:
         decision = self.member.vote(q, phase, ok, fp)
@@ -297,24 +343,30 @@ class _Replica:
         if self.mesh.rank == 0:
             print(f"shardlab: replica {self.ft.replica} (gen {self.ft.gen}): {msg}", flush=True)
 
-    def run(self) -> dict:
+    def run(self, ft: FTContext) -> dict:
+        """Train as replica ``ft.replica`` until the lighthouse says done; the final state."""
         t = self.t
-        while True:
-            q = self.member.quorum(self.tr.step, t.steps)
-            if q["done"]:
-                break
-            if q["heal"] and not self.heal(q):
-                continue
-            if self.tr.step < q["last"]:
-                self.step(q)
-        self.member.close()
-        if self.writer:
-            self.writer.close()
-        return {"replica": self.ft.replica, "gen": self.ft.gen, "local": self.mesh.rank, "step": self.tr.step,
+        self._assign(ft)
+        try:
+            while True:
+                q = self.member.quorum(self.tr.step, t.steps)
+                if q["done"]:
+                    break
+                if q["heal"] and not self.heal(q):
+                    continue
+                if self.tr.step < q["last"]:
+                    self.step(q)
+            ckpt.finish_saves(self.mesh)  # an asynchronous save in flight: wait, raise if it failed
+        finally:
+            self.member.close()  # the heartbeat stops with the training thread, on every way out
+            if self.writer:
+                self.writer.close()
+        return {"resumed_from": str(self.resumed) if self.resumed else None, "replica": self.ft.replica, "gen": self.ft.gen, "local": self.mesh.rank, "step": self.tr.step,
                 "fingerprint": fingerprint(self.tensors), **self.counts,
                 "params": {n: p.detach().clone() for n, p in self.tr.engine.model.named_parameters()}}
 
 
-def train_replica(ctx, ft: FTContext, cfg: Config, data_dir: str) -> dict:
-    """Worker of every rank of every replica group (module doc)."""
-    return _Replica(ctx, ft, cfg, data_dir).run()
+def train_replica(ctx, cfg: Config, data_dir: str) -> _Replica:
+    """Every rank of every replica group (module doc), in two halves: this builds the engine and
+    the data (a hot spare, before its replica is known); ``.run(ft)`` trains as replica ``ft``."""
+    return _Replica(ctx, cfg, data_dir)

@@ -112,7 +112,7 @@ class Trainer:
     # -- checkpoints (checkpoint/save.py: each rank writes and reads its own boxes) ----------
     def save_checkpoint(self, directory: Path) -> Path | None:
         """Every rank writes its own pieces (no gather); rank 0 writes the index last and commits
-        (train/checkpoint.save). Only barriers synchronise, so nothing else is collective."""
+        (checkpoint/save.save). Only barriers synchronise, so nothing else is collective."""
         def meta():
             return {"data": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,

@@ -10,6 +10,7 @@
   down, which is replaced and healed.
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_no_failure_equals_plain_data_parallel(tmp_path):
 
 def test_replica_killed_mid_step_heals_and_replicas_end_identical(tmp_path):
     cfg = _cfg(tmp_path, steps=8)
-    results, report = _run(cfg, faults={"kill": [[1, 0, 0, 3, "sigkill"]]})
+    results, report = _run(cfg, faults={"kill": [[1, 0, 0, 3, "sigkill"]], "hold_start": [[1, 1, 2.0]]})
     _identical(results)
     f, = report["failures"]
     assert f["replica"] == 1 and "signal 9" in f["why"] and f["rejoin"] is not None
@@ -110,17 +111,19 @@ def test_replica_mode_without_replicas_is_refused(tmp_path, capsys):
 
 
 def test_short_soak(tmp_path):
-    """benchmarks/soak.py, short: a handful of seeded failures of every kind (SIGKILL, SIGSTOP,
-    raised exception); replicas identical, no process left, every step recorded once."""
+    """benchmarks/soak.py, short: 2 replicas x 2 ranks (FSDP inside), a handful of seeded failures
+    of every kind (SIGKILL, SIGSTOP, raised exception); replicas identical, no process left, every
+    step recorded once, no stretch without a committed step longer than the start deadline."""
     import argparse
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import soak
-    args = argparse.Namespace(replicas=2, ranks=1, minutes=2.0, failures=6, gap=0.3, timeout=2.0, seed=3,
-                              cache=str(tmp_path / "cache"), spares=1)
+    args = argparse.Namespace(replicas=2, ranks=2, minutes=2.0, failures=6, gap=0.3, timeout=2.0, seed=3,
+                              cache=str(tmp_path / "cache"), spares=1, start_timeout=30.0)
     res = soak.soak(args)
     print(soak.table(args, res))
     assert res["identical"] and res["orphans"] == [] and res["clash"] == 0 and res["missing"] == 0
+    assert res["gap"] < args.start_timeout
     assert len(res["fails"]) == 6 and {f["how"].split(":")[0] for f in res["fails"]} == {"sigkill", "sigstop", "raise"}
     for f in res["fails"]:
         if "t_detect" in f:  # dropped: detected within the timeout (+ supervision slack), then rejoined
@@ -158,12 +161,62 @@ def test_degraded_steps_equal_a_single_process_on_the_live_shards(tmp_path):
     step on exactly the live replicas' samples (members recorded per step in the metrics)."""
     from shardlab import launch
     cfg = _cfg(tmp_path, steps=6)
-    results, _ = _run(cfg, faults={"kill": [[0, 0, 0, 2, "sigkill"]]})
+    results, _ = _run(cfg, faults={"kill": [[0, 0, 0, 2, "sigkill"]], "hold_start": [[0, 1, 2.0]]})
     members = {}
     for r in (0, 1):
         for rec in _records(tmp_path / "ft", r):
-            members.setdefault(rec["step"], rec["members"])
+            if rec["kind"] == "train":
+                members.setdefault(rec["step"], rec["members"])
     assert sorted(members) == list(range(1, 7)) and members[2] == [1] and members[1] == [0, 1]
     ref, = launch.run(_reference, 1, cfg, str(finetune.prepare_tokens(cfg, None)), members, threads=1)
     for name, p in results[1][0]["params"].items():
         assert torch.allclose(p, ref[name], rtol=0, atol=1e-10), name
+
+
+def test_replacement_stuck_at_start_is_started_again(tmp_path):
+    """A replacement that never asks to join (hung before its first request) is failed at the
+    launcher's start deadline and started again; the survivor trains on meanwhile; identical end."""
+    cfg = _cfg(tmp_path, steps=10)
+    data_dir = finetune.prepare_tokens(cfg, None)
+    results, report = launch_replicas.run(train_replica, 2, 1, cfg, str(data_dir), timeout_s=30, ft_timeout_s=10,
+                                          threads=1, say=lambda *_: None, start_timeout_s=4.0,
+                                          faults={"kill": [[1, 0, 0, 2, "sigkill"]], "hold_start": [[1, 1, 10**6]]})
+    first, stuck = report["failures"]
+    assert "signal 9" in first["why"] and stuck["gen"] == 1 and "did not ask to join within 4 s" in stuck["why"]
+    assert results[1][0]["gen"] == 2 and results[1][0]["healed"] == 1
+    _identical(results)
+
+
+def test_eval_checkpoints_and_resume_in_replica_mode(tmp_path):
+    """train.eval_every and checkpoint.every work with replicas (the lowest live replica records /
+    saves); --resume loads the newest checkpoint in every replica and ends where an uninterrupted
+    run ends, bit for bit."""
+    from shardlab.cli import main as cli_main
+    from shardlab.checkpoint.save import list_checkpoints
+    base = ["train", "--nproc", "2", *TINY, f"--data.cache_dir={tmp_path}/cache", "--parallel.dp_replicate=2",
+            "--train.fault_tolerance=replica", "--train.eval_every=2", "--checkpoint.every=2"]
+    assert cli_main(base + ["--train.steps=6", f"--logging.run_dir={tmp_path}/b"]) == 0
+    saved = list_checkpoints(tmp_path / "b" / "checkpoints")
+    assert [p.name for p in saved] == ["step_00000002", "step_00000004", "step_00000006"]
+    val = [r for r in _records(tmp_path / "b", 0) if r["kind"] == "val"]
+    assert [r["step"] for r in val] == [2, 4, 6] and all(r["val_loss"] > 0 for r in val)
+    shutil.copytree(saved[1], tmp_path / "a" / "checkpoints" / saved[1].name)  # a run that stopped after step 4
+    assert cli_main(base + ["--train.steps=6", f"--logging.run_dir={tmp_path}/a", "--resume"]) == 0
+    assert [r["step"] for r in _records(tmp_path / "a", 0) if r["kind"] == "train"] == [5, 6]  # resumed at 4
+    from shardlab.checkpoint.save import Reader
+    a, b = Reader(tmp_path / "a" / "checkpoints" / "step_00000006"), Reader(saved[2])
+    assert a.keys() == b.keys() and any(k.startswith("model.") for k in a.keys())
+    for name in b.keys():  # parameters and optimizer state
+        assert torch.equal(a.read(name), b.read(name)), name
+    assert a.meta["data"] == b.meta["data"]
+
+
+@pytest.mark.parametrize("extra, field", [(["--max-restarts", "2"], "--max-restarts"),
+                                          (["--train.precision=fp16"], "train.precision")])
+def test_replica_mode_refuses_what_it_cannot_honour(tmp_path, capsys, extra, field):
+    from shardlab.cli import main as cli_main
+    code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={tmp_path}/cache", "--parallel.dp_replicate=2",
+                     "--train.fault_tolerance=replica", f"--logging.run_dir={tmp_path}/r", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and field in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "r").exists()

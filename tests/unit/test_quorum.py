@@ -28,12 +28,19 @@ def _ask(store, r, n, step, last, gen=0):
     store.set(f"req/{r}", json.dumps({"n": n, "gen": gen, "step": step, "last": last}))
 
 
-def test_finished_replicas_waiting_for_a_replacement_are_told_to_ask_again():
+def _both_asked(step=0, last=5):
+    """A lighthouse of 2 replicas (1 s timeout, a controllable clock) after both asked, at
+    ``step`` of ``last``."""
     store, clock = dist.HashStore(), Clock()
     lh = quorum.Lighthouse(store, 2, 1, 1.0, clock=clock)
     for r in (0, 1):
-        _ask(store, r, 1, 0, 5)
+        _ask(store, r, 1, step, last)
     lh.poll()
+    return store, clock, lh
+
+
+def test_finished_replicas_waiting_for_a_replacement_are_told_to_ask_again():
+    store, clock, lh = _both_asked()
     first = json.loads(store.get("resp/0/0/1"))
     assert first["members"] == [0, 1] and not first.get("retry")
     lh.mark_dead(1, "test")
@@ -101,11 +108,7 @@ def test_a_rank_whose_lighthouse_is_gone_fails_within_its_wait(monkeypatch):
 
 
 def test_an_active_replica_that_stops_asking_is_silent():
-    store, clock = dist.HashStore(), Clock()
-    lh = quorum.Lighthouse(store, 2, 1, 1.0, clock=clock)
-    for r in (0, 1):
-        _ask(store, r, 1, 0, 5)
-    lh.poll()
+    store, clock, lh = _both_asked()
     clock.t += lh.silent_s - 1
     _ask(store, 0, 2, 1, 5)
     lh.poll()
@@ -115,11 +118,7 @@ def test_an_active_replica_that_stops_asking_is_silent():
 
 
 def test_every_holder_of_the_state_gone_is_an_error_not_a_silent_restart():
-    store, clock = dist.HashStore(), Clock()
-    lh = quorum.Lighthouse(store, 2, 1, 1.0, clock=clock)
-    for r in (0, 1):
-        _ask(store, r, 1, 7, 20)
-    lh.poll()
+    store, clock, lh = _both_asked(7, 20)
     for r in (0, 1):
         lh.mark_dead(r, "test")
         lh.spawned(r, 1)

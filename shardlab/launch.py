@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .distributed.heap import set_mmap_threshold
-from .errors import BAD_INPUT  # noqa: F401  (launch_replicas.py reads it here)
 from .launch_report import report_to
 
 """How a rank's root error starts when it found bad input (reported in one line, exit 2)."""
@@ -56,8 +55,7 @@ class RankContext:
     checkpoint reporting, shardlab/launch_ray.py), else None."""
 
     def after_step(self, step: int) -> None:
-        """Called by the training loop after each step: TEST-ONLY fault injection, a no-op unless
-        this launcher armed it (SHARDLAB_TEST_KILL_AT_STEP). The rank needs no import of this module."""
+        """After each step (the training loop): TEST-ONLY fault injection, a no-op unless armed."""
         injected_fault_point(step)
 
 

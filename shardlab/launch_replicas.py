@@ -51,8 +51,9 @@ import torch.multiprocessing as mp
 
 from . import launch
 from .distributed.quorum import Lighthouse
+from .errors import BAD_INPUT
 
-FATAL = ("Diverged:", *launch.BAD_INPUT)
+FATAL = ("Diverged:", *BAD_INPUT)
 
 
 class InjectedFailure(BaseException):

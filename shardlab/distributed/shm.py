@@ -13,16 +13,14 @@ rank is at worst in the final phase of call k, reading the region that call k re
 k+1 writes the other one first (``self._free``). Every region written after a barrier is read by
 others only after the next one.
 
-Memories: CPU, one /dev/shm file mapped by every rank and unlinked at once (nothing left behind
-if a rank dies); CUDA, each rank's regions on its device, opened by the others from CUDA IPC
-handles, the phases on a comm stream ordered by interprocess events (shm_cuda.py).
+Memories: CPU, one /dev/shm file mapped by every rank and unlinked at once; CUDA, each rank's
+regions on its device, opened from CUDA IPC handles, on a comm stream (shm_cuda.py).
 
 Messages over the chunk (CPU: ``shm_host.chunk_bytes(n)``; CUDA: shm_cuda.CHUNK; not all_to_all)
 go in chunks, one barrier each. The arena grows collectively for a bigger message (all_to_all
 first exchanges its splits through a small host control arena). The host barrier is a counter
-per rank in that arena (x86-64; elsewhere ``dist.barrier``), which also checks that no
-point-to-point message was left unreceived (shm_p2p.py: byte rings per pair of ranks). Bytes are
-counted in the ledger as the base class counts backend collectives, so both transports compare.
+per rank in that arena (x86-64; elsewhere ``dist.barrier``) that also checks no point-to-point
+message (shm_p2p.py) was left unreceived; bytes are counted as the base class counts them.
 """
 from __future__ import annotations
 

@@ -43,69 +43,34 @@ def _chunk(x: torch.Tensor, comm, dim: int) -> torch.Tensor:
     return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+def _same(t, comm, dim):
+    return t.view_as(t)
+
+
+def _sum(t, comm, dim):
+    return comm.all_reduce(t.clone(memory_format=torch.contiguous_format))
+
+
+def _cat(t, comm, dim):
+    return comm.all_gather(t.contiguous(), dim=dim)
+
+
+def _sum_chunk(t, comm, dim):
+    return comm.reduce_scatter(t.contiguous(), dim=dim)
+
+
+class _Paired(torch.autograd.Function):
+    """``forward(x, comm, dim)`` in the forward pass, its adjoint ``backward(g, comm, dim)`` in the
+    backward pass: one row of the module doc's table."""
 
     @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_reduce(g.clone(memory_format=torch.contiguous_format)), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return comm.all_reduce(x.clone(memory_format=torch.contiguous_format))
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _chunk(x, comm, dim)
+    def forward(ctx, x, comm, dim, forward, backward):
+        ctx.comm, ctx.dim, ctx.adjoint = comm, dim, backward
+        return forward(x, comm, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm.all_gather(g.contiguous(), dim=ctx.dim), None, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return comm.all_gather(x.contiguous(), dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _chunk(g, ctx.comm, ctx.dim), None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return comm.all_gather(x.contiguous(), dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.reduce_scatter(g.contiguous(), dim=ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return comm.reduce_scatter(x.contiguous(), dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_gather(g.contiguous(), dim=ctx.dim), None, None
+        return ctx.adjoint(g, ctx.comm, ctx.dim), None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -124,7 +89,7 @@ def copy_to_region(x: torch.Tensor, comm) -> torch.Tensor:
 
     Use where a replicated activation enters rank-specific computation (the input of a
     column-parallel linear): each rank's branch contributes part of the gradient of x."""
-    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _same, _sum)
 
 
 def reduce_from_region(x: torch.Tensor, comm) -> torch.Tensor:
@@ -132,14 +97,14 @@ def reduce_from_region(x: torch.Tensor, comm) -> torch.Tensor:
 
     Use where partial sums leave rank-specific computation (the output of a row-parallel
     linear): y is replicated, so every rank already holds the full gradient of y."""
-    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _same)
 
 
 def scatter_to_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
     """Forward: y_r = chunk_r(x) along ``dim`` (x replicated; equal chunks).
     Backward: dL/dx = cat_r(dL/dy_r) along ``dim`` (an all-gather): chunk r of x only
     influences y_r."""
-    return x if comm.size == 1 else _ScatterToRegion.apply(x, comm, dim)
+    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _chunk, _cat)
 
 
 def gather_from_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
@@ -147,21 +112,21 @@ def gather_from_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
 
     The gradient of the replicated y is the same on every rank, so no communication is
     needed: each rank keeps the slice its x_r produced."""
-    return x if comm.size == 1 else _GatherFromRegion.apply(x, comm, dim)
+    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _cat, _chunk)
 
 
 def all_gather(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     """Sequence parallel's gather. Forward: y_r = cat_s(x_s) along ``dim`` on every rank, but
     each rank's y_r feeds a different (rank-specific) computation.
     Backward: dL/dx_r = chunk_r(sum_s dL/dy_s): a reduce-scatter along ``dim``."""
-    return x if comm.size == 1 else _AllGather.apply(x, comm, dim)
+    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _cat, _sum_chunk)
 
 
 def reduce_scatter(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     """Sequence parallel's scatter. Forward: y_r = chunk_r(sum_s x_s) along ``dim``.
     Backward: dL/dx_s = cat_r(dL/dy_r) along ``dim`` for every s: an all-gather (each
     summand x_s influences every chunk with coefficient one)."""
-    return x if comm.size == 1 else _ReduceScatter.apply(x, comm, dim)
+    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _sum_chunk, _cat)
 
 
 def all_to_all(x: torch.Tensor, comm, in_splits: list[int] | None = None,

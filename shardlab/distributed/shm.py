@@ -212,18 +212,24 @@ class SharedComm(RingPointToPoint, Comm):
         self._check_avg("all_reduce", t, op)
         if self.size == 1 or self._elsewhere(t):
             return super().all_reduce(t, op, "backend")
-        self._count("all_reduce", _nbytes(t))
-        self._sig = shm_host.signature("all_reduce", t, _nbytes(t), op)
+        self._in_place("all_reduce", t, op, lambda chunk: self._all_reduce_chunk(chunk, op))
+        return t.div_(self.size) if op == "avg" else t
+
+    def _in_place(self, name: str, t: torch.Tensor, key, one_chunk):
+        """The frame of an in-place collective: count and sign the call, run ``one_chunk`` on each
+        region-sized chunk of ``t`` flattened, copy back when ``t`` was not contiguous."""
+        self._count(name, _nbytes(t))
+        self._sig = shm_host.signature(name, t, _nbytes(t), key)
         if t.numel() == 0:
             return t
         flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
         spans = _spans(flat.numel(), 1, t.element_size(), self._chunk)
         self._ensure(_nbytes(flat[:spans[0][1]]))
         for lo, hi in spans:
-            self._all_reduce_chunk(flat[lo:hi], op)
+            one_chunk(flat[lo:hi])
         if flat.data_ptr() != t.data_ptr():
             t.copy_(flat.view(t.shape))
-        return t.div_(self.size) if op == "avg" else t
+        return t
 
     def _all_reduce_chunk(self, flat: torch.Tensor, op: str):
         """One chunk: a reduce-scatter into the other region, a barrier, an all-gather of the parts."""
@@ -357,24 +363,16 @@ class SharedComm(RingPointToPoint, Comm):
         """In place from group rank ``src``."""
         if self.size == 1 or self._elsewhere(t):
             return super().broadcast(t, src, "backend")
-        self._count("broadcast", _nbytes(t))
-        self._sig = shm_host.signature("broadcast", t, _nbytes(t), src)
-        if t.numel() == 0:
-            return t
-        flat = t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
-        spans = _spans(flat.numel(), 1, t.element_size(), self._chunk)
-        self._ensure(_nbytes(flat[:spans[0][1]]))
-        for lo, hi in spans:
-            inp = self._free
-            if self.rank == src:
-                self._write(flat[lo:hi])
-            self._sync()
-            if self.rank != src:
-                flat[lo:hi].copy_(self._region(src, inp, t.dtype, hi - lo))
-            self._free = 1 - inp
-        if flat.data_ptr() != t.data_ptr():
-            t.copy_(flat.view(t.shape))
-        return t
+        return self._in_place("broadcast", t, src, lambda chunk: self._broadcast_chunk(chunk, src))
+
+    def _broadcast_chunk(self, chunk: torch.Tensor, src: int):
+        inp = self._free
+        if self.rank == src:
+            self._write(chunk)
+        self._sync()
+        if self.rank != src:
+            chunk.copy_(self._region(src, inp, chunk.dtype, chunk.numel()))
+        self._free = 1 - inp
 
     # -- asynchronous variants: on CUDA queued on the comm stream; on the CPU done when issued -----
     @_recorded("all_reduce", _t_op)

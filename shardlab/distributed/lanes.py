@@ -27,7 +27,6 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.distributed as dist
 
 _here = threading.local()
 
@@ -97,20 +96,16 @@ class Lanes:
 
 
 def start_all_to_all(comm, t: torch.Tensor, in_splits: list[int] | None, out_splits: list[int] | None):
-    """Start ``comm``'s all-to-all of ``t`` asynchronously on its process group, counted in the
-    ledger like the synchronous call (and priced by the tier wrapper when ``comm`` has one).
-    Returns (work with ``wait()``, output tensor filled once it is waited for)."""
+    """Start ``comm``'s all-to-all on its process group without waiting: the backend's
+    ``Comm.all_to_all_async`` even under the shared-memory transport (whose asynchronous calls are
+    done when issued on the CPU), priced by the tier wrapper when ``comm`` has one. Returns (work
+    with ``wait()``, output tensor filled once it is waited for)."""
+    from .collectives import Comm
     from .tiers import TieredComm
     base = comm.inner if isinstance(comm, TieredComm) else comm
-    in_splits, out_splits = base._a2a_splits(t, in_splits, out_splits)
-    out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
-    t = t.contiguous()
-
-    def start():
-        base._count_a2a(t, in_splits, out_splits)
-        return dist.all_to_all_single(out, t, out_splits, in_splits, group=base.group, async_op=True)
-    work = comm.all_to_all_start(t, in_splits, out_splits, start) if isinstance(comm, TieredComm) else start()
-    return work, out
+    pending = Comm.all_to_all_async(base, t, in_splits, out_splits)  # the backend's, by intent
+    work = comm.all_to_all_start(t, in_splits, out_splits, lambda: pending) if isinstance(comm, TieredComm) else pending
+    return work, pending.result
 
 
 def wait(work) -> None:

@@ -73,11 +73,6 @@ class PipelineEngine(Engine):
                 mod.register_forward_hook(self._record_output)
         self._owners = {s: {id(mod) for mod in chunk.modules() if owns(mod)} for s, chunk in chunks.items()}
 
-    def rebuild_stages(self) -> None:
-        """Re-point the stage views at ``self.model``'s current blocks: call after replacing
-        entries of ``model.layers`` (activation-checkpoint or compile wrappers applied later)."""
-        self.chunks = stage_views(self.model, self.spec, self.ranges, sorted(self.chunks))
-
     def _record_output(self, module, args, output):
         if (self._capture is not None and torch.is_tensor(output) and output.requires_grad
                 and threading.get_ident() == self._capture_thread):  # not a paired B's recompute

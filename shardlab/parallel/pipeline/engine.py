@@ -34,7 +34,7 @@ from .aux import attach as attach_aux, stage_aux
 from .pairs import is_pair, pair
 from .schedule import LAYOUT, Action, Schedule, build
 from .simulate import check
-from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model, stage_views
+from .stage import StageLink, check_p2p_order, mark_pipeline_placements, split_model
 from .wgrad import direct_input, held_bytes, weight_grads
 
 

@@ -1,33 +1,8 @@
 """Calibration: what one layout really holds and how long its step takes, next to the planner's
-prediction (``shardlab.analysis.predict.predict``).
-
-For each layout, ``measure_layout(cfg, nproc)`` spawns the ranks; each rank builds the layout on
-the meta path (``parallelize``), runs ``warmup`` training steps and ``steps`` timed ones, then one
-more step under saved-tensor hooks, and returns (``Measured``):
-
-* model state (exact bytes): after the first step's ``optimizer.step()``, before ``zero_grad``:
-  ``memory.measure`` - every storage of the parameters, gradients (buckets, flat shards) and
-  optimizer states counted once; ZeRO/FSDP flat buffers with their padding.
-* activations (saved-tensor hooks, ``SavedActivations``): every tensor autograd saves for backward
-  during one whole step (``forward_backward``: all micro-batches, every pipeline action of this
-  rank) is tracked by its storage, counted once per storage while any saved reference to it is
-  alive. ``act_peak`` is the peak of the bytes held at the same time (what a schedule's in-flight
-  micro-batches cost: 1F1B holds up to p, GPipe m); ``act_micro`` the bytes saved over the step
-  divided by the micro-batches (the mean per micro-batch). Not counted: storages of parameters,
-  buffers and FSDP's gathered flat buffers (model state, not activations); what recomputation
-  (activation checkpointing) rebuilds inside backward; gradients and communication buffers;
-  tensors an engine keeps by itself (a pipeline stage's output awaiting its gradient) unless
-  autograd saves them too. The hooks see only what autograd saves; the CPU allocator's peak is
-  not measured.
-* step time: per rank the median of the timed steps (forward_backward, clip, AdamW step,
-  zero_grad on the same micro-batches); the layout's step is the slowest rank's median.
-* on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps (``max_alloc``; None on CPU),
-  compared with the prediction's per-rank ``total``.
-* ``buffers``: the model's buffers (rotary tables, ...), each storage once.
-
-``calibrate(layouts)`` runs the layouts one at a time and returns one row per layout with the
-per-rank measurement and, when the planner is importable, ``predict(cfg, device, probe)``.
-"""
+prediction. ``measure_layout(cfg, nproc)`` / ``measure_layouts`` spawn the ranks and return one
+:class:`Measured` per rank (model state, saved activations' peak and mean per micro-batch, step
+time, W stash, CUDA's ``max_memory_allocated``, the model's buffers); ``calibrate(layouts)`` adds
+``predict``'s row. What is measured and how: docs/planner_calibration.md."""
 from __future__ import annotations
 
 import statistics

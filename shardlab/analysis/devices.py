@@ -1,16 +1,6 @@
-"""Device constants of the planner's time model (docs/planner.md), and the CPU probe.
-
-Each kind states its dense peak FLOP/s (vendor datasheets, the table of train/metrics.py), its
-memory, HBM bandwidth, and the links between devices: NVLink inside a node, the network between
-nodes (per GPU), each as an achievable bus bandwidth and a latency per collective step. The
-efficiency constants (fraction of peak a large matmul reaches, and the attention kernels) are
-stated per device kind, the same for every model and layout: they are not fitted per run. An
-unknown device is refused, never guessed.
-
-The CPU has no datasheet: :func:`probe_cpu` measures this machine's matmul FLOP/s and gloo's
-all-reduce latency and bandwidth (a few milliseconds-scale measurements), cached as JSON under
-``.cache/shardlab`` so that later predictions reuse them.
-"""
+"""Device constants of the planner's time model, stated per kind (datasheet peaks, memory, HBM,
+links; efficiencies not fitted per run; an unknown device is refused), and the CPU probe, cached
+under ``.cache/shardlab`` (docs/planner.md, Time model)."""
 from __future__ import annotations
 
 import json
@@ -53,25 +43,7 @@ class Device:
 
 
 GiB = 2**30
-# Sources of the constants (docs/planner.md, "Device constants"):
-#   peak bf16 dense: NVIDIA datasheets (H100 SXM 989 TFLOP/s, A100 312); HBM: datasheets (the
-#     96 GB HBM2e part: 2.4 TB/s, torchtitan's docs/performance.md platform).
-#   mm_eff: stated below the measured ceilings of large bf16 GEMMs at their best shapes (Bekman,
-#     "Machine Learning Engineering", Maximum Achievable Matmul FLOPS table: H100 SXM 792 of 989,
-#     80%; A100 SXM 268 of 312, 86%): a model's GEMMs (backward transposes, the LM head, smaller
-#     widths) run below that ceiling. Not measured here, not fitted.
-#   attn_eff (H100): 0.35, FlashAttention-2 on H100 (Shah et al., "FlashAttention-3", 2024:
-#     "only 35% utilization on the H100"; torchtitan eager uses SDPA's FlashAttention-2 kernel).
-#     A100: 0.45, below FlashAttention-2's 50-73% forward + backward on A100 (Dao 2023): the
-#     2021 Megatron rows ran unfused attention.
-#   peak_fp8: dense FP8 Tensor Core FLOP/s, NVIDIA's H100 / H200 datasheets (3,958 TFLOP/s "with
-#     sparsity" for SXM, half of it dense: 1,979); the 96 GB part is the same H100 chip; A100 has
-#     no fp8 tensor cores (0: Float8 linears refused).
-#   H800 (export part, DeepSeek-V3 report section 3.1): H100's SXM chip (compute, fp8, HBM3) with
-#     NVLink at 400 GB/s (200 per direction: 160 at 80%, the report's "NVLink 160 GB/s") and one
-#     400 Gb/s InfiniBand NIC per GPU (the report's "IB 50 GB/s": 45 at 90%).
-#   links: NVLink bus bandwidth about 80% of the per-direction figure, the network about 90% of
-#     the NIC's line rate; alpha per ring step (NCCL, order of magnitude).
+# Sources of the constants (datasheets; stated efficiencies, not fitted): docs/planner.md, Time model.
 DEVICES = {
     "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU", peak_fp8=1979e12),
@@ -87,11 +59,9 @@ DEVICES = {
 }
 
 FITTED_EFFICIENCY = 1.000
-"""Not a device constant: the one global efficiency that, dividing the compute-bound time of the
-stated model, minimises the median error over the fit set of published runs (docs/planner.md;
-fitted by ``benchmarks/planner_validation.py``, which prints the fit and its leave-one-out error;
-never fitted to the held-out set). 1.000 since the fit set's Float8 row was refused, and still
-1.000 with that row predicted with Float8 priced (2026-11-26): the stated model is already the fit. Used only by ``shardlab plan --efficiency fitted``."""
+"""Not a device constant: the one global efficiency fitted to the fit set of published runs (never
+the held-out set) by ``benchmarks/planner_validation.py``; used only by ``shardlab plan
+--efficiency fitted`` (docs/planner.md)."""
 
 
 def get_device(kind: str, probe: dict | None = None) -> Device:
@@ -162,28 +132,9 @@ another.)"""
 
 def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: int = 2,
               comm_sizes: tuple = (2, 4, 8), reps: int = 15) -> dict:
-    """Measured {flops, mm_eff, cores, alpha, bw, mem_bw, op_s, ew_bw, comm}: one thread's fp32
-    matmul FLOP/s (train/metrics.py's probe), the fraction of it a transformer-shaped linear
-    reaches forward and backward (mm_eff), the cores ranks share, gloo all-reduce of 4 bytes
-    (latency per ring step) and of 4 MB over ``nproc`` ranks (bus bandwidth), a large copy's
-    bandwidth; a chain of SiLU operators forward and backward on 16 elements (``op_s``: seconds
-    per operator, the dispatch and autograd cost) and on 2^18 (``ew_bw``: output bytes per second
-    beyond that); the 16-element chain again as one checkpointed block, full and under the op
-    policy (``ckpt_s``: seconds per operator beyond the plain chain and its recomputed forward:
-    the checkpoint's saved-tensor hooks and, for op, its two dispatch modes); ``busy``: a small
-    transformer block's forward + backward timed in one process per core at once over alone (ranks
-    that fill the cores share caches and memory bandwidth: 1.05-1.10 measured here, the median of
-    BUSY_PAIRS alternating pairs); and the all-reduce pair again with every world size of ``comm_sizes`` (``comm``:
-    [[n, alpha, bw]], alpha per 2 log2(n) steps as plan_time.collective counts them: with more
-    ranks than cores it includes their waiting for a core); and ``comm_curve``: per world size and
-    group size (2, world / 2, world; every rank in some group), the seconds an all-reduce of each
-    of CURVE_BYTES adds to a loop that alternates a fixed piece of
-    compute with it (the mean of CURVE_REPS without the slowest 5%, minus the compute's share: its single-rank time x
-    max(1, ranks / cores)). That is the regime of a training step: ranks reach the collective
-    at different times, and with more ranks than cores the waiting ranks give up their core
-    (gloo's back-to-back all-reduces, ``comm``, see none of this: at 8 ranks on 2 cores a 1 MB
-    all-reduce between compute measured ~20 ms against ~1 ms back to back). Cached in
-    ``cache_dir/cpu_probe.json``."""
+    """This CPU's constants, measured: {flops, mm_eff, cores, alpha, bw, mem_bw, op_s, ew_bw, ckpt_s,
+    busy, comm, comm_curve, comm_curves}; what each times, and why the all-reduce curve is timed
+    between compute: docs/planner.md, Time model ("CPU"). Cached in ``cache_dir/cpu_probe.json``."""
     path = Path(cache_dir) / "cpu_probe.json"
     if path.exists() and not refresh:
         return json.loads(path.read_text())

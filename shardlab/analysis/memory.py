@@ -1,23 +1,7 @@
-"""Model-state memory per rank: the ZeRO formula next to what a real run allocates.
-
-``shardlab memory CONFIG --nproc N`` prints, for DDP and ZeRO stages 1/2/3 over N data-parallel
-ranks, the bytes of parameters, gradients and optimizer states per rank by formula (ZeRO
-paper, Rajbhandari et al. 2020) and, for the configured stage, what one real training step
-holds afterwards (every allocated storage counted once), plus an activation estimate.
-
-Formula, Psi parameters, Adam, N ranks: bytes/param = P (params) + G (grads) + K (optimizer)
-  mixed precision (ZeRO paper): P=2 (bf16), G=2, K=12 (fp32 master + m + v)
-  fp32 (what CPU runs hold):    P=4, G=4, K=8 (m + v; the parameters are the master)
-  DDP  P+G+K     ZeRO-1  P+G+K/N     ZeRO-2  P+(G+K)/N     ZeRO-3  (P+G+K)/N
-With LoRA (``train.lora_rank``) only the trainable adapters take G and K; the frozen base costs P
-on every rank whatever the stage.
-
-With ``train.param_dtype = bf16`` ZeRO-1/2 store exactly the mixed layout (bf16 parameters and
-gradients, fp32 master slices + m + v) and the measurement is compared with the mixed formula; an
-optimizer shard whose dtype differs from the parameters the model computes with is a master copy
-and counts as optimizer state. FSDP keeps fp32 shards (master) and fp32 gradient shards: 4+4+8
-over N, the same 16/N total.
-"""
+"""Model-state memory per rank (``shardlab memory``): the ZeRO formula (ZeRO paper, Rajbhandari et
+al. 2020) for DDP and ZeRO-1/2/3 next to what one real step holds (every allocated storage counted
+once), and the measured run's peak and timeline. The formula, its precisions and LoRA's frozen
+base: docs/data-parallel.md, "Memory"; the peak: "Where the memory goes"."""
 from __future__ import annotations
 
 from dataclasses import dataclass

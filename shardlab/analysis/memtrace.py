@@ -1,19 +1,7 @@
-"""Memory over one training step, as the user meets it: the peak and a timeline per rank.
-
-CPU: the resident set of the rank's process (``/proc/self/status``: VmRSS now, VmHWM its peak;
-RssAnon / RssFile / RssShmem split it into heap, mapped libraries and the shared-memory
-transport's arena), sampled by a thread every ``interval_s``. CUDA: ``max_memory_allocated``
-and ``max_memory_reserved`` (the caching allocator), sampled the same way, and optionally
-PyTorch's own allocation history (``torch.cuda.memory._record_memory_history``) dumped as a
-snapshot for https://pytorch.org/memory_viz (docs/data-parallel.md, Where the memory goes).
-
-A :class:`Trace` holds samples ``(seconds, bytes)`` and phase marks ``(seconds, name)``
-(forward / backward / optimizer of each step) plus, at each mark, the model-state categories
-(``analysis.memory.measure``: parameters, gradients, optimizer states). :func:`draw` turns the
-traces of all ranks into one picture: bytes over time, phases shaded, the model state stacked
-under the curve and the rest (activations, gathered units, unsharded gradients, communication
-buffers, allocator slack) as the gap between the stack and the curve.
-"""
+"""Memory over one training step, as the user meets it: a :class:`Trace` per rank (the resident
+set on CPU, ``max_memory_allocated`` / reserved on CUDA, sampled by a thread; phase marks with the
+model-state categories) and :func:`draw`, the picture of all ranks (docs/data-parallel.md, "The
+timeline")."""
 from __future__ import annotations
 
 import threading

@@ -1,26 +1,6 @@
-"""How much of a step's communication ran while compute ran, read from a Chrome trace
-(``shardlab train --profile N`` writes one per rank: ``RUN/profile/rank<r>.json``).
-
-A trace holds complete events (``"ph": "X"``) with a start and a duration. Two kinds are sorted
-out of them:
-
-* on a GPU trace (one with ``kernel`` events): communication = kernels whose name names a
-  collective library (``nccl``) or a collective, gloo's host-side spans below (gloo moves CUDA
-  tensors from the host: no kernel), and the GPU work (kernels, copies) that the shared-memory
-  transport's ``shm:<op>`` spans launched (matched by the trace's correlation ids; it runs on a
-  stream of its own); compute = every other kernel. Overlap is a kernel running while a
-  collective is in flight.
-* on a CPU trace: communication = the collective's own span on its backend thread (gloo's
-  ``gloo:<op>`` annotations: gloo runs the collective on a thread of its own), and the
-  shared-memory transport's ``shm:<op>`` spans (it runs each collective inline, on the loop's
-  thread: never overlapped); compute = the operators (``cpu_op``) of the thread that runs the
-  training loop (the one with the most events), other than the collective calls and waits
-  themselves and the copies inside ``shm:`` spans.
-
-Each kind's intervals are merged (their union), and the fraction is
-``|union(comm) & union(compute)| / |union(comm)|``: the share of the time spent communicating
-during which something was also computed. 0 when the trace has no communication.
-"""
+"""How much of a step's communication ran while compute ran, read from the Chrome traces of
+``shardlab train --profile N``: |union(comm) & union(compute)| / |union(comm)|, which events
+count as either on a GPU and on a CPU trace: docs/training.md, "Overlap" (``--profile``)."""
 from __future__ import annotations
 
 import json

@@ -1,18 +1,6 @@
-"""Per-rank activation memory of a layout, before launch (the half of plan_memory.py's model
-that autograd decides).
-
-Activations: :func:`shadow.trace_saved` of one micro-batch at the rank's local sequence
-(seq_len / cp), per region; full recomputation keeps each block's input, selective frees what
-only the attention core saved and keeps the core's inputs and (a fresh storage) its output, op
-keeps the block's input and the outputs recompute.op_keeps names (traced: SavedTrace.op_kept).
-MoE layers are traced as they run (shadow_ops.meta_routing; expert parallel with balanced
-routing). Pipeline ranks: their action list walked in order (plan_pipeline.walk_peak): F adds
-the stage's micro-batch, B frees it (a split backward whose W are all direct frees the graph and
-holds the W stash until W, a separate term; otherwise W frees it).
-
-Under bf16/fp16 autocast the trace follows autocast's rules (:func:`trace_mode`,
-``shadow.AutocastTrace``): fp32 weights are cast per product and the casts saved.
-"""
+"""Per-rank activation memory of a layout, before launch: the traced saved bytes of one
+micro-batch per region, under the recomputation policy and autocast's rules, walked over the
+pipeline's action list (docs/planner.md, Memory model; Recomputation policies)."""
 from __future__ import annotations
 
 import functools

@@ -1,41 +1,6 @@
-"""Features of published runs the planner models beyond shardlab's own engine (docs/planner.md,
-"Features"): each from its mechanism, none fitted to a published run.
-
-A feature is passed to ``predict(cfg, device, features=...)`` (``shardlab plan --float8
---async-tp``, the held-out runs' ``features``); a feature not in :data:`MODELLED` is refused by
-name (plan_layout.refused). shardlab's engine runs none of float8 / async_tp / selective_layer_ac:
-they are priced for runs made with other systems (torchtitan), on the layout shardlab would use.
-
-float8 (torchao's Float8Linear, dynamic tensorwise scaling; torchtitan converts every nn.Linear
-  but the output head, ``float8.filter_fqns = ["output"]``):
-  * matmul rate: the three GEMMs of each converted linear (forward, input gradient, weight
-    gradient) run at the device's dense fp8 peak (``Device.peak_fp8``, datasheet) x ``mm_eff``;
-    the head's stay at the bf16 peak. Share of the matmul FLOPs converted: the blocks' matmul
-    parameters over all matmul parameters (the head is d_model x vocab).
-  * scaling: each fp8 operand is made from its bf16 source by an amax reduction (reads it, 2 B per
-    element) and a scaled cast (reads 2 B, writes 1 B). Forward: input x and weight W; backward
-    (Float8Linear saves the bf16 x and W and casts again): x and W once more, and the output
-    gradient dY in two layouts (grad input and grad weight): :data:`CAST_BYTES` per element, at
-    the HBM bandwidth. A recomputed forward (full recomputation) casts x and W again.
-  * memory: unchanged. Float8Linear saves its bf16 input and weight (its autograd function
-    ``save_for_backward(input_hp, weight_hp_t)``), the fp8 copies live only inside one linear,
-    and FSDP gathers bf16 unless ``enable_fsdp_float8_all_gather`` is set (off by default).
-  Refused on devices without fp8 tensor cores (A100) and on MoE models (experts are not
-  nn.Linear).
-async_tp (PyTorch's micro-pipelined TP, torch.compile's all-gather-matmul / matmul-reduce-scatter
-  fusion): each sequence-parallel collective is split into tp chunks, each chunk's transfer
-  overlapping the matmul of the previous one; the first chunk cannot hide, the rest hide up to the
-  length of the blocks' linear matmuls (:func:`async_tp_exposed`).
-selective_layer_ac (torchtitan's ``selective_ac_option = "2"``): a counter over the blocks, the
-  k-th block (k from 1) checkpointed when k % 2 == 0 (:func:`layer_ac_blocks`), the others keep
-  all they save: per-block terms mixed in that proportion (predict.py).
-compile: elementwise work fused (plan_time.ELEMENTWISE_PASSES).
-dualpipe_overlap (DeepSeek-V3's DualPipe: each F&B pair of chunks computes one while the other's
-  dispatch / combine runs): the paired chunks' expert all-to-alls hide behind the pair's compute
-  up to its length, the unpaired ones' stay exposed (plan_moe.paired_share); DualPipe and
-  DualPipeV. shardlab's DualPipe serialises the pair on one stream: priced for runs made with
-  DeepSeek's system.
-"""
+"""Features of published runs the planner models beyond shardlab's own engine (float8, async_tp,
+selective_layer_ac, compile, dualpipe_overlap), each priced from its mechanism, none fitted to a
+published run; any other name is refused (plan_layout.refused). docs/planner.md, "Features"."""
 from __future__ import annotations
 
 import copy

@@ -1,23 +1,6 @@
-"""One pinned layout, written as ``shardlab plan`` prints it (``--layout``, docs/planner.md).
-
-    fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full
-
-Parts (any order, each at most once; what is not named is 1 / off):
-  fsdpN | ddpN | zero1-N | zero2-N   data parallel over N ranks (ZeRO-3/FSDP, DDP, ZeRO-1/2)
-  repN                               HSDP: N replicas of the fsdp group
-  tpN | tpNsp                        tensor parallel (sp: sequence parallel)
-  cpN | cpN-ulysses | cpN-unifiedU   context parallel (ring, Ulysses, Ulysses degree U inside rings)
-  epN | epN-hier | epN-exact | epN-padded   expert parallel (MoE models) and its dispatch
-                                     (parallel.ep_dispatch: hierarchical, exact, padded; default the config's)
-  ppN | ppN:SCHED[vV]                pipeline stages (the second form is the printed label's)
-  1f1b | gpipe | zb-h1 | dualpipev | dualpipe | interleaved[:V]   the schedule (V virtual stages, default 2)
-  mbBxM                              micro-batches of B sequences, M per step (global batch B x M x dp)
-  ac-none | ac-selective | ac-op | ac-full   recomputation (ac-fit: the lightest that fits, predict_pinned;
-                                     ac-layer: torchtitan's every-2nd-block policy, priced by plan_features)
-Pipeline stages need not divide the layers: the engine's own split (balanced by parameters,
-parallel/pipeline/stage.partition) is used, as the Python API does. Bad input raises
-:class:`ConfigError` naming ``--layout``, the part and the fix.
-"""
+"""One pinned layout, written as ``shardlab plan`` prints it (``--layout``), e.g.
+``fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full``; the parts and their refusals: docs/planner.md,
+"One pinned layout"."""
 from __future__ import annotations
 
 import copy

@@ -1,39 +1,20 @@
-"""Per-rank memory of a layout, before launch: model state as the engines allocate it,
-activations as autograd saves them, communication buffers and the largest transient.
-
-Model state (bytes; the categories of ``analysis.memory.measure``, so a measured run compares to
-the byte). The rank's parameters come from :func:`shadow.local_model` (TP/EP slices, pipeline
-split, LoRA adapters); then, per engine:
-
-  plain / pipeline (DDP on top)  params P*psi, grads P*trainable, optim 2*P*trainable (AdamW m, v)
-  DDP (zero_stage 0)             the same; gradient buckets in ``train.reduce_dtype`` if set
-  ZeRO-1/2                       flat buffers (``ddp.make_buckets`` per weight-decay group) padded
-                                 to a multiple of N = dp*cp (expert weights: N = edp, buffers of
-                                 their own, zero.shard_groups): params = padded buffers (low dtype with
-                                 ``train.param_dtype``, then + an fp32 master slice in optim), grads
-                                 = padded buffers (ZeRO-1) or one slice per buffer (ZeRO-2),
-                                 optim = 2 slices (m, v)
-  ZeRO-3 / FSDP                  one flat buffer per unit (``wrap_policy``) and weight-decay group,
-                                 padded to N = dp_shard*cp (experts: edp): shard, gradient shard, m
-                                 and v; the shard counts as optimizer state (a master) when the
-                                 gathered dtype differs
-  ZeRO inside pipeline stages    pipeline/sharded.py: one flat buffer per weight-decay group of the
-                                 rank's stages; ZeRO-1/2 keep it whole, ZeRO-3 its slice; gradient,
-                                 m, v slices; the whole gradient (and ZeRO-3's gathered stage) are
-                                 buffers during the step
-
-P is the parameter element size (fp64 runs 8, else 4). Frozen parameters (a LoRA base) are held
-whole on every rank and take no gradient or optimizer state.
-
-Activations: plan_activations.py.
-"""
+"""Per-rank model state of a layout, before launch, in the categories of ``analysis.memory.measure``
+(a measured run compares to the byte): the rank's parameters from :func:`shadow.local_model`, then
+the engines' own flat-buffer rules (``zero.flat_groups`` / ``zero.shard_size``, ``fsdp.unit_params``,
+``pipeline.sharded.shard_group``), communication buffers and transients. docs/planner.md, Memory
+model (the per-engine table); activations: plan_activations.py."""
 from __future__ import annotations
 
 import functools
 import json
-import math
+from types import SimpleNamespace
 
 import torch
+
+from ..distributed.topology import Topology
+from ..parallel.fsdp import FSDPEngine, unit_params, wrap_policy
+from ..parallel.pipeline.sharded import shard_group
+from ..parallel.zero import ZeroEngine, decay_groups, flat_groups, shard_size
 
 ELEM = {"fp64": 8}
 LOW = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -59,7 +40,6 @@ def _local_inventory(key: str, cfg_json: str, pp_rank: int):
     from ..config import from_dict
     from ..models.spec import get_spec
     from .shadow import local_model
-    from ..distributed.topology import Topology
     cfg = from_dict(json.loads(cfg_json))
     topo = Topology.from_config(cfg.parallel)
     model = local_model(cfg, topo.rank(pp=pp_rank))
@@ -82,11 +62,8 @@ def _canonical(cfg) -> str:
 
 
 def local_model_for(cfg, pp_rank: int):
-    """(the rank's local model, spec). With pp > 1 the unsplit model (one build per TP/EP/LoRA
-    shape, shared by every pipeline degree and schedule) is filtered to the parameters the
-    rank's stages keep: the layers of its stages (``shadow.stage_ranges`` and the schedule's
-    ``rank_of``, as ``stage.split_model`` keeps them) and the first/last modules if it owns the
-    stage starting at layer 0 / ending at the last layer."""
+    """(the rank's local model, spec). With pp > 1 the unsplit model (one build per TP/EP/LoRA shape)
+    filtered to what the rank's stages keep (``shadow.stage_ranges``, the schedule's ``rank_of``)."""
     if cfg.parallel.pp == 1:
         cfg_json = _canonical(cfg)
         return _local_inventory(cfg_json, cfg_json, pp_rank)
@@ -106,17 +83,7 @@ def local_model_for(cfg, pp_rank: int):
     ends = tuple(f"{n}." for n in ends)
     kept = [(n, q) for n, q in model.named_parameters()
             if (n.startswith("layers.") and n[:n.index(".", 7) + 1] in layers) or n.startswith(ends)]
-    return _Kept(kept), spec
-
-
-class _Kept:
-    """The parameters a pipeline rank keeps, as (global name, meta parameter) pairs."""
-
-    def __init__(self, named):
-        self._named = named
-
-    def named_parameters(self):
-        return iter(self._named)
+    return SimpleNamespace(named_parameters=lambda: iter(kept)), spec  # (global name, meta parameter)
 
 
 def _fast_key(cfg, *extra) -> tuple:
@@ -144,7 +111,6 @@ def model_state(cfg, pp_rank: int = 0) -> dict:
 def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     """{params, grads, optim, buffers}: bytes of the rank's model state and its data-parallel
     engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket)."""
-    from ..parallel.ddp import make_buckets
     model, spec = local_model_for(cfg, pp_rank)
     p, t = cfg.parallel, cfg.train
     el = param_elem(cfg)
@@ -161,51 +127,35 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
                    opt_transient=step_transient(psi_t * el, max((q.numel() for _, q in train), default=0) * el))
         if p.dp * p.cp == 1 or p.pp > 1:  # p.grad kept as autograd made it: kv heads copied over tp
             out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x
-        if p.pp > 1:  # receive buffers posted ahead (engine.lookahead + 1 activations)
-            b = t.global_batch // p.dp // p.microbatches
-            out["buffers"] = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) \
-                * cfg.model.d_model * act_dtype(cfg).itemsize
+        if p.pp > 1:
+            out["buffers"] = _recv_bytes(cfg)
         return out
-    from ..distributed.topology import Topology
     topo = Topology.from_config(p)
-    if p.zero_stage in (1, 2):  # expert weights in buffers of their own over edp (zero.shard_groups)
+    if p.zero_stage in (1, 2):  # the engine's buffers (zero.flat_groups) and slices (zero.shard_size)
         low = LOW.get(t.param_dtype) if t.param_dtype in ("bf16", "fp16") else None
         fel = low or el
         out["params"] = frozen
-        cap = p.bucket_cap_mb * 2**20
         biggest = largest_shard = 0
-        for n, group in _flat_groups(train, "dp_cp", topo, t.weight_decay):
-            for bucket in make_buckets([q for _, q in group], cap):
-                total = sum(q.numel() for q in bucket)
-                shard = max(1, math.ceil(total / n))
-                padded = shard * n
-                biggest, largest_shard = max(biggest, padded), max(largest_shard, shard)
-                out["params"] += padded * fel
-                out["grads"] += (padded if p.zero_stage == 1 else shard) * fel
-                out["optim"] += 2 * shard * el + (shard * el if low else 0)
+        for n, shard in _flats(train, ZeroEngine.shard_group, topo, t.weight_decay, p.bucket_cap_mb * 2**20):
+            padded = shard * n
+            biggest, largest_shard = max(biggest, padded), max(largest_shard, shard)
+            out["params"] += padded * fel
+            out["grads"] += (padded if p.zero_stage == 1 else shard) * fel
+            out["optim"] += 2 * shard * el + (shard * el if low else 0)
         if p.zero_stage == 2:
             out["buffers"] = 2 * biggest * fel  # the bucket being filled and the one reduce-scattering
         out["opt_transient"] = step_transient(out["optim"] / (3 if low else 2), largest_shard * el)
         return out
-    from ..parallel.fsdp import wrap_policy
     units = wrap_policy(model, p.wrap_policy, spec)
     compute = LOW.get(t.param_dtype) or (2 if t.precision in ("bf16", "fp16") else None)
     master = compute is not None and compute != el
     out["params"] = frozen
     gathered, reduce_total, largest_shard = [], 0, 0
     for prefix in [""] + units:
-        mod = model.get_submodule(prefix) if prefix else model
-        seen, mine = set(), []
-        for name, q in mod.named_parameters(prefix=prefix, remove_duplicate=False):
-            owner = next((u for u in units if u != prefix and name.startswith(u + ".")), None)
-            if owner is None and id(q) not in seen and q.requires_grad:
-                seen.add(id(q))
-                mine.append((name, q))
+        mine = unit_params(model.get_submodule(prefix) if prefix else model, prefix, units)
         unit_bytes = 0
-        for n, group in _flat_groups(mine, "dp_shard_cp", topo, t.weight_decay):
-            reduce_total += max(1, math.ceil(sum(q.numel() for _, q in group) / n)) * n * (LOW.get(t.reduce_dtype) or el)
-            total = sum(q.numel() for _, q in group)
-            shard = max(1, math.ceil(total / n))
+        for n, shard in _flats(mine, FSDPEngine.shard_group, topo, t.weight_decay):
+            reduce_total += shard * n * (LOW.get(t.reduce_dtype) or el)
             largest_shard = max(largest_shard, shard)
             out["optim" if master else "params"] += shard * el
             out["grads"] += shard * el
@@ -235,36 +185,28 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     return out
 
 
-def _flat_groups(named, dense: str, topo, weight_decay: float):
-    """(shard group size, parameters) of every flat buffer group the engines build: expert
-    weights over ``edp``, the rest over ``dense`` (zero.shard_groups), each split by weight decay."""
-    from ..parallel.zero import decay_groups, shard_groups
-    for gname, by_group in shard_groups(named, dense):
-        for group, _ in decay_groups(by_group, weight_decay):
-            yield topo.size(gname), group
+def _flats(named, dense: str, topo, weight_decay: float, cap_bytes=None):
+    """(shard group size, the rank's slice in elements) of every flat buffer the engine builds from
+    ``named``: the engines' own grouping (zero.flat_groups) and ownership rule (zero.shard_size)."""
+    for gname, group, _ in flat_groups(named, dense, weight_decay, cap_bytes):
+        n = topo.size(gname)
+        yield n, shard_size(sum(q.numel() for _, q in group), n)
 
 
 def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
-    """ZeRO-1/2/3 inside pipeline stages (pipeline/sharded.py): one flat buffer per weight-decay
-    group of the rank's stages, padded to a multiple of the shard group S (dp_cp; ZeRO-3:
-    dp_shard x cp). After the step: ZeRO-1/2 keep the full buffer (the slice aliases it), ZeRO-3
-    only its slice; gradient = one slice, m and v = slices. During the step every flat gradient
-    is whole (``grad_full``) and ZeRO-3's parameters gathered: both counted as buffers."""
-    from ..parallel.zero import decay_groups
+    """ZeRO-1/2/3 inside pipeline stages (pipeline/sharded.py; docs/planner.md, Memory model)."""
     p, t = cfg.parallel, cfg.train
-    n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
+    n = Topology.from_config(p).size(shard_group(p.zero_stage))
     out["params"] = frozen
     padded_total = largest_shard = 0
     for group, _ in decay_groups(train, t.weight_decay):
-        shard = max(1, math.ceil(sum(q.numel() for _, q in group) / n))
+        shard = shard_size(sum(q.numel() for _, q in group), n)
         largest_shard = max(largest_shard, shard)
         padded_total += shard * n
         out["params"] += (shard if p.zero_stage == 3 else shard * n) * el
         out["grads"] += shard * el
         out["optim"] += 2 * shard * el
-    b = t.global_batch // p.dp // p.microbatches
-    recv = 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
-        * act_dtype(cfg).itemsize
+    recv = _recv_bytes(cfg)
     out["buffers"] = padded_total * el * (2 if p.zero_stage == 3 else 1) + recv
     # After the last backward (pipeline/sharded.sync_grads) the flat gradients (and under ZeRO-3
     # the gathered stage) are still there when their reduce-scatter outputs arrive; activations
@@ -275,11 +217,17 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
     return out
 
 
+def _recv_bytes(cfg) -> float:
+    """A pipeline rank's receive buffers posted ahead (engine.lookahead + 1 activations)."""
+    p, t = cfg.parallel, cfg.train
+    b = t.global_batch // p.dp // p.microbatches
+    return 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
+        * act_dtype(cfg).itemsize
+
+
 def step_transient(stepped: float, largest: float) -> float:
-    """The optimizer's temporary at the step on CPU: foreach AdamW makes one tensor the size of
-    what it steps at once; train/optim.ChunkedAdamW steps runs of at most STEP_CHUNK bytes (a
-    larger tensor alone), so at most max(STEP_CHUNK, the largest tensor), and never more than
-    all ``stepped`` bytes."""
+    """The optimizer's temporary at the step on CPU: train/optim.ChunkedAdamW's, at most
+    max(STEP_CHUNK, the largest tensor) and all ``stepped`` bytes (docs/data-parallel.md)."""
     from ..train.optim import STEP_CHUNK
     return float(min(stepped, max(STEP_CHUNK, largest)))
 
@@ -308,12 +256,9 @@ def inline_transport(cfg) -> bool:
 
 
 def transport_bytes(cfg, pp_rank: int = 0) -> float:
-    """CPU ranks on the shared-memory transport (``comm_transport`` shared, or auto on x86-64 with
-    the backend algorithm): the shared pages a rank touches. A group's messages go in chunks of at
-    most c = min(distributed/shm_host.chunk_bytes(n), the longest message) per member, two regions each:
-    an all-gather reads every member's regions (2 n c); an all-reduce writes its own region, a
-    part of its other one, and reads a 1/n part of everyone's two ((3 - 1/n) c). Pipeline and
-    ring-attention neighbours add two point-to-point rings each (``SharedComm.p2p_cap``)."""
+    """The shared pages a CPU rank on the shared-memory transport touches: per group two regions of
+    c = min(shm_host.chunk_bytes(n), the longest message) per member, an all-gather reading all
+    (2 n c), an all-reduce (3 - 1/n) c; two point-to-point rings per pipeline / ring neighbour."""
     from ..distributed.shm_host import chunk_bytes
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if not inline_transport(cfg):
@@ -326,12 +271,12 @@ def transport_bytes(cfg, pp_rank: int = 0) -> float:
     b = max(1, t.global_batch // p.dp // p.microbatches)
     act = b * (t.seq_len // p.cp) * m.d_model * act_dtype(cfg).itemsize
     bucket = min(p.bucket_cap_mb * 2**20, state["grads"] or 0.0)
-    if p.zero_stage == 3:  # FSDP gathers units over dp_shard x cp, all-reduces shards over replicas
-        n = p.dp_shard * p.cp
+    if p.zero_stage == 3:  # FSDP gathers units over its shard group, all-reduces shards over replicas
+        n = Topology.from_config(p).size(FSDPEngine.shard_group)
         total = 2 * n * min(chunk_bytes(n), state.get("largest_unit", 0.0)) if n > 1 else 0.0
         total += all_reduce(p.dp_replicate, state["grads"])
     elif p.zero_stage in (1, 2) and p.pp == 1:
-        n = p.dp * p.cp
+        n = Topology.from_config(p).size(ZeroEngine.shard_group)
         total = 2 * n * min(chunk_bytes(n), bucket) if n > 1 else 0.0
     else:
         total = all_reduce(p.dp * p.cp, bucket)

@@ -1,37 +1,6 @@
-"""Expert parallel over two tiers of links: the planner's dispatch / combine time when the ep group
-spans nodes (docs/planner_deepseek.md).
-
-The ep group of rank 0 lies on N nodes with L ep ranks each (the topology's rank order; a node
-is ``Device.gpus_per_node`` consecutive ranks). Routing is taken as uniform over the experts a
-token may use (balanced routing, the expectation: the same assumption as the activation trace),
-with top-k distinct experts per token, E experts in G = ``model.moe_node_groups`` contiguous
-groups of which each token may use M = ``model.moe_max_nodes`` (node-limited routing; M = 0 or G:
-no limit). Per token and MoE layer, d-wide rows of ``el`` bytes:
-
-  flat (``ep_dispatch`` exact / padded): one row per assignment to another rank. An expert lies
-    on the token's own node with probability 1/N whatever the limit (by symmetry), so the slow
-    tier carries k (N - 1) / N rows and the fast tier k (L - 1) / (N L). Node-limited routing
-    does not change these: it only groups a token's rows on fewer nodes.
-  hierarchical (parallel/expert_hier.py): one row per other node the token uses (its k gate
-    weights and k ids ride along, 2k columns, in the dispatch and its gradient: k on average over
-    a layer's four passes), D (N - 1) / N with D the expected number of
-    distinct nodes (:func:`nodes_hit`); then inside each node the rows are expanded to their
-    assignments and sent to the experts' ranks: k (L - 1) / L rows over the fast tier. The
-    engine runs the two hops one after the other (two all-to-alls), so their times add.
-
-Time of one pass (dispatch or combine, equal bytes): flat: the slow and the fast tier's bytes move
-at once (each GPU has its own NIC and NVLink), max of the two, plus 2 log2(ep) latencies of the
-slower tier; hierarchical: (latency + bytes / bandwidth) of the slow hop over N ranks plus that of
-the fast hop over L ranks. An ep group inside one node, or a CPU, keeps plan_time's one-link
-all-to-all.
-
-DualPipe's overlap (DeepSeek-V3 report, section 3.2.1; DualPipe and DualPipeV alike): in each
-overlapped "F&B" pair of chunks
-(dualpipe.py's steps nF0B1F1B0 and nB1F1B0) one chunk's dispatch / combine runs while the other
-chunk computes. Priced (feature ``dualpipe_overlap``): the paired chunks' all-to-all time hides
-behind the pair's compute up to its length; the unpaired chunks' stays exposed
-(:func:`paired_share` counts the pairs in the engine's own order for the peak rank).
-"""
+"""Expert parallel over two tiers of links: the dispatch / combine time when the ep group spans
+nodes (flat and hierarchical dispatch, node-limited routing) and DualPipe's overlapped F&B pairs
+(docs/planner_deepseek.md, "The model")."""
 from __future__ import annotations
 
 import math

@@ -1,19 +1,6 @@
-"""What a pipeline rank holds, read off the engine's own schedule (parallel/pipeline/schedule.py).
-
-The stage layout (which stage ids a rank owns, how the layers are cut) comes from the same
-``Schedule`` object the executor builds: ``loop`` (stage s on rank s % p, p*v stages),
-``v`` (DualPipeV: 2p stages, rank r holds r and 2p-1-r) and ``dual`` (DualPipe: p parts, each
-held twice, as stage ids r and 2p-1-r). The activation peak of a rank is found by walking its
-action list in order, as the executor runs it (engine.py):
-
-  F   saves the stage's activations of one micro-batch
-  B   unsplit, or split with every W direct: frees them (the graph is released); a split B
-      then holds the W stash (the modules' inputs and output gradients, wgrad.py) until W
-  W   frees the stash; when some module's W needs autograd, B kept the graph and W frees it
-
-Walking the list (not multiplying a peak count by a mean stage size) is exact for ranks whose
-stages differ in size (interleaved and DualPipeV ranks hold the first and the last stage).
-"""
+"""What a pipeline rank holds, read off the engine's own schedule (parallel/pipeline/schedule.py):
+the stages it owns, and its activation peak found by walking its action list in order as the
+executor runs it (docs/planner.md, Memory model, "Pipeline ranks")."""
 from __future__ import annotations
 
 import functools

@@ -1,18 +1,6 @@
 """Enumerate the layouts of a model on a cluster, drop those that do not fit, rank by predicted
-tokens/s (``shardlab plan``, docs/planner.md).
-
-Candidates: tp among the divisors of the GPUs of one node, pp among the divisors of what is left
-(at most the layer count), cp in powers of two (ring, Ulysses, and from cp = 4 unified with a
-Ulysses degree of 2), ep (MoE models) in powers of two dividing the experts and dp x cp, the rest
-data parallel as DDP, ZeRO-1/2, FSDP or HSDP (FSDP inside a node, replicas across); with pipelines
-ZeRO-1 or ZeRO-3 inside the stages, and the schedules 1F1B, interleaved (2 and 4 virtual stages),
-ZB-H1, DualPipeV and DualPipe (two parameter copies; not with ZeRO), the stages as the engine
-splits the layers (balanced by parameters: they need not divide evenly); micro-batches of 1, 2, 4
-or 8 sequences; recomputation none, selective, op or full. Which
-candidates are valid is decided by ``Config.validate`` (the same refusals a run gets), never by
-rules restated here. Pruning, cheapest first: divisibility, then model state against the device
-memory, then activations, then the time model.
-"""
+tokens/s (``shardlab plan``). Validity is ``Config.validate``'s, never rules restated here; the
+candidates and the pruning: docs/planner.md, "Planner"."""
 from __future__ import annotations
 
 import copy

@@ -1,49 +1,16 @@
 """Step time of a layout on a device kind: roofline compute, alpha-beta collectives placed on
-their links, the pipeline schedule simulated, and what each engine overlaps (docs/planner.md).
-
-Compute per micro-batch and rank (one pipeline stage):
-  matmuls     (spec FLOPs per token - its attention term) x tokens / (tp x cp x stages)
-              at peak x mm_eff; forward 1/3, backward 2/3; full recomputation repeats the
-              blocks' forward, selective the attention's, op the blocks' elementwise forward
-              and the products recompute.op_keeps drops (FLOPs from the trace)
-  attention   half the spec's 12 L d S term (the causal kernels skip masked blocks) x 3.5 / 3 (the
-              flash backward recomputes the scores: FLASH_BWD_EXTRA) at peak x attn_eff; the
-              ``math`` core (model.attention) the whole term at peak x mm_eff, its materialised
-              scores' traffic counted with the elementwise bytes (they are saved tensors)
-  elementwise ELEMENTWISE_PASSES (eager or fused) x the bytes autograd saves, at the HBM bandwidth
-On a CPU (the probe's ``op_s`` and ``ew_bw``) the elementwise term is instead, per operator the
-traced forward dispatches, a probed latency (forward + backward) plus the bytes it writes at the
-probed elementwise rate; a host whose ranks outnumber its cores slows compute by ranks / cores,
-and ranks that fill the cores by the probed ``busy`` factor (shared caches and memory bandwidth),
-its collectives use the gloo figures probed with as many ranks as the layout runs, and nothing
-overlaps (gloo computes on the same cores).
-Collectives (ring model, bytes on the wire per rank): all-reduce 2M(N-1)/N, all-gather /
-reduce-scatter M(N-1)/N; time = 2 log2(N) alpha + wire / bus bandwidth, on NVLink when the group
-lies inside one node (the topology's axis order, tp fastest), else on the network.
-Overlap: TP collectives are exposed (they sit between dependent matmuls); CP's ring hides behind
-the attention it feeds, Ulysses' all-to-alls do not; MoE's dispatch/combine all-to-alls (ep) and
-batch-wide statistics are exposed; ZeRO inside pipeline stages gathers and reduce-scatters once
-per step, exposed; FSDP's gathers and reduce-scatters hide behind the compute of the other
-units (the root unit's gather and the last reduce-scatter do not), each unit's collectives
-paying their latency; DDP's all-reduce hides behind
-the last micro-batch's backward except its last bucket; ZeRO-1/2's all-gather after the step does
-not hide. Pipelines: the schedule is simulated (parallel/pipeline/simulate.py) and its idle fraction
-stretches the stages' busy time; stage-to-stage sends add to each stage's cost.
-"""
+their links, the pipeline schedule simulated, and what each engine overlaps (docs/planner.md,
+Time model)."""
 from __future__ import annotations
 
 import math
 
 FLASH_BWD_EXTRA = 3.5 / 3
-"""Attention FLOPs executed per FLOP counted: the spec counts the attention core as forward + 2 x
-forward (12 L d S per token); fused (flash) kernels recompute the scores in backward, which is
-2.5 x the forward's FLOPs (Dao, "FlashAttention-2", 2023, section 3: 5 matmuls backward, 2
-forward; its benchmark counts forward + backward as 3.5 x forward), so 3.5 / 3 of the count."""
+"""Attention FLOPs executed per FLOP counted: the spec counts forward + 2 x forward, a flash backward
+recomputes the scores (2.5 x forward: Dao, "FlashAttention-2", 2023, section 3)."""
 
 ELEMENTWISE_PASSES = {"eager": 12.0, "fused": 4.0}
-"""Bytes moved by elementwise work per byte autograd saves: eager PyTorch runs each norm, rotary,
-activation and residual op as its own kernel (every one reads and writes its tensors); fused
-kernels (``parallel.compile``, or Megatron's hand-fused kernels) touch each tensor a few times."""
+"""Bytes moved by elementwise work per byte autograd saves: one kernel per op (eager) or fused."""
 
 
 def collective(kind: str, nbytes: float, n: int, bw, alpha: float) -> float:
@@ -60,11 +27,8 @@ def collective(kind: str, nbytes: float, n: int, bw, alpha: float) -> float:
 
 
 class Curve:
-    """CPU collectives as probed (devices.probe_cpu's ``comm_curve`` at the layout's world size):
-    the seconds an all-reduce of a given size adds between compute, interpolated linearly in
-    bytes (beyond the largest size probed, at the slope of the last two). Other kinds are read as
-    the all-reduce that puts as many bytes on the wire (all-gather, reduce-scatter, all-to-all
-    and a send of M bytes: an all-reduce of M / 2)."""
+    """CPU collectives as probed (``comm_curve``): an all-reduce's seconds between compute, linear in
+    bytes between the probed sizes; other kinds as the all-reduce of as many bytes on the wire."""
 
     def __init__(self, points):
         self.pts = sorted((float(b), float(t)) for b, t in points)
@@ -83,11 +47,8 @@ class Curve:
 
 def link(topo, group: str, dev, size: int = 0) -> tuple:
     """(bus bandwidth, latency) of the ``group`` that contains rank 0: NVLink if its ranks share a
-    node, else the network. CPU: gloo as the probe measured it with as many ranks as the layout
-    runs (the closest world size probed, not below it when one is) and the group's size (a
-    pipeline send: a pair): its all-reduce curve between compute (:class:`Curve`, alpha 0) when
-    probed, else its back-to-back alpha and bandwidth. ``size``: the group's size when it is a
-    part of ``group`` (a ring or Ulysses group inside cp)."""
+    node, else the network; CPU: the probed curve (:class:`Curve`, alpha 0) of the closest world
+    size and the group's size (``size``: a part of ``group``, a ring or Ulysses group in cp)."""
     if dev.comm_curve:
         w = topo.world_size
         g = size or (2 if group == "pp" else len(_group_of_rank0(topo, group)) if group != "world" else w)

@@ -1,17 +1,6 @@
 """``predict(cfg, device, probe)``: per-rank memory and step time of a validated config's layout,
-before launch (docs/planner.md). The public API of the planner:
-
-    from shardlab.analysis.predict import predict
-    pred = predict(cfg, device="cpu")          # cfg = shardlab.config.load(...).validate(world)
-    pred.ranks[r].params / .grads / .optim / .activations / .buffers / .transient / .total / .stage
-    pred.step_time_s, pred.tokens_per_s, pred.mfu, pred.breakdown
-
-Model-state bytes are those the engines allocate (``analysis.memory.measure``'s categories, exact
-for the CPU layouts); activations are what autograd saves per micro-batch (traced on meta, see
-analysis/shadow.py) times the micro-batches the schedule keeps in flight. ``device``: a kind of
-analysis/devices.py (h100, h100-gt, h200, a100) or ``cpu`` (constants from ``probe``, the result
-of ``devices.probe_cpu()``, measured when not given).
-"""
+before launch; the planner's public API (docs/planner.md, API). ``device``: a kind of
+analysis/devices.py or ``cpu`` (constants from ``probe``, ``devices.probe_cpu()`` when not given)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -168,12 +157,9 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
 
 
 def _layer_ac(cfg, device, probe, gpus_per_node, per_rank, efficiency, features) -> Prediction:
-    """torchtitan's per-layer selective recomputation (plan_features.layer_ac_blocks): a share f
-    of the blocks fully recomputed, the rest keeping all they save. Every per-block term (saved
-    bytes, recomputed forward, the recomputation's TP collectives) is linear in the blocks, so
-    the layout is predicted with none and with full recomputation and mixed (1 - f) : f; the
-    largest transient is the larger of the two (one recomputed block). The overlap terms'
-    max() are mixed the same way (an approximation where communication is partly hidden)."""
+    """torchtitan's per-layer selective recomputation: the layout predicted with none and with full
+    recomputation, every per-block term mixed (1 - f) : f (f: plan_features.layer_ac_share), the
+    transient the larger (the overlap terms' max() mixed too: an approximation)."""
     import copy
     from .plan_features import layer_ac_share
     if cfg.parallel.activation_checkpointing != "full":

@@ -1,23 +1,8 @@
-"""A rank's model without running a rank: the meta model cut by the engines' own code.
-
-The planner (docs/planner.md) needs, for any layout, which parameters a rank owns and what its
-forward saves for backward. Rather than restating the rules, this module runs the real parallel
-code on the meta device against a *shadow* mesh (sizes and coordinates from ``Topology``, no
-process group): ``tensor.apply`` slices the tensor-parallel weights (vocabulary padding, kv-head
-copies, LoRA adapters included), ``expert.apply`` keeps the rank's experts, and
-``pipeline.stage.split_model`` keeps the rank's layers. Shadow collectives return tensors of the
-right shape (all-gather concatenates, reduce-scatter keeps one chunk, all-reduce is the identity)
-so that a forward pass on meta tensors is possible: :func:`trace_saved` records, with
-saved-tensor hooks, every storage autograd keeps for backward (each counted once, parameters
-excluded), attributed to the region of the model that saved it first (first-stage modules,
-each block, last-stage modules).
-
-The attention core is traced as a fused kernel (flash attention, on CPU and CUDA alike): it
-saves q, k, v, the output and the log-sum-exp, never the S x S probabilities. On the meta device
-PyTorch would pick the math path, so :func:`fused_attention` stands in for
-``scaled_dot_product_attention`` during a trace; its output has the kernels' (B, S, H, D) memory
-layout, so the caller's transpose + reshape is a view, as with the real CPU and CUDA kernels.
-"""
+"""A rank's model without running a rank: the meta model cut by the engines' own code
+(``tensor.apply``, ``expert.apply``, ``pipeline.stage.split_model``) against a *shadow* mesh
+(sizes and coordinates from ``Topology``, no process group; collectives return the right
+shapes), and :func:`trace_saved`, the bytes its forward saves for backward per region, the
+attention core traced as a fused kernel (docs/planner.md, Memory model)."""
 from __future__ import annotations
 
 import contextlib
@@ -80,10 +65,6 @@ class ShadowMesh:
 
     def comm(self, name: str) -> ShadowComm:
         return ShadowComm(name, self.size(name), self.local_rank(name))
-
-
-def _model_cfg_key(cfg) -> tuple:
-    return tuple(sorted(vars(cfg.model).items())) + (cfg.train.lora_rank, tuple(cfg.train.lora_targets))
 
 
 def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
@@ -364,13 +345,9 @@ def _meta_batch(cfg, spec, model, micro_batch: int, seq_len: int, dtype) -> tupl
 
 
 class AutocastTrace(torch.overrides.TorchFunctionMode):
-    """``torch.autocast`` for the meta trace, which autocast cannot run on (it has no meta
-    backend): the calls the models make, with autocast's dtype rules of ``device`` ("cpu" or
-    "cuda"). Products (linear, matmul, bmm; attention takes their outputs) take their floating
-    inputs in ``dtype``, a weight cast once per forward (autocast caches casts of leaves); the ops
-    autocast runs in fp32 take fp32 (on CUDA also softmax and layer_norm); float64 is never cast.
-    What autograd then saves is what a real autocast run saves: the casts, fp32 residual streams
-    where the weights are fp32. Checked against CPU runs under ``torch.autocast`` (test_planner_calibration)."""
+    """``torch.autocast`` for the meta trace (autocast has no meta backend): autocast's dtype rules of
+    ``device`` applied to the calls the models make, a weight cast once per forward, float64 never
+    cast (docs/planner.md, "Activations under autocast")."""
 
     LOW = (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm, torch.baddbmm)
     """(attention: the trace's fused_attention stands in for SDPA; its inputs are products' outputs)"""

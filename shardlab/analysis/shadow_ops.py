@@ -26,14 +26,10 @@ class _GroupedMM(torch.autograd.Function):
 
 @contextlib.contextmanager
 def meta_routing(state: dict, autocast_dtype: torch.dtype | None = None):
-    """MoE layers (models/moe.py, parallel/expert.py) run on meta as they are: their shapes never
-    depend on the routing except expert parallel's split sizes (exact dispatch) and the CPU
-    kernel's segments. Within the trace ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta tensor's
-    ``tolist`` (the all-to-all split sizes) gives ``state["rows"]`` (the current MoE layer's
-    ``T * top_k`` assignments) spread evenly: balanced routing, no drop. ``autocast_dtype``: the
-    dtype of the trace's AutocastTrace, which ``is_autocast_enabled("meta")`` and
-    ``get_autocast_dtype("meta")`` then report, so code that asks (the expert kernels, the
-    zero-bubble W path) takes its autocast branch as a real run does; None: autocast off."""
+    """MoE layers run on meta as they are: ``_grouped_mm`` is :class:`_GroupedMM`, and a 1-D meta
+    tensor's ``tolist`` (the all-to-all split sizes) spreads ``state["rows"]`` evenly (balanced
+    routing, no drop). ``is_autocast_enabled("meta")`` / ``get_autocast_dtype("meta")`` report
+    ``autocast_dtype`` (None: off), so code that asks takes the branch a real run takes."""
     old_gmm, old_tl = getattr(torch, "_grouped_mm", None), torch.Tensor.tolist
     old_ac, old_dt = torch.is_autocast_enabled, torch.get_autocast_dtype
 

@@ -1,16 +1,7 @@
-"""``shardlab verify [--arch A] [--nproc N] [--layouts a,b,...] [--steps K]``: the parity matrix.
-
-For a tiny model of architecture A (default: the default ``model.arch``; ``BASE`` with the spec's
-``verify_model`` overrides), and a tiny MoE for the expert layouts when the spec has MoE, in
-float64 on CPU gloo, run an
-independent single-process reference (plain model + torch AdamW on the whole global batch; no
-shardlab engine), then every layout that fits N ranks for K optimizer steps, and print: layout,
-max |loss diff| over the steps, max |param diff| after the steps (global tensors assembled from
-the shards), bytes sent per step (ledger, all ranks), pass/fail. Exit code 1 on any failure.
-
-A layout names the degrees it needs; the remaining ranks become data parallel (dp_replicate,
-or dp_shard for ZeRO/FSDP layouts). ``tp2`` at N = 8 is therefore tp2 x dp4.
-"""
+"""``shardlab verify [--arch A] [--nproc N] [--layouts a,b,...] [--steps K]``: the parity matrix,
+every layout against an independent single-process float64 reference (docs/composition.md,
+"shardlab verify"). A layout names the degrees it needs; the remaining ranks become data
+parallel (dp_replicate, or dp_shard for ZeRO/FSDP layouts)."""
 from __future__ import annotations
 
 import math

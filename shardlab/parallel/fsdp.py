@@ -37,7 +37,7 @@ from torch import nn
 
 from .engine import Engine
 from .materialize import init_flat_range
-from .zero import DTYPES, FlatParam, ShardedEngine, decay_groups, shard_groups
+from .zero import DTYPES, FlatParam, ShardedEngine, flat_groups
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,6 +79,18 @@ def size_policy(model: nn.Module, min_params: int) -> list[str]:
     return out
 
 
+def unit_params(module: nn.Module, prefix: str, units: list[str]) -> list[tuple[str, nn.Parameter]]:
+    """What unit ``prefix`` (``module``; "" the root) packs: its trainable parameters not inside
+    another of ``units``, each once (the engine's and the planner's rule)."""
+    seen, named = set(), []
+    for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
+        owner = next((u for u in units if u != prefix and name.startswith(u + ".")), None)
+        if owner is None and id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            named.append((name, p))
+    return named
+
+
 class Unit:
     """A module whose parameters are gathered and freed together."""
 
@@ -88,13 +100,12 @@ class Unit:
 
 
 class FSDPEngine(ShardedEngine):
-    name = "fsdp"
+    name, shard_group = "fsdp", "dp_shard_cp"
 
     def __init__(self, model: nn.Module, mesh, cfg, unit_names: list[str] | None = None, init_fn=None):
         super().__init__(model, mesh, cfg)
         self.init_fn = init_fn  # draws boxes of meta parameters (parallel/materialize.py)
         p = cfg.parallel
-        self.shard_group = "dp_shard_cp"
         self.replicate_group = "dp_replicate" if mesh.size("dp_replicate") > 1 else None
         self.comm = mesh.comm(self.shard_group)
         self.reshard, self.prefetch = p.reshard_after_forward, p.prefetch
@@ -127,15 +138,9 @@ class FSDPEngine(ShardedEngine):
     # -- building ---------------------------------------------------------------------------
     def _make_unit(self, prefix: str, module: nn.Module, all_units: list[str]) -> Unit:
         """Pack the parameters of ``module`` not owned by a nested unit into flat shards."""
-        seen, named = set(), []
-        for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
-            owner = next((u for u in all_units if u != prefix and name.startswith(u + ".")), None)
-            if owner is None and id(p) not in seen and p.requires_grad:
-                seen.add(id(p))
-                named.append((name, p))
         flats = []
-        for gname, group, wd in [(g, named_g, wd) for g, by_group in shard_groups(named, self.shard_group)
-                                 for named_g, wd in decay_groups(by_group, self.cfg.train.weight_decay)]:
+        named = unit_params(module, prefix, all_units)
+        for gname, group, wd in list(flat_groups(named, self.shard_group, self.cfg.train.weight_decay)):
             comm = self.mesh.comm(gname)
             f = FlatParam([n for n, _ in group], [p for _, p in group], comm.size, comm.rank, wd)
             f.group, f.comm = gname, comm
@@ -348,4 +353,4 @@ def apply(model: nn.Module, mesh, cfg, unit_names: list[str] | None = None, init
     return FSDPEngine(model, mesh, cfg, unit_names, init_fn)
 
 
-__all__ = ["FSDPEngine", "apply", "wrap_policy", "class_policy", "size_policy", "Engine"]
+__all__ = ["FSDPEngine", "apply", "wrap_policy", "class_policy", "size_policy", "unit_params", "Engine"]

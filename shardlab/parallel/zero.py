@@ -1,20 +1,10 @@
 """ZeRO-1 and ZeRO-2 on flat buffers (Rajbhandari et al., 2020), and what ZeRO-3 shares with them.
 
-Parameters are packed (reverse order, per weight-decay group, at most ``bucket_cap_mb`` each)
-into flat buffers padded to a multiple of N; rank r owns slice r of every buffer. Every rank
-keeps the whole model (the model's parameters are views into the flat buffers) but the
-optimizer only sees this rank's slices, so its state (Adam m, v; fp32 master) is 1/N.
-
-ZeRO-1: gradients accumulate in full flat buffers (``param.grad`` are views into them); after
-the last micro-batch's backward each buffer is reduce-scattered (launched from the gradient
-hooks as soon as the bucket is complete), and the rank's averaged slice becomes the
-optimizer's gradient. ZeRO-2: every micro-batch's gradients are reduce-scattered bucket by
-bucket during backward and summed into a 1/N gradient shard; full gradients never persist.
-After the optimizer step, the updated slices are all-gathered into the flat buffers.
-
-Communication per step: reduce-scatter + all-gather of Psi elements = 2 Psi (N-1)/N, the same
-as DDP's all-reduce (ZeRO-2 with k micro-batches reduce-scatters k times).
-Memory per rank (fp32 Adam, bytes/param): ZeRO-1 4 + 4 + 8/N; ZeRO-2 4 + (4 + 8)/N.
+Parameters are packed (reverse order, per weight-decay group, at most ``bucket_cap_mb`` each:
+:func:`flat_groups`) into flat buffers padded to a multiple of N (:func:`shard_size`); rank r owns
+slice r of every buffer, and the optimizer sees only its slices. ZeRO-1 reduce-scatters the full
+gradient buffers after the last micro-batch, ZeRO-2 bucket by bucket during every backward into a
+1/N shard; the updated slices are all-gathered after the step (docs/data-parallel.md).
 
 Expert parallel (expert-data-parallel sharding): a rank's expert weights are replicated only
 over ``edp``, the ranks holding the same experts, so they go into flat buffers of their own
@@ -26,9 +16,7 @@ Low-precision storage (``train.param_dtype = bf16``/``fp16``): the flat buffers 
 parameters view, and so the gradients and their reduce-scatter, are in that dtype; the
 optimizer's parameter is a separate fp32 master copy of the rank's slice. Gradient shards stay in
 the low dtype (unscaled and clipped there); an fp32 copy is made just for ``optimizer.step()``
-(freed after it), and the updated masters are all-gathered in the low dtype. Bytes/param:
-ZeRO-1 2 + 2 + 12/N, ZeRO-2 2 + (2 + 12)/N: the mixed-precision formula of the ZeRO paper.
-"""
+(freed after it), and the updated masters are all-gathered in the low dtype."""
 from __future__ import annotations
 
 import math
@@ -65,6 +53,23 @@ def check_config(cfg) -> None:
             "the reduce dtype is a DDP/FSDP option (ZeRO-1/2 reduce in train.param_dtype); use zero_stage 0 or 3")
 
 
+def shard_size(total: int, n: int) -> int:
+    """Elements each of ``n`` ranks owns of a flat buffer of ``total``, padded to ``n`` x that."""
+    return max(1, math.ceil(total / n))
+
+
+def flat_groups(named: list[tuple[str, nn.Parameter]], dense_group: str, weight_decay: float, cap_bytes=None):
+    """(shard group, pairs, weight decay) of each flat buffer the engines and the planner pack: per
+    shard group (expert weights over ``edp``, the ranks holding the same experts; the rest over
+    ``dense_group``), weight-decay group and, with ``cap_bytes``, bucket (ZeRO-1/2)."""
+    expert = [("ep" in get_placement(p, n).sharded_over) for n, p in named]
+    for g, is_e in ((dense_group, False), ("edp", True)):
+        for group, wd in decay_groups([x for x, e in zip(named, expert) if e == is_e], weight_decay):
+            names, params = {id(p): n for n, p in group}, [p for _, p in group]
+            for bucket in [params] if cap_bytes is None else make_buckets(params, cap_bytes):
+                yield g, [(names[id(p)], p) for p in bucket], wd
+
+
 class FlatParam:
     """Parameters ``names`` packed end to end, padded to ``n * shard_size``; rank ``r`` owns
     elements ``[r * shard_size, (r + 1) * shard_size)``. ``shard`` is the optimizer's parameter."""
@@ -75,7 +80,7 @@ class FlatParam:
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.total = sum(self.numels)
         self.n, self.rank, self.weight_decay = n, rank, weight_decay
-        self.shard_size = max(1, math.ceil(self.total / n))
+        self.shard_size = shard_size(self.total, n)
         self.padded = self.shard_size * n
         self.start = rank * self.shard_size
         self.placements = [get_placement(p, n) for n, p in zip(names, params)]  # TP/EP slices: global names
@@ -101,14 +106,6 @@ class FlatParam:
         end = self.start + self.shard_size
         return [(max(o, self.start) - self.start, min(o + k, end) - self.start)
                 for o, k in zip(self.offsets, self.numels)]
-
-
-def shard_groups(named: list[tuple[str, nn.Parameter]], dense_group: str):
-    """Split (name, param) pairs by the group that shards them: expert-parallel weights over
-    ``edp`` (the ranks holding the same experts), every other parameter over ``dense_group``."""
-    expert = [("ep" in get_placement(p, n).sharded_over) for n, p in named]
-    return [(g, [x for x, e in zip(named, expert) if e == is_e])
-            for g, is_e in ((dense_group, False), ("edp", True)) if is_e in expert]
 
 
 def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float, tag: str = "_shardlab_user_group"):
@@ -249,29 +246,25 @@ class ZeroEngine(ShardedEngine):
         cap = cfg.parallel.bucket_cap_mb * 2**20
         low = DTYPES.get(cfg.train.param_dtype)  # low-precision storage with fp32 master shards
         self.flats, self._where = [], {}
-        groups = [(g, named, wd) for g, by_group in shard_groups(Engine.named_parameters(self), self.shard_group)
-                  for named, wd in decay_groups(by_group, cfg.train.weight_decay)]
-        for group, named, wd in groups:
-            comm = mesh.comm(group)
-            names = {id(p): nm for nm, p in named}
-            for bucket in make_buckets([p for _, p in named], cap):
-                f = FlatParam([names[id(p)] for p in bucket], bucket, comm.size, comm.rank, wd)
-                f.group, f.comm = group, comm
-                f.params, full = bucket, f.flatten(bucket)
-                comm.broadcast(full, 0)  # every replica starts from rank 0's weights
-                f.full = full if low is None or low == full.dtype else full.to(low)
-                for i, (p, v) in enumerate(zip(bucket, f.views(f.full))):
-                    p.data = v
-                    p.grad = None
-                    self._where[id(p)] = (len(self.flats), i)
-                    p.register_post_accumulate_grad_hook(self._on_grad)
-                # the optimizer's parameter aliases the flat buffer (no extra copy), or is the
-                # rank's fp32 master slice when the buffer is low precision
-                f.shard = nn.Parameter(f.own(f.full) if f.full is full else f.own(full).clone())
-                f.grad_full = torch.zeros_like(f.full) if stage == 1 else None
-                f.gshard = f.own(f.grad_full) if stage == 1 else torch.zeros_like(f.own(f.full))
-                f.ready, f.pending = 0, None
-                self.flats.append(f)
+        for group, named, wd in flat_groups(Engine.named_parameters(self), self.shard_group, cfg.train.weight_decay, cap):
+            comm, bucket = mesh.comm(group), [p for _, p in named]
+            f = FlatParam([n for n, _ in named], bucket, comm.size, comm.rank, wd)
+            f.group, f.comm = group, comm
+            f.params, full = bucket, f.flatten(bucket)
+            comm.broadcast(full, 0)  # every replica starts from rank 0's weights
+            f.full = full if low is None or low == full.dtype else full.to(low)
+            for i, (p, v) in enumerate(zip(bucket, f.views(f.full))):
+                p.data = v
+                p.grad = None
+                self._where[id(p)] = (len(self.flats), i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+            # the optimizer's parameter aliases the flat buffer (no extra copy), or is the
+            # rank's fp32 master slice when the buffer is low precision
+            f.shard = nn.Parameter(f.own(f.full) if f.full is full else f.own(full).clone())
+            f.grad_full = torch.zeros_like(f.full) if stage == 1 else None
+            f.gshard = f.own(f.grad_full) if stage == 1 else torch.zeros_like(f.own(f.full))
+            f.ready, f.pending = 0, None
+            self.flats.append(f)
         self._sync, self._next = True, 0
         self.ensure_grads()
 

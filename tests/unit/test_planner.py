@@ -152,7 +152,7 @@ def test_zb_h1_frees_the_graph_at_b_and_holds_the_w_stash():
 
 def test_expert_weights_shard_over_edp():
     """ZeRO-3 with ep=2 over dp_shard=4: expert weights (the rank's E/ep experts) shard over the
-    edp = 2 ranks holding the same experts, everything else over all 4 (zero.shard_groups)."""
+    edp = 2 ranks holding the same experts, everything else over all 4 (zero.flat_groups)."""
     cfg = _tiny(dp_shard=4, zero_stage=3)
     m = cfg.model
     m.n_experts, m.moe_top_k = 4, 2

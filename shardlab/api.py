@@ -37,7 +37,7 @@ __all__ = ["initialize", "ModelEngine", "resolve_config"]
 
 def _read(config):
     """-> ("shardlab", Config) or ("deepspeed", dict)."""
-    from .deepspeed_config import _TOP_KEYS
+    from .config.deepspeed import _TOP_KEYS
     if config is None:
         return "shardlab", C.Config()
     if isinstance(config, C.Config):
@@ -64,7 +64,7 @@ def resolve_config(config, world_size: int) -> C.Config:
     rules applied with the real world size; all ranks data-parallel). Raises ConfigError."""
     kind, data = _read(config)
     if kind == "deepspeed":
-        from .deepspeed_config import resolve_batch, translate
+        from .config.deepspeed import resolve_batch, translate
         ds = resolve_batch(data, world_size)
         cfg = C.from_dict(translate(ds))
         batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -75,7 +75,7 @@ def resolve_config(config, world_size: int) -> C.Config:
                               f"{mb * ga * world_size} or drop it (DeepSpeed derives it)")
     else:
         cfg = data
-    from .config_checks import check_ranges
+    from .config.checks import check_ranges
     check_ranges(cfg)  # every field within its declared range (config.py), as validate() does
     p = cfg.parallel
     for name in ("tp", "pp", "cp", "ep"):
@@ -155,7 +155,7 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
         raise ConfigError("model_parameters", "pass either model_parameters or an optimizer object holding them, not both")
     given = model_parameters if model_parameters is not None else own_groups
     groups = user_groups(model, given) if given is not None else None
-    from .deepspeed_config import uniform_peak
+    from .config.deepspeed import uniform_peak
     uniform = kind == "deepspeed" and uniform_peak(data)  # else each group warms to its own lr
     return ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule, groups, uniform)
 

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 from .. import config as C
-from ..config_checks import allowed
+from ..config.checks import allowed
 
 
 def configure(parser):

@@ -27,7 +27,7 @@ import json
 import math
 import warnings
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "overlap_comm", "offload_optimizer", "offload_param"}
 _TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

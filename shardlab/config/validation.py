@@ -7,7 +7,7 @@ pipeline/schedule.py, zero.py), and what no single module owns is checked here.
 """
 from __future__ import annotations
 
-from .errors import did_you_mean, one_of, require  # noqa: F401  (did_you_mean: config.py's)
+from ..errors import one_of, require
 
 
 def whole_graph(cfg) -> bool:
@@ -22,9 +22,9 @@ def whole_graph(cfg) -> bool:
 
 
 def validate(cfg, world_size: int | None = None) -> None:
-    from .models.spec import get_spec
-    from .parallel import context, expert, recompute, tensor, ulysses, zero
-    from .parallel.pipeline import schedule, sharded
+    from ..models.spec import get_spec
+    from ..parallel import context, expert, recompute, tensor, ulysses, zero
+    from ..parallel.pipeline import schedule, sharded
     m, p, t = cfg.model, cfg.parallel, cfg.train
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "microbatches", "pp_virtual"):
         require(getattr(p, name) >= 1, f"parallel.{name}", "must be >= 1")
@@ -57,7 +57,7 @@ def validate(cfg, world_size: int | None = None) -> None:
     if spec.task == "lm":
         require(t.seq_len <= m.max_seq_len, "train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     else:
-        from .train.images import DATASETS
+        from ..train.images import DATASETS
         one_of(cfg.data.dataset, DATASETS, "data.dataset")
         for name in ("limit_train", "limit_test"):
             require(getattr(cfg.data, name) >= 0, f"data.{name}", "must be >= 0 (0 = the whole split)")
@@ -70,7 +70,7 @@ def validate(cfg, world_size: int | None = None) -> None:
             "adapter dropout under tensor parallel would draw different masks per tp rank; set it to 0")
     require(t.lora_rank == 0 or bool(t.lora_targets), "train.lora_targets", "name at least one pattern, e.g. layers.*")
     if t.lora_rank:  # targets that match no linear: found on the meta model, before any rank starts
-        from .models.spec import add_adapters, meta_model
+        from ..models.spec import add_adapters, meta_model
         add_adapters(meta_model(m), t)
     require(t.steps >= 1, "train.steps", "must be >= 1")
     require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")

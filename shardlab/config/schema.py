@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import did_you_mean as _did_you_mean
-from .checks import validate
-from .config_checks import check_ranges
-from .errors import ConfigError
+from ..errors import did_you_mean as _did_you_mean
+from .validation import validate
+from .checks import check_ranges
+from ..errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,7 +27,7 @@ else:  # pragma: no cover
 
 def f(default: Any, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, finite=True, nonempty=False):
     """A dataclass field with its docstring and its valid range/choices kept in metadata
-    (checked by config_checks.check_ranges; shown by ``shardlab config show``)."""
+    (checked by checks.check_ranges; shown by ``shardlab config show``)."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "finite": finite,
             "nonempty": nonempty}
     if isinstance(default, (list, dict)):
@@ -362,7 +362,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
             raise ConfigError("CONFIG", f"file {p} does not exist; pass a .toml or .json file (see configs/)")
         data = _read_file(p)
         if p.suffix == ".json" and _is_deepspeed(data):
-            from .deepspeed_config import translate  # optional module (data-parallel issue)
+            from .deepspeed import translate  # optional module (data-parallel issue)
             data = translate(data)
         cfg = from_dict(data, cfg)
     if overrides:

@@ -11,9 +11,6 @@ import math
 
 from ..errors import ConfigError, one_of
 
-RANGE_KEYS = ("ge", "gt", "le", "lt", "choices", "finite", "nonempty")
-
-
 def _doc(fl) -> str:
     doc = fl.metadata.get("doc", "")
     first = doc.split(". ")[0].rstrip(".")

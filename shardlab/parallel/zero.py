@@ -1,34 +1,6 @@
-"""ZeRO-1 and ZeRO-2 on flat buffers (Rajbhandari et al., 2020), and what ZeRO-3 shares with them.
-
-Parameters are packed (reverse order, per weight-decay group, at most ``bucket_cap_mb`` each)
-into flat buffers padded to a multiple of N; rank r owns slice r of every buffer. Every rank
-keeps the whole model (the model's parameters are views into the flat buffers) but the
-optimizer only sees this rank's slices, so its state (Adam m, v; fp32 master) is 1/N.
-
-ZeRO-1: gradients accumulate in full flat buffers (``param.grad`` are views into them); after
-the last micro-batch's backward each buffer is reduce-scattered (launched from the gradient
-hooks as soon as the bucket is complete), and the rank's averaged slice becomes the
-optimizer's gradient. ZeRO-2: every micro-batch's gradients are reduce-scattered bucket by
-bucket during backward and summed into a 1/N gradient shard; full gradients never persist.
-After the optimizer step, the updated slices are all-gathered into the flat buffers.
-
-Communication per step: reduce-scatter + all-gather of Psi elements = 2 Psi (N-1)/N, the same
-as DDP's all-reduce (ZeRO-2 with k micro-batches reduce-scatters k times).
-Memory per rank (fp32 Adam, bytes/param): ZeRO-1 4 + 4 + 8/N; ZeRO-2 4 + (4 + 8)/N.
-
-Expert parallel (expert-data-parallel sharding): a rank's expert weights are replicated only
-over ``edp``, the ranks holding the same experts, so they go into flat buffers of their own
-sharded over ``edp`` (N_e = dp_cp / ep ranks); every other parameter is sharded over dp_cp.
-Both gradients are divided by dp_cp: the all-to-all's backward already summed the ep ranks'
-contributions to an expert, the reduce-scatter over edp adds the rest (docs/expert-parallel.md).
-
-Low-precision storage (``train.param_dtype = bf16``/``fp16``): the flat buffers the model's
-parameters view, and so the gradients and their reduce-scatter, are in that dtype; the
-optimizer's parameter is a separate fp32 master copy of the rank's slice. Gradient shards stay in
-the low dtype (unscaled and clipped there); an fp32 copy is made just for ``optimizer.step()``
-(freed after it), and the updated masters are all-gathered in the low dtype. Bytes/param:
-ZeRO-1 2 + 2 + 12/N, ZeRO-2 2 + (2 + 12)/N: the mixed-precision formula of the ZeRO paper.
-"""
+"""ZeRO-1 and ZeRO-2 on flat buffers (Rajbhandari et al., 2020), and what ZeRO-3 shares with them:
+rank r owns slice r of every flat buffer and the optimizer steps on it; expert weights sharded over
+``edp``; low-precision storage with fp32 masters (docs/data-parallel.md)."""
 from __future__ import annotations
 
 import math
@@ -36,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ..config import register_check
 from ..distributed.placement import get_placement, replicas
 from ..distributed.regions import Piece, writes_piece
 from ..checkpoint import pieces as state
@@ -45,19 +18,17 @@ from .ddp import make_buckets
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+@register_check
 def check_config(cfg) -> None:
     """Data-parallel sharding and precision options (called by ``validate``)."""
-    from ..errors import one_of, require
+    from ..errors import require
     p, t = cfg.parallel, cfg.train
-    one_of(p.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
     require(not p.offload or p.zero_stage == 3, "parallel.offload",
             "CPU offload is implemented with zero_stage = 3; set --parallel.zero_stage=3 or --parallel.offload=false")
     kind, _, arg = p.wrap_policy.partition(":")
     require((kind == "blocks" and not arg) or (kind == "size" and arg.isdigit()) or (kind == "class" and arg),
             "parallel.wrap_policy", f"{p.wrap_policy!r}: use blocks, size:<min params> (e.g. size:100000) "
                                     "or class:<Name>[,<Name>] (e.g. class:Block)")
-    for name in ("param_dtype", "reduce_dtype"):
-        one_of(getattr(t, name), ("", "fp32", "bf16", "fp16"), f"train.{name}")
     require(not t.param_dtype or p.zero_stage >= 1, "train.param_dtype",
             "low-precision parameter storage is implemented by ZeRO/FSDP; set --parallel.zero_stage=1, 2 or 3 "
             "or leave train.param_dtype empty")

@@ -1,48 +1,19 @@
-"""ZeRO-1/2/3 inside pipeline stages: each pipeline rank shards its own stages' model state over
-its data-parallel group (stage-local sharding; see docs/pipeline.md, "Sharding inside stages").
-
-What a pipeline rank holds. The parameters of its stages (only those: the pipeline already split
-the model) are packed into flat buffers, one per weight-decay group, padded to a multiple of
-the shard group's size S; dp rank r owns slice r. The optimizer steps only on this slice (its
-Adam states are 1/S of the stage). Shard group: ``dp_cp`` for ZeRO-1/2; ``dp_shard x cp`` for
-ZeRO-3, whose gradient shards are then summed over ``dp_replicate`` (hybrid sharding).
-
-One step (``forward_backward``):
-  begin   ZeRO-3: all-gather every flat buffer of the stage (ONE all-gather per step); the
-          modules' parameters are views of the gathered buffer. Full flat gradient buffers are
-          allocated and every ``param.grad`` is a view of them.
-  run     the schedule (engine.py) unchanged: F, B and W of all micro-batches; gradients of every
-          micro-batch accumulate in the full buffers (no communication during the schedule).
-  end     (``sync_grads``, after the last micro-batch) ONE reduce-scatter per flat buffer over
-          the shard group, average, add into the gradient shard; free the full gradients and,
-          for ZeRO-3, the gathered parameters.
-  step    the optimizer updates the slice; ZeRO-1/2 all-gather the new slices into the full
-          (persistent) parameters at once, ZeRO-3 at the next step's begin.
-
-Why the parameters stay gathered for the whole step (ZeRO-3). A pipeline schedule interleaves
-the F, B (and W) of different micro-batches: 1F1B runs F of micro-batch i + p - 1 between the
-B of i and i + 1. Re-gathering around every action would cost one all-gather per action (3 m
-all-gathers per step instead of 1) on the critical path of a schedule whose point is to keep
-every rank busy. Gathered for the step, the sharding saves the optimizer states (and the fp32
-master slice) during the step and everything but the slice between steps; the stage's
-parameters and gradients are whole while the schedule runs. ZeRO-1 and ZeRO-2 are the same
-thing under pp: the gradient is reduced once per step in both.
-
-Communication per step and stage (Psi parameters): all-gather Psi + reduce-scatter Psi =
-2 Psi (S-1)/S elements per rank, the volume of DDP's all-reduce, independent of the number of
-micro-batches.
-"""
+"""ZeRO-1/2/3 inside pipeline stages: each pipeline rank shards its own stages' flat buffers over
+its data-parallel group, gathered once per step and reduce-scattered once after the last
+micro-batch (docs/pipeline.md, Sharding inside stages)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ...config import register_check
 from ...distributed.placement import get_placement, set_placement
 from ..materialize import init_flat_range
 from ..zero import FlatParam, ShardedEngine, decay_groups
 from .engine import PipelineEngine
 
 
+@register_check
 def check_config(cfg) -> None:
     """What stage-local sharding does not implement (called by ``validate`` with pp > 1)."""
     from ...errors import require

@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 import _ranks  # noqa: E402
 from shardlab.config import load  # noqa: E402
+import shardlab.train.checks  # noqa: F401,E402  (registers every config check validate runs)
 from shardlab.launch import run  # noqa: E402
 from shardlab.models import count_params, meta_model  # noqa: E402
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from shardlab import config as C
+import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
 from shardlab.analysis.memory import measure
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology

@@ -26,7 +26,8 @@ LAYERS = [["cli"], ["api", "analysis"], ["launch"], ["train"], ["parallelize"], 
 def group(mod: str) -> str:
     parts = mod.split(".")
     top = parts[1] if len(parts) > 1 else "api"
-    return {"config_checks": "config", "checks": "config", "deepspeed_config": "config", "commands": "cli",
+    return {"config_checks": "config", "checks": "config", "deepspeed_config": "config",  # before shardlab/config/
+            "commands": "cli",
             "launch_ray": "launch", "launch_replicas": "launch", "launch_report": "launch",
             "launch_restart": "launch"}.get(top, top)
 

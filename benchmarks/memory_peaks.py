@@ -63,6 +63,7 @@ def row(name: str, n: int, device: str, model: list[str]) -> dict:
     from shardlab.analysis.memory import measure_run
     from shardlab.analysis.predict import memory_per_rank
     from shardlab.config import load
+    import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
     over, _ = LAYOUTS[name]
     cfg = load(None, model + _degrees(over, n) + [f"--train.device={device}"]).validate(world_size=n)
     pred = memory_per_rank(cfg, "cpu" if device == "cpu" else "h100")

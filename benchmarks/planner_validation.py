@@ -40,6 +40,7 @@ from shardlab.analysis.devices import FITTED_EFFICIENCY
 from shardlab.analysis.plan_search import layout_label
 from shardlab.analysis.predict import predict, scaled_step
 from shardlab.config import Config
+import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import planner_heldout  # noqa: E402

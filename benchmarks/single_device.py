@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shardlab import config as C  # noqa: E402
+import shardlab.train.checks  # noqa: F401,E402  (registers every config check validate runs)
 from shardlab import launch  # noqa: E402
 from shardlab.distributed.mesh import Mesh  # noqa: E402
 from shardlab.distributed.topology import Topology  # noqa: E402

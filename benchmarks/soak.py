@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shardlab import config as C  # noqa: E402
+import shardlab.train.checks  # noqa: F401,E402  (registers every config check validate runs)
 from shardlab import launch_replicas  # noqa: E402
 from shardlab.train import finetune  # noqa: E402
 from shardlab.train.heal import train_replica  # noqa: E402

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from shardlab import launch
 from shardlab.config import Config, ModelConfig
+import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.models import build_model, get_spec

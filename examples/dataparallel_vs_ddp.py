@@ -16,6 +16,7 @@ import time
 import torch
 
 from shardlab.config import Config
+import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
 from shardlab.launch import run
 from shardlab.models import build_model
 from shardlab.parallel import DataParallel, DistributedDataParallel

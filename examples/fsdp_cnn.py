@@ -14,6 +14,7 @@ import time
 import torch
 
 from shardlab.config import Config
+import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from shardlab.config import Config, ModelConfig
+import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import config as C
+from .config.deepspeed import _TOP_KEYS, resolve_batch, translate, uniform_peak
 from .errors import ConfigError
 from .distributed.mesh import Mesh
 from .distributed.regions import Piece
@@ -37,7 +38,6 @@ __all__ = ["initialize", "ModelEngine", "resolve_config"]
 
 def _read(config):
     """-> ("shardlab", Config) or ("deepspeed", dict)."""
-    from .deepspeed_config import _TOP_KEYS
     if config is None:
         return "shardlab", C.Config()
     if isinstance(config, C.Config):
@@ -64,7 +64,6 @@ def resolve_config(config, world_size: int) -> C.Config:
     rules applied with the real world size; all ranks data-parallel). Raises ConfigError."""
     kind, data = _read(config)
     if kind == "deepspeed":
-        from .deepspeed_config import resolve_batch, translate
         ds = resolve_batch(data, world_size)
         cfg = C.from_dict(translate(ds))
         batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -75,8 +74,7 @@ def resolve_config(config, world_size: int) -> C.Config:
                               f"{mb * ga * world_size} or drop it (DeepSpeed derives it)")
     else:
         cfg = data
-    from .config_checks import check_ranges
-    check_ranges(cfg)  # every field within its declared range (config.py), as validate() does
+    C.check_ranges(cfg)  # every field within its declared range (config/schema.py), as validate() does
     p = cfg.parallel
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(p, name) > 1:
@@ -86,12 +84,8 @@ def resolve_config(config, world_size: int) -> C.Config:
         raise ConfigError("parallel.dp_shard", f"dp_replicate * dp_shard = {p.dp} but the job has {world_size} "
                           "ranks; leave both at 1 (all ranks are data-parallel)")
     p.dp_replicate, p.dp_shard = 1, world_size
-    from .errors import one_of
     from .parallel.zero import check_config
     check_config(cfg)
-    one_of(cfg.train.precision, ("fp32", "fp64", "bf16", "fp16"), "train.precision")
-    if p.microbatches < 1:
-        raise ConfigError("parallel.microbatches", f"must be >= 1 (gradient accumulation steps), got {p.microbatches}")
     return cfg
 
 
@@ -155,7 +149,6 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
         raise ConfigError("model_parameters", "pass either model_parameters or an optimizer object holding them, not both")
     given = model_parameters if model_parameters is not None else own_groups
     groups = user_groups(model, given) if given is not None else None
-    from .deepspeed_config import uniform_peak
     uniform = kind == "deepspeed" and uniform_peak(data)  # else each group warms to its own lr
     return ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule, groups, uniform)
 

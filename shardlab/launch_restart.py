@@ -59,6 +59,7 @@ def check_elastic(cfg: Config, nproc: int, elastic: tuple[int, int] | None) -> N
 
 def resized(cfg: Config, n: int) -> Config:
     """A copy of ``cfg`` laid out as plain data parallel on ``n`` ranks; ConfigError if it does not fit."""
+    from .train import checks  # noqa: F401  (registers every config check validate runs)
     out = copy.deepcopy(cfg)
     out.parallel.dp_replicate = n
     out.validate(world_size=n)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checks import whole_graph
+from .config import whole_graph
 from .distributed.mesh import Mesh
 from .models.spec import get_spec
 from .parallel.engine import Engine

@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+import shardlab.train.checks  # noqa: F401  (registers every config check, as each entry point does)
+
 # Parity is checked in float64 against one process: 1e-10 is the bar (docs/composition.md).
 PARITY_ATOL = 1e-10
 

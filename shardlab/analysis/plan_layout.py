@@ -113,6 +113,7 @@ def apply_layout(base, spec: dict, gpus: int, compile_: bool = False, batch_give
     ``gpus`` ranks. With ``mb``, the global batch is mb x micro x dp (refused when it differs from
     ``base.train.global_batch`` and ``batch_given``: the user set both). ``ac`` 'fit' is left as
     none. ``compile_``: parallel.compile on."""
+    from ..train import checks  # noqa: F401  (registers every config check validate runs)
     cfg = copy.deepcopy(base)
     p, t = cfg.parallel, cfg.train
     p.tp, p.cp, p.pp, p.ep = spec.get("tp", 1), spec.get("cp", 1), spec.get("pp", 1), spec.get("ep", 1)

@@ -64,6 +64,7 @@ def enumerate_layouts(base, gpus: int, gpus_per_node: int, fixed: dict | None = 
     """Yield validated configs (copies of ``base`` with the parallel section filled in);
     ``state_fits(cfg)``: False drops a (degrees, engine, schedule) group before its micro-batch
     and recomputation variants are built."""
+    from ..train import checks  # noqa: F401  (registers every config check validate runs)
     fixed = fixed or {}
     m, t = base.model, base.train
     tps = [fixed["tp"]] if "tp" in fixed else [d for d in divisors(gpus) if d <= gpus_per_node]

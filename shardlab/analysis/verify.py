@@ -14,6 +14,7 @@ from .. import launch
 from ..distributed.mesh import Mesh
 from ..distributed.topology import Topology
 from ..models.spec import add_adapters, get_spec, init_weights, meta_model
+from ..train import checks  # noqa: F401  (registers every config check validate runs)
 from ..train.data import Loader, TokenData
 from ..train.optim import lr_at
 

@@ -6,7 +6,6 @@ import dataclasses
 import json
 
 from .. import config as C
-from ..config_checks import allowed
 
 
 def configure(parser):
@@ -16,6 +15,7 @@ def configure(parser):
 
 
 def main(args) -> int:
+    from ..train import checks  # noqa: F401  (registers every config check validate runs)
     cfg = C.load(args.config, args.overrides)
     cfg.validate(args.nproc)
     print(describe(cfg))
@@ -30,7 +30,7 @@ def describe(cfg: C.Config) -> str:
         lines.append(f"[{section}]")
         for fl in dataclasses.fields(obj):
             v = getattr(obj, fl.name)
-            rng = allowed(fl)
+            rng = C.allowed(fl)
             lines.append(f"{fl.name} = {json.dumps(v)}  # {fl.metadata.get('doc', '')}" + (f" [{rng}]" if rng else ""))
         lines.append("")
     return "\n".join(lines)

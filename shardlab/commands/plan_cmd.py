@@ -207,6 +207,7 @@ def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
 def _check_fixed(base, gpus: int, fixed: dict) -> None:
     """Refuse impossible user-fixed degrees with the field's own message (Config.validate)."""
     import copy
+    from ..train import checks  # noqa: F401  (registers every config check validate runs)
     for name in ("tp", "pp", "cp"):
         if name in fixed and (fixed[name] < 1 or gpus % fixed[name]):
             raise ConfigError(f"parallel.{name}", f"{fixed[name]} does not divide --gpus {gpus}; "

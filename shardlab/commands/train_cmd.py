@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import config as C
 from .. import launch, launch_ray
 from ..models.spec import get_spec
-from ..train import finetune, images
+from ..train import checks, finetune, images  # noqa: F401  (checks: registers every config check)
 from .. import launch_restart as restart
 from ..train.loop import train_rank
 

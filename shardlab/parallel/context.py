@@ -1,38 +1,6 @@
-"""Context parallel: ring attention over a load-balanced split of the sequence.
-
-Split. The sequence of S tokens is cut into 2*cp chunks of c = S/(2cp); cp rank i holds chunks
-i and 2cp-1-i (one early, one late chunk), so under a causal mask every rank has the same
-amount of work. ``shard_batch`` cuts a (tokens, targets) batch this way; the model receives
-the matching global ``positions`` (a forward pre-hook adds them), so rotary is correct per shard.
-Everything but attention acts per token and runs unchanged on the local 2c tokens.
-
-Ring attention (forward). Each rank keeps its queries; key/value blocks travel around the cp
-ring. At step s rank i holds the K/V of rank (i - s) mod cp; it starts sending that block to
-rank i+1 (and receiving the next from i-1) before computing on it, so the transfer overlaps
-the compute. Per (query chunk a, key chunk b) pair: b > a is skipped (causal), b == a gets
-the triangular mask, b < a is full. Partial results are merged with the online softmax:
-
-  lse = logaddexp(lse_1, lse_2);  out = out_1 * exp(lse_1 - lse) + out_2 * exp(lse_2 - lse)
-
-Each pair runs on a fused attention kernel that returns the lse (lse_kernel.py: SDPA's CPU
-flash / CUDA efficient ops); where none exists (CUDA float64), on hand-written row tiles.
-
-Backward (flash-attention style, nothing quadratic is saved). With D = rowsum(dO * O) and
-P = exp(q k^T * scale - lse) recomputed per block:
-  dV += P^T dO;  dS = P * (dO V^T - D);  dQ += dS K * scale;  dK += dS^T Q * scale.
-K/V go around the ring again; the dK/dV of a block travel one hop behind it, each rank adding
-its contribution, and after cp hops the sums arrive back at the block's owner. Both streams go
-from rank r to r+1, and point-to-point messages are matched by issue order only (NCCL ignores
-tags): each step sends (previous dK/dV, next K/V) and receives them in that same order.
-
-Communication per rank and attention layer: forward (cp-1) K/V blocks, backward (cp-1) K/V
-blocks + cp dK/dV blocks; a block is 2 * B * Hkv * (S/cp) * head_dim elements. Grouped-query
-attention sends the Hkv heads (not the repeated ones). Memory: activations are 1/cp of the
-unsharded model's; attention scores exist only per (c x c) chunk pair.
-
-Loss: each rank computes the mean over its tokens (equal counts), the base Engine averages
-gradients over ``dp_cp``, so the step equals the single-process mean over all tokens.
-"""
+"""Context parallel: ring attention over a load-balanced split of the sequence (cp rank i holds
+chunks i and 2cp-1-i of 2cp), K/V blocks travelling around the ring while each pair is computed,
+partial results merged by the online softmax (docs/context-parallel.md)."""
 from __future__ import annotations
 
 import math
@@ -41,6 +9,7 @@ import time
 import torch
 from torch import nn
 
+from ..config import register_check
 from . import lse_kernel
 
 
@@ -308,6 +277,7 @@ def positions_hook(comm):
     return hook
 
 
+@register_check
 def check_config(cfg) -> None:
     """Load balancing cuts every sequence into 2*cp chunks (called by ``validate``, which also
     calls ulysses.check_config: Ulysses' head constraints)."""

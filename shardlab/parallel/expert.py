@@ -1,45 +1,6 @@
-"""Expert parallel: the experts of each MoE layer spread over the ``ep`` group, tokens moved to
-their experts and back with all-to-all.
-
-Placement. ``ep`` borrows ranks from dp_shard x cp (topology.py): the ep ranks hold different
-tokens. With E experts, ep rank q keeps experts [q E/ep, (q+1) E/ep) (``Placement(dim=0,
-sharded_over=("ep",))``); the router and everything else stay replicated.
-
-One MoE layer on one rank (forward; backward runs the same all-to-alls in reverse):
-  1. route the local tokens (models/moe.py): k assignments per token, capacity per local tokens
-  2. sort kept assignments by expert; count[q] = rows for the experts of ep rank q
-  3. all-to-all of the counts (E integers), then all-to-all of the rows (dispatch); received
-     rows are grouped by (source rank, local expert) -> regroup by expert
-  4. run the local experts, undo the regrouping, all-to-all back (combine), weight and sum.
-The rows of step 3 travel one of three ways (``parallel.ep_dispatch``):
-  padded  (with a capacity C, the default there) every (rank, expert) block padded to C rows,
-          as GShard: equal splits of E/ep * C rows, so no host read, and every shape, hence the
-          activation memory, is fixed by C; the experts skip the padding. Bytes per rank and
-          layer, dispatch and combine each: E C d (ep-1)/ep elements. Every ep rank routes the
-          same number of tokens per call (the engines' micro-batches are equal), so C agrees.
-  exact   (always when dropless) only the kept rows: uneven splits, read on the host (the one
-          sync of the layer); ~ k T d (ep-1)/ep elements each way for balanced routing (the ledger
-          records the exact amount), and memory that follows the routing.
-  hierarchical  exact rows in two hops when the ep group spans nodes: once per token and
-          destination node over the slow tier, then forwarded inside the node (expert_hier.py).
-
-Gradients. The combine's backward brings every rank's loss gradient back to the expert that
-used it, so an expert's gradient already sums over the ep group; the Engine then sums it over
-``edp`` (the ranks holding the same experts) and divides by the data-parallel size dp_cp.
-Non-expert parameters are averaged over dp_cp as usual. ZeRO-1/2 and FSDP shard the expert
-weights over ``edp`` and the others over the data-parallel ranks (zero.py, fsdp.py): the
-reduce-scatter over edp replaces the all-reduce, with the same divisor dp_cp.
-
-Batch-wide auxiliary losses. The Switch balance loss and the z-loss are means over the global
-batch: :meth:`batch_sum` all-reduces their statistics over dp_cp (backward: all-reduce of the
-gradient, the adjoint of a sum), so the loss equals the single-process MoE on the whole batch.
-This is installed for every MoE model in a multi-rank data-parallel run, also when ep = 1.
-
-Tensor parallel: tensor.py leaves MoE layers whole; their input is replicated over tp (sequence
-parallel with MoE is refused), so each tp rank runs its own ep group on identical tokens: the
-experts are replicated over tp and computed redundantly (correct, not faster). Splitting
-experts over tp is future work.
-"""
+"""Expert parallel: the experts of each MoE layer spread over the ``ep`` group (ep rank q keeps
+experts [q E/ep, (q+1) E/ep)), tokens moved to them and back by all-to-all (``parallel.ep_dispatch``
+padded, exact or hierarchical), MoE aux losses over the global batch (docs/expert-parallel.md)."""
 from __future__ import annotations
 
 import time
@@ -47,6 +8,7 @@ import time
 import torch
 from torch import nn
 
+from ..config import register_check
 from ..distributed.autograd import all_to_all
 from ..distributed.lanes import exchange
 from ..errors import ConfigError
@@ -174,6 +136,7 @@ def moe_layers(model: nn.Module):
     return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, MoE)]
 
 
+@register_check
 def check_config(cfg) -> None:
     """Expert-parallel constraints (called by ``validate``)."""
     from ..errors import require

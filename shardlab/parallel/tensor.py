@@ -1,34 +1,6 @@
-"""Tensor parallel (Megatron-LM) and sequence parallel over the ``tp`` group.
-
-A block's two matmul pairs are split so that each needs one collective forward and one backward (Shoeybi
-et al. 2019; Korthikanti et al. 2022 for sequence parallel):
-
-    attention:  x --f--> [wq wk wv: column-parallel, heads split] -> attention on local heads
-                  -> [wo: row-parallel] --g--> x
-    SwiGLU MLP: x --f--> [w1 w3: column-parallel] -> silu(a) * b -> [w2: row-parallel] --g--> x
-
-f = identity forward / all-reduce backward, g = all-reduce forward / identity backward
-(distributed/autograd.py). With sequence parallel (SP) the activations between blocks are split along
-the sequence (dim 1 of (B, S, H)); f becomes an all-gather along the sequence (its backward a
-reduce-scatter) and g a reduce-scatter (backward an all-gather): the same bytes, but norms and residual
-adds run on S/tp tokens and keep S/tp of their activations. The norm weights are then replicated but see
-different tokens on each rank: their gradient is summed over tp inside backward (f applied to the
-weight; parallel/sequence.py).
-
-Biases: a column-parallel bias is split with its output features; a row-parallel bias is replicated and
-added once after the reduction (with SP to S/tp tokens per rank, its gradient summed over tp like the
-norm weights). A learned position embedding (``position_embedding``) is replicated; with SP it returns
-this rank's sequence chunk, matching the token embedding's reduce-scatter.
-
-The vocabulary is split into tp contiguous ranges of ceil(V/tp) rows (the last range padded with zero
-rows that no token selects and whose logits are masked out of the softmax); the cross-entropy combines
-per-rank partial results with three all-reduces of one number per token (max, sum of exponentials,
-target logit) and never gathers the (B, S, V) logits.
-
-Parameters are created from the global tensor by keeping this rank's slice (a meta slice of a meta
-model, materialised later by parallel/materialize.py; or a slice of an already initialised full weight),
-and carry a ``Placement``. ``apply(model, mesh, cfg, plan)`` follows the architecture's plan
-(ModelSpec.tp_plan); parallelize.py calls it first."""
+"""Tensor parallel (Megatron-LM) and sequence parallel over the ``tp`` group: column/row-parallel
+pairs, the vocabulary-parallel embedding and cross-entropy; ``apply(model, mesh, cfg, plan)``
+follows the architecture's ``ModelSpec.tp_plan`` (docs/tensor-parallel.md)."""
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
@@ -37,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import register_check
 from ..errors import ConfigError
 from ..distributed import autograd as dc
 from ..distributed.placement import Placement, set_placement
@@ -224,6 +197,7 @@ def check(model_cfg, tp: int, sequence_parallel: bool = False) -> None:
                                                         "set sequence_parallel=false or tp=1")
 
 
+@register_check
 def check_config(cfg) -> None:
     """Config-time constraints of tensor / sequence parallel (called by ``validate``)."""
     p, t = cfg.parallel, cfg.train

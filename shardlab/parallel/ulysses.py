@@ -1,39 +1,12 @@
-"""Ulysses (DeepSpeed-Ulysses) context parallel, alone or inside ring attention ("unified", 2-D).
-
-Idea. Every rank of a Ulysses group of u ranks holds a shard of the sequence with all H heads.
-Attention needs all tokens but only per head, so an all-to-all turns (my tokens, all heads)
-into (all tokens of the group, H/u heads); any attention kernel runs on that; a second
-all-to-all turns the output back into (my tokens, all heads). Everything else in the model acts
-per token and runs unchanged on the local shard, as under ring attention.
-
-Token order. The batch is cut exactly as for ring attention (context.shard_batch: 2*cp chunks,
-cp rank i holds chunks i and 2cp-1-i), so the positions (RoPE, applied before attention) are
-the load-balanced ones of context.py. After the all-to-all the tokens arrive in rank order
-(rank 0's two chunks, rank 1's, ...); a fixed permutation (``context.unshard_sequence`` applied
-to the pieces) puts them into their natural order, so the causal mask of the kernel is right,
-and its inverse restores the zig-zag order before the all-to-all back.
-
-Unified. cp = u * r: the cp index is ``ring_idx * u + ulysses_idx`` (topology.py: groups
-cp_ulysses and cp_ring). Ring rank g's Ulysses group holds fine chunks g*u .. g*u+u-1 and
-(2r-1-g)*u .. (2r-1-g)*u+u-1 of the 2*cp chunks: after the permutation above these are the
-coarse chunks g and 2r-1-g of 2r, i.e. exactly ring attention's load-balanced layout over the
-r ranks of cp_ring; ring attention (context.RingAttention) then runs on the H/u local heads.
-
-Grouped-query attention. With Hkv kv heads (per tp rank): Hkv divisible by u splits them like
-the query heads; Hkv < u with u divisible by Hkv repeats each kv head u/Hkv times before the
-all-to-all (each rank gets the one kv head its query heads use; the repeat's backward sums the
-gradients); anything else is refused by ``check_config`` naming parallel.cp / cp_ulysses.
-
-Communication per rank and attention layer (u ranks, local activation x = B * (S/cp) * H * D
-elements, kv heads Hkv' after any repeat): forward q, k, v and the output, backward their
-gradients: 2 * (2H + 2Hkv')/H * x * (u-1)/u elements, independent of the ring degree; compare
-ring attention's (3cp-2) K/V blocks of 2 * B * Hkv * (S/cp) * D (context.py).
-"""
+"""Ulysses (DeepSpeed-Ulysses) context parallel, alone or inside ring attention ("unified", 2-D):
+an all-to-all from (my tokens, all heads) to (all tokens, H/u heads) around the attention kernel
+(docs/context-parallel.md, Ulysses and unified)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..config import register_check
 from ..distributed import autograd as dist_ag
 from . import context
 
@@ -43,6 +16,7 @@ def degree(parallel) -> int:
     return {"ulysses": parallel.cp, "unified": parallel.cp_ulysses}.get(parallel.cp_impl, 1)
 
 
+@register_check
 def check_config(cfg) -> None:
     """Heads must split over the Ulysses degree (called by ``validate``)."""
     from ..errors import require

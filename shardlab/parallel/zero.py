@@ -1,22 +1,6 @@
-"""ZeRO-1 and ZeRO-2 on flat buffers (Rajbhandari et al., 2020), and what ZeRO-3 shares with them.
-
-Parameters are packed (reverse order, per weight-decay group, at most ``bucket_cap_mb`` each:
-:func:`flat_groups`) into flat buffers padded to a multiple of N (:func:`shard_size`); rank r owns
-slice r of every buffer, and the optimizer sees only its slices. ZeRO-1 reduce-scatters the full
-gradient buffers after the last micro-batch, ZeRO-2 bucket by bucket during every backward into a
-1/N shard; the updated slices are all-gathered after the step (docs/data-parallel.md).
-
-Expert parallel (expert-data-parallel sharding): a rank's expert weights are replicated only
-over ``edp``, the ranks holding the same experts, so they go into flat buffers of their own
-sharded over ``edp`` (N_e = dp_cp / ep ranks); every other parameter is sharded over dp_cp.
-Both gradients are divided by dp_cp: the all-to-all's backward already summed the ep ranks'
-contributions to an expert, the reduce-scatter over edp adds the rest (docs/expert-parallel.md).
-
-Low-precision storage (``train.param_dtype = bf16``/``fp16``): the flat buffers the model's
-parameters view, and so the gradients and their reduce-scatter, are in that dtype; the
-optimizer's parameter is a separate fp32 master copy of the rank's slice. Gradient shards stay in
-the low dtype (unscaled and clipped there); an fp32 copy is made just for ``optimizer.step()``
-(freed after it), and the updated masters are all-gathered in the low dtype."""
+"""ZeRO-1 and ZeRO-2 on flat buffers (Rajbhandari et al., 2020), and what ZeRO-3 shares with them:
+rank r owns slice r of every flat buffer and the optimizer steps on it; expert weights sharded over
+``edp``; low-precision storage with fp32 masters (docs/data-parallel.md)."""
 from __future__ import annotations
 
 import math
@@ -24,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ..config import register_check
 from ..distributed.placement import get_placement, replicas
 from ..distributed.regions import Piece, writes_piece
 from ..checkpoint import pieces as state
@@ -33,19 +18,17 @@ from .ddp import make_buckets
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+@register_check
 def check_config(cfg) -> None:
     """Data-parallel sharding and precision options (called by ``validate``)."""
-    from ..errors import one_of, require
+    from ..errors import require
     p, t = cfg.parallel, cfg.train
-    one_of(p.zero_stage, (0, 1, 2, 3), "parallel.zero_stage")
     require(not p.offload or p.zero_stage == 3, "parallel.offload",
             "CPU offload is implemented with zero_stage = 3; set --parallel.zero_stage=3 or --parallel.offload=false")
     kind, _, arg = p.wrap_policy.partition(":")
     require((kind == "blocks" and not arg) or (kind == "size" and arg.isdigit()) or (kind == "class" and arg),
             "parallel.wrap_policy", f"{p.wrap_policy!r}: use blocks, size:<min params> (e.g. size:100000) "
                                     "or class:<Name>[,<Name>] (e.g. class:Block)")
-    for name in ("param_dtype", "reduce_dtype"):
-        one_of(getattr(t, name), ("", "fp32", "bf16", "fp16"), f"train.{name}")
     require(not t.param_dtype or p.zero_stage >= 1, "train.param_dtype",
             "low-precision parameter storage is implemented by ZeRO/FSDP; set --parallel.zero_stage=1, 2 or 3 "
             "or leave train.param_dtype empty")

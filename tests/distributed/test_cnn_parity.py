@@ -13,6 +13,7 @@ from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model
 from shardlab.parallelize import parallelize
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 ATOL = 1e-10
 STEPS, GLOBAL_BATCH, MICRO = 3, 8, 2

@@ -13,6 +13,7 @@ from shardlab import launch
 from shardlab.distributed import algorithms as algos
 from shardlab.distributed.collectives import Comm
 from shardlab.distributed.ledger import Ledger
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 OWN = ("ring", "tree", "rhd", "auto")
 

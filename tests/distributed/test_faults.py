@@ -14,6 +14,7 @@ import torch
 from shardlab import config as C
 from shardlab import launch
 from shardlab.cli import main as cli_main
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",

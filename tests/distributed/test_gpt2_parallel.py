@@ -15,6 +15,7 @@ from shardlab.distributed.topology import Topology
 from shardlab.models import build_model, meta_model
 from shardlab.parallelize import parallelize
 from shardlab.train.data import prepare
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 TOL = 1e-10
 STEPS = 2

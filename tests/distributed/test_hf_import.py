@@ -17,6 +17,7 @@ from shardlab.models import meta_model  # noqa: E402
 from shardlab.models.hf import HFReader  # noqa: E402
 from shardlab.parallelize import parallelize  # noqa: E402
 from shardlab.checkpoint import save as ckpt  # noqa: E402
+import shardlab.train.checks  # noqa: F401,E402  (registers every config check: ranks validate too)
 
 TOL = 2e-5
 LAYOUTS = {"tp2": {"tp": 2}, "fsdp2": {"dp_shard": 2, "zero_stage": 3}}

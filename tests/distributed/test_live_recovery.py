@@ -20,6 +20,7 @@ from shardlab import config as C
 from shardlab import launch_replicas
 from shardlab.train import finetune
 from shardlab.train.heal import train_replica
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=16", "--train.seq_len=16", "--train.global_batch=4", "--train.warmup_steps=0",

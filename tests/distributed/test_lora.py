@@ -9,6 +9,7 @@ from shardlab.analysis import verify
 from shardlab.errors import ConfigError
 from shardlab.models import lora
 from shardlab.train.data import prepare
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 LORA = {"train": {"lora_rank": 4, "lora_alpha": 8.0,
                   "lora_targets": ["layers.*.attention.wq", "layers.*.attention.wo", "layers.*.feed_forward.*"]}}

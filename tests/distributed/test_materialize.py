@@ -12,6 +12,7 @@ from shardlab import launch
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.models import count_params, meta_model
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 MODEL = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "max_seq_len": 16}
 LAYOUTS = {

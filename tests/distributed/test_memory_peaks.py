@@ -10,6 +10,7 @@ import pytest
 from shardlab.analysis.memory import measure_run
 from shardlab.analysis.predict import memory_per_rank
 from shardlab.config import load
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 MODEL = ["--model.vocab_size=256", "--model.d_model=512", "--model.n_layers=4", "--model.n_heads=8",
          "--model.max_seq_len=64", "--train.seq_len=64", "--train.global_batch=8", "--train.threads=1"]

@@ -29,6 +29,7 @@ from shardlab.launch import run
 from shardlab.models import build_model
 from shardlab.train.data import Loader, TokenData, prepare
 from shardlab.train.optim import lr_at
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 STEPS, WINDOW, OVERFLOW_STEPS = 20, 5, 4
 INIT_SCALE = 2.0**8  # grows to 2**12 in 20 steps: far from fp16 overflow on a split or whole batch

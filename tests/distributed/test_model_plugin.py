@@ -11,6 +11,7 @@ from shardlab.analysis import verify
 from shardlab.errors import ConfigError
 from shardlab.models import ModelSpec, get_spec
 from shardlab.train.data import prepare
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 ARCH = "test_model_plugin:TOY"
 

@@ -12,6 +12,7 @@ from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model, get_spec
 from shardlab.parallel.pipeline import apply
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 ATOL = 1e-10
 SEED = 7

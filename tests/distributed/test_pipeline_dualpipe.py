@@ -7,6 +7,7 @@ from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 from tests.distributed.test_pipeline import ATOL, SEED, pipeline_step, reference, tiny_cfg
 
 

@@ -15,6 +15,7 @@ from shardlab.parallel.pipeline.schedule import build
 from shardlab.parallel.pipeline.simulate import simulate
 from shardlab.parallel.pipeline.stage import check_p2p_order
 from shardlab.parallelize import parallelize
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 from tests.distributed.test_pipeline import ATOL, SEED, batch
 
 

@@ -10,6 +10,7 @@ from shardlab.distributed.placement import get_placement
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models.spec import init_weights, meta_model
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 ATOL = 1e-10
 SEED = 7

@@ -17,6 +17,7 @@ from shardlab.models import build_model
 from shardlab.models.llama.model import Llama
 from shardlab.parallel import tensor as tpmod
 from shardlab.parallelize import parallelize
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 TOL = 1e-10
 SEED, B, S, V, H = 7, 4, 16, 67, 32     # vocab 67: not divisible by 2 nor 4 (padding)

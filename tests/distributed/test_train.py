@@ -13,6 +13,7 @@ from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.train.data import TokenData, prepare
 from shardlab.train.loop import Trainer
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=32", "--train.seq_len=32", "--train.global_batch=8", "--train.warmup_steps=2",

@@ -11,6 +11,7 @@ from shardlab.models import build_model
 from shardlab.models.llama.model import SDPA
 from shardlab.parallel import context, ulysses
 from shardlab.parallelize import parallelize
+import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
 
 ATOL = 1e-10
 

@@ -201,7 +201,7 @@ def test_fp16_true_says_the_fix(tmp_path, capsys):
 
 def test_deepspeed_auto_autotp_and_model(tmp_path):
     from shardlab import config as C
-    from shardlab.deepspeed_config import resolve_batch
+    from shardlab.config.deepspeed import resolve_batch
     auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 1},
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}},

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from shardlab.config import ConfigError, load
-from shardlab.deepspeed_config import translate
+from shardlab.config.deepspeed import translate
 
 DS = {
     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
@@ -121,7 +121,7 @@ def test_deepspeed_schedules_step_for_step():
 
 def test_batch_arithmetic_with_the_world_size():
     """DeepSpeed's rule train_batch_size = micro * accumulation * ranks, any one derived."""
-    from shardlab.deepspeed_config import resolve_batch
+    from shardlab.config.deepspeed import resolve_batch
     got = resolve_batch({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 4)
     assert got["gradient_accumulation_steps"] == 2
     got = resolve_batch({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 4)

@@ -1,11 +1,13 @@
 """The package's structure rules, checked on the source: no module imports its own importer (no
-cycle among module-level imports), and no module outside ``shardlab/models/`` names an
-architecture (they ask the ModelSpec)."""
+cycle among module-level imports), no module outside ``shardlab/models/`` names an
+architecture (they ask the ModelSpec), and config/ imports nothing above it."""
 import ast
 import io
 import re
 import tokenize
 from pathlib import Path
+
+import pytest
 
 import shardlab
 
@@ -104,9 +106,29 @@ def test_cycle_detector_can_fail(tmp_path, monkeypatch):
         raise AssertionError("a cycle through a function-level import was not detected")
 
 
+BELOW_CONFIG = ("shardlab.config", "shardlab.errors", "shardlab.checkpoint", "shardlab.distributed")
+
+
+def test_config_imports_nothing_above_it():
+    """config/ (layer 3, docs/architecture.md) imports only itself and the layers under it, not even
+    inside a function: parallel/, models/ and train/ register their checks with it instead."""
+    found = [f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "config").rglob("*.py")
+             for m in sorted(_top_level_imports(p, everywhere=True))
+             if not any(m == b or m.startswith(b + ".") for b in BELOW_CONFIG)]
+    assert (ROOT / "config" / "validation.py").is_file() and not found, "config imports above it:\n" + "\n".join(found)
+
+
+def test_config_layer_check_can_fail(tmp_path, monkeypatch):
+    (tmp_path / "shardlab" / "config").mkdir(parents=True)
+    (tmp_path / "shardlab" / "config" / "validation.py").write_text("def f():\n    from ..parallel import tensor\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path / "shardlab")
+    with pytest.raises(AssertionError, match="shardlab.parallel"):
+        test_config_imports_nothing_above_it()
+
+
 ARCH = re.compile(r"\b(llama|gpt-?2|cnn)\b", re.IGNORECASE)
 WORD = re.compile(r"""^[rbuf]*["'][\w.:-]+["']$""")  # a string that is one word: an identifier or key
-ALLOWED = {("config.py", '"llama"')}  # the default of model.arch
+ALLOWED = {("config/schema.py", '"llama"')}  # the default of model.arch
 
 
 def test_only_models_name_an_architecture():

@@ -1,39 +1,13 @@
-"""Pipeline schedules as data: for every pipeline rank, an ordered list of actions.
-
-Stages and ranks. ``p`` ranks hold ``p * v`` stages (``v`` virtual stages per rank for the
-interleaved schedule): global stage ``s`` lives on rank ``s % p`` as its chunk ``s // p``
-(round-robin, Megatron's layout). Stage 0 owns the embedding, stage ``p*v - 1`` the head+loss.
-
-Actions (``Action(kind, mb, stage, peer)``):
-  F       forward of micro-batch ``mb`` through ``stage``
-  B       backward: with ``split_bw`` only the input gradient (zero-bubble "B"), else the
-          whole backward (input and weight gradients)
-  W       weight gradient of ``mb`` at ``stage`` (only when the backward is split)
-  SEND_F / RECV_F   the activation of ``mb`` leaving ``stage`` / entering ``stage`` (peer: rank)
-  SEND_B / RECV_B   the gradient of that activation, travelling backwards
-
-A schedule function only orders the compute actions (F/B/W) of each rank; :func:`with_comm`
-inserts the point-to-point actions: a RECV right before the compute that needs the data, a
-SEND right after the compute that made it. Sends never block (isend); a receive blocks until
-the peer has sent: :mod:`.simulate` checks that such a program cannot deadlock.
-
-Schedules (p ranks, m micro-batches):
-  gpipe        all forwards, then all backwards                     bubble (p-1)/(m+p-1)
-  1f1b         p-r-1 warm-up forwards, then one forward/one backward  same bubble, <= p in flight
-  interleaved  1F1B over v chunks per rank, m % p == 0 (Megatron)    bubble (p-1)/(v*m+p-1)
-  zb-h1        1F1B with backward split in B and W; W fills bubbles  idle (p-1)(F+B-W)
-  dualpipev    DeepSeek's V shape: 2p stages, rank r holds r and 2p-1-r (dualpipe.py)
-  dualpipe     DeepSeek's bidirectional pipe: rank r holds stage r and a copy of p-1-r
-
-Layouts. ``loop`` (the first four): stage s on rank s % p. ``v`` (dualpipev) and ``dual``
-(dualpipe): 2p stage ids, id s on rank s for s < p, else 2p-1-s; in ``dual`` the ids p..2p-1
-are the second direction's path (id p+k runs stage k's parameters) and each micro-batch runs one
-direction only. :meth:`Schedule.prev_stage` / ``next_stage`` give every stage's neighbours.
-"""
+"""Pipeline schedules as data: for every pipeline rank, an ordered list of ``Action(kind, mb,
+stage, peer)`` (F, B, W and the SEND/RECV that ``with_comm`` inserts); gpipe, 1f1b, interleaved,
+zb-h1, dualpipev, dualpipe and their stage layouts (docs/pipeline.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from ...config import register_check
+from ...errors import require
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 EXECUTABLE = SCHEDULES
@@ -119,11 +93,10 @@ def check_counts(name: str, p: int, m: int, v: int = 1) -> None:
 
 # -- one small function per schedule: compute order per rank ---------------------------------------
 
+@register_check
 def check_config(cfg) -> None:
     """Pipeline constraints (called by ``validate``)."""
-    from ...errors import one_of, require
     m, p = cfg.model, cfg.parallel
-    one_of(p.pp_schedule, SCHEDULES, "parallel.pp_schedule")
     require(p.pp_virtual == 1 or p.pp_schedule == "interleaved", "parallel.pp_virtual",
             "virtual stages > 1 need pp_schedule = 'interleaved'")
     require(not p.pp_overlap or (p.pp > 1 and p.pp_schedule in LAYOUT), "parallel.pp_overlap",

@@ -8,12 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...config import register_check
 from ...distributed.placement import get_placement, set_placement
 from ..materialize import init_flat_range
 from ..zero import FlatParam, ShardedEngine, decay_groups
 from .engine import PipelineEngine
 
 
+@register_check
 def check_config(cfg) -> None:
     """What stage-local sharding does not implement (called by ``validate`` with pp > 1)."""
     from ...errors import require

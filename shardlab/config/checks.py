@@ -1,5 +1,5 @@
 """Per-field ranges and choices, declared next to each field (``config.f(default, doc, ge=..., ...)``)
-and checked here generically, before the cross-field checks of ``checks.validate``.
+and checked here generically, before the cross-field checks of ``validation.validate``.
 
 A refused value is one line naming the field, the value, what is allowed and the field's docstring:
 ``config error: train.global_batch: got -4; must be >= 1 (Sequences per optimizer step ...)``.
@@ -9,11 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .checks import one_of
-from .errors import ConfigError
-
-RANGE_KEYS = ("ge", "gt", "le", "lt", "choices", "finite", "nonempty")
-
+from ..errors import ConfigError, one_of
 
 def _doc(fl) -> str:
     doc = fl.metadata.get("doc", "")

@@ -1,9 +1,5 @@
-"""Typed configuration: dataclasses with one docstring per field, TOML/JSON loading,
-``--section.key=value`` overrides and ``validate()`` that fails before any process starts.
-
-Every field is declared with :func:`f`, which stores its documentation in the field's
-metadata (``dataclasses.fields(cls)[i].metadata["doc"]``); ``shardlab config show`` prints it.
-"""
+"""The typed config: one dataclass per section, each field declared with its docstring and valid
+range (``f``), TOML/JSON loading and ``--section.key=value`` overrides (docs/configuration.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import did_you_mean as _did_you_mean
-from .checks import validate
-from .config_checks import check_ranges
-from .errors import ConfigError
+from ..errors import ConfigError, did_you_mean as _did_you_mean
+from .checks import check_ranges
+from .deepspeed import translate
+from .validation import validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,7 +23,7 @@ else:  # pragma: no cover
 
 def f(default: Any, doc: str, *, ge=None, gt=None, le=None, lt=None, choices=None, finite=True, nonempty=False):
     """A dataclass field with its docstring and its valid range/choices kept in metadata
-    (checked by config_checks.check_ranges; shown by ``shardlab config show``)."""
+    (checked by checks.check_ranges; shown by ``shardlab config show``)."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "finite": finite,
             "nonempty": nonempty}
     if isinstance(default, (list, dict)):
@@ -362,7 +358,6 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
             raise ConfigError("CONFIG", f"file {p} does not exist; pass a .toml or .json file (see configs/)")
         data = _read_file(p)
         if p.suffix == ".json" and _is_deepspeed(data):
-            from .deepspeed_config import translate  # optional module (data-parallel issue)
             data = translate(data)
         cfg = from_dict(data, cfg)
     if overrides:

@@ -1,33 +1,13 @@
-"""DeepSpeed JSON -> shardlab config: ``shardlab train ds_config.json`` runs a DeepSpeed config.
-
-``config.load`` recognises a DeepSpeed file (``train_batch_size`` / ``zero_optimization`` keys)
-and calls :func:`translate`. Keys shardlab does not implement are named in one warning;
-inconsistent batch sizes raise ConfigError before any process starts.
-
-Batch sizes follow DeepSpeed: train_batch_size = micro_batch_per_gpu * gradient_accumulation
-* data-parallel ranks, so the three numbers fix the data-parallel degree (``parallel.dp_shard``;
-run it with ``--nproc`` equal to it).
-
-Every section read is type-checked (one ConfigError line naming it). ``"auto"`` follows the Hugging
-Face integration: an ``"auto"`` value is filled from shardlab's own config, i.e. the key is treated
-as absent: a batch key is derived from the others (train_batch_size = micro * accumulation * dp
-ranks; with the world size in ``shardlab.initialize``), all three ``"auto"`` keep train.global_batch
-and parallel.microbatches; ``fp16/bf16.enabled: "auto"`` keeps train.precision (fp32 unless set,
-e.g. ``--train.precision=bf16``); ``"auto"`` optimizer/scheduler params and gradient_clipping keep
-shardlab's values. ``autotp_size`` is parallel.tp; a ``model`` section is shardlab's model section.
-
-A key that is absent takes DeepSpeed's default, not shardlab's (gradient_clipping 1.0, Adam's lr
-1e-3, betas (0.9, 0.999), weight decay 0 or torch AdamW's 0.01, scheduler warm-up 1000 log steps),
-weight decay applies to every parameter, and the schedulers keep DeepSpeed's formulas and step
-counting (train.lr_schedule ds_*; docs/api.md, DeepSpeed JSON semantics).
-"""
+"""DeepSpeed JSON -> shardlab config (``translate``, called by ``load`` for a DeepSpeed file):
+DeepSpeed's defaults and batch rule, ``"auto"`` as the Hugging Face integration, unsupported keys
+named in one warning (docs/api.md, DeepSpeed JSON semantics; docs/configuration.md)."""
 from __future__ import annotations
 
 import json
 import math
 import warnings
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "overlap_comm", "offload_optimizer", "offload_param"}
 _TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

@@ -70,9 +70,8 @@ class ModelConfig:
 
     @property
     def ffn_dim(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return 32 * ((int(8 * self.d_model / 3) + 31) // 32)
+        from .models.spec import ffn_dim  # the architecture's rule (its ModelSpec's Sizes)
+        return ffn_dim(self)
 
 
 @dataclass

@@ -1,15 +1,9 @@
 """Autoregressive generation for any model whose ``forward(tokens, cache=...)`` returns logits
-(B, S, V): greedy or sampled (temperature, top-k, seeded), stopping at an end-of-sequence id.
-With ``use_cache`` the prompt is run once and every new token attends to the cached keys/values
-(:class:`KVCache`); without it the whole sequence is recomputed for every token (the reference the
-cache is tested against).
-
-Under tensor parallel every rank runs this same loop on its shard (commands/generate_cmd.py builds
-it): each rank's attention caches the keys/values of its local heads only, and the vocab-parallel
-head returns this rank's slice of the logits (padded to ceil(V / tp) rows). ``comm`` (the tp group)
-all-gathers the last position's slices and cuts the padding (``vocab_size``), so every rank holds
-the same bytes of the full logits and, with the same seeded generator, picks the same token: no
-broadcast of the choice is needed."""
+(B, S, V): greedy or sampled (temperature, top-k, seeded), stopping at an end-of-sequence id, with
+a :class:`KVCache` or (the reference) recomputing the whole sequence per token. Under tensor
+parallel every rank runs this loop on its shard: ``comm`` (the tp group) all-gathers the last
+position's vocab slices, so every rank picks the same token without a broadcast (docs/pretrained.md).
+"""
 from __future__ import annotations
 
 import time

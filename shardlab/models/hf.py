@@ -1,25 +1,12 @@
-"""Hugging Face format, both ways, for every architecture that has an ``hf.py`` next to its model.
-
-An architecture's ``shardlab/models/<arch>/hf.py`` declares ``MODEL_TYPES`` (the ``model_type``
-values of config.json it reads), ``config_from_hf(hf: dict) -> dict`` (ModelConfig fields),
-``config_to_hf(cfg) -> dict`` and ``tensor_map(cfg) -> {shardlab name: Source}``. Everything
-else is here and names no architecture:
-
-* :class:`HFReader` is the checkpoint reader interface (``keys/has/global_shape/dtype/read``,
-  as checkpoint/reader.Reader and checkpoint/pieces.DictReader) over an HF directory
-  (``model.safetensors`` or ``model.safetensors.index.json`` shards): ``read(key, offsets,
-  sizes)`` reads only the HF slice that covers the box (``safe_open(...).get_slice``) and
-  converts it (transpose, fused-column split, rotary row permutation). So any engine loads HF
-  weights with ``engine.load_pieces(HFReader(dir), optimizer)``, each rank reading its slices.
-* :func:`export_hf` writes ``model.safetensors`` + ``config.json`` from any reader (a sharded
-  checkpoint), one HF tensor at a time.
-
-Docs: docs/pretrained.md.
+"""Hugging Face format both ways, for every architecture whose ModelSpec has an ``hf`` adapter
+(``MODEL_TYPES``, ``config_from_hf``, ``config_to_hf``, ``tensor_map(cfg) -> {shardlab name:
+Source}``). Here, naming no architecture: :class:`HFReader`, the checkpoint reader interface over
+an HF directory (each read takes only the safetensors slice covering its box), and
+:func:`export_hf`. Docs: docs/pretrained.md.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -28,9 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-
-_ARCH_BY_TYPE = {"llama": "llama", "gpt2": "gpt2"}
-"""config.json ``model_type`` -> shardlab architecture (its package has an ``hf.py``)."""
+from .spec import get_spec, specs
 
 _ST_TORCH = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -53,13 +38,18 @@ class Source:
     """> 0: rows are rotary heads of this size, HF halves order -> shardlab interleaved pairs."""
 
 
+def _by_model_type() -> dict:
+    """config.json ``model_type`` -> the ModelSpec whose ``hf`` adapter reads it."""
+    return {t: sp for sp in specs().values() if sp.hf is not None for t in sp.hf.MODEL_TYPES}
+
+
 def arch_module(arch: str):
-    """The ``hf`` module of ``arch``; ConfigError when the architecture has none."""
-    try:
-        return importlib.import_module(f"{__package__}.{arch}.hf")
-    except ModuleNotFoundError:
+    """The ``hf`` adapter of ``arch``; ConfigError when the architecture has none."""
+    mod = get_spec(arch).hf
+    if mod is None:
         raise ConfigError("model.arch", f"{arch!r} has no Hugging Face mapping; supported: "
-                                        f"{', '.join(sorted(set(_ARCH_BY_TYPE.values())))}") from None
+                                        f"{', '.join(sorted(n for n, sp in specs().items() if sp.hf))}")
+    return mod
 
 
 def read_hf_config(hf_dir) -> dict:
@@ -77,12 +67,11 @@ def read_hf_config(hf_dir) -> dict:
 def model_config_from_hf(hf: dict):
     """The ModelConfig of an HF config dict; ConfigError for an unsupported ``model_type``."""
     from ..config import ModelConfig
-    mt = hf.get("model_type")
-    if mt not in _ARCH_BY_TYPE:
+    mt, found = hf.get("model_type"), _by_model_type()
+    if mt not in found:
         raise ConfigError("config.json: model_type", f"{mt!r} is not supported; supported: "
-                                                     f"{', '.join(sorted(_ARCH_BY_TYPE))}")
-    arch = _ARCH_BY_TYPE[mt]
-    return ModelConfig(**{"arch": arch, **arch_module(arch).config_from_hf(hf)})
+                                                     f"{', '.join(sorted(found))}")
+    return ModelConfig(**{"arch": found[mt].name, **found[mt].hf.config_from_hf(hf)})
 
 
 def rope_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -129,8 +118,7 @@ class HFReader:
         if f not in self._open:
             from safetensors import safe_open
             self._open[f] = safe_open(f, "pt")
-        sl = self._open[f].get_slice(hf_key)
-        return sl
+        return self._open[f].get_slice(hf_key)
 
     def _source(self, key: str) -> Source:
         name = key[len("model."):] if key.startswith("model.") else None
@@ -190,11 +178,9 @@ class HFReader:
 
 def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: dict | None = None) -> tuple[int, int]:
     """Write ``out_dir/model.safetensors``, ``config.json`` and ``generation_config.json`` from
-    ``reader`` (tensors ``model.<name>``: a sharded checkpoint's Reader, or a DictReader). One HF
-    tensor is in memory at a time (assembled from its shardlab tensors). ``special``: the
-    source's ids (``Pretrained.special_tokens``): bos/eos/pad in both files, generation's eos =
-    every stop id (e.g. <|endoftext|> and <|im_end|>) so ``generate()`` ends a turn where shardlab
-    does. Returns (tensors, parameters)."""
+    ``reader`` (tensors ``model.<name>``), one HF tensor in memory at a time. ``special``: the
+    source's ids (``Pretrained.special_tokens``; generation's eos = every stop id, docs/pretrained.md).
+    Returns (tensors, parameters)."""
     from ..checkpoint.format import SafetensorsWriter, volume
     mod = arch_module(cfg.arch)
     hf_cfg = mod.config_to_hf(cfg)  # refuses what HF cannot express before writing anything
@@ -211,11 +197,11 @@ def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: d
     def _dtype(key):
         return reader.dtype(key) if hasattr(reader, "dtype") else reader.read(key).dtype
     dt = {k: dtype or _dtype(f"model.{v[0][0]}") for k, v in groups.items()}
-    specs = [(k, dt[k], tuple(v[0][1].hf_shape)) for k, v in groups.items()]
+    layout = [(k, dt[k], tuple(v[0][1].hf_shape)) for k, v in groups.items()]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".model.safetensors.part"
-    writer = SafetensorsWriter(tmp, specs, {"format": "pt"})
+    writer = SafetensorsWriter(tmp, layout, {"format": "pt"})
     try:
         for hf_key, members in groups.items():
             full = torch.empty(members[0][1].hf_shape, dtype=dt[hf_key])
@@ -233,7 +219,7 @@ def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: d
     hf_cfg["torch_dtype"] = str(next(iter(dt.values()), torch.float32)).replace("torch.", "")
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    return len(specs), sum(volume(s[2]) for s in specs)
+    return len(layout), sum(volume(s[2]) for s in layout)
 
 
 def model_config_dict(cfg) -> dict:

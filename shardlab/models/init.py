@@ -1,17 +1,7 @@
-"""Layout-independent initialisation, one box at a time.
-
-The global initial value of a parameter is ``randn(shape, generator=G(seed, name)) * std`` (or
-ones, for norm weights): the same on every rank and under every layout. A rank that owns only a
-box of it (a tensor-parallel slice, an expert range, a piece of an FSDP flat shard) must get
-exactly those values without ever holding the whole tensor.
-
-The CPU generator cannot jump ahead, so :func:`init_box` streams: it draws the tensor in chunks
-of whole dim-0 rows, in order, keeping the part of each chunk inside the box and stopping after
-the box's last row. Memory is one chunk (about 1M elements) plus the box. Drawing a tensor in
-chunks gives bit-identical values to drawing it at once because ``normal_`` consumes the
-generator in groups of 16 and handles a tail shorter than 16 by redrawing the last 16: every
-chunk but the last is a multiple of 16 elements and the last is at least 16 (or the whole
-tensor) -- tests/unit/test_init.py checks this against ``torch.randn`` on awkward shapes.
+"""Layout-independent initialisation, one box at a time: the global value of a parameter is
+``randn(shape, generator=G(seed, name)) * std`` (or ones), the same on every rank and layout, and
+:func:`init_box` streams it in chunks of whole dim-0 rows to keep only a rank's box, bit-identical
+to drawing it at once (why: docs/training.md, "Layout-independent initialisation").
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""LoRA (Hu et al. 2021): low-rank adapters on chosen linears, the base weights frozen.
-
-``y = x W^T + b + (alpha / r) * dropout(x) A^T B^T`` with ``A`` (r x in) drawn normal(0, 1/sqrt(in))
-and ``B`` (out x r) zeros, so training starts from the base model's function. The wrapped
-module keeps the base parameters under their own names (``<linear>.weight``, ``.bias``: the
-checkpoint keys of the base model) and adds ``<linear>.lora_A`` / ``<linear>.lora_B``; only the
-adapters require gradients, so the engines give gradients, gradient buckets and optimizer state to
-them alone. Single-device code: applied to the (meta) model before ``parallelize``.
+"""LoRA (Hu et al. 2021): ``y = x W^T + b + (alpha / r) * dropout(x) A^T B^T`` on chosen linears,
+the base frozen under its own names, adapters ``<linear>.lora_A`` / ``.lora_B``; applied to the
+(meta) model before ``parallelize`` (docs/lora.md).
 """
 from __future__ import annotations
 

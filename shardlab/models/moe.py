@@ -1,52 +1,16 @@
-"""Mixture-of-Experts feed-forward (single device; nothing here imports torch.distributed).
-
-Each token picks ``top_k`` of ``n_experts`` SwiGLU experts with a linear router:
-
-  probs = softmax(x W_r^T)                    (T, E)
-  gate, idx = top_k(probs)                    k = 1: gate = the raw probability (Switch);
-                                              k > 1: gates renormalised to sum to 1 (Mixtral)
-  y_t = sum_j gate_tj * expert_{idx_tj}(x_t)  (dropped assignments contribute 0; the block's
-                                               residual carries the token through)
-
-Node-limited routing (DeepSeek-V3; ``moe_node_groups`` G > 0 and ``moe_max_nodes`` M > 0): the
-experts form G contiguous groups (under expert parallel, each on one node); group g scores
-``sum of its top ceil(k / M) probabilities``; a token keeps the top-M groups and picks its top k
-experts among theirs (the other probabilities masked to 0, never renormalised before the pick):
-each token's experts sit on at most M nodes. M = G is the plain rule above, exactly.
-
-Capacity (``moe_capacity_factor`` > 0): every expert takes at most
-``C = ceil(factor * T * top_k / n_experts)`` assignments of the ``T`` tokens of one forward call
-(one rank's tokens: a "group" in GShard's words). Drop order is deterministic: assignments are
-ranked first by choice (every token's first choice before any second choice), then by token
-index (flattened batch x sequence order); an expert keeps the first C it receives in that order.
-``moe_capacity_factor = 0`` is dropless: every assignment is computed.
-
-Auxiliary losses, stored in ``self.last_aux_loss`` (``Llama.aux_loss`` adds them to the loss):
-  Switch load balance  aux_coef * E * sum_e f_e * P_e,  f_e = share of assignments routed to e
-                       (before capacity), P_e = mean router probability of e
-  router z-loss        z_coef * mean_t (logsumexp_e logits_te)^2
-Both are means over the whole batch: :meth:`batch_sum` (identity here) is where expert parallel
-adds the statistics of the other data-parallel ranks, so a sharded run equals this module on the
-global batch. Per-step statistics are kept as device tensors and read (``self.last_stats``:
-tokens per expert, dropped fraction) only by the metrics.
-
-Host reads. Routing, grouping and the combine have none: the assignments are grouped by
-expert with the dropped ones last, so every shape is T*k whatever the routing; counts are
-integer scatter-adds (CUDA's ``bincount`` would read its maximum); tokens go to the grouped rows
-and back by gathers whose backward is the other gather (no scatter-add into the tokens). The
-experts (models/moe_gemm.py) read nothing on CUDA with ``torch._grouped_mm`` nor, with a
-capacity, with the padded kernel (padded to it); the CPU kernels read the counts, which on CPU
-already live in host memory. Expert parallel with a capacity pads
-its all-to-all to it and reads nothing either; dropless (or ``parallel.ep_dispatch = exact``) it
-must read the split sizes (parallel/expert.py), the one sync that remains there.
-
-Expert weights are stacked parameters ``experts.w1`` / ``experts.w3`` (E, H, D) and
-``experts.w2`` (E, D, H) with global names, so ``init_tensor`` initialises them the same under
-every layout and expert parallel keeps rows [start, start + E/ep) of dim 0.
+"""Mixture-of-Experts feed-forward (single device; nothing here imports torch.distributed): a linear
+router sends each token to ``top_k`` of ``n_experts`` SwiGLU experts (k = 1: the raw probability,
+Switch; k > 1: gates renormalised, Mixtral; node-limited routing with ``moe_node_groups`` /
+``moe_max_nodes``, DeepSeek-V3), an optional capacity with a deterministic drop order, the Switch
+load-balance and router z-loss (``self.last_aux_loss``; :meth:`batch_sum` is where expert parallel
+adds the other ranks' statistics), and no host read on the grouped path. Expert weights are stacked
+global parameters ``experts.w1`` / ``experts.w3`` (E, H, D) and ``experts.w2`` (E, D, H). The
+formulas, the drop order and the host reads: docs/expert-parallel.md ("The MoE layer").
 """
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import torch
 from torch import nn
@@ -95,11 +59,8 @@ class Experts(nn.Module):
         return expert_ffn(x, counts, self.w1, self.w3, self.w2, self.impl, capacity=capacity)
 
 
-class Routing:
-    """The router's decision for T tokens, as k*T assignments in priority order (j-major)."""
-
-    def __init__(self, expert, token, weight, keep):
-        self.expert, self.token, self.weight, self.keep = expert, token, weight, keep
+Routing = namedtuple("Routing", "expert token weight keep")
+"""The router's decision for T tokens, as k*T assignments in priority order (j-major)."""
 
 
 class MoE(nn.Module):

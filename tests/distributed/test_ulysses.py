@@ -8,7 +8,7 @@ from shardlab.distributed.placement import get_placement
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run
 from shardlab.models import build_model
-from shardlab.models.llama.model import SDPA
+from shardlab.models.decoder import SDPA
 from shardlab.parallel import context, ulysses
 from shardlab.parallelize import parallelize
 import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)

@@ -183,7 +183,7 @@ def test_greedy_32_tokens_equal_transformers_generate(loaded, hf_reference):
 def _unreadable_type():
     """A GGML tensor type gguf-python cannot dequantise here (Q8_1, Q8_K, F64, the integer
     types ... as of gguf 0.19)."""
-    from shardlab.models.llama.gguf import readable_types
+    from shardlab.models.gguf import readable_types
     pytest.importorskip("gguf")
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     for q in GGMLQuantizationType:

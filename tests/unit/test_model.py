@@ -78,7 +78,7 @@ def test_output_head_padding_keeps_values_and_gradients():
     """On CUDA the head pads a vocabulary that is not a multiple of 64 rows (aligned logits rows
     for cuBLAS); forced here on CPU: the logits are a view of 100 of 128 padded columns, and loss
     and every gradient equal the unpadded head's (fp64). Both architectures use the head."""
-    from shardlab.models.llama.model import OutputHead
+    from shardlab.models.decoder import OutputHead
     for arch, cfg in (("llama", CFG), ("gpt2", ModelConfig(arch="gpt2", vocab_size=100, d_model=32, n_layers=2,
                                                            n_heads=4, max_seq_len=16))):
         cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": 100})

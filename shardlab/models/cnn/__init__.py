@@ -1,11 +1,5 @@
-"""The image classifier of PyTorch's MNIST example, trained on Fashion-MNIST (docs/cnn.md).
-
-``task = "classify"``: a sample is one image and its label (shardlab/train/images.py); wherever
-the loop counts "tokens" (throughput, ``flops_per_token``, MFU) a token is an IMAGE. No tensor,
-context or pipeline parallelism (``tp_plan``, ``attention`` and ``pp_first`` are None, so
-``validate()`` refuses them); every data-parallel engine (DDP, ZeRO-1/2, ZeRO-3/FSDP, legacy
-DataParallel) applies.
-"""
+"""The image classifier of PyTorch's MNIST example, trained on Fashion-MNIST: ``task = "classify"``
+(a "token" is an image), data-parallel engines only (docs/cnn.md)."""
 from __future__ import annotations
 
 import math

@@ -1,11 +1,13 @@
 """GPT-2: learned positions, LayerNorm, biased q/k/v/proj, GELU MLP, tied head. The model is in
-model.py; this file registers its ModelSpec (docs/models.md)."""
+model.py, its HF adapter in hf.py; this file registers its ModelSpec (docs/models.md)."""
 from __future__ import annotations
 
 import math
 
 from ...errors import ConfigError
-from ..spec import ModelSpec, layer_blocks, register
+from .. import decoder
+from ..spec import ModelSpec, Sizes, layer_blocks, register
+from . import hf
 from .model import GPT2
 
 TP_PLAN: dict[str, str] = {
@@ -30,10 +32,6 @@ features), c_proj row-parallel (bias replicated, added once after the reduction)
 parallel the LayerNorms and the position embedding run on this rank's S/tp tokens."""
 
 
-def ffn_dim(cfg) -> int:
-    return cfg.ffn_hidden or 4 * cfg.d_model
-
-
 def init_std(name: str, shape, cfg) -> float | None:
     """GPT-2's init: Normal(0, init_std) for weights and both embeddings, residual projections
     (``attn.c_proj``, ``mlp.c_proj``) scaled by 1/sqrt(2 L); biases zeros; LayerNorm weights ones."""
@@ -49,31 +47,25 @@ def init_std(name: str, shape, cfg) -> float | None:
 def matmul_params_per_token(cfg) -> int:
     """Weights of the matmuls one token passes through: per layer q, k, v, proj (4 d^2) and the
     MLP (2 d ffn), plus the head (d V); embedding lookups excluded."""
-    d = cfg.d_model
-    return cfg.n_layers * (4 * d * d + 2 * d * ffn_dim(cfg)) + d * cfg.vocab_size
+    return decoder.matmul_params_per_token(cfg, ffn_matrices=2)
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    """6 N + 12 L d S, counted as for Llama (full non-causal attention)."""
-    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
-
-
-def attention_cores(model) -> list:
-    return [(layer.attn, "core") for layer in model.layers.values()]
+    return decoder.flops_per_token(cfg, seq_len, ffn_matrices=2)
 
 
 def check(cfg) -> None:
-    from ..transformer import check_transformer
     m = cfg.model if hasattr(cfg, "model") else cfg
     if m.n_kv_heads not in (0, m.n_heads):
         raise ConfigError("model.n_kv_heads", f"GPT-2 has no grouped-query attention: set 0 (= n_heads) "
                                               f"or {m.n_heads}, not {m.n_kv_heads}")
-    check_transformer(m, rotary=False)
+    decoder.check_transformer(m, rotary=False)
 
 
 SPEC = register(ModelSpec(
     name="gpt2", build=GPT2, init_std=init_std, flops_per_token=flops_per_token, blocks=layer_blocks,
-    tp_plan=TP_PLAN, attention=attention_cores, pp_first=("wte", "wpe"), pp_last=("ln_f", "lm_head"),
-    ffn_dim=ffn_dim, check=check, verify_model={"n_kv_heads": 0, "tie_embeddings": True}))
+    tp_plan=TP_PLAN, attention=decoder.attention_cores("attn"), pp_first=("wte", "wpe"),
+    pp_last=("ln_f", "lm_head"), sizes=Sizes(ffn_ratio=(4, 1)), check=check,
+    verify_model={"n_kv_heads": 0, "tie_embeddings": True}, hf=hf))
 
 __all__ = ["GPT2", "SPEC", "TP_PLAN", "matmul_params_per_token"]

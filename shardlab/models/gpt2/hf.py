@@ -38,7 +38,7 @@ def config_to_hf(cfg) -> dict:
 
 def tensor_map(cfg) -> dict[str, Source]:
     """{shardlab parameter name: Source}; the tied head (``tie_embeddings``) is ``wte``."""
-    d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_hidden or 4 * cfg.d_model
+    d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
 
     def s(key, shape):
         return Source(key, shape, shape)

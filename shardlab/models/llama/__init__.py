@@ -1,10 +1,13 @@
 """Llama: RMSNorm, rotary positions, SwiGLU, grouped-query attention, optional tied embeddings and
-Mixture-of-Experts feed-forwards. The model is in model.py; this file registers its ModelSpec."""
+Mixture-of-Experts feed-forwards. The model is in model.py, its HF and GGUF adapters in hf.py and
+gguf.py; this file registers its ModelSpec."""
 from __future__ import annotations
 
 import math
 
-from ..spec import ModelSpec, layer_blocks, register
+from .. import decoder
+from ..spec import ModelSpec, Sizes, layer_blocks, register
+from . import gguf, hf
 from .model import Llama
 
 TP_PLAN: dict[str, str] = {
@@ -38,37 +41,16 @@ def init_std(name: str, shape, cfg) -> float | None:
     return cfg.init_std
 
 
-def matmul_params_per_token(cfg) -> int:
-    """Parameters in matmuls one token passes through (head included, embedding lookup excluded;
-    for MoE only the top-k experts and the router)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2
-    dense_ffn = 3 * d * cfg.ffn_dim
-    total = 0
-    for i in range(cfg.n_layers):
-        moe = cfg.n_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1
-        total += attn + (cfg.moe_top_k * dense_ffn + d * cfg.n_experts if moe else dense_ffn)
-    return total + d * cfg.vocab_size
-
-
-def flops_per_token(cfg, seq_len: int) -> float:
-    """6 N (forward + backward of the matmuls) + 12 L d S (attention scores and weighted sum, the
-    full non-causal count: SDPA's CPU and math kernels do not skip masked blocks)."""
-    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
-
-
-def attention_cores(model) -> list:
-    return [(layer.attention, "core") for layer in model.layers.values()]
-
-
 def check(cfg) -> None:
-    from ..transformer import check_transformer
-    check_transformer(cfg, rotary=True)
+    decoder.check_transformer(cfg, rotary=True)
 
+
+matmul_params_per_token = decoder.matmul_params_per_token
 
 SPEC = register(ModelSpec(
-    name="llama", build=Llama, init_std=init_std, flops_per_token=flops_per_token, blocks=layer_blocks,
-    tp_plan=TP_PLAN, attention=attention_cores, pp_first=("tok_embeddings",), pp_last=("norm", "output"),
-    ffn_dim=lambda cfg: cfg.ffn_dim, moe=True, check=check))
+    name="llama", build=Llama, init_std=init_std, flops_per_token=decoder.flops_per_token, blocks=layer_blocks,
+    tp_plan=TP_PLAN, attention=decoder.attention_cores("attention"), pp_first=("tok_embeddings",),
+    pp_last=("norm", "output"), sizes=Sizes(ffn_ratio=(8, 3), ffn_multiple_of=32), moe=True, check=check,
+    hf=hf, gguf=gguf))
 
 __all__ = ["Llama", "SPEC", "TP_PLAN", "matmul_params_per_token"]

@@ -1,12 +1,28 @@
-"""Llama <-> Hugging Face ``LlamaForCausalLM`` (config.json and tensor names; shardlab/models/hf.py
-does the reading and writing). HF rotates halves (x[i], x[i + d/2]), shardlab interleaved pairs
+"""Llama <-> Hugging Face ``LlamaForCausalLM`` (config.json and tensor names; models/hf.py does the
+reading and writing). HF rotates halves (x[i], x[i + d/2]), shardlab interleaved pairs
 (x[2i], x[2i+1]): the q and k rows are permuted per head (``Source.rope_head_dim``)."""
 from __future__ import annotations
+
+import re
 
 from ...errors import ConfigError
 from ..hf import Source
 
 MODEL_TYPES = ("llama",)
+BLOCK = {  # shardlab name under layers.<i> -> (HF name under model.layers.<i>, GGUF name under blk.<i>)
+    "attention_norm.weight": ("input_layernorm.weight", "attn_norm.weight"),
+    "attention.wq.weight": ("self_attn.q_proj.weight", "attn_q.weight"),
+    "attention.wk.weight": ("self_attn.k_proj.weight", "attn_k.weight"),
+    "attention.wv.weight": ("self_attn.v_proj.weight", "attn_v.weight"),
+    "attention.wo.weight": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "ffn_norm.weight": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "feed_forward.w1.weight": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    "feed_forward.w3.weight": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "feed_forward.w2.weight": ("mlp.down_proj.weight", "ffn_down.weight"),
+}
+TOP = {"tok_embeddings.weight": ("model.embed_tokens.weight", "token_embd.weight"),
+       "norm.weight": ("model.norm.weight", "output_norm.weight"), "output.weight": ("lm_head.weight", "output.weight")}
+"""Llama's name table: Hugging Face's and GGUF's names of each shardlab parameter (gguf.py reads it)."""
 
 
 def _refuse(key: str, why: str):
@@ -53,27 +69,13 @@ def config_to_hf(cfg) -> dict:
 
 
 def tensor_map(cfg) -> dict[str, Source]:
-    """{shardlab parameter name: Source}; the tied head (``tie_embeddings``) is the embedding."""
-    d, hd, V, F = cfg.d_model, cfg.head_dim, cfg.vocab_size, cfg.ffn_dim
-    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
-
-    def s(key, shape, rope=0):
-        return Source(key, shape, shape, rope_head_dim=rope)
-    out = {"tok_embeddings.weight": s("model.embed_tokens.weight", (V, d))}
-    for i in range(cfg.n_layers):
-        a, m, p = f"layers.{i}.attention", f"layers.{i}.feed_forward", f"model.layers.{i}"
-        out.update({
-            f"layers.{i}.attention_norm.weight": s(f"{p}.input_layernorm.weight", (d,)),
-            f"{a}.wq.weight": s(f"{p}.self_attn.q_proj.weight", (q, d), hd),
-            f"{a}.wk.weight": s(f"{p}.self_attn.k_proj.weight", (kv, d), hd),
-            f"{a}.wv.weight": s(f"{p}.self_attn.v_proj.weight", (kv, d)),
-            f"{a}.wo.weight": s(f"{p}.self_attn.o_proj.weight", (d, q)),
-            f"layers.{i}.ffn_norm.weight": s(f"{p}.post_attention_layernorm.weight", (d,)),
-            f"{m}.w1.weight": s(f"{p}.mlp.gate_proj.weight", (F, d)),
-            f"{m}.w3.weight": s(f"{p}.mlp.up_proj.weight", (F, d)),
-            f"{m}.w2.weight": s(f"{p}.mlp.down_proj.weight", (d, F)),
-        })
-    out["norm.weight"] = s("model.norm.weight", (d,))
-    if not cfg.tie_embeddings:
-        out["output.weight"] = s("lm_head.weight", (V, d))
+    """{shardlab parameter name: Source}, in the model's order (shapes from the meta model; the tied
+    head is the embedding, not listed)."""
+    from ..spec import meta_model
+    out = {}
+    for name, p in meta_model(cfg).named_parameters():
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        key = f"model.layers.{m[1]}.{BLOCK[m[2]][0]}" if m else TOP[name][0]
+        rope = cfg.head_dim if name.endswith(("wq.weight", "wk.weight")) else 0
+        out[name] = Source(key, tuple(p.shape), tuple(p.shape), rope_head_dim=rope)
     return out

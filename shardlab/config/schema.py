@@ -68,11 +68,6 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    @property
-    def ffn_dim(self) -> int:
-        from .models.spec import ffn_dim  # the architecture's rule (its ModelSpec's Sizes)
-        return ffn_dim(self)
-
 
 @dataclass
 class ParallelConfig:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from .spec import ffn_dim
 
 
 class SDPA(nn.Module):
@@ -142,7 +143,7 @@ def matmul_params_per_token(cfg, ffn_matrices: int = 3) -> int:
     the router."""
     d, hd = cfg.d_model, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2
-    dense_ffn = ffn_matrices * d * cfg.ffn_dim
+    dense_ffn = ffn_matrices * d * ffn_dim(cfg)
     total = 0
     for i in range(cfg.n_layers):
         moe = cfg.n_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1

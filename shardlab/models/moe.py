@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .moe_gemm import expert_ffn
+from .spec import ffn_dim
 
 
 def expert_capacity(factor: float, n_tokens: int, top_k: int, n_experts: int) -> int:
@@ -71,7 +72,7 @@ class MoE(nn.Module):
         self.node_groups, self.max_nodes = getattr(cfg, "moe_node_groups", 0), getattr(cfg, "moe_max_nodes", 0)
         self.aux_coef, self.z_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.ffn_dim, getattr(cfg, "moe_impl", "grouped"))
+        self.experts = Experts(cfg.n_experts, cfg.d_model, ffn_dim(cfg), getattr(cfg, "moe_impl", "grouped"))
         self.last_aux_loss = 0.0
         self._stats: dict = {}
         self.split = 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...errors import ConfigError
 from ..hf import Source
+from ..spec import ffn_dim
 
 MODEL_TYPES = ("gpt2",)
 
@@ -38,7 +39,7 @@ def config_to_hf(cfg) -> dict:
 
 def tensor_map(cfg) -> dict[str, Source]:
     """{shardlab parameter name: Source}; the tied head (``tie_embeddings``) is ``wte``."""
-    d, V, F = cfg.d_model, cfg.vocab_size, cfg.ffn_dim
+    d, V, F = cfg.d_model, cfg.vocab_size, ffn_dim(cfg)
 
     def s(key, shape):
         return Source(key, shape, shape)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decoder import SDPA, Decoder, attend
+from ..spec import ffn_dim
 
 
 class Attention(nn.Module):
@@ -49,7 +50,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.ffn_dim, cfg.dropout)
+        self.mlp = MLP(cfg.d_model, ffn_dim(cfg), cfg.dropout)
 
     def forward(self, x, positions=None, cache=None):
         x = x + self.attn(self.ln_1(x), cache)

@@ -7,6 +7,7 @@ import re
 
 from ...errors import ConfigError
 from ..hf import Source
+from ..spec import ffn_dim
 
 MODEL_TYPES = ("llama",)
 BLOCK = {  # shardlab name under layers.<i> -> (HF name under model.layers.<i>, GGUF name under blk.<i>)
@@ -60,7 +61,7 @@ def config_to_hf(cfg) -> dict:
         raise ConfigError("model.n_experts", "a Mixture-of-Experts Llama has no Hugging Face Llama "
                                              "equivalent; export a dense model (n_experts = 0)")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+            "hidden_size": cfg.d_model, "intermediate_size": ffn_dim(cfg), "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decoder import SDPA, Decoder, attend
+from ..spec import ffn_dim
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +87,7 @@ class Block(nn.Module):
             from ..moe import MoE
             self.feed_forward = MoE(cfg)
         else:
-            self.feed_forward = FeedForward(cfg.d_model, cfg.ffn_dim)
+            self.feed_forward = FeedForward(cfg.d_model, ffn_dim(cfg))
 
     def forward(self, x, positions, cache=None):
         x = x + self.attention(self.attention_norm(x), positions, cache)

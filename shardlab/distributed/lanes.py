@@ -1,26 +1,15 @@
 """Lanes: pieces of work of one rank interleaved at their transfers, so that one's collective
-travels while another computes (docs/expert-parallel.md, "Overlap").
+travels while another computes (docs/expert-parallel.md, "Lanes").
 
-:meth:`Lanes.run` runs n callables in n threads of which exactly one runs at any moment (it
-holds the baton). A lane passes the baton only at a transfer (:func:`exchange`): it *starts* an
-asynchronous all-to-all on the group's process group, lets the next unfinished lane run until
-that one starts a transfer of its own or finishes, then waits for its transfer. gloo moves the
-data on its own threads (NCCL on its stream) meanwhile. Two lanes A and B:
-
-    A: start a2a 1 | B: start a2a 2 | A: wait 1, compute, start a2a 3 | B: wait 2, compute ...
-
-Every collective is therefore issued in an order fixed by the program, the same on every rank
-whose lanes run the same code (the ranks of an expert-parallel group in the same pipeline
-stage): lane 0 up to its first transfer, lane 1 up to its first, lane 0 again... Outside a lane,
-:func:`exchange` is the plain synchronous all-to-all. Autograd's all-to-all
-(autograd.py ``all_to_all``) goes through :func:`exchange` forward and backward, so any code
-built from it (the flat, padded and hierarchical expert dispatches) overlaps inside lanes.
-
-The lane a thread belongs to is a thread-local: a backward run by ``torch.autograd`` on the
-calling thread (CPU) finds it; where autograd runs a node on one of its device threads (CUDA)
-the transfer is synchronous there (correct, not overlapped). Grad mode is carried into the
-lanes from the caller. Used by the pipeline executor (DualPipe's paired forward and backward,
-parallel/pipeline/engine.py) and by the overlapped hierarchical dispatch (parallel/expert_overlap.py).
+:meth:`Lanes.run` runs n callables in n threads of which exactly one runs at a time (it holds the
+baton). A lane passes the baton only at a transfer (:func:`exchange`): it starts an asynchronous
+all-to-all, lets the next unfinished lane run until that one starts a transfer of its own or
+ends, then waits for its own. So the collectives keep one order fixed by the program, the same on
+every rank running the same lanes (issue-order matching, as gloo and NCCL need). Outside a lane
+:func:`exchange` is the plain synchronous all-to-all; autograd's ``all_to_all`` goes through it
+both ways. The lane is a thread-local: where autograd runs a node on a device thread (CUDA) the
+transfer is synchronous (correct, not overlapped). Users: DualPipe's paired F and B
+(parallel/pipeline/engine.py) and the overlapped hierarchical dispatch (parallel/expert_overlap.py).
 """
 from __future__ import annotations
 

@@ -1,30 +1,14 @@
-"""Two tiers of links: fast inside a node, slow between nodes (docs/expert-parallel.md, "Two tiers").
+"""Two tiers of links: fast inside a node, slow between nodes (docs/collectives.md, "Two tiers").
 
 A :class:`TieredComm` wraps the communicator of a group whose ranks sit on more than one node
-(``Topology.nodes``, simulated on one host with ``parallel.sim_nodes``, or the hosts of a real
-run). It changes no result; it does two things around each call of the wrapped Comm:
-
-* counts the bytes that cross the slow tier in the rank's ledger (``Entry.inter_sent`` /
-  ``inter_recv``, ledger.py), next to the call's bytes, which the wrapped Comm records as usual;
-* with a :class:`Link` of finite bandwidth (``parallel.sim_inter_node_gbps``, ``_latency_us``),
-  throttles the call: it returns no earlier than ``start + latency + bytes / bandwidth``, the
-  time the slow tier would need for this rank's cross-node bytes. The real transfer (shared
-  memory or gloo on one host) runs inside that time; the throttle adds only what is missing.
-  Asynchronous calls and point-to-point works get the same deadline on their ``wait()``, so
-  computation issued meanwhile overlaps the simulated transfer exactly as it would the real one.
-  A rank has one slow link: collectives that overlap in time queue on it (a call's transfer
-  starts when the link is free, ``_book``), so two transfers in flight together take the sum of
-  their times, not the longer one (point-to-point messages are priced each on their own).
-
-Which bytes cross, per rank (group rank ``me``, ``node[q]`` the node of group rank q):
-  all_to_all      the rows sent to / received from ranks on other nodes (exact, from the splits);
-                  time: latency + max(sent, received) / bandwidth (each rank has its own link);
-  ring ops        all_reduce, all_gather, reduce_scatter, broadcast as the ring model of the
-                  ledger (ledger.ring_bytes) over the group order: this rank's ring bytes cross
-                  when its next rank is on another node; the ring runs at its slowest link, so
-                  every rank waits for the ring's bytes over the slow tier plus one latency per
-                  round whenever any link of the ring crosses;
-  send / recv     the message, when the peer is on another node.
+(``Topology.nodes``; ``parallel.sim_nodes`` on one host). It changes no result; around each call it
+counts the bytes that cross the slow tier in the rank's ledger (``Entry.inter_sent`` /
+``inter_recv``): all-to-all the rows to and from other nodes; ring ops the ring model's bytes
+when this rank's next rank is elsewhere; send / recv the message. With a :class:`Link` of finite
+bandwidth (``parallel.sim_inter_node_gbps``, ``_latency_us``) it throttles the call: it returns no
+earlier than ``start + latency + bytes / bandwidth`` (the real transfer runs inside that time; the
+throttle adds only what is missing). Asynchronous calls get the same deadline on ``wait()``, and
+a rank has one slow link, so transfers in flight together queue on it (``_book``).
 """
 from __future__ import annotations
 

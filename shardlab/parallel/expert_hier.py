@@ -1,37 +1,17 @@
-"""Hierarchical expert dispatch (``parallel.ep_dispatch = hierarchical``): every token crosses the
-slow tier between nodes at most once per destination node, and is forwarded to its experts
-inside that node over the fast tier; the combine reverses both hops (DeepEP's "asymmetric
-bandwidth forwarding", docs/expert-parallel.md, "Two tiers").
+"""Hierarchical expert dispatch (``parallel.ep_dispatch = hierarchical``): a token crosses the slow
+tier between nodes at most once per destination node and is forwarded to its experts inside that
+node over the fast tier; the combine reverses both hops (DeepEP's "asymmetric bandwidth
+forwarding"; docs/expert-parallel.md, "Two tiers", with a worked example).
 
-The ep group of ``ep = N x L`` ranks spans N nodes with L ep ranks each (topology.py checks it
-is even). Ep rank (node b, local index l) talks over the slow tier only to the ranks with its own
-local index on the other nodes (group ``ep_inter``, N ranks) and over the fast tier only to the
-ep ranks of its own node (group ``ep_intra``, L ranks). One MoE layer, on the rank (a, l) whose
-T tokens were routed (models/moe.py: k kept-or-dropped assignments per token):
-
-  1. pairs: (node b, token t) for every token with a kept assignment on node b, b-major;
-  2. slow hop (ep_inter all-to-all): for each pair, the token's row x_t with its k gate weights
-     and its k expert ids appended as columns (0 / -1 for assignments elsewhere or dropped; the
-     ids in the row's dtype where they are exact there, e.g. up to 2^24 experts in fp32 and 256
-     in bf16, else a second message of int32) goes to rank (b, l); so a token crosses to a node
-     once, however many of that node's experts it uses;
-  3. fast hop (ep_intra all-to-all, the flat dispatch's exchange inside the node): rank (b, l)
-     expands what it received into one row per assignment, sorted by (owner's local index,
-     expert), and sends each to its expert's rank, with the per-expert counts first;
-  4. the experts run on rows grouped by expert (the same permutation as the flat dispatch);
-  5. fast hop back: the outputs return to (b, l), which weights them by the gates and sums each
-     token's assignments on node b: one row per pair;
-  6. slow hop back: one row per (node, token) to the token's rank, which sums over nodes.
-
-Bytes per token over the slow tier: one row (plus k weights and k ids forward, k weights'
-gradients backward) per other node used, against one row per assignment on another node for the flat all-to-all; the fast tier
-carries the per-assignment rows. Sizes are exact (uneven): the split sizes are read on the host
-once per hop, as in the flat ``exact`` dispatch. Everything the gradient needs is autograd:
-the row/weight all-to-alls (the transpose exchange backward), gathers whose backward scatters
-into preallocated rows (``index_copy``), never a scatter-add into the tokens.
-
-Equal to the flat dispatch up to the order of the floating-point sums over a token's k
-experts (partial sums per node): tests/distributed/test_expert_hier.py, float64, 1e-10.
+Ep rank (node b, local l) talks over the slow tier only to the ranks with local index l on the
+other nodes (``ep_inter``) and over the fast tier to its node's ep ranks (``ep_intra``). The steps
+of :func:`hierarchical_moe`: 1. the (node, token) pairs of the kept assignments, node-major;
+2. slow hop: each pair's row with the token's k gates and k expert ids as extra columns;
+3. fast hop: one row per assignment to its expert's rank (counts first); 4. the experts; 5. fast
+hop back, the gate-weighted sum per pair; 6. slow hop back, the sum over nodes. Exact split
+sizes (one host read per hop); the gradient is autograd's through the same exchanges. Equal to
+the flat dispatch up to the order of the sums over a token's experts
+(tests/distributed/test_expert_hier.py, float64, 1e-10).
 """
 from __future__ import annotations
 

@@ -1,35 +1,14 @@
-"""Expert parallel with its all-to-alls overlapped with the experts' compute
-(``parallel.ep_overlap``; docs/expert-parallel.md, "Overlap").
+"""Expert parallel with its all-to-alls overlapped with the experts' compute (``parallel.ep_overlap
+= n``; docs/expert-parallel.md, "Overlap").
 
-The layer's tokens are routed together (capacity, statistics and auxiliary losses exactly as
-without overlap), then their assignments go in n chunks by token (``parallel.ep_overlap = n``):
-chunk c holds the tokens t with ``t * n // T == c`` (models/moe.py groups the rows chunk-major
-when ``self.split = n``). Every chunk's all-to-alls are asynchronous collectives of the group's
-process group (gloo runs them on its own threads, NCCL on its stream), so one chunk's transfer
-runs while another chunk's experts compute (n = 2: chunks A and B):
-
-  forward    start dispatch A, start dispatch B | wait A, experts A, start combine A |
-             wait B, experts B, start combine B | wait combine A, wait combine B
-  backward   start combine-grad A, B | wait A, experts' backward A, start dispatch-grad A |
-             wait B, experts' backward B, start dispatch-grad B | wait both
-
-Only the first transfer of each pass (dispatch of chunk 0; its combine-grad) and the last
-(combine of chunk n-1; its dispatch-grad) have no compute beside them: at most (n-1)/n of the
-transfer time can hide, half with two chunks. The experts' forward runs on detached received
-rows inside :class:`_Overlapped` and their backward is an inner ``torch.autograd.backward`` (as
-activation checkpointing does), which accumulates the expert weights' gradients. The split sizes
-are exact (read on the host after each chunk's count exchange, itself synchronous): no padding.
-Results equal the non-overlapped layer up to the order of the expert weight gradients' sums over
-rows (float64 1e-10, tests/distributed/test_expert_hier.py). A group that spans nodes passes the
-transfers through the tier wrapper (distributed/tiers.py), so the simulated slow tier overlaps too.
-
-The hierarchical dispatch (expert_hier.py) overlaps the same way with lanes
-(distributed/lanes.py, :func:`hierarchical_overlapped`): chunk c of the tokens runs its two hops
-and experts in lane c, every transfer (the count exchanges included) started asynchronously and
-the baton passed to the next chunk while it travels; the backward runs each chunk's inner
-``torch.autograd.backward`` in its lane the same way. Its first transfer per pass and hop waits
-with nothing beside it only for chunk 0; the rest can hide behind the other chunks' forwarding,
-expert and combine compute.
+The tokens are routed together, then their assignments go in n chunks by token: every chunk's
+dispatch and combine is an asynchronous collective, so one chunk's transfer runs while another
+chunk's experts compute (forward: start all dispatches; per chunk wait, experts, start its
+combine; wait the combines. The backward mirrors it, the experts' backward an inner
+``torch.autograd.backward`` as activation checkpointing does). At most (n-1)/n of the transfer
+time can hide. The hierarchical dispatch overlaps the same way in lanes
+(:func:`hierarchical_overlapped`, distributed/lanes.py). Equal to the layer without overlap up to
+the order of the expert gradients' sums (tests/distributed/test_expert_hier.py, float64, 1e-10).
 """
 from __future__ import annotations
 

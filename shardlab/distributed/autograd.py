@@ -17,6 +17,7 @@ function                    forward                    backward
 ==========================  =========================  ==========================
 copy_to_region       (f)    identity                   all-reduce (sum)
 reduce_from_region   (g)    all-reduce (sum)           identity
+sum_over_ranks              all-reduce (sum)           all-reduce (sum)
 scatter_to_region           keep my slice along dim    all-gather along dim
 gather_from_region          all-gather along dim       keep my slice along dim
 all_gather                  all-gather along dim       reduce-scatter along dim
@@ -98,6 +99,12 @@ def reduce_from_region(x: torch.Tensor, comm) -> torch.Tensor:
     Use where partial sums leave rank-specific computation (the output of a row-parallel
     linear): y is replicated, so every rank already holds the full gradient of y."""
     return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _same)
+
+
+def sum_over_ranks(x: torch.Tensor, comm) -> torch.Tensor:
+    """Forward: y = sum_r x_r on every rank. Backward: dL/dx_r = sum_s dL/dy_s (every rank's loss
+    depends on the sum: MoE statistics summed over the batch's ranks)."""
+    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _sum)
 
 
 def scatter_to_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:

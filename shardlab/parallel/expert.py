@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import register_check
-from ..distributed.autograd import all_to_all
+from ..distributed.autograd import all_to_all, sum_over_ranks
 from ..distributed.lanes import exchange
 from ..errors import ConfigError
 from ..distributed.placement import Placement, set_placement
@@ -17,20 +17,6 @@ from ..models.moe import MoE, Experts
 from ..models.moe_gemm import padded_slots
 from .expert_hier import Hierarchy, hierarchical_moe
 from .expert_overlap import hierarchical_overlapped, overlapped_experts
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Forward: all-reduce sum. Backward: all-reduce sum of the gradient (every rank's loss
-    depends on the sum, so each input receives the sum of all ranks' upstream gradients)."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_reduce(x.clone())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.clone()), None
 
 
 class ExpertParallelMoE(MoE):
@@ -68,7 +54,7 @@ class ExpertParallelMoE(MoE):
         return hierarchical_moe(self, self.hier, flat, r, self.capacity(flat.shape[0])).view(x.shape)
 
     def batch_sum(self, t):
-        return _SumOverRanks.apply(t, self.batch) if self.batch.size > 1 else t
+        return sum_over_ranks(t, self.batch)
 
     def run_experts(self, x, counts, capacity=0):
         ep, n_local = self.ep.size, self.n_local

@@ -1,26 +1,13 @@
 """The shared-memory transport on one GPU (``SharedComm`` with CUDA ranks): collectives on a
 communication stream, ordered between processes by interprocess CUDA events, never by a host
-wait for the GPU (docs/collectives.md, "On a GPU").
+wait for the GPU (docs/collectives.md, "On a GPU", which gives the ordering argument).
 
-The CPU transport orders a collective's phases with host barriers: a rank's writes are done when
-it arrives. On a GPU a write is only *enqueued* when the host arrives; the first version drained
-the stream before every barrier (``synchronize``), so the host waited for the GPU twice per chunk
-and nothing overlapped (29-48 GB/s at 64 MiB on an H200, docs/gpu.md). Here instead:
-
-* every collective runs on the comm's own stream, which first waits for the caller's stream (its
-  inputs are ready); the caller's stream then waits for the comm stream (a blocking call), or
-  ``Pending.wait()`` makes it wait (the ``*_async`` calls: DDP's buckets and FSDP's gathers run
-  beside the backward / forward compute);
-* at each barrier a rank records one of its two interprocess events (by barrier parity) on the
-  comm stream *before* it announces its arrival on the host; after the host barrier it makes the
-  comm stream wait on every peer's event of the same parity. The GPU work after a barrier thus
-  starts only when every rank's work before it is done, as the host barrier guaranteed on the
-  CPU. A peer cannot re-record an event of this parity before this rank has waited on it: it
-  would have to pass the next barrier, which needs this rank's arrival;
-* tensors cross streams with ``record_stream`` (inputs on the comm stream, fresh outputs on the
-  caller's), so the caching allocator never hands out memory a stream still reads;
-* a message goes in chunks of :data:`CHUNK` bytes per rank (device memory: the host transport's
-  4 MiB chunks bounded shared pages, which a GPU does not have; fewer chunks, fewer barriers).
+Every collective runs on the comm's own stream after it waits for the caller's; the caller's
+stream then waits for it (a blocking call) or ``Pending.wait()`` makes it wait (``*_async``). At
+each barrier a rank records one of its two interprocess events (by barrier parity) on the comm
+stream before it announces its arrival on the host, and after the host barrier the comm stream
+waits on every peer's event of that parity. Tensors cross streams with ``record_stream``; a
+message goes in chunks of :data:`CHUNK` bytes per rank.
 """
 from __future__ import annotations
 

@@ -1,34 +1,15 @@
 """Point-to-point messages through shared memory, for :class:`shm.SharedComm` (docs/collectives.md,
-"Shared-memory transport").
+"Shared-memory transport", Point-to-point).
 
-Each pair of group ranks that exchanges messages gets one file under /dev/shm holding two byte
-rings, one per direction. A ring is a single-producer, single-consumer queue: the sender copies
-bytes in and then advances ``written``, the receiver copies them out and then advances ``read``;
-each counter has one writer and sits on its own cache line. That ordering (data stored before
-the counter that publishes it; the counter loaded before the data) holds on x86-64, as for the
-shared-memory barrier; elsewhere SharedComm keeps the process group's point-to-point.
-
-A message is an 8-byte length then its bytes, so a receive whose size differs from the send it
-matches fails with both sizes instead of reading garbage. Messages between two ranks are matched
-by issue order only (no tags), exactly as the process group's (NCCL's) point-to-point. A message
-longer than the ring streams through it: sends and receives are queued per peer and advanced by
-:meth:`Channels.progress`, which every point-to-point call and every ``wait()`` runs, so two
-ranks sending each other more than a ring holds both make progress while they wait.
-
-The pair's file is set up lazily and without blocking: the lower group rank creates it at its
-first message to or from the peer and sends its name through the process group (one small
-``isend``); the higher rank posts the matching ``irecv`` at its first message and maps the file
-(and unlinks the name) once that arrived. Tensors of any device go through the host rings (a
-CUDA tensor is copied to and from host memory synchronously).
-
-Sends left unreceived. A send completes once its bytes are in the ring, so a send that no
-receive matches would not block; a later receive of the same size would take it. Every barrier
-of the group (each collective's counter barrier and ``barrier()``) therefore compares, per pair,
-the messages each side had issued: before arriving, each rank writes how many it has sent to and
-asked from each peer into the pair's ring header; once all arrived, a pair whose sender sent more
-than its receiver asked for raises on both ranks, naming them, the first unmatched send's number
-and size (as NCCL, whose operations on one communicator run in order, every send needs its
-receive before the group's next collective).
+Each pair of group ranks that exchanges messages gets one /dev/shm file holding two byte rings,
+one per direction: single-producer, single-consumer queues whose ``written`` / ``read`` counters
+each have one writer (x86-64 store ordering; elsewhere SharedComm keeps the process group's
+point-to-point). A message is an 8-byte length then its bytes (a size mismatch fails naming both
+sizes); messages are matched by issue order only, as NCCL's. Longer messages stream through the
+ring, advanced by :meth:`Channels.progress` in every point-to-point call and ``wait()``. The
+pair's file is set up lazily by the lower rank, its name sent through the process group. Every
+barrier of the group compares, per pair, the messages each side issued, so a send no receive
+matched raises on both ranks before the next collective (as NCCL requires).
 """
 from __future__ import annotations
 

@@ -1,31 +1,14 @@
-"""DualPipe and DualPipeV (DeepSeek-V3) as compute orders per rank (schedule-as-data form).
+"""DualPipe and DualPipeV (DeepSeek-V3) as compute orders per rank (schedule-as-data form;
+docs/pipeline.md, "DualPipe and DualPipeV", with the stage placement of both).
 
-Both run two "chunks" per rank and fill each other's bubbles: chunk 0 is the stage at which the
-rank is *early* in its micro-batches' path, chunk 1 the stage at which it is *late*.
-
-DualPipeV (the V shape, one parameter copy): the model is cut into 2p stages; rank r holds
-stage r (chunk 0) and stage 2p-1-r (chunk 1). Every micro-batch goes down the V: ranks
-0, 1, ..., p-1 then back p-1, ..., 0; stage p-1 -> p stays on rank p-1, and rank 0 holds both
-the embedding (stage 0) and the head + loss (stage 2p-1). Needs m >= 2p micro-batches.
-
-DualPipe (bidirectional, two parameter copies): the model is cut into p stages; rank r holds
-stage r and a copy of stage p-1-r. The first m/2 micro-batches enter at rank 0 and run stages
-0..p-1 on ranks 0..p-1 (stage ids 0..p-1), the other m/2 enter at rank p-1 and run the same
-stages on ranks p-1..0 (stage ids p..2p-1: id p+k runs stage k's parameters on rank p-1-k).
-Both copies of a stage get gradients; the step sums them. Needs p even and m even, m >= 2p.
-With stage ids so numbered, stage id s lives on rank s (s < p) or 2p-1-s, in both schedules.
-
-The order per rank follows DeepSeek's reference (github.com/deepseek-ai/DualPipe, eight steps:
-nF0, nF0F1, nB1W1F1, nF0B1F1B0, nB1F1B0, nB1B0, nWB0, nW) with its overlapped "F&B" pairs
-listed as F then B (with ``parallel.pp_overlap`` the executor runs each pair as two lanes whose
-all-to-alls overlap the other's compute: pairs.py) and its zero-bubble backwards: a
-backward with ``zb`` defers its W to a FIFO queue, popped by the next "W" step; a plain
-backward is B immediately followed by its W (cost B + W).
-
-Bubble per rank (DeepSeek-V3 report, F, B, W per chunk, B = full backward, F&B = one overlapped
-forward + backward): 1F1B (PP-1)(F+B), ZB1P (PP-1)(F+B-2W), DualPipe (PP/2-1)(F&B+B-3W); with
-the pair serialised, F&B = F + B, hence :func:`dual_idle` (lanes hide transfers, not compute:
-one lane runs at a time, so F&B stays F + B in compute).
+Two chunks per rank fill each other's bubbles. DualPipeV: 2p stages, rank r holds stages r and
+2p-1-r (one parameter copy, a V; m >= 2p). DualPipe: p stages, rank r holds stage r and a copy of
+stage p-1-r, half the micro-batches entering at each end (stage id p+k runs stage k's parameters
+on rank p-1-k; p and m even, m >= 2p). The order per rank follows DeepSeek's reference, eight steps
+(nF0, nF0F1, nB1W1F1, nF0B1F1B0, nB1F1B0, nB1B0, nWB0, nW), its "F&B" pairs listed as F then B
+(pairs.py runs them as two lanes) and its zero-bubble backwards (a ``zb`` backward defers its W to
+a FIFO queue popped by the next "W" step). Bubble per rank: (PP/2-1)(F&B+B-3W), with F&B = F + B
+serialised (:func:`dual_idle`).
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """DualPipe's F&B pairs: a forward and a backward of two different micro-batches run together,
 one's all-to-alls travelling while the other computes (``parallel.pp_overlap``;
-docs/expert-parallel.md, "Overlap").
+docs/expert-parallel.md, "Lanes").
 
-DeepSeek's DualPipe overlaps, on one rank, the forward of a micro-batch of one direction with
-the backward of a micro-batch of the other (its "F&B" steps; dualpipe.py ``_rank_order`` steps
-4-5: ``F0 B1``, ``F1 B0``). In an action list (schedule.py) such a pair reads
-
-    RECV_F(F)  F  SEND_F(F)  RECV_B(B)  B  [W]  SEND_B(B)
-
-To run F and B together the pair needs both inputs first and sends both outputs after:
-
-    RECV_F(F)  RECV_B(B)  F  B  [W]  SEND_F(F)  SEND_B(B)
-
-:func:`pair` makes that move for every forward whose next compute action is a backward of
-another (micro-batch, stage), wherever the moved program still cannot deadlock (the simulator of
-simulate.py runs on every move; a rank's receives keep their order, and so do its sends, so
-issue-order matching holds as before). The executor (engine.py) then runs every F immediately
-followed by such a B as two lanes (distributed/lanes.py): F in lane 0, B and its W in lane 1.
+In an action list (schedule.py) a pair reads ``RECV_F F SEND_F RECV_B B [W] SEND_B``; to run F
+and B together :func:`pair` moves both receives before and both sends after
+(``RECV_F RECV_B F B [W] SEND_F SEND_B``) for every forward whose next compute action is a
+backward of another (micro-batch, stage), wherever the simulator (simulate.py) still finds no
+deadlock; a rank's receives keep their order, and so do its sends, so issue-order matching holds.
+The executor (engine.py) runs F in lane 0 and B with its W in lane 1 (distributed/lanes.py).
 """
 from __future__ import annotations
 

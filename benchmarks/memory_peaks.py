@@ -116,7 +116,10 @@ def main(argv=None) -> int:
             r = row(name, n, args.device, model)
             bound = f"{r['bound'] / mib:,.0f} ({r['measured'] / r['bound']:.2f})" if "bound" in r else "-"
             split = " / ".join(f"{r['split'].get(k, 0) / mib:,.0f}" for k in ("RssAnon", "RssFile", "RssShmem")) \
-                if r["split"] else f"reserved {r['reserved'] / mib:,.0f}"
+                if r["split"] else ""
+            if args.device != "cpu":  # the caching allocator's reserved peak beside the allocated one
+                split = f"reserved {r['reserved'] / mib:,.0f} ({r['reserved'] / r['measured']:.2f}x allocated)" + \
+                    (f"; host {split}" if split else "")
             print(f"| {name} | {n} | {r['predicted'] / mib:,.0f} | {r['measured'] / mib:,.0f} | "
                   f"{r['measured'] / r['predicted']:.2f} | {r['largest']} | {bound} | {split} | {r['seconds']:.0f} |",
                   flush=True)

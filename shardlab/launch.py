@@ -5,7 +5,8 @@ the torchrun contract. With cli.py, the only module that reads environment varia
 calls ``fn(ctx, *args)`` with a :class:`RankContext` and returns the list of results in rank
 order. If any rank raises or dies, the others are terminated at once and :class:`WorkerError`
 carries the failing rank's traceback: never a hang. Under torchrun (``RANK`` and
-``WORLD_SIZE`` set) the same entry point runs in place, one process per rank.
+``WORLD_SIZE`` set) the same entry point runs in place, one process per rank. ``plan``: the run
+plan (train/plan.py) every rank finds in ``ctx.plan``.
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ import torch.multiprocessing as mp
 
 from .distributed.heap import set_mmap_threshold
 from .launch_report import report_to
-
-"""How a rank's root error starts when it found bad input (reported in one line, exit 2)."""
+from .train.plan import RunPlan
 
 
 class WorkerError(RuntimeError):
@@ -48,8 +48,8 @@ class RankContext:
     local_rank: int
     device: torch.device
     backend: str
-    resume_from: str | None = None
-    """A checkpoint the launcher hands over (Ray Train's restart from its latest checkpoint), else None."""
+    plan: RunPlan | None = None
+    """The run plan the parent resolved for this start (``shardlab train``), else None."""
     on_checkpoint: object = None
     """Called by every rank as ``on_checkpoint(path, step)`` after each checkpoint save (Ray Train's
     checkpoint reporting, shardlab/launch_ray.py), else None."""
@@ -80,7 +80,7 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads) -> RankContext:
+def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads, plan=None) -> RankContext:
     # glibc's mmap threshold (bytes; 0 keeps glibc's): 1048576 lowers peaks 4-9%, costs 15% of a step
     set_mmap_threshold(int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 16 << 20)))  # 0: glibc's own (docs/data-parallel.md)
     backend, kind = choose_backend(device, local_world)
@@ -95,7 +95,7 @@ def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, 
     if backend == "nccl":
         kwargs["device_id"] = dev
     dist.init_process_group(**kwargs)
-    return RankContext(rank, world, local_rank, dev, backend)
+    return RankContext(rank, world, local_rank, dev, backend, plan)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -132,50 +132,36 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
     return "watchdog"
 
 
-def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None):
+def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None, plan=None):
     if parent_pid is not None:
         die_with_parent(parent_pid)
 
     def body():
-        _arm_test_hooks(rank)
-        return fn(_init(rank, world, rank, world, init_method, device, timeout_s, threads), *args)
+        _arm_test_hooks(rank, plan.test_hooks if plan else {})
+        return fn(_init(rank, world, rank, world, init_method, device, timeout_s, threads, plan), *args)
     report_to(results, (rank,), body)
 
 
-# -- TEST-ONLY fault injection (tests/distributed/test_restart.py) --------------------------------
-# Never set these in real runs. SHARDLAB_TEST_KILL_AT_STEP="RANK:STEP:ONCE_FILE": rank RANK SIGKILLs
-# itself after step STEP (before that step's checkpoint) if ONCE_FILE does not exist yet, creating it
-# first (so it happens once). SHARDLAB_TEST_REFUSE_RANK="RANK:FLAG_FILE": while FLAG_FILE exists, rank
-# RANK fails at start (a rank that "cannot come back"). Read only here, in the spawned rank.
+# -- TEST-ONLY fault injection (docs/faults.md, "Automatic restart"; never set in real runs) --------
 _TEST_KILL: tuple[int, str] | None = None
 
 
 def test_env() -> dict:
-    """TEST-ONLY: this process's ``SHARDLAB_TEST_*`` variables, for a launcher whose workers do not
-    inherit the environment (launch_ray.py forwards them and passes them to ``_arm_test_hooks``)."""
+    """TEST-ONLY: this process's ``SHARDLAB_TEST_*`` variables (the run plan's ``test_hooks``)."""
     return {k: v for k, v in os.environ.items() if k.startswith("SHARDLAB_TEST_")}
 
 
-def _arm_test_hooks(rank: int, forwarded: dict | None = None) -> None:
-    """``forwarded``: ``test_env()`` of the launching process, set here before the hooks read it."""
+def _arm_test_hooks(rank: int, hooks: dict) -> None:
+    """In a rank, from the plan's ``test_hooks``: SHARDLAB_TEST_KILL_AT_STEP, SHARDLAB_TEST_REFUSE_RANK."""
     global _TEST_KILL
-    if forwarded:
-        os.environ.update(forwarded)
-    spec = os.environ.get("SHARDLAB_TEST_KILL_AT_STEP")
-    if spec:
+    if spec := hooks.get("SHARDLAB_TEST_KILL_AT_STEP"):
         r, step, once = spec.split(":", 2)
         if int(r) == rank:
             _TEST_KILL = (int(step), once)
-    spec = os.environ.get("SHARDLAB_TEST_REFUSE_RANK")
-    if spec:
+    if spec := hooks.get("SHARDLAB_TEST_REFUSE_RANK"):
         r, flag = spec.split(":", 1)
         if int(r) == rank and os.path.exists(flag):
             raise RuntimeError(f"rank {rank} cannot come back (test hook SHARDLAB_TEST_REFUSE_RANK)")
-
-
-def test_hook(name: str) -> str:
-    """TEST-ONLY: the value of the ``SHARDLAB_TEST_*`` variable ``name`` ('' when unset)."""
-    return os.environ.get(name, "") if name.startswith("SHARDLAB_TEST_") else ""
 
 
 def injected_fault_point(step: int) -> None:
@@ -199,10 +185,11 @@ def torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if under_torchrun() else None
 
 
-def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0):
+def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0,
+        plan: RunPlan | None = None):
     """Run ``fn(ctx, *args)`` on ``nproc`` ranks; return results in rank order (see module doc)."""
     if under_torchrun():
-        return [_run_torchrun(fn, args, device, timeout_s, threads)]
+        return [_run_torchrun(fn, args, device, timeout_s, threads, plan)]
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     ctx = mp.get_context("spawn")
@@ -215,7 +202,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here at the end
     procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, nproc, init_method, device, timeout_s, threads, flight.wrap(fn, dump_dir),
-                               args, results, os.getpid()))
+                               args, results, os.getpid(), plan))
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -295,11 +282,11 @@ def _collect(procs, results, nproc, grace_s: float = 1.0):
     raise WorkerError(rank, msg + note)
 
 
-def _run_torchrun(fn, args, device, timeout_s, threads):
+def _run_torchrun(fn, args, device, timeout_s, threads, plan):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ctx = _init(rank, world, local_rank, local_world, None, device, timeout_s, threads)
+    ctx = _init(rank, world, local_rank, local_world, None, device, timeout_s, threads, plan)
     try:
         return fn(ctx, *args)
     finally:

@@ -1,13 +1,9 @@
-"""Starting ranks: local spawn (CPU gloo, N ranks sharing one GPU, NCCL one rank per GPU) and
-the torchrun contract. With cli.py, the only module that reads environment variables.
-
-``run(fn, nproc, *args)`` starts ``nproc`` processes, initialises torch.distributed in each,
-calls ``fn(ctx, *args)`` with a :class:`RankContext` and returns the list of results in rank
-order. If any rank raises or dies, the others are terminated at once and :class:`WorkerError`
-carries the failing rank's traceback: never a hang. Under torchrun (``RANK`` and
-``WORLD_SIZE`` set) the same entry point runs in place, one process per rank. ``plan``: the run
-plan (train/plan.py) every rank finds in ``ctx.plan``.
-"""
+"""Starting ranks: local spawn (CPU gloo, N ranks sharing one GPU, NCCL one rank per GPU) and the
+torchrun contract; with cli.py, the only module that reads environment variables. ``run(fn, nproc,
+*args, plan=...)`` calls ``fn(ctx, *args)`` on every rank with a :class:`RankContext` (``ctx.plan``:
+the run plan, train/plan.py) and returns the results in rank order; a rank that raises or dies
+stops the others at once (:class:`WorkerError`, never a hang). Under torchrun it runs in place.
+Docs: docs/training.md, "Launcher"."""
 from __future__ import annotations
 
 import ctypes
@@ -113,10 +109,8 @@ def _set_pdeathsig() -> bool:
 
 
 def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
-    """In a rank process, first thing: never outlive the launcher ``parent_pid`` (killed by an OOM
-    killer or a scheduler with SIGKILL, it cannot stop its ranks itself). Linux: PR_SET_PDEATHSIG,
-    then a check that the parent did not die before it was set; elsewhere a daemon thread polls
-    ``os.getppid()`` (a reparented process has another parent). Returns the mechanism used."""
+    """In a rank process, first thing: never outlive the launcher ``parent_pid`` (docs/faults.md,
+    "A killed launcher leaves no ranks behind"). Returns the mechanism used (pdeathsig, watchdog)."""
     if _set_pdeathsig():
         if os.getppid() != parent_pid:
             os._exit(1)
@@ -189,7 +183,11 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         plan: RunPlan | None = None):
     """Run ``fn(ctx, *args)`` on ``nproc`` ranks; return results in rank order (see module doc)."""
     if under_torchrun():
-        return [_run_torchrun(fn, args, device, timeout_s, threads, plan)]
+        ctx = _torchrun_init(device, timeout_s, threads, plan)
+        try:
+            return [fn(ctx, *args)]
+        finally:
+            dist.destroy_process_group()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     ctx = mp.get_context("spawn")
@@ -282,15 +280,10 @@ def _collect(procs, results, nproc, grace_s: float = 1.0):
     raise WorkerError(rank, msg + note)
 
 
-def _run_torchrun(fn, args, device, timeout_s, threads, plan):
+def _torchrun_init(device, timeout_s, threads, plan=None) -> RankContext:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ctx = _init(rank, world, local_rank, local_world, None, device, timeout_s, threads, plan)
-    try:
-        return fn(ctx, *args)
-    finally:
-        dist.destroy_process_group()
+    return _init(rank, world, int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                 None, device, timeout_s, threads, plan)
 
 
 # -- shardlab.initialize: join the job this process was started in ------------------------------
@@ -309,10 +302,7 @@ def init_from_env(device: str = "auto", timeout_s: float = 60.0, threads: int = 
         dev = _rank_device("cuda", local_rank) if on_gpu else torch.device("cpu")
         return RankContext(rank, world, local_rank, dev, backend)
     if under_torchrun():
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return _init(rank, world, local_rank, local_world, None, device, timeout_s, threads)
+        return _torchrun_init(device, timeout_s, threads)
     fd, store = tempfile.mkstemp(prefix="shardlab-store-")
     os.close(fd)
     os.unlink(store)

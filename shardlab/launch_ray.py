@@ -279,7 +279,6 @@ def run_script(ctx, argv: list[str], cwd: str | None = None) -> int:
     directory ``shardlab launch`` ran in, where this node has it: Ray workers start elsewhere, and
     the script and its relative paths mean what they mean locally). The child dies with the
     worker (Linux). A non-zero exit raises, so Ray counts a worker failure."""
-    import os
     import subprocess
     import sys
     import torch.distributed as dist

@@ -48,12 +48,10 @@ def _ready_path(run_dir: str, pid: int) -> str:
 
 
 def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads, plan):
-    """A hot spare: one rank of a spare group. First (local rank, group size, rendezvous) arrives:
-    it joins its group's world and calls ``fn(ctx, *args)`` (which builds everything a replica
-    needs that does not depend on which replica it will be: the engine, the data); then it waits
-    for its assignment ``(replica, gen, ft)``, runs ``prepared.run(ft)`` and reports ("ok",
-    pickled value) or ("error", traceback) in its result file, then exits at once (``os._exit``:
-    no exit handler can hang on a peer that is gone)."""
+    """A hot spare (one rank of a spare group): joins its group's world, ``prepared = fn(ctx, *args)``
+    (the engine, the data), waits for its assignment ``(replica, gen, ft)``, reports
+    ``prepared.run(ft)`` ("ok" or "error") in its result file and ``os._exit``s (no exit handler
+    can hang on a peer that is gone)."""
     launch.die_with_parent(parent_pid)
     signal.signal(signal.SIGUSR1, _raise_on_usr1)
     group = inbox.get()

@@ -30,11 +30,6 @@ def parse_elastic(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def plain_data_parallel(cfg: Config) -> bool:
-    p = cfg.parallel
-    return p.dp_shard == p.tp == p.pp == p.cp == p.ep == 1
-
-
 def check_elastic(cfg: Config, nproc: int, elastic: tuple[int, int] | None) -> None:
     """Refuse (ConfigError) an elastic range that cannot apply to this job."""
     if elastic is None:
@@ -42,7 +37,8 @@ def check_elastic(cfg: Config, nproc: int, elastic: tuple[int, int] | None) -> N
     lo, hi = elastic
     if not lo <= nproc <= hi:
         raise ConfigError("--elastic", f"the job starts on {nproc} ranks, outside MIN:MAX = {lo}:{hi}")
-    if not plain_data_parallel(cfg):
+    p = cfg.parallel
+    if not p.dp_shard == p.tp == p.pp == p.cp == p.ep == 1:
         raise ConfigError("--elastic", "only plain data parallel (dp_replicate = world size; dp_shard, tp, pp, cp "
                                        "and ep all 1) can change its world size")
 

@@ -142,16 +142,15 @@ def main(args) -> int:
     main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
     if main_rank and not args.dry_run:  # first: it may restore the only copy of a step
         clean_interrupted(checkpoint_dir(cfg))
-    # the run plan: the one lookup of the newest valid checkpoint of this start (under torchrun,
-    # every rank makes its own: all must agree on a finished run)
+    # the one lookup of the newest valid checkpoint of this start (under torchrun, on every rank)
     plan = make_plan(cfg, test_hooks=launch.test_env(), warn=print if main_rank and not args.dry_run else lambda *_: None)
-    if main_rank:
+    if main_rank or args.dry_run:
         check_resume(plan)
     if args.dry_run:
-        print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), "
-              f"layout {_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher"
-              f"{f', resuming from {plan.resume_from}' if plan.resume_from else ''}; run dir {cfg.logging.run_dir}; "
-              "nothing started")
+        resuming = f", resuming from {plan.resume_from}" if plan.resume_from else ""
+        print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), layout "
+              f"{_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher{resuming}; run dir "
+              f"{cfg.logging.run_dir}; nothing started")
         return 0
     if _finished(plan, quiet=not main_rank):
         return 0
@@ -181,7 +180,7 @@ def main(args) -> int:
     else:
         results = start(plan, nproc)
     summary = results[0]
-    if summary is None or (launch.under_torchrun() and launch.torchrun_rank() != 0):
+    if summary is None or not main_rank:
         return 0
     if summary.get("stopped"):
         print(f"shardlab: {summary['stopped']}", file=sys.stderr)

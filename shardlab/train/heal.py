@@ -49,11 +49,9 @@ class FTContext:
     timeout_s: float
     """``train.ft_timeout_s``: cross-replica collective and vote timeout."""
     faults: dict = field(default_factory=dict)
-    """TEST-ONLY injected faults (tests/distributed/test_live_recovery.py): ``kill``: list of
-    [replica, gen, local, step, how] (how: sigkill, raise); ``corrupt_once``: a flag file path: the
-    first heal sent while it does not exist has a flipped byte (the file is created); ``hold_start``:
-    list of [replica, gen, seconds]: that start waits so long before it asks to join (a slow start;
-    a hung one past the launcher's start deadline)."""
+    """TEST-ONLY injected faults (tests/distributed/test_live_recovery.py): ``kill``: [[replica, gen,
+    local, step, sigkill|raise]]; ``corrupt_once``: a flag file: the first heal sent before it exists
+    has a flipped byte; ``hold_start``: [[replica, gen, seconds]]: that start waits before it joins."""
 
 
 def replica_config(cfg: Config) -> Config:
@@ -124,10 +122,8 @@ class _Replica:
     replica (a hot spare, ``launch_replicas``); :meth:`run` takes the assignment."""
 
     def __init__(self, ctx, data_dir: str):
-        self.plan = ctx.plan
-        self.cfg = cfg = self.plan.config
-        self.t = cfg.train
-        rcfg = replica_config(cfg)
+        self.plan, self.cfg, self.t = ctx.plan, ctx.plan.config, ctx.plan.config.train
+        cfg, rcfg = self.cfg, replica_config(self.cfg)
         self.mesh = Mesh.build(Topology.from_config(rcfg.parallel), ctx.device, transport=self.plan.transport)
         data = open_data(cfg, data_dir)
         self.tr = Trainer(rcfg, self.mesh, data)

@@ -52,8 +52,7 @@ class Trainer:
         self.n_params = count_params(model)
         self.engine = parallelize(model, mesh, cfg, init=init)
         self.optimizer = self.engine.make_optimizer(build_adamw(t, self.device))
-        topo = mesh.topology
-        c = mesh.coords
+        topo, c = mesh.topology, mesh.coords
         dp_rank = c["dp_replicate"] * topo.dp_shard + c["dp_shard"]
         self.task = get_spec(cfg.model).task
         if self.task == "classify":
@@ -182,12 +181,11 @@ def train_rank(ctx, data_dir: str) -> dict:
             run.log(out)
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
             run.evaluate()
-        if hasattr(ctx, "after_step"):
-            ctx.after_step(step)  # TEST-ONLY fault injection (a no-op unless the launcher armed it)
+        ctx.after_step(step)  # TEST-ONLY fault injection (a no-op unless the launcher armed it)
         every = cfg.checkpoint.every
         if cfg.checkpoint.save and ((every and step % every == 0) or step == cfg.train.steps):
             run.tr.save_checkpoint(run.ck_dir, ctx.plan.test_hooks)
-            if getattr(ctx, "on_checkpoint", None):  # Ray Train: every rank reports its own shard files
+            if ctx.on_checkpoint:  # Ray Train: every rank reports its own shard files
                 ctx.on_checkpoint(run.ck_dir / f"{ckpt.PREFIX}{step:08d}", step)
         run.after_step()
     ckpt.finish_saves(run.mesh)  # an asynchronous save in flight: wait, raise if it failed
@@ -209,12 +207,11 @@ class _Run:
         self.run_dir, self.ck_dir = plan.run_dir, plan.checkpoint_dir
         is_main = mesh.rank == 0
         path = plan.resume_from  # looked up once, in the parent
+        self.resumed_from = str(path) if path else None
         # resuming or fine-tuning: no initial values to draw, a checkpoint or the base is read next
         self.tr = Trainer(cfg, mesh, self.data, init=path is None and not cfg.checkpoint.base)
-        self.resumed_from = None
         if path is not None:
             self.tr.load_checkpoint(path)
-            self.resumed_from = str(path)
         elif cfg.checkpoint.base:
             self.tr.load_base()
         self.writer = MetricsWriter(self.run_dir, log.tensorboard) if is_main else None

@@ -25,7 +25,7 @@ class RunPlan:
     was made with ``checkpoint.resume`` (Ray Train's restored checkpoint replaces it in its
     workers); None: a fresh start (or ``checkpoint.base``)."""
     resume_step: int = 0
-    """The step of ``resume_from`` (0 without one)."""
+    """The step of ``resume_from`` as the parent found it (0 without one)."""
     restarts: int = 0
     """How many times the job was restarted before this start (``--max-restarts``)."""
     transport: str = "auto"

@@ -209,11 +209,9 @@ def _step_of(path) -> int:
 
 
 def _newest_reported(run_storage: str):
-    """The newest complete checkpoint the ranks reported, read from Ray Train's storage when this
-    node sees it. Ray registers a reported checkpoint when its controller next polls the workers:
-    a worker killed right after reporting can leave it uploaded but unregistered, and
-    ``get_checkpoint()`` then offers an older one (or none). The name is unique to this launch, so
-    every checkpoint there belongs to it; a partial upload fails validation and is skipped."""
+    """The newest complete checkpoint the ranks reported, read from this launch's Ray Train storage
+    when this node sees it: it may be newer than ``get_checkpoint()``'s (docs/ray.md, "Checkpoints
+    and failure recovery")."""
     from .checkpoint.save import latest_valid
     return latest_valid(run_storage, warn=lambda *_: None) if Path(run_storage).is_dir() else None
 

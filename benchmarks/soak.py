@@ -35,6 +35,7 @@ import shardlab.train.checks  # noqa: F401,E402  (registers every config check v
 from shardlab import launch_replicas  # noqa: E402
 from shardlab.train import finetune  # noqa: E402
 from shardlab.train.heal import train_replica  # noqa: E402
+from shardlab.train.plan import make_plan  # noqa: E402
 
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=16", "--train.seq_len=16", "--train.warmup_steps=10", "--train.lr=1e-3",
@@ -124,7 +125,7 @@ def soak(args, say=print) -> dict:
     data_dir = finetune.prepare_tokens(cfg, None)
     inj = Injector(args.seed, args.replicas, args.timeout, args.failures, args.minutes * 60, args.gap)
     t0 = time.monotonic()
-    results, report = launch_replicas.run(train_replica, args.replicas, args.ranks, cfg, str(data_dir),
+    results, report = launch_replicas.run(train_replica, args.replicas, args.ranks, str(data_dir), plan=make_plan(cfg),
                                           timeout_s=60, ft_timeout_s=args.timeout, threads=1, injector=inj,
                                           say=lambda *_: None, spares=args.spares, start_timeout_s=args.start_timeout)
     wall = time.monotonic() - t0

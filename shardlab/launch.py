@@ -1,12 +1,9 @@
-"""Starting ranks: local spawn (CPU gloo, N ranks sharing one GPU, NCCL one rank per GPU) and
-the torchrun contract. With cli.py, the only module that reads environment variables.
-
-``run(fn, nproc, *args)`` starts ``nproc`` processes, initialises torch.distributed in each,
-calls ``fn(ctx, *args)`` with a :class:`RankContext` and returns the list of results in rank
-order. If any rank raises or dies, the others are terminated at once and :class:`WorkerError`
-carries the failing rank's traceback: never a hang. Under torchrun (``RANK`` and
-``WORLD_SIZE`` set) the same entry point runs in place, one process per rank.
-"""
+"""Starting ranks: local spawn (CPU gloo, N ranks sharing one GPU, NCCL one rank per GPU) and the
+torchrun contract; with cli.py, the only module that reads environment variables. ``run(fn, nproc,
+*args, plan=...)`` calls ``fn(ctx, *args)`` on every rank with a :class:`RankContext` (``ctx.plan``:
+the run plan, train/plan.py) and returns the results in rank order; a rank that raises or dies
+stops the others at once (:class:`WorkerError`, never a hang). Under torchrun it runs in place.
+Docs: docs/training.md, "Launcher"."""
 from __future__ import annotations
 
 import ctypes
@@ -27,8 +24,7 @@ import torch.multiprocessing as mp
 
 from .distributed.heap import set_mmap_threshold
 from .launch_report import report_to
-
-"""How a rank's root error starts when it found bad input (reported in one line, exit 2)."""
+from .train.plan import RunPlan
 
 
 class WorkerError(RuntimeError):
@@ -48,8 +44,8 @@ class RankContext:
     local_rank: int
     device: torch.device
     backend: str
-    resume_from: str | None = None
-    """A checkpoint the launcher hands over (Ray Train's restart from its latest checkpoint), else None."""
+    plan: RunPlan | None = None
+    """The run plan the parent resolved for this start (``shardlab train``), else None."""
     on_checkpoint: object = None
     """Called by every rank as ``on_checkpoint(path, step)`` after each checkpoint save (Ray Train's
     checkpoint reporting, shardlab/launch_ray.py), else None."""
@@ -80,7 +76,7 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads) -> RankContext:
+def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads, plan=None) -> RankContext:
     # glibc's mmap threshold (bytes; 0 keeps glibc's): 1048576 lowers peaks 4-9%, costs 15% of a step
     set_mmap_threshold(int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 16 << 20)))  # 0: glibc's own (docs/data-parallel.md)
     backend, kind = choose_backend(device, local_world)
@@ -95,7 +91,7 @@ def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, 
     if backend == "nccl":
         kwargs["device_id"] = dev
     dist.init_process_group(**kwargs)
-    return RankContext(rank, world, local_rank, dev, backend)
+    return RankContext(rank, world, local_rank, dev, backend, plan)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -113,10 +109,8 @@ def _set_pdeathsig() -> bool:
 
 
 def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
-    """In a rank process, first thing: never outlive the launcher ``parent_pid`` (killed by an OOM
-    killer or a scheduler with SIGKILL, it cannot stop its ranks itself). Linux: PR_SET_PDEATHSIG,
-    then a check that the parent did not die before it was set; elsewhere a daemon thread polls
-    ``os.getppid()`` (a reparented process has another parent). Returns the mechanism used."""
+    """In a rank process, first thing: never outlive the launcher ``parent_pid`` (docs/faults.md,
+    "A killed launcher leaves no ranks behind"). Returns the mechanism used (pdeathsig, watchdog)."""
     if _set_pdeathsig():
         if os.getppid() != parent_pid:
             os._exit(1)
@@ -132,50 +126,36 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
     return "watchdog"
 
 
-def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None):
+def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None, plan=None):
     if parent_pid is not None:
         die_with_parent(parent_pid)
 
     def body():
-        _arm_test_hooks(rank)
-        return fn(_init(rank, world, rank, world, init_method, device, timeout_s, threads), *args)
+        _arm_test_hooks(rank, plan.test_hooks if plan else {})
+        return fn(_init(rank, world, rank, world, init_method, device, timeout_s, threads, plan), *args)
     report_to(results, (rank,), body)
 
 
-# -- TEST-ONLY fault injection (tests/distributed/test_restart.py) --------------------------------
-# Never set these in real runs. SHARDLAB_TEST_KILL_AT_STEP="RANK:STEP:ONCE_FILE": rank RANK SIGKILLs
-# itself after step STEP (before that step's checkpoint) if ONCE_FILE does not exist yet, creating it
-# first (so it happens once). SHARDLAB_TEST_REFUSE_RANK="RANK:FLAG_FILE": while FLAG_FILE exists, rank
-# RANK fails at start (a rank that "cannot come back"). Read only here, in the spawned rank.
+# -- TEST-ONLY fault injection (docs/faults.md, "Automatic restart"; never set in real runs) --------
 _TEST_KILL: tuple[int, str] | None = None
 
 
 def test_env() -> dict:
-    """TEST-ONLY: this process's ``SHARDLAB_TEST_*`` variables, for a launcher whose workers do not
-    inherit the environment (launch_ray.py forwards them and passes them to ``_arm_test_hooks``)."""
+    """TEST-ONLY: this process's ``SHARDLAB_TEST_*`` variables (the run plan's ``test_hooks``)."""
     return {k: v for k, v in os.environ.items() if k.startswith("SHARDLAB_TEST_")}
 
 
-def _arm_test_hooks(rank: int, forwarded: dict | None = None) -> None:
-    """``forwarded``: ``test_env()`` of the launching process, set here before the hooks read it."""
+def _arm_test_hooks(rank: int, hooks: dict) -> None:
+    """In a rank, from the plan's ``test_hooks``: SHARDLAB_TEST_KILL_AT_STEP, SHARDLAB_TEST_REFUSE_RANK."""
     global _TEST_KILL
-    if forwarded:
-        os.environ.update(forwarded)
-    spec = os.environ.get("SHARDLAB_TEST_KILL_AT_STEP")
-    if spec:
+    if spec := hooks.get("SHARDLAB_TEST_KILL_AT_STEP"):
         r, step, once = spec.split(":", 2)
         if int(r) == rank:
             _TEST_KILL = (int(step), once)
-    spec = os.environ.get("SHARDLAB_TEST_REFUSE_RANK")
-    if spec:
+    if spec := hooks.get("SHARDLAB_TEST_REFUSE_RANK"):
         r, flag = spec.split(":", 1)
         if int(r) == rank and os.path.exists(flag):
             raise RuntimeError(f"rank {rank} cannot come back (test hook SHARDLAB_TEST_REFUSE_RANK)")
-
-
-def test_hook(name: str) -> str:
-    """TEST-ONLY: the value of the ``SHARDLAB_TEST_*`` variable ``name`` ('' when unset)."""
-    return os.environ.get(name, "") if name.startswith("SHARDLAB_TEST_") else ""
 
 
 def injected_fault_point(step: int) -> None:
@@ -199,10 +179,15 @@ def torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if under_torchrun() else None
 
 
-def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0):
+def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0,
+        plan: RunPlan | None = None):
     """Run ``fn(ctx, *args)`` on ``nproc`` ranks; return results in rank order (see module doc)."""
     if under_torchrun():
-        return [_run_torchrun(fn, args, device, timeout_s, threads)]
+        ctx = _torchrun_init(device, timeout_s, threads, plan)
+        try:
+            return [fn(ctx, *args)]
+        finally:
+            dist.destroy_process_group()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     ctx = mp.get_context("spawn")
@@ -215,7 +200,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here at the end
     procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, nproc, init_method, device, timeout_s, threads, flight.wrap(fn, dump_dir),
-                               args, results, os.getpid()))
+                               args, results, os.getpid(), plan))
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -295,15 +280,10 @@ def _collect(procs, results, nproc, grace_s: float = 1.0):
     raise WorkerError(rank, msg + note)
 
 
-def _run_torchrun(fn, args, device, timeout_s, threads):
+def _torchrun_init(device, timeout_s, threads, plan=None) -> RankContext:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    ctx = _init(rank, world, local_rank, local_world, None, device, timeout_s, threads)
-    try:
-        return fn(ctx, *args)
-    finally:
-        dist.destroy_process_group()
+    return _init(rank, world, int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                 None, device, timeout_s, threads, plan)
 
 
 # -- shardlab.initialize: join the job this process was started in ------------------------------
@@ -322,10 +302,7 @@ def init_from_env(device: str = "auto", timeout_s: float = 60.0, threads: int = 
         dev = _rank_device("cuda", local_rank) if on_gpu else torch.device("cpu")
         return RankContext(rank, world, local_rank, dev, backend)
     if under_torchrun():
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return _init(rank, world, local_rank, local_world, None, device, timeout_s, threads)
+        return _torchrun_init(device, timeout_s, threads)
     fd, store = tempfile.mkstemp(prefix="shardlab-store-")
     os.close(fd)
     os.unlink(store)

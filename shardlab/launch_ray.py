@@ -1,28 +1,10 @@
-"""The Ray launcher (``--launcher ray``): N ranks as Ray Train workers, gang-scheduled.
-
-``run(fn, nproc, *args, opts=RayOptions(...))`` starts a local Ray (``ray.init(num_cpus=...)``) or
-joins ``opts.address``, and runs ``fn(ctx, *args)`` on ``nproc`` workers of a ``TorchTrainer``:
-one placement group (strategy PACK or SPREAD) holding every worker's CPU or GPU, the process
-group set up by Ray Train (gloo on CPU, NCCL one GPU per rank). The function is the very one the
-local launcher runs (launch.run), so the same seeds and the same data order give the same losses.
-
-Checkpoints: after each save, every rank hands Ray Train *its own* shard files of the sharded
-checkpoint (rank 0 adds the index), ``ray.train.report(checkpoint=..., checkpoint_dir_name=
-"step_NNNNNNNN")``; Ray merges them into one directory under ``<run_dir>/ray/<name>/``, a valid
-shardlab checkpoint. No rank ever copies the whole model. With ``FailureConfig(max_failures=K)``
-a dead worker makes Ray stop the group, start it again and give every rank the latest reported
-checkpoint (``RankContext.resume_from``), which the training loop loads before its first step.
-
-Hangs and desyncs: every rank dumps its flight recorder into a directory of the driver's host
-(as under the local launcher); on a failure the driver prints the report naming each rank's last
-operation and the ranks missing from, or disagreeing about, a collective (docs/faults.md). Ranks
-on other nodes of a cluster write into their own node's copy of that path (and into
-``<run_dir>/flight`` under ``shardlab train``), which the driver does not see.
-
-Ray is an optional extra (``pip install 'shardlab[ray]'``), imported only here and only when
-``--launcher ray`` is used. With cli.py and launch.py, a module that reads environment variables
-(the TEST-ONLY ``SHARDLAB_TEST_*`` hooks are forwarded to the workers). Docs: docs/ray.md.
-"""
+"""The Ray launcher (``--launcher ray``): ``run(fn, nproc, *args, opts=RayOptions(...))`` runs
+``fn(ctx, *args)`` on ``nproc`` Ray Train workers of a ``TorchTrainer``, gang-scheduled in one
+placement group; the same function as under launch.run, so the same losses. Every rank reports
+its own shard files of each checkpoint to Ray Train; after a worker failure (``FailureConfig``)
+the restarted ranks resume the newest reported one (in ``ctx.plan.resume_from``). Ray is an
+optional extra, imported only here; the ``SHARDLAB_TEST_*`` hooks reach the workers in the run
+plan. Docs: docs/ray.md (flight recorder dumps: docs/faults.md)."""
 from __future__ import annotations
 
 import os
@@ -31,7 +13,8 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConfigError
@@ -109,7 +92,7 @@ def ensure_ray(opts: RayOptions, nproc: int) -> bool:
 
 
 def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0,
-        opts: RayOptions | None = None, report_checkpoints: bool = False):
+        opts: RayOptions | None = None, report_checkpoints: bool = False, plan=None):
     """Run ``fn(ctx, *args)`` on ``nproc`` Ray Train workers; rank 0's return value in a one-item list
     (the other ranks' values stay on their workers). A worker's failure that Ray does not recover
     from raises launch.WorkerError naming its rank."""
@@ -118,7 +101,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     started = ensure_ray(opts, nproc)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from .launch import choose_backend, default_threads, test_env
+    from .launch import choose_backend, default_threads
     use_gpu = choose_backend(device, 1)[1] == "cuda" if device != "auto" else _cluster_has_gpus()
     backend = "nccl" if use_gpu else "gloo"
     storage = opts.storage_path or tempfile.mkdtemp(prefix="shardlab-ray-")
@@ -128,7 +111,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here (as under launch.run)
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()  # rank 0's return value comes back through it
     loop_config = {"mailbox": mailbox, "fn": flight.wrap(fn, dump_dir), "args": args, "threads": threads or default_threads(nproc), "use_gpu": use_gpu,
-                   "test_env": test_env(), "report": report_checkpoints,
+                   "plan": plan, "report": report_checkpoints,
                    "run_storage": str(Path(storage).resolve() / name)}
     trainer = TorchTrainer(
         _worker, train_loop_config=loop_config,
@@ -185,7 +168,8 @@ def _worker(config: dict) -> None:
     from . import launch
     tc = ray.train.get_context()
     rank, world, local_rank = tc.get_world_rank(), tc.get_world_size(), tc.get_local_rank()
-    launch._arm_test_hooks(rank, config["test_env"])
+    plan = config["plan"]
+    launch._arm_test_hooks(rank, plan.test_hooks if plan else {})
     torch.set_num_threads(config["threads"])
     if config["use_gpu"]:
         import ray.train.torch
@@ -197,12 +181,11 @@ def _worker(config: dict) -> None:
     on_disk = _newest_reported(config["run_storage"])
     if on_disk is not None and (restored is None or _step_of(on_disk) > _step_of(restored.path)):
         restored = ray.train.Checkpoint.from_directory(str(on_disk))
-    if restored is not None:
-        with restored.as_directory() as path:  # local storage: the directory itself, else a download
-            ctx = launch.RankContext(rank, world, local_rank, device, dist.get_backend(), str(path), on_ckpt)
-            result = config["fn"](ctx, *config["args"])
-    else:
-        ctx = launch.RankContext(rank, world, local_rank, device, dist.get_backend(), None, on_ckpt)
+    # local storage: the directory itself, else a download; it replaces the plan's resume checkpoint
+    with restored.as_directory() if restored is not None else nullcontext() as path:
+        if path is not None and plan is not None:
+            plan = replace(plan, resume_from=Path(path))
+        ctx = launch.RankContext(rank, world, local_rank, device, dist.get_backend(), plan, on_ckpt)
         result = config["fn"](ctx, *config["args"])
     if rank == 0:
         ray.get(config["mailbox"].put.remote(pickle.dumps(result)))
@@ -226,11 +209,9 @@ def _step_of(path) -> int:
 
 
 def _newest_reported(run_storage: str):
-    """The newest complete checkpoint the ranks reported, read from Ray Train's storage when this
-    node sees it. Ray registers a reported checkpoint when its controller next polls the workers:
-    a worker killed right after reporting can leave it uploaded but unregistered, and
-    ``get_checkpoint()`` then offers an older one (or none). The name is unique to this launch, so
-    every checkpoint there belongs to it; a partial upload fails validation and is skipped."""
+    """The newest complete checkpoint the ranks reported, read from this launch's Ray Train storage
+    when this node sees it: it may be newer than ``get_checkpoint()``'s (docs/ray.md, "Checkpoints
+    and failure recovery")."""
     from .checkpoint.save import latest_valid
     return latest_valid(run_storage, warn=lambda *_: None) if Path(run_storage).is_dir() else None
 
@@ -296,7 +277,6 @@ def run_script(ctx, argv: list[str], cwd: str | None = None) -> int:
     directory ``shardlab launch`` ran in, where this node has it: Ray workers start elsewhere, and
     the script and its relative paths mean what they mean locally). The child dies with the
     worker (Linux). A non-zero exit raises, so Ray counts a worker failure."""
-    import os
     import subprocess
     import sys
     import torch.distributed as dist

@@ -1,40 +1,13 @@
 """Launching replica groups with live recovery (``train.fault_tolerance = "replica"``).
 
-``run(fn, n_replicas, n_local, *args)`` hosts the TCPStore that replicas coordinate through and
-the :class:`~shardlab.distributed.quorum.Lighthouse`, starts ``n_replicas`` groups of
-``n_local`` processes (each group its own torch.distributed world of ``n_local``). Each rank
-calls ``prepared = fn(ctx, *args)`` as soon as its group is up, before it knows which replica
-it will be (a *hot spare*: torch imported, world joined, engine and data built), then
-``prepared.run(ft)`` once assigned. The launcher supervises every few milliseconds:
-
-* a rank that exits (killed, crashed, raised) or whose heartbeat is older than ``ft_timeout_s``
-  (stopped, hung) fails its whole replica group: the group's other ranks are SIGKILLed, the
-  lighthouse drops it from open quorums (the survivors' step is aborted and retried without it),
-  and a replacement group (generation + 1) is assigned from the hot spare groups (a new spare
-  group is started to keep ``spares`` ready) so that it asks to join within a second; it is
-  healed from a live peer;
-* a rank that reports an error fails its replica at once (its peers are SIGKILLed without
-  waiting for the rank to exit); a replica still starting after ``start_timeout_s`` (it never
-  asked to join: a stuck rendezvous, a rank hung at start) or active but silent in the protocol
-  for ``lh.silent_s`` (no request, no vote) is failed and replaced the same way;
-* a rank whose error is bad input or a divergence (``quorum.Diverged``) ends the job
-  (:class:`launch.WorkerError`), as does a replica slot replaced more than ``max_replacements`` times.
-
-Every wait has a deadline: the launcher's (above), the ranks' waits for the lighthouse
-(``quorum.ANSWER_WAIT`` / ``quorum.DECISION_WAIT``; the lighthouse answers "ask again" rather
-than hold a request longer than ``JOIN_WAIT * ft_timeout_s``), cross-replica gloo groups
-(``JOIN_WAIT * ft_timeout_s``), each replica's own collectives (``timeout_s``). Ranks report
-through files (written then renamed; read by the launcher), never a queue shared by all ranks:
-a rank SIGKILLed while writing to a shared ``multiprocessing.Queue`` keeps its lock forever,
-and every later writer then hangs at exit (the 2 x 2 soak's stall).
-
-``injector(seconds since start, view)`` (benchmarks/soak.py) may return faults to apply:
-[(replica, local rank, how)] with how ``sigkill``, ``sigstop:<seconds>`` (SIGCONT after) or
-``raise`` (SIGUSR1: the rank raises in its training loop), or ``"stop"``: training ends two steps
-after the most advanced quorum (the lighthouse's ``stop_at``) and no more faults are injected. Returns (results, report): results[r] = the ranks' return values of
-replica r's last generation; report = failures (with detect / rejoin / first-step times) and
-the lighthouse's log.
-"""
+``run(fn, n_replicas, n_local, *args)`` hosts the TCPStore and the
+:class:`~shardlab.distributed.quorum.Lighthouse`, starts ``n_replicas`` groups of ``n_local``
+processes (each its own torch.distributed world) and hot spare groups; each rank calls
+``prepared = fn(ctx, *args)`` before it knows its replica, then ``prepared.run(ft)`` once
+assigned. The launcher supervises every few milliseconds and replaces a failed replica group
+(exited, errored, stale heartbeat, stuck at start, silent) from the spares; bad input or a
+divergence ends the job (:class:`launch.WorkerError`). Every wait has a deadline; ranks report
+through files, never a queue shared by all ranks. Docs: docs/faults.md, "Live recovery"."""
 from __future__ import annotations
 
 import os
@@ -45,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -73,13 +47,11 @@ def _ready_path(run_dir: str, pid: int) -> str:
     return os.path.join(run_dir, f"ready-{pid}")
 
 
-def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads):
-    """A hot spare: one rank of a spare group. First (local rank, group size, rendezvous) arrives:
-    it joins its group's world and calls ``fn(ctx, *args)`` (which builds everything a replica
-    needs that does not depend on which replica it will be: the engine, the data); then it waits
-    for its assignment ``(replica, gen, ft)``, runs ``prepared.run(ft)`` and reports ("ok",
-    pickled value) or ("error", traceback) in its result file, then exits at once (``os._exit``:
-    no exit handler can hang on a peer that is gone)."""
+def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads, plan):
+    """A hot spare (one rank of a spare group): joins its group's world, ``prepared = fn(ctx, *args)``
+    (the engine, the data), waits for its assignment ``(replica, gen, ft)``, reports
+    ``prepared.run(ft)`` ("ok" or "error") in its result file and ``os._exit``s (no exit handler
+    can hang on a peer that is gone)."""
     launch.die_with_parent(parent_pid)
     signal.signal(signal.SIGUSR1, _raise_on_usr1)
     group = inbox.get()
@@ -88,7 +60,7 @@ def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads):
     i, n_local, init_method = group
     prepared, error = None, None
     try:
-        prepared = fn(launch._init(i, n_local, i, n_local, init_method, device, timeout_s, threads), *args)
+        prepared = fn(launch._init(i, n_local, i, n_local, init_method, device, timeout_s, threads, plan), *args)
     except BaseException as e:  # reported once assigned: the launcher then replaces the replica
         error = f"{type(e).__name__}: {e} (while the spare prepared)\n{traceback.format_exc()}"
     open(_ready_path(run_dir, os.getpid()), "w").close()  # the start deadline counts from here
@@ -116,8 +88,8 @@ def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads):
 class _Pool:
     """Hot spare groups of ``n_local`` processes, started (and prepared) ahead of need."""
 
-    def __init__(self, mpctx, run_dir, n_local, fn, args, device, timeout_s, threads):
-        self.mpctx, self.run_dir, self.K, self.spec = mpctx, run_dir, n_local, (fn, args, device, timeout_s, threads)
+    def __init__(self, mpctx, run_dir, n_local, fn, args, device, timeout_s, threads, plan):
+        self.mpctx, self.run_dir, self.K, self.spec = mpctx, run_dir, n_local, (fn, args, device, timeout_s, threads, plan)
         self.free: list[list[tuple]] = []
         self.all: list = []
         self.n = 0
@@ -162,12 +134,18 @@ class _Pool:
 def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s: float = 60.0,
         ft_timeout_s: float = 5.0, threads: int = 0, injector=None, faults: dict | None = None,
         max_replacements: int = 10_000, say=None, poll_s: float = 0.005, spares: int = 1,
-        start_timeout_s: float | None = None):
-    """(results, report); see the module doc. ``start_timeout_s`` (default ``timeout_s``): a
-    replica (re)started that has not asked to join that long after its spare group was ready
-    (or ``timeout_s + start_timeout_s`` after its assignment, ready or not) is failed and
-    started again."""
+        start_timeout_s: float | None = None, plan=None):
+    """(results, report): results[r] = the return values of replica r's last generation's ranks;
+    report = failures (with detect / rejoin / first-step times) and the lighthouse's log.
+    ``start_timeout_s`` (default ``timeout_s``): a replica (re)started that has not asked to join
+    that long after its spare group was ready (or ``timeout_s + start_timeout_s`` after its
+    assignment) is failed and started again. ``plan``: the run plan (its Mesh transport becomes
+    process_group: no shared-memory arenas left by a killed rank). ``injector(seconds since
+    start, view)`` (benchmarks/soak.py) may return [(replica, local rank, how)] with how
+    ``sigkill``, ``sigstop:<seconds>`` or ``raise`` (SIGUSR1), or ``"stop"``: training ends two
+    steps after the most advanced quorum."""
     from .train.heal import FTContext
+    plan = replace(plan, transport="process_group") if plan else None
     say = say or (lambda msg: print(msg, flush=True))
     start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
     mpctx = mp.get_context("spawn")
@@ -175,7 +153,7 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ft_store = dist.PrefixStore("ft/", store)
     lh = Lighthouse(ft_store, n_replicas, n_local, ft_timeout_s)
-    pool = _Pool(mpctx, run_dir, n_local, fn, args, device, timeout_s, threads)
+    pool = _Pool(mpctx, run_dir, n_local, fn, args, device, timeout_s, threads, plan)
     pool.start(n_replicas + spares)  # every replica, and spare replica groups
     gen, procs, started, assigned = [0] * n_replicas, {}, [0.0] * n_replicas, [0.0] * n_replicas
     done: dict[int, dict[int, object]] = {r: {} for r in range(n_replicas)}
@@ -311,15 +289,16 @@ def _recovery_times(failures: list[dict], log: list[dict]) -> None:
         f["first_step"] = step["t"] - f["t"] if step else None
 
 
-def train(cfg, nproc: int, data_dir: str, say=None) -> int:
+def train(plan, nproc: int, data_dir: str, say=None) -> int:
     """``shardlab train`` with ``train.fault_tolerance = "replica"``: dp_replicate groups of
     nproc / dp_replicate ranks; prints one line per failure and a summary; exit status."""
     from .train.heal import check, train_replica
     say = say or (lambda msg: print(msg, flush=True))
+    cfg = plan.config
     check(cfg)
     t, n_rep = cfg.train, cfg.parallel.dp_replicate
-    results, report = run(train_replica, n_rep, nproc // n_rep, cfg, data_dir, device=t.device,
-                          timeout_s=t.timeout_s, ft_timeout_s=t.ft_timeout_s, threads=t.threads, say=say)
+    results, report = run(train_replica, n_rep, nproc // n_rep, data_dir, device=t.device, timeout_s=t.timeout_s,
+                          ft_timeout_s=t.ft_timeout_s, threads=t.threads, say=say, plan=plan)
     for f in report["failures"]:
         if "detect" in f:
             say(f"shardlab: replica {f['replica']} (gen {f['gen']}) failed: {f.get('why')}; detected in "

@@ -1,32 +1,22 @@
 """Automatic restart of a training job (``shardlab train --max-restarts K [--elastic MIN:MAX]``).
 
-``run_with_restarts(cfg, nproc, start, max_restarts, elastic)`` calls ``start(cfg, n)`` (which
-launches ``n`` ranks through ``launch.run``). When a rank fails, ``launch.run`` has already stopped
-every rank and raises :class:`launch.WorkerError`; the job is then started again from the newest
-valid checkpoint (``checkpoint.resume = True``), at most ``max_restarts`` times.
-
-Elastic (``elastic = (MIN, MAX)``, plain data parallel only): when a restart fails again before
-saving a newer checkpoint (it failed at start: a rank that cannot come back), the next restart
-runs on fewer ranks, the largest ``n`` in ``[MIN, current)`` whose layout validates
-(``dp_replicate = n``; ``train.global_batch`` must stay divisible, sizes that do not fit are
-refused with one line and the next smaller one is tried). The sharded checkpoint loads under any
-world size, so resharding is just the resume.
-
-Every restart prints one line and writes a metrics record ``{"kind": "restart", "step", "restart",
-"lost_steps", "failed_rank", "world_size", "resumed_from"}`` (metrics.jsonl and TensorBoard).
-``lost_steps`` = the last step the failed attempt logged (metrics.jsonl, every ``log_every``)
-minus the checkpoint's step: the steps that are trained again.
-"""
+``run_with_restarts(plan, nproc, start, max_restarts, elastic)`` calls ``start(plan, n)``; after a
+rank failure (:class:`launch.WorkerError`) it makes the next start's run plan (the newest valid
+checkpoint, looked up once; restart count + 1; with ``elastic``, fewer ranks when a restart failed
+again before saving), prints one line and writes a ``restart`` metrics record. Docs:
+docs/faults.md, "Automatic restart"."""
 from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from . import launch
 from .config import Config, ConfigError
-from .checkpoint.save import Reader, latest_valid, remove_interrupted
+from .checkpoint.save import remove_interrupted
 from .train.metrics import MetricsWriter, read_metrics
+from .train.plan import RunPlan, make_plan
 
 
 def parse_elastic(text: str) -> tuple[int, int]:
@@ -40,11 +30,6 @@ def parse_elastic(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def plain_data_parallel(cfg: Config) -> bool:
-    p = cfg.parallel
-    return p.dp_shard == p.tp == p.pp == p.cp == p.ep == 1
-
-
 def check_elastic(cfg: Config, nproc: int, elastic: tuple[int, int] | None) -> None:
     """Refuse (ConfigError) an elastic range that cannot apply to this job."""
     if elastic is None:
@@ -52,7 +37,8 @@ def check_elastic(cfg: Config, nproc: int, elastic: tuple[int, int] | None) -> N
     lo, hi = elastic
     if not lo <= nproc <= hi:
         raise ConfigError("--elastic", f"the job starts on {nproc} ranks, outside MIN:MAX = {lo}:{hi}")
-    if not plain_data_parallel(cfg):
+    p = cfg.parallel
+    if not p.dp_shard == p.tp == p.pp == p.cp == p.ep == 1:
         raise ConfigError("--elastic", "only plain data parallel (dp_replicate = world size; dp_shard, tp, pp, cp "
                                        "and ep all 1) can change its world size")
 
@@ -64,18 +50,6 @@ def resized(cfg: Config, n: int) -> Config:
     out.parallel.dp_replicate = n
     out.validate(world_size=n)
     return out
-
-
-def _checkpoint(cfg: Config) -> tuple[Path | None, int]:
-    from .train.loop import checkpoint_dir
-    path = latest_valid(checkpoint_dir(cfg), warn=lambda *_: None) if cfg.checkpoint.save else None
-    if path is None:
-        return None, 0
-    reader = Reader(path)
-    try:
-        return path, int(reader.step)
-    finally:
-        reader.close()
 
 
 def _last_logged_step(run_dir: Path) -> int | None:
@@ -102,45 +76,37 @@ def _smaller(cfg: Config, n: int, lo: int, say) -> tuple[Config, int] | None:
     return None
 
 
-def run_with_restarts(cfg: Config, nproc: int, start, max_restarts: int,
+def run_with_restarts(plan: RunPlan, nproc: int, start, max_restarts: int,
                       elastic: tuple[int, int] | None = None, say=None):
-    """``start(cfg, n)``'s result, restarting after a rank failure (module doc)."""
+    """``start(plan, n)``'s result, restarting after a rank failure (module doc)."""
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    check_elastic(cfg, nproc, elastic)
-    run_dir = Path(cfg.logging.run_dir)
-    n, restarts = nproc, 0
-    _, before = _checkpoint(cfg)
+    check_elastic(plan.config, nproc, elastic)
+    n = nproc
     while True:
         try:
-            return start(cfg, n)
+            return start(plan, n)
         except launch.WorkerError as err:
-            if restarts >= max_restarts:
+            if plan.restarts >= max_restarts:
                 raise
-            path, step = _checkpoint(cfg)
-            reached = _last_logged_step(run_dir)
+            cfg = copy.deepcopy(plan.config)
+            cfg.checkpoint.resume = True
+            remove_interrupted(plan.checkpoint_dir)  # a rank killed while saving leaves a staging dir
+            nxt = make_plan(cfg, plan.restarts + 1, plan.test_hooks)  # the one lookup of this restart
+            path, step = nxt.resume_from, nxt.resume_step
+            reached = _last_logged_step(plan.run_dir)
             lost = max(0, reached - step) if reached is not None else 0
-            failed_at_start = restarts > 0 and step <= before
-            restarts += 1
-            if elastic and failed_at_start:
-                nxt = _smaller(cfg, n, elastic[0], say)
-                if nxt is None:
+            if elastic and plan.restarts > 0 and step <= plan.resume_step:  # failed again before saving
+                smaller = _smaller(cfg, n, elastic[0], say)
+                if smaller is None:
                     say(f"shardlab: elastic: no world size in {elastic[0]}:{n - 1} fits; giving up")
                     raise
-                cfg, n = nxt
-            remove_interrupted(_ckpt_dir(cfg))  # a rank killed while saving leaves a staging dir
-            cfg = copy.deepcopy(cfg)
-            cfg.checkpoint.resume = True
+                nxt, n = replace(nxt, config=smaller[0]), smaller[1]
             reason = str(err).splitlines()[1] if len(str(err).splitlines()) > 1 else str(err)
-            say(f"shardlab: restart {restarts}/{max_restarts}: rank {err.rank} failed ({reason.strip()[:160]}); "
+            say(f"shardlab: restart {nxt.restarts}/{max_restarts}: rank {err.rank} failed ({reason.strip()[:160]}); "
                 f"resuming from {path if path else 'the start (no checkpoint yet)'} at step {step} on {n} "
                 f"rank(s), {lost} step(s) to redo")
-            writer = MetricsWriter(run_dir, cfg.logging.tensorboard)
-            writer.write({"kind": "restart", "step": step, "restart": restarts, "lost_steps": lost,
+            writer = MetricsWriter(plan.run_dir, cfg.logging.tensorboard)
+            writer.write({"kind": "restart", "step": step, "restart": nxt.restarts, "lost_steps": lost,
                           "failed_rank": err.rank, "world_size": n, "resumed_from": str(path) if path else None})
             writer.close()
-            before = step
-
-
-def _ckpt_dir(cfg: Config) -> Path:
-    from .train.loop import checkpoint_dir
-    return checkpoint_dir(cfg)
+            plan = nxt

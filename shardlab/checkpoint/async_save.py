@@ -1,25 +1,10 @@
-"""Asynchronous checkpoint saves (``checkpoint.async_save = true``; docs/checkpoints.md).
-
-The training step waits only for:
-
-1. the previous save of this process (at most one save in flight), and an agreement over the
-   world that it succeeded on every rank (one small all_reduce, on the training thread);
-2. rank 0 preparing the staging directory, then a barrier (as in the blocking save);
-3. a snapshot of this rank's pieces in host memory: CUDA tensors are copied into pinned host
-   buffers (non-blocking, on the current stream; the writer waits for an event), CPU tensors are
-   copied (training mutates parameters in place). The buffers are kept and reused by the next save.
-
-Then a background thread writes ``rank_NNNNN.safetensors`` and ``rank_NNNNN.json`` (the JSON is
-the rank's *done marker*: written last, after the data is fsynced). Rank 0's thread then waits
-for every rank's marker and commits (index.json, atomic rename, pruning) exactly as the blocking
-save does. Ranks coordinate only through files: no collective ever runs on a background thread.
-A writer that fails leaves ``rank_NNNNN.failed`` (its error) so that rank 0 stops waiting and does
-not commit; the previous checkpoints are untouched (the staging directory is separate, the
-rename is the only publication, pruning only follows a successful commit). The error is raised,
-on every rank, at the next save or at :func:`finish` (end of training).
-"""
+"""Asynchronous checkpoint saves (``checkpoint.async_save = true``): the training step waits only
+for the previous save, a barrier and a host snapshot of this rank's pieces; a background thread
+writes them and rank 0's commits. How, and what a failure leaves: docs/checkpoints.md,
+"Asynchronous saves"."""
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -33,8 +18,9 @@ from .format import CheckpointError
 __all__ = ["AsyncSaver", "save", "saver", "finish", "HOOK_ENV"]
 
 HOOK_ENV = "SHARDLAB_TEST_ASYNC_SAVE_HOOK"
-"""Tests only: ``KIND:RANK:STEP`` makes rank RANK's writer of step STEP, in the middle of its data
-file, ``raise`` an OSError, ``exit`` (``os._exit(9)``: a killed rank) or ``sleep`` 2 s."""
+"""Tests only (the key in ``RunPlan.test_hooks``; ``hook=`` of :meth:`AsyncSaver.save`):
+``KIND:RANK:STEP`` makes rank RANK's writer of step STEP, in the middle of its data file,
+``raise`` an OSError, ``exit`` (``os._exit(9)``: a killed rank) or ``sleep`` 2 s."""
 MARKER_TIMEOUT_S = 3600.0
 """How long rank 0's writer waits for the other ranks' done markers."""
 
@@ -95,9 +81,9 @@ class AsyncSaver:
         out = [p if isinstance(p.tensor, ckpt.Deferred) else p._replace(tensor=next(it)) for p in pieces]
         return out, {k: v.detach().to("cpu", copy=True) for k, v in extra.items()}, event
 
-    def save(self, directory, step: int, mesh, pieces, meta, device, keep: int = 3) -> Path | None:
+    def save(self, directory, step: int, mesh, pieces, meta, device, keep: int = 3, hook: str = "") -> Path | None:
         """Collective like ``checkpoint.save``, but returns once the snapshot is taken. Returns,
-        on rank 0, the path the checkpoint will have once committed."""
+        on rank 0, the path the checkpoint will have once committed. ``hook``: :data:`HOOK_ENV`."""
         self.settle(mesh)
         world = mesh.comm("world")
         if mesh.rank == 0:
@@ -109,16 +95,16 @@ class AsyncSaver:
         self.step = step
         self.thread = threading.Thread(  # not a daemon: a process that exits still finishes its save
             target=self._write, name=f"shardlab-ckpt-{step}",
-            args=(Path(directory), staging, int(step), mesh.rank, mesh.world_size, snap, extra, event, meta_v, keep))
+            args=(Path(directory), staging, int(step), mesh.rank, mesh.world_size, snap, extra, event, meta_v, keep, hook))
         self.thread.start()
         return Path(directory) / ckpt._step_name(step) if mesh.rank == 0 else None
 
     # -- the background thread ----------------------------------------------------------------
-    def _write(self, directory, staging, step, rank, world, pieces, extra, event, meta, keep) -> None:
+    def _write(self, directory, staging, step, rank, world, pieces, extra, event, meta, keep, hook) -> None:
         try:
             if event is not None:
                 event.synchronize()
-            ckpt.write_rank(staging, rank, _hooked(pieces, rank, step), extra)
+            ckpt.write_rank(staging, rank, _hooked(pieces, rank, step, hook), extra)
             if rank == 0:
                 _wait_markers(staging, world, step)
                 ckpt.commit(directory, step, world, meta, keep=keep)
@@ -148,10 +134,8 @@ def _wait_markers(staging: Path, world: int, step: int) -> None:
             time.sleep(0.02)
 
 
-def _hooked(pieces: list, rank: int, step: int) -> list:
-    """Tests: the fault of :data:`HOOK_ENV`, injected as the load of the second piece."""
-    from ..launch import test_hook  # environment variables are read in cli/launch only
-    spec = test_hook(HOOK_ENV)
+def _hooked(pieces: list, rank: int, step: int, spec: str) -> list:
+    """Tests: the fault ``spec`` of :data:`HOOK_ENV`, injected as the load of the second piece."""
     if not spec:
         return pieces
     kind, r, s = spec.split(":")
@@ -179,19 +163,19 @@ def _hooked(pieces: list, rank: int, step: int) -> list:
 _SAVER: AsyncSaver | None = None
 
 
-def save(directory, step: int, mesh, pieces, meta, device, keep: int = 3) -> Path | None:
+def save(directory, step: int, mesh, pieces, meta, device, keep: int = 3, hook: str = "") -> Path | None:
     """The process's :class:`AsyncSaver` (created on first use) saves."""
     global _SAVER
     if _SAVER is None:
         _SAVER = AsyncSaver()
         ckpt.IN_FLIGHT.append(finish)  # a later synchronous save or the end of the run waits for it
-    return _SAVER.save(directory, step, mesh, pieces, meta, device, keep=keep)
+    return _SAVER.save(directory, step, mesh, pieces, meta, device, keep=keep, hook=hook)
 
 
-def saver(asynchronous: bool):
-    """The save function a run uses: this module's ``save`` (``checkpoint.async_save``) or
-    checkpoint/save.save; both take the same arguments."""
-    return save if asynchronous else ckpt.save
+def saver(asynchronous: bool, test_hooks: dict | None = None):
+    """The save function a run uses: this module's ``save`` (``checkpoint.async_save``; the run
+    plan's ``test_hooks`` arm :data:`HOOK_ENV`) or checkpoint/save.save; both take the same arguments."""
+    return functools.partial(save, hook=(test_hooks or {}).get(HOOK_ENV, "")) if asynchronous else ckpt.save
 
 
 def finish(mesh) -> None:

@@ -1,13 +1,15 @@
 """``shardlab train CONFIG --nproc N [--resume] [--profile N] [--dry-run] [--section.key=value ...]``.
 
-Validates the config before any process starts, prepares the data once in this process (the
-tokenised corpus, or checks the image files for a ``classify`` architecture), launches N ranks (or runs in place under torchrun), and prints where the logs, the
-plot and the checkpoints went.
+Validates the config before any process starts, makes the run plan (train/plan.py: the resume
+checkpoint looked up once), prepares the data once in this process (the tokenised corpus, or
+checks the image files for a ``classify`` architecture), launches N ranks (or runs in place under
+torchrun), and prints where the logs, the plot and the checkpoints went.
 """
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .. import config as C
@@ -16,6 +18,7 @@ from ..models.spec import get_spec
 from ..train import checks, finetune, images  # noqa: F401  (checks: registers every config check)
 from .. import launch_restart as restart
 from ..train.loop import train_rank
+from ..train.plan import RunPlan, checkpoint_dir, make_plan
 
 
 def configure(parser):
@@ -88,21 +91,19 @@ def absolute_paths(cfg: C.Config) -> None:
             setattr(getattr(cfg, section), key, str(Path(value).resolve()))
 
 
-def check_resume(cfg: C.Config):
-    """With ``--resume``: the newest valid checkpoint (None: a fresh start, the directory exists
-    but holds no checkpoint yet). Refuses (exit 2) instead of silently starting over: when the
-    checkpoint directory does not exist (a mistyped path), or checkpoints exist but none is usable."""
-    from ..checkpoint.save import CheckpointError, Reader, list_checkpoints, latest_valid
-    from ..train.loop import checkpoint_dir
-    if not cfg.checkpoint.resume:
-        return None
-    directory = checkpoint_dir(cfg)
+def check_resume(plan: RunPlan) -> None:
+    """With ``--resume``, refuses (exit 2) instead of silently starting over: when the checkpoint
+    directory does not exist (a mistyped path), or checkpoints exist but none is usable (the
+    plan's resume checkpoint is None; a directory without checkpoints yet is a fresh start)."""
+    from ..checkpoint.save import CheckpointError, Reader, list_checkpoints
+    directory = plan.checkpoint_dir
+    if not plan.config.checkpoint.resume:
+        return
     if not directory.is_dir():
         raise C.ConfigError("--resume", f"checkpoint directory {directory} does not exist (check "
                                         "checkpoint.dir / logging.run_dir); drop --resume for a fresh start")
     found = list_checkpoints(directory)
-    latest = latest_valid(directory, warn=lambda *_: None)
-    if found and latest is None:
+    if found and plan.resume_from is None:
         try:
             Reader(found[-1]).close()
             why = "damaged"
@@ -110,33 +111,26 @@ def check_resume(cfg: C.Config):
             why = str(e)
         raise C.ConfigError("--resume", f"no usable checkpoint in {directory} (newest: {why}); restore or "
                                         "remove the damaged checkpoints, or run without --resume")
-    return latest
 
 
-def clean_interrupted(cfg: C.Config) -> None:
+def clean_interrupted(directory: Path) -> None:
     """Before training (rank 0): remove what interrupted saves left in the checkpoint directory,
     with one line saying so (checkpoint/save.remove_interrupted)."""
     from ..checkpoint.save import remove_interrupted
-    from ..train.loop import checkpoint_dir
-    removed = remove_interrupted(checkpoint_dir(cfg))
+    removed = remove_interrupted(directory)
     if removed:
         print(f"shardlab: removed {len(removed)} unfinished checkpoint save(s) of an interrupted run: "
               + ", ".join(str(p) for p in removed), file=sys.stderr)
 
 
-def _finished(cfg: C.Config, latest, quiet: bool = False) -> bool:
+def _finished(plan: RunPlan, quiet: bool = False) -> bool:
     """--resume of a run whose newest checkpoint is already at train.steps: say so in one line."""
-    from ..checkpoint.save import Reader
-    if latest is None:
-        return False
-    reader = Reader(latest)
-    step = int(reader.step)
-    reader.close()
-    if step < cfg.train.steps:
+    steps = plan.config.train.steps
+    if plan.resume_from is None or plan.resume_step < steps:
         return False
     if not quiet:
-        print(f"shardlab: nothing to do: the run already finished ({latest} is at step {step}, train.steps = "
-              f"{cfg.train.steps}); raise --train.steps to train further")
+        print(f"shardlab: nothing to do: the run already finished ({plan.resume_from} is at step "
+              f"{plan.resume_step}, train.steps = {steps}); raise --train.steps to train further")
     return True
 
 
@@ -146,22 +140,22 @@ def main(args) -> int:
     _replica_args(args, cfg)
     ray_opts = _ray_options(args, cfg, restarts, elastic)
     main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
+    if main_rank and not args.dry_run:  # first: it may restore the only copy of a step
+        clean_interrupted(checkpoint_dir(cfg))
+    # the one lookup of the newest valid checkpoint of this start (under torchrun, on every rank)
+    plan = make_plan(cfg, test_hooks=launch.test_env(), warn=print if main_rank and not args.dry_run else lambda *_: None)
+    if main_rank or args.dry_run:
+        check_resume(plan)
     if args.dry_run:
-        latest = check_resume(cfg)
-        print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), "
-              f"layout {_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher"
-              f"{f', resuming from {latest}' if latest else ''}; run dir {cfg.logging.run_dir}; nothing started")
+        resuming = f", resuming from {plan.resume_from}" if plan.resume_from else ""
+        print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), layout "
+              f"{_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher{resuming}; run dir "
+              f"{cfg.logging.run_dir}; nothing started")
         return 0
-    if main_rank:
-        latest = check_resume(cfg)
-        clean_interrupted(cfg)
-    else:  # under torchrun every rank must agree on a finished run
-        from ..checkpoint.save import latest_valid
-        from ..train.loop import checkpoint_dir
-        latest = latest_valid(checkpoint_dir(cfg), warn=lambda *_: None) if cfg.checkpoint.resume else None
-    if _finished(cfg, latest, quiet=not main_rank):
+    if _finished(plan, quiet=not main_rank):
         return 0
     absolute_paths(cfg)  # messages above name the paths as written; what starts below gets them absolute
+    plan = replace(plan, resume_from=plan.resume_from and plan.resume_from.resolve())
     if get_spec(cfg.model).task == "classify":
         data_dir = images.prepare(cfg.data)
     else:
@@ -172,21 +166,21 @@ def main(args) -> int:
         if not ray_opts and (note := backend_note(cfg.train.device, nproc)):
             print(note, file=sys.stderr)
 
-    def start(c, n):
+    def start(p, n):
+        t = p.config.train
         if ray_opts:  # Ray Train workers; restarts are Ray's (FailureConfig(max_failures=K))
-            return launch_ray.run(train_rank, n, c, str(data_dir), device=c.train.device, timeout_s=c.train.timeout_s,
-                                  threads=c.train.threads, opts=ray_opts, report_checkpoints=c.checkpoint.save)
-        return launch.run(train_rank, n, c, str(data_dir), device=c.train.device,
-                          timeout_s=c.train.timeout_s, threads=c.train.threads)
+            return launch_ray.run(train_rank, n, str(data_dir), device=t.device, timeout_s=t.timeout_s, threads=t.threads,
+                                  opts=ray_opts, report_checkpoints=p.config.checkpoint.save, plan=p)
+        return launch.run(train_rank, n, str(data_dir), device=t.device, timeout_s=t.timeout_s, threads=t.threads, plan=p)
     if cfg.train.fault_tolerance == "replica":  # live recovery of replica groups (docs/faults.md)
         from .. import launch_replicas
-        return launch_replicas.train(cfg, nproc, str(data_dir))
+        return launch_replicas.train(plan, nproc, str(data_dir))
     if (restarts or elastic) and not ray_opts:
-        results = restart.run_with_restarts(cfg, nproc, start, restarts, elastic)
+        results = restart.run_with_restarts(plan, nproc, start, restarts, elastic)
     else:
-        results = start(cfg, nproc)
+        results = start(plan, nproc)
     summary = results[0]
-    if summary is None or (launch.under_torchrun() and launch.torchrun_rank() != 0):
+    if summary is None or not main_rank:
         return 0
     if summary.get("stopped"):
         print(f"shardlab: {summary['stopped']}", file=sys.stderr)

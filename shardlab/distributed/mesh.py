@@ -59,17 +59,18 @@ class Mesh:
 
     @classmethod
     def build(cls, topology: Topology, device: torch.device | str = "cpu", algorithm: str = "backend",
-              check_collectives: bool = False, transport: str = "auto") -> "Mesh":
+              check_collectives: bool = False, transport: str = "auto", flight_dir: str | None = None) -> "Mesh":
         """Create every named group (collectively: all ranks must call this, in the same order).
         ``algorithm``: the collectives' default (``parallel.comm_algorithm``; see algorithms.py).
-        ``check_collectives``: fingerprint every collective first (``parallel.check_collectives``)."""
+        ``check_collectives``: fingerprint every collective first (``parallel.check_collectives``).
+        ``flight_dir``: where the flight recorder also dumps on a failure (``Recorder.run_dir``)."""
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build needs torch.distributed initialised (use shardlab.launch)")
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != topology.world_size:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, world has {world}")
         mesh = cls(topology, rank, torch.device(device), algorithm=algorithm, transport=transport)
-        mesh.flight.check = check_collectives
+        mesh.flight.check, mesh.flight.run_dir = check_collectives, flight_dir
         dev = mesh.device
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())

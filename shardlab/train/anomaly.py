@@ -1,23 +1,8 @@
-"""Finding the first non-finite value: ``train.detect_anomaly = "first_module"``.
-
-A forward hook on every module checks its outputs, a full backward hook
-(``register_full_backward_hook``) the gradients it hands to its inputs, and a tensor hook on each
-parameter that parameter's gradient, for inf/nan. The first module that produced one --
-non-finite out of finite in (forward: inputs -> output; backward: output gradient -> input
-gradient), a child's hook running before its parent's, so an inf made by a plain operation
-between submodules is blamed on the innermost module around it; or a non-finite parameter
-gradient -- is noted in one line: the module's qualified name, forward or backward, the rank and
-the step. The hooks note rather than raise, so that no rank leaves the
-step's collectives half done: after backward, :meth:`Detector.agree` (one all-reduce of a flag
-per step, plus an all-gather of the lines when something was found) gives every rank the note
-of the lowest rank that found one, and the training loop treats the step as non-finite:
-``train.nonfinite = "stop"`` ends the run with that line, ``"skip"`` drops the step and logs it
-(a ``{"kind": "anomaly"}`` metrics record and one line on stderr).
-
-Each hook syncs with the device (``isfinite(...).all()``): a diagnosis mode, not for speed. Nor
-bit-exact: the full backward hooks change the autograd graph, and with it (most likely) the order
-of some gradient sums, so values differ from a run without hooks at rounding level.
-"""
+"""Finding the first non-finite value (``train.detect_anomaly = "first_module"``): hooks on every
+module note the first one that makes an inf/nan out of finite values (forward, backward, or a
+parameter's gradient); :meth:`Detector.agree` gives every rank the lowest rank's note, and the
+loop treats the step as non-finite. A diagnosis mode: each hook syncs with the device, and the
+full backward hooks change gradient sums at rounding level. Docs: docs/faults.md."""
 from __future__ import annotations
 
 import sys

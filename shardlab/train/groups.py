@@ -1,13 +1,9 @@
 """A user's parameter groups (``shardlab.initialize(model_parameters=...)`` or a ready optimizer's
 ``param_groups``) carried onto the tensors an engine optimises.
 
-An engine hands ``make_optimizer``'s builder its own groups: the model's parameters (DDP, one
-process) or flat shards (ZeRO-1/2/3), each flat packing several parameters (``FlatParam.names``).
-:func:`user_groups` turns what the user passed into ``[(param ids, settings)]``;
-:func:`regroup` gives every engine tensor the settings of the user group its parameters belong to,
-as torch and DeepSpeed apply a group's settings to exactly the parameters in it. A flat that packs
-parameters of two groups with different settings cannot take both: that is a ConfigError naming
-the parameters and the fix (docs/api.md, Parameter groups).
+:func:`user_groups` turns what the user passed into ``[(param ids, settings)]``; :func:`regroup`
+gives every engine tensor (a parameter, or a ZeRO flat shard packing several) the settings of its
+parameters' group, or a ConfigError naming the parameters (docs/api.md, Parameter groups).
 """
 from __future__ import annotations
 

@@ -1,37 +1,12 @@
 """Training with live recovery of data-parallel replicas (``train.fault_tolerance = "replica"``).
 
-``train_replica(ctx, ft, cfg, data_dir)`` runs on every rank of every replica group (started by
-``launch_replicas.run``). A replica is ``world / dp_replicate`` ranks holding the rest of the
-layout (dp_shard, tp, pp, cp, ep); its own torch.distributed world runs the engine unchanged.
-Per step (docs/faults.md, "Live recovery"):
-
-1. **quorum** (distributed/quorum.py): the live replicas at this step. A member behind the most
-   advanced one (a replacement) is **healed** first: each rank of the source replica sends its
-   local state -- every model parameter and buffer, the optimizer's parameters and state, the
-   RNG -- as one buffer with its crc32, plus step, data cursor and loss scale, over the quorum's
-   gloo group to the same local rank of the joiner, which checks the crc32 (a mismatch: it
-   refuses, the heal is aborted and asked again) and copies it in place.
-2. forward/backward on this replica's shard of the step's global batch, as without recovery;
-3. the gradients (and the loss) are **averaged over the live replicas** (one all-reduce on the
-   quorum's group, divided by their number);
-4. every rank votes (ok, crc32 fingerprint of its state before the step); the lighthouse commits
-   when all members agree, else the step is dropped (gradients zeroed, data cursor rewound) and
-   asked again in a new quorum. On commit: clip, AdamW step. Fingerprints that differ: the run
-   stops (``quorum.Diverged``): never a silent divergence.
-
-Evaluation (``train.eval_every``, and at the last step): every member evaluates the whole
-validation set (the shards of all R replicas, so the same sequences and the same mean as without
-replicas; the members hold identical state, so they agree) and the lowest member's rank 0
-records it. Checkpoints (``checkpoint.every``, and at the last step): the lowest member of the
-committed step saves its replica's state (the format of a job of one replica: it loads under any
-layout); ``--resume`` loads the newest one in every replica at the first start (a replacement is
-healed from a peer, never from disk).
-
-Data order: replica r always trains shard r of step s (``dp_rank = r * dp_in + its dp rank``);
-in a step with L of R replicas live, the shards of the missing ones are skipped for that step
-(never trained twice, never trained later): the effective batch is L / R of ``global_batch``,
-and since the gradient is the mean over the live samples, the learning rate needs no change.
-"""
+``train_replica(ctx, data_dir)`` runs on every rank of every replica group (started by
+``launch_replicas.run``; ``ctx.plan``: the run plan). A replica is ``world / dp_replicate``
+ranks holding the rest of the layout in its own torch.distributed world. Per step: a quorum of
+the live replicas (distributed/quorum.py), a heal of any member behind (state sent from a peer,
+crc32-checked), forward/backward on this replica's shard, gradients averaged over the live
+replicas, a vote on the state's fingerprint, then the optimizer step on commit. How, and what a
+degraded step, evaluation, checkpoints and ``--resume`` mean: docs/faults.md, "Live recovery"."""
 from __future__ import annotations
 
 import copy
@@ -54,7 +29,7 @@ from ..models.spec import get_spec
 from ..checkpoint.format import tensor_bytes
 from ..checkpoint import save as ckpt
 from .data import Loader
-from .loop import Trainer, checkpoint_dir, open_data  # at import: a warm spare process has paid for it before a failure
+from .loop import Trainer, open_data  # at import: a warm spare process has paid for it before a failure
 from .metrics import MetricsWriter
 from .optim import lr_at
 
@@ -74,11 +49,9 @@ class FTContext:
     timeout_s: float
     """``train.ft_timeout_s``: cross-replica collective and vote timeout."""
     faults: dict = field(default_factory=dict)
-    """TEST-ONLY injected faults (tests/distributed/test_live_recovery.py): ``kill``: list of
-    [replica, gen, local, step, how] (how: sigkill, raise); ``corrupt_once``: a flag file path: the
-    first heal sent while it does not exist has a flipped byte (the file is created); ``hold_start``:
-    list of [replica, gen, seconds]: that start waits so long before it asks to join (a slow start;
-    a hung one past the launcher's start deadline)."""
+    """TEST-ONLY injected faults (tests/distributed/test_live_recovery.py): ``kill``: [[replica, gen,
+    local, step, sigkill|raise]]; ``corrupt_once``: a flag file: the first heal sent before it exists
+    has a flipped byte; ``hold_start``: [[replica, gen, seconds]]: that start waits before it joins."""
 
 
 def replica_config(cfg: Config) -> Config:
@@ -148,10 +121,10 @@ class _Replica:
     """One rank's training state and its side of the protocol. Built before the rank knows its
     replica (a hot spare, ``launch_replicas``); :meth:`run` takes the assignment."""
 
-    def __init__(self, ctx, cfg: Config, data_dir: str):
-        self.cfg, self.t = cfg, cfg.train
-        rcfg = replica_config(cfg)
-        self.mesh = Mesh.build(Topology.from_config(rcfg.parallel), ctx.device, transport="process_group")
+    def __init__(self, ctx, data_dir: str):
+        self.plan, self.cfg, self.t = ctx.plan, ctx.plan.config, ctx.plan.config.train
+        cfg, rcfg = self.cfg, replica_config(self.cfg)
+        self.mesh = Mesh.build(Topology.from_config(rcfg.parallel), ctx.device, transport=self.plan.transport)
         data = open_data(cfg, data_dir)
         self.tr = Trainer(rcfg, self.mesh, data)
         R, dp_in = cfg.parallel.dp_replicate, self.mesh.topology.size("dp")
@@ -165,11 +138,9 @@ class _Replica:
     def _assign(self, ft: FTContext) -> None:
         cfg, self.ft = self.cfg, ft
         self.tr.loader = self.loaders[ft.replica]
-        self.resumed = None
-        if ft.gen == 0 and cfg.checkpoint.resume:  # a replacement is healed from a peer, never from disk
-            self.resumed = ckpt.latest_valid(checkpoint_dir(cfg), warn=lambda *_: None)
-            if self.resumed is not None:
-                self.tr.load_checkpoint(self.resumed)
+        self.resumed = self.plan.resume_from if ft.gen == 0 else None  # a replacement heals from a peer
+        if self.resumed is not None:
+            self.tr.load_checkpoint(self.resumed)
         for r, gen, seconds in ft.faults.get("hold_start", []):  # TEST-ONLY: a slow or stuck start
             if (r, gen) == (ft.replica, ft.gen):
                 time.sleep(seconds)
@@ -320,7 +291,7 @@ class _Replica:
         every = self.cfg.checkpoint.every
         if self.cfg.checkpoint.save and self.ft.replica == q["members"][0] and \
                 ((every and step % every == 0) or step == q["last"]):
-            tr.save_checkpoint(checkpoint_dir(self.cfg))
+            tr.save_checkpoint(self.plan.checkpoint_dir, self.plan.test_hooks)
 
     def _decided(self, q: dict, phase: str, ok: bool, fp: int) -> bool:
         decision = self.member.vote(q, phase, ok, fp)
@@ -366,7 +337,7 @@ class _Replica:
                 "params": {n: p.detach().clone() for n, p in self.tr.engine.model.named_parameters()}}
 
 
-def train_replica(ctx, cfg: Config, data_dir: str) -> _Replica:
+def train_replica(ctx, data_dir: str) -> _Replica:
     """Every rank of every replica group (module doc), in two halves: this builds the engine and
     the data (a hot spare, before its replica is known); ``.run(ft)`` trains as replica ``ft``."""
-    return _Replica(ctx, cfg, data_dir)
+    return _Replica(ctx, data_dir)

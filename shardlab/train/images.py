@@ -1,14 +1,7 @@
-"""Image classification data (``task = "classify"``): Fashion-MNIST from its IDX files, the
-data-parallel image loader and the accuracy evaluation.
-
-Nothing is downloaded: the files come from the Debian package ``dataset-fashion-mnist``
-(``/usr/share/datasets/fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``).
-
-Sampling mirrors train/data.py's Loader: every epoch visits the training images in a
-permutation seeded by (seed, epoch); the cursor counts global samples consumed; data-parallel
-rank ``r`` of ``D`` takes samples ``r*B/D .. (r+1)*B/D - 1`` of each step's global batch ``B``,
-so the global batch of a step is the same whatever the layout, and a saved cursor resumes exactly.
-"""
+"""Image classification data (``task = "classify"``): Fashion-MNIST from its IDX files (the Debian
+package ``dataset-fashion-mnist``; nothing is downloaded), the data-parallel image loader (sampled
+as train/data.py's Loader: a seeded per-epoch permutation, a cursor that resumes exactly) and the
+accuracy evaluation. Docs: docs/cnn.md."""
 from __future__ import annotations
 
 import gzip

@@ -1,12 +1,7 @@
 """The training loop that runs on every rank: build, parallelize, step, log, evaluate, checkpoint.
 
-``train_rank(ctx, cfg, data_dir)`` is the worker that ``shardlab train`` launches on each rank.
-Per step: set the LR, take this rank's micro-batches, ``engine.forward_backward`` (gradient
-accumulation and synchronisation are the engine's business), unscale/check overflow (fp16),
-clip the global gradient norm, AdamW step. Metrics every ``log_every`` steps.
-
-The architecture's ``task`` (models/spec.py) picks the data: ``lm`` token windows (train/data.py),
-``classify`` images and labels (train/images.py; test accuracy reported, a "token" is an image).
+``train_rank(ctx, data_dir)`` is the worker that ``shardlab train`` launches on each rank; it
+reads the run plan in ``ctx.plan`` (train/plan.py). The loop step by step: docs/training.md.
 """
 from __future__ import annotations
 
@@ -39,10 +34,6 @@ def open_data(cfg: Config, data_dir: str):
     return TokenData(data_dir)
 
 
-def checkpoint_dir(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.logging.run_dir) / "checkpoints"
-
-
 class Trainer:
     """Everything one rank holds during training. Built by :func:`train_rank`; usable directly in tests."""
 
@@ -61,8 +52,7 @@ class Trainer:
         self.n_params = count_params(model)
         self.engine = parallelize(model, mesh, cfg, init=init)
         self.optimizer = self.engine.make_optimizer(build_adamw(t, self.device))
-        topo = mesh.topology
-        c = mesh.coords
+        topo, c = mesh.topology, mesh.coords
         dp_rank = c["dp_replicate"] * topo.dp_shard + c["dp_shard"]
         self.task = get_spec(cfg.model).task
         if self.task == "classify":
@@ -110,9 +100,10 @@ class Trainer:
         return images.accuracy(self.engine, self.loader, autocast=self.autocast) if self.task == "classify" else None
 
     # -- checkpoints (checkpoint/save.py: each rank writes and reads its own boxes) ----------
-    def save_checkpoint(self, directory: Path) -> Path | None:
+    def save_checkpoint(self, directory: Path, test_hooks: dict | None = None) -> Path | None:
         """Every rank writes its own pieces (no gather); rank 0 writes the index last and commits
-        (checkpoint/save.save). Only barriers synchronise, so nothing else is collective."""
+        (checkpoint/save.save). Only barriers synchronise, so nothing else is collective.
+        ``test_hooks``: the plan's (TEST-ONLY faults of the asynchronous writer)."""
         def meta():
             return {"data": self.loader.state_dict(), "scaler": self.scaler.state_dict(),
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
@@ -122,7 +113,7 @@ class Trainer:
         def pieces():  # a LoRA run on a base: adapters only, the base stays where it is
             out = self.engine.state_pieces(self.optimizer)
             return finetune.drop_frozen(out) if finetune.adapter_only(self.cfg) else out
-        return saver(self.cfg.checkpoint.async_save)(directory, self.step, self.mesh, pieces, meta, self.device,
+        return saver(self.cfg.checkpoint.async_save, test_hooks)(directory, self.step, self.mesh, pieces, meta, self.device,
                                                       keep=self.cfg.checkpoint.keep)
 
     def _with_adapters(self, reader):
@@ -166,9 +157,10 @@ def resolve(out: dict) -> dict:
     return out
 
 
-def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
-    """Worker run on every rank by ``shardlab train``. Returns rank 0's summary."""
-    run = _Run(ctx, cfg, data_dir)
+def train_rank(ctx, data_dir: str) -> dict:
+    """Worker run on every rank by ``shardlab train`` (``ctx.plan``: the run plan). Returns rank 0's summary."""
+    cfg = ctx.plan.config
+    run = _Run(ctx, data_dir)
     run.start()
     while run.tr.step < cfg.train.steps:
         out = run.timed_step()
@@ -189,12 +181,11 @@ def train_rank(ctx, cfg: Config, data_dir: str) -> dict:
             run.log(out)
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == cfg.train.steps:
             run.evaluate()
-        if hasattr(ctx, "after_step"):
-            ctx.after_step(step)  # TEST-ONLY fault injection (a no-op unless the launcher armed it)
+        ctx.after_step(step)  # TEST-ONLY fault injection (a no-op unless the launcher armed it)
         every = cfg.checkpoint.every
         if cfg.checkpoint.save and ((every and step % every == 0) or step == cfg.train.steps):
-            run.tr.save_checkpoint(run.ck_dir)
-            if getattr(ctx, "on_checkpoint", None):  # Ray Train: every rank reports its own shard files
+            run.tr.save_checkpoint(run.ck_dir, ctx.plan.test_hooks)
+            if ctx.on_checkpoint:  # Ray Train: every rank reports its own shard files
                 ctx.on_checkpoint(run.ck_dir / f"{ckpt.PREFIX}{step:08d}", step)
         run.after_step()
     ckpt.finish_saves(run.mesh)  # an asynchronous save in flight: wait, raise if it failed
@@ -205,27 +196,22 @@ class _Run:
     """The named steps of :func:`train_rank`: set up (mesh, data, model, resume, peak FLOP/s),
     one timed step, a metrics record over the window since the last one, evaluation, summary."""
 
-    def __init__(self, ctx, cfg: Config, data_dir: str):
-        self.cfg, t, log = cfg, cfg.train, cfg.logging
-        self.mesh = mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device,
-                                      check_collectives=cfg.parallel.check_collectives,
-                                      transport=cfg.parallel.comm_transport)
-        mesh.flight.run_dir = str(Path(cfg.logging.run_dir) / "flight")  # dumps on failure (docs/faults.md)
-        mesh.algorithm = cfg.parallel.comm_algorithm
+    def __init__(self, ctx, data_dir: str):
+        plan = ctx.plan
+        self.cfg = cfg = plan.config
+        t, log = cfg.train, cfg.logging
+        self.mesh = mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm,
+                                      check_collectives=cfg.parallel.check_collectives, transport=plan.transport,
+                                      flight_dir=str(plan.run_dir / "flight"))  # dumps on failure (docs/faults.md)
         self.data = open_data(cfg, data_dir)
-        self.run_dir, self.ck_dir = Path(log.run_dir), checkpoint_dir(cfg)
+        self.run_dir, self.ck_dir = plan.run_dir, plan.checkpoint_dir
         is_main = mesh.rank == 0
-        path = None
-        if getattr(ctx, "resume_from", None):  # the launcher's restart checkpoint (Ray Train) comes first
-            path = Path(ctx.resume_from)
-        elif cfg.checkpoint.resume:
-            path = ckpt.latest_valid(self.ck_dir, warn=print if is_main else (lambda *_: None))
+        path = plan.resume_from  # looked up once, in the parent
+        self.resumed_from = str(path) if path else None
         # resuming or fine-tuning: no initial values to draw, a checkpoint or the base is read next
         self.tr = Trainer(cfg, mesh, self.data, init=path is None and not cfg.checkpoint.base)
-        self.resumed_from = None
         if path is not None:
             self.tr.load_checkpoint(path)
-            self.resumed_from = str(path)
         elif cfg.checkpoint.base:
             self.tr.load_base()
         self.writer = MetricsWriter(self.run_dir, log.tensorboard) if is_main else None

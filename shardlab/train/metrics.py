@@ -1,9 +1,5 @@
-"""FLOPs, MFU, peak FLOP/s table, and the metrics writers (JSONL + TensorBoard).
-
-FLOPs per trained token come from the architecture's ModelSpec (transformers: ``6 * N + 12 *
-n_layers * d_model * seq_len``, docs/training.md); with LoRA the frozen weights' gradients are not
-counted (``4 N`` + the adapters).
-"""
+"""FLOPs, MFU, peak FLOP/s table, and the metrics writers (JSONL + TensorBoard). FLOPs per trained
+token come from the architecture's ModelSpec (the formulas, LoRA's too: docs/training.md, MFU)."""
 from __future__ import annotations
 
 import json

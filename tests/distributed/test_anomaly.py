@@ -25,7 +25,7 @@ class _NanGrad(torch.autograd.Function):
         return torch.full_like(g, float("nan"))
 
 
-def _poisoned_worker(ctx, cfg, data_dir, target, how, rank, step):
+def _poisoned_worker(ctx, data_dir, target, how, rank, step):
     """train_rank with module ``target`` poisoned at training step ``step`` on rank ``rank``:
     ``how`` = forward (its output is inf) or backward (its input gradient is nan)."""
     from shardlab.train import loop
@@ -43,14 +43,16 @@ def _poisoned_worker(ctx, cfg, data_dir, target, how, rank, step):
             return out
         module.forward = poisoned
     loop.Trainer.__init__ = patched
-    return loop.train_rank(ctx, cfg, data_dir)
+    return loop.train_rank(ctx, data_dir)
 
 
 def _run(tmp_path, how, *extra):
     from shardlab.train.data import prepare
+    from shardlab.train.plan import make_plan
     cfg = C.load(None, TINY + [f"--data.cache_dir={tmp_path}/cache", f"--logging.run_dir={tmp_path}/run",
                                "--parallel.dp_replicate=2", *extra]).validate(2)
-    return launch.run(_poisoned_worker, 2, cfg, str(prepare(cfg.data)), "layers.1.feed_forward", how, 1, 2)[0]
+    return launch.run(_poisoned_worker, 2, str(prepare(cfg.data)), "layers.1.feed_forward", how, 1, 2,
+                      plan=make_plan(cfg))[0]
 
 
 def test_forward_inf_is_named(tmp_path):

@@ -120,11 +120,10 @@ def _pieces(w):
                     ckpt.Piece("model.b", (3,), (0,), torch.arange(3.0))]
 
 
-def test_at_most_one_save_in_flight_and_snapshot_is_taken_at_the_step(tmp_path, monkeypatch):
-    monkeypatch.setenv(async_save.HOOK_ENV, "sleep:0:1")  # the writer of step 1 takes 2 s
+def test_at_most_one_save_in_flight_and_snapshot_is_taken_at_the_step(tmp_path):
     saver, mesh, w = async_save.AsyncSaver(), _Mesh(), torch.zeros(4, 4)
     t0 = time.perf_counter()
-    saver.save(tmp_path, 1, mesh, _pieces(w), lambda: {"n": 1}, "cpu", keep=5)
+    saver.save(tmp_path, 1, mesh, _pieces(w), lambda: {"n": 1}, "cpu", keep=5, hook="sleep:0:1")  # a 2 s write
     assert time.perf_counter() - t0 < 1.0  # returned before the write
     w.add_(1.0)  # training mutates the parameters in place: the snapshot must not see it
     done = {}
@@ -142,12 +141,11 @@ def test_at_most_one_save_in_flight_and_snapshot_is_taken_at_the_step(tmp_path, 
         assert torch.equal(r.read("model.w"), torch.ones(4, 4)) and r.meta == {"n": 2}
 
 
-def test_error_is_raised_at_the_next_save_and_nothing_is_published(tmp_path, monkeypatch):
+def test_error_is_raised_at_the_next_save_and_nothing_is_published(tmp_path):
     saver, mesh, w = async_save.AsyncSaver(), _Mesh(), torch.zeros(2, 2)
     saver.save(tmp_path, 1, mesh, _pieces(w), dict, "cpu")
     saver.settle(mesh)
-    monkeypatch.setenv(async_save.HOOK_ENV, "raise:0:2")
-    saver.save(tmp_path, 2, mesh, _pieces(w), dict, "cpu")
+    saver.save(tmp_path, 2, mesh, _pieces(w), dict, "cpu", hook="raise:0:2")
     with pytest.raises(ckpt.CheckpointError, match="asynchronous save of step 2 failed.*injected"):
         saver.save(tmp_path, 3, mesh, _pieces(w), dict, "cpu")
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]

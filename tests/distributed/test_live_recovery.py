@@ -21,6 +21,7 @@ from shardlab import launch_replicas
 from shardlab.train import finetune
 from shardlab.train.heal import train_replica
 import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)
+from shardlab.train.plan import make_plan
 
 TINY = ["--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.max_seq_len=16", "--train.seq_len=16", "--train.global_batch=4", "--train.warmup_steps=0",
@@ -36,8 +37,8 @@ def _cfg(tmp_path, *extra, steps=6, world=2):
 
 def _run(cfg, n_local=1, faults=None):
     data_dir = finetune.prepare_tokens(cfg, None)
-    return launch_replicas.run(train_replica, 2, n_local, cfg, str(data_dir), timeout_s=30, ft_timeout_s=10,
-                               threads=1, faults=faults, say=lambda *_: None)
+    return launch_replicas.run(train_replica, 2, n_local, str(data_dir), timeout_s=30, ft_timeout_s=10,
+                               threads=1, faults=faults, say=lambda *_: None, plan=make_plan(cfg))
 
 
 def _records(run_dir, r):
@@ -179,7 +180,7 @@ def test_replacement_stuck_at_start_is_started_again(tmp_path):
     launcher's start deadline and started again; the survivor trains on meanwhile; identical end."""
     cfg = _cfg(tmp_path, steps=10)
     data_dir = finetune.prepare_tokens(cfg, None)
-    results, report = launch_replicas.run(train_replica, 2, 1, cfg, str(data_dir), timeout_s=30, ft_timeout_s=10,
+    results, report = launch_replicas.run(train_replica, 2, 1, str(data_dir), timeout_s=30, ft_timeout_s=10, plan=make_plan(cfg),
                                           threads=1, say=lambda *_: None, start_timeout_s=4.0,
                                           faults={"kill": [[1, 0, 0, 2, "sigkill"]], "hold_start": [[1, 1, 10**6]]})
     first, stuck = report["failures"]

@@ -38,11 +38,19 @@ def _restarts(run_dir):
 
 
 def test_killed_rank_restarts_bit_exact(tmp_path, monkeypatch, capsys):
+    """... and the newest checkpoint is looked up once per start, in the parent (the run plan,
+    shardlab/train/plan.py): here once, for the restart (the first start does not resume)."""
+    from shardlab.checkpoint import save
     base = TINY + [f"--data.cache_dir={tmp_path}/cache"]
     assert cli_main(["train", "--nproc", "2", *base, f"--logging.run_dir={tmp_path}/full"]) == 0
     monkeypatch.setenv("SHARDLAB_TEST_KILL_AT_STEP", f"1:3:{tmp_path}/killed-once")
+    lookups, latest_valid = [], save.latest_valid
+    monkeypatch.setattr(save, "latest_valid", lambda d, **kw: lookups.append(Path(d)) or latest_valid(d, **kw))
     capsys.readouterr()
     assert cli_main(["train", "--nproc", "2", *base, f"--logging.run_dir={tmp_path}/killed", "--max-restarts", "1"]) == 0
+    assert lookups == [tmp_path / "killed" / "checkpoints"], lookups
+    ranks = [p for p in (Path(save.__file__).parents[1] / "train").glob("*.py") if p.name != "plan.py"]
+    assert not [p.name for p in ranks if "latest_valid" in p.read_text()]  # ranks read the plan's
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if x.startswith("shardlab: restart ")]
     assert len(line) == 1 and "rank 1 failed (process died (killed by signal 9)" in line[0], err

@@ -126,6 +126,30 @@ def test_config_layer_check_can_fail(tmp_path, monkeypatch):
         test_config_imports_nothing_above_it()
 
 
+RANK_PACKAGES = ("train", "checkpoint", "parallel", "models", "distributed")
+
+
+def test_ranks_never_import_the_launcher():
+    """What runs in a rank (train/, checkpoint/, parallel/, models/, distributed/) never imports
+    shardlab.launch*, inside functions neither: the parent resolves the run plan and hands it over
+    in the RankContext (docs/architecture.md, "The run plan")."""
+    found = [f"{p.relative_to(ROOT)}: {m}" for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] in RANK_PACKAGES
+             for m in sorted(_top_level_imports(p, everywhere=True)) if m.startswith("shardlab.launch")]
+    assert not found, "a rank's module imports the launcher:\n" + "\n".join(found)
+
+
+def test_launcher_import_check_can_fail(tmp_path, monkeypatch):
+    (tmp_path / "shardlab" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "shardlab" / "checkpoint" / "x.py").write_text("def f():\n    from ..launch import test_env\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path / "shardlab")
+    try:
+        test_ranks_never_import_the_launcher()
+    except AssertionError as e:
+        assert "checkpoint/x.py: shardlab.launch" in str(e)
+    else:
+        raise AssertionError("a function-level import of the launcher was not reported")
+
+
 ARCH = re.compile(r"\b(llama|gpt-?2|cnn)\b", re.IGNORECASE)
 WORD = re.compile(r"""^[rbuf]*["'][\w.:-]+["']$""")  # a string that is one word: an identifier or key
 ALLOWED = {("config/schema.py", '"llama"')}  # the default of model.arch

@@ -157,6 +157,18 @@ def resolve(out: dict) -> dict:
     return out
 
 
+def _agree_on_resume(mesh, step: int) -> None:
+    """Every rank resumes from the same step. Under torchrun each rank made its own plan, and a
+    lookup that overlapped rank 0's clean-up of an interrupted save could differ: fail loudly
+    (torchrun's restart then looks again) rather than train ranks from different states."""
+    if mesh.world_size > 1:
+        s = torch.tensor([step, -step], dtype=torch.float64, device=mesh.comm("world").control_device(mesh.device))
+        mesh.comm("world").all_reduce(s, op="max")
+        if s[0] != -s[1]:
+            raise RuntimeError(f"ranks disagree on the checkpoint to resume (steps {int(-s[1])} to {int(s[0])}); "
+                               "an interrupted save was being cleaned up: restart the run")
+
+
 def train_rank(ctx, data_dir: str) -> dict:
     """Worker run on every rank by ``shardlab train`` (``ctx.plan``: the run plan). Returns rank 0's summary."""
     cfg = ctx.plan.config
@@ -207,6 +219,7 @@ class _Run:
         self.run_dir, self.ck_dir = plan.run_dir, plan.checkpoint_dir
         is_main = mesh.rank == 0
         path = plan.resume_from  # looked up once, in the parent
+        _agree_on_resume(mesh, plan.resume_step)
         self.resumed_from = str(path) if path else None
         # resuming or fine-tuning: no initial values to draw, a checkpoint or the base is read next
         self.tr = Trainer(cfg, mesh, self.data, init=path is None and not cfg.checkpoint.base)

@@ -21,7 +21,7 @@ import torch
 
 from shardlab import config as C
 import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
-from shardlab.analysis.memory import measure
+from shardlab.analysis.measured_memory import measure
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
 from shardlab.launch import run

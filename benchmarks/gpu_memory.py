@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from shardlab import config as C  # noqa: E402
 import shardlab.train.checks  # noqa: F401,E402  (registers every config check validate runs)
 from shardlab.analysis import calibrate as cal  # noqa: E402
-from shardlab.analysis.memory import formula  # noqa: E402
+from shardlab.analysis.measured_memory import formula  # noqa: E402
 from shardlab.models import count_params, meta_model  # noqa: E402
 
 VARIANTS = [  # (label, parallel options; N is filled into the data-parallel axis)

@@ -17,7 +17,7 @@ when built (FSDP/ZeRO shards); step <= fixed + owned state after the step
 (parameters + Adam m, v measured from the rank's tensors, gradients counted as large as the
 parameters; max over ranks) + FSDP's peak gathered parameters + activations. "fixed" = the measured peak RSS of a rank that imports
 torch + shardlab, builds the mesh and a 1-layer tiny model (d 64, vocab 256, FSDP over N) and
-runs one step. Activations = ``analysis.memory.activation_estimate(cfg, 1, 4)``: one micro-batch
+runs one step. Activations = ``analysis.measured_memory.activation_estimate(cfg, 1, 4)``: one micro-batch
 of the whole model in fp32 (no TP reduction; a pp stage holds layers/pp for up to pp micro-batches
 in flight: the same amount). An estimate, not a measurement. "full" = 4 bytes x
 parameters (the fp32 model alone).
@@ -59,7 +59,7 @@ def fixed_cfg(n: int, seq: int):
 
 
 def _worker(ctx, cfg, path: str, seq: int) -> dict:
-    from shardlab.analysis.memory import measure
+    from shardlab.analysis.measured_memory import measure
     out = {"start": _ranks.peak_mib()}
     mesh, engine, opt = _ranks.build_engine(cfg, ctx.device, path)
     built = measure(engine, opt)
@@ -90,7 +90,7 @@ def main():
     ap.add_argument("overrides", nargs="*", help="--section.key=value config overrides")
     args, extra = ap.parse_known_args()
     overrides = args.overrides + extra
-    from shardlab.analysis.memory import activation_estimate
+    from shardlab.analysis.measured_memory import activation_estimate
 
     n, seq = args.nproc, args.seq
     base = load(args.config, overrides)

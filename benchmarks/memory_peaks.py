@@ -1,7 +1,7 @@
 """Predicted vs measured peak memory per rank, one line per layout (docs/benchmarks.md, Memory peaks).
 
 A ~100M Llama (d_model 1024, 8 layers, vocab 256, seq 64, fp32, global batch 16) over N ranks, two
-real AdamW steps per layout (``analysis.memory.measure_run``): the prediction of ``shardlab
+real AdamW steps per layout (``analysis.measured_memory.measure_run``): the prediction of ``shardlab
 memory`` (analysis/predict.py, with the empty rank's RSS measured in the same run) next to the
 peak the ranks reached (CPU: VmHWM; CUDA: max_memory_allocated and reserved), the largest
 predicted category, and for ZeRO-3 the bound of issue 31: 16 B x params / N + the largest unit
@@ -60,7 +60,7 @@ def _degrees(over: list[str], n: int) -> list[str]:
 
 
 def row(name: str, n: int, device: str, model: list[str]) -> dict:
-    from shardlab.analysis.memory import measure_run
+    from shardlab.analysis.measured_memory import measure_run
     from shardlab.analysis.predict import memory_per_rank
     from shardlab.config import load
     import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)

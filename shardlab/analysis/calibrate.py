@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import memory
+from . import measured_memory as memory
 
 
 # -- activations held for backward --------------------------------------------------------------

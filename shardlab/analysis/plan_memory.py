@@ -1,4 +1,4 @@
-"""Per-rank model state of a layout, before launch, in the categories of ``analysis.memory.measure``
+"""Per-rank model state of a layout, before launch, in the categories of ``analysis.measured_memory.measure``
 (a measured run compares to the byte): the rank's parameters from :func:`shadow.local_model`, then
 the engines' own flat-buffer rules (``zero.flat_groups`` / ``zero.shard_size``, ``fsdp.unit_params``,
 ``pipeline.sharded.shard_group``), communication buffers and transients. docs/planner.md, Memory

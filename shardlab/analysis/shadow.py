@@ -85,7 +85,7 @@ def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
         from ..parallel import expert
         hier = p.ep_dispatch == "hierarchical"  # traced as the exact dispatch: its hops are priced by plan_moe.py
         model = expert.apply(model, mesh, replace(cfg, parallel=replace(p, ep_dispatch="exact")) if hier else cfg)
-    if p.pp > 1:  # the cut the engine makes (pipeline/engine.py apply): the schedule's layout
+    if p.pp > 1:  # the cut the engine makes (pipeline/executor.py apply): the schedule's layout
         from ..parallel.pipeline.stage import split_model
         from .plan_pipeline import layout
         sched = layout(cfg)

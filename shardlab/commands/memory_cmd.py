@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..analysis.memory import STAGES, formula, measure_run
+from ..analysis.measured_memory import STAGES, formula, measure_run
 
 
 def configure(p: argparse.ArgumentParser):

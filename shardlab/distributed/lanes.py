@@ -9,7 +9,7 @@ every rank running the same lanes (issue-order matching, as gloo and NCCL need).
 :func:`exchange` is the plain synchronous all-to-all; autograd's ``all_to_all`` goes through it
 both ways. The lane is a thread-local: where autograd runs a node on a device thread (CUDA) the
 transfer is synchronous (correct, not overlapped). Users: DualPipe's paired F and B
-(parallel/pipeline/engine.py) and the overlapped hierarchical dispatch (parallel/expert_overlap.py).
+(parallel/pipeline/executor.py) and the overlapped hierarchical dispatch (parallel/expert_overlap.py).
 """
 from __future__ import annotations
 

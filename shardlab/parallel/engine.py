@@ -61,7 +61,7 @@ class Engine:
                          mark=None) -> torch.Tensor:
         """Accumulate gradients of the mean loss over all micro-batches and data-parallel ranks.
         Returns the local mean loss (detached) for logging. ``mark(phase)``, when given, is called
-        as each micro-batch's "forward" and "backward" begin (analysis/memory.py's timeline)."""
+        as each micro-batch's "forward" and "backward" begin (analysis/measured_memory.py's timeline)."""
         self.start_step()
         n = len(micro_batches)
         total = torch.zeros((), device=self.mesh.device, dtype=torch.float64)

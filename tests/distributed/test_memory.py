@@ -4,7 +4,7 @@ LoRA adapters (optimizer state and gradients for the trainable adapters only).""
 
 import pytest
 
-from shardlab.analysis.memory import _measure_worker, formula
+from shardlab.analysis.measured_memory import _measure_worker, formula
 from shardlab.config import Config
 from shardlab.launch import run
 from shardlab.models import build_model, count_params

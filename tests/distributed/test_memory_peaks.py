@@ -7,7 +7,7 @@ enough that the model-dependent part of the peak is most of it; the tolerance is
 prediction (docs/benchmarks.md, Memory peaks, has the ~100M rows and their ratios)."""
 import pytest
 
-from shardlab.analysis.memory import measure_run
+from shardlab.analysis.measured_memory import measure_run
 from shardlab.analysis.predict import memory_per_rank
 from shardlab.config import load
 import shardlab.train.checks  # noqa: F401  (registers every config check: ranks validate too)

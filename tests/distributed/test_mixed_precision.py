@@ -175,7 +175,7 @@ def test_mixed_precision_matches_single_process(layout, data_dir):
 
 
 def _measure(ctx, stages):
-    from shardlab.analysis.memory import _measure_worker
+    from shardlab.analysis.measured_memory import _measure_worker
     out = []
     for stage in stages:
         cfg = make_cfg(".cache/shardlab", {"dp_shard": 2, "zero_stage": stage, "bucket_cap_mb": 0.05}, {}, "bf16", low=True)
@@ -188,7 +188,7 @@ def test_low_precision_storage_is_the_mixed_formula():
     + 12/N (fp32 master + Adam m, v) bytes per parameter: the ZeRO paper's mixed layout, within the
     padding of the flat buffers (2%). FSDP holds fp32 shards and fp32 gradient shards: 16/N in all.
     DDP with train.reduce_dtype = bf16: fp32 parameters (the master) 4 + bf16 buckets 2 + Adam 8."""
-    from shardlab.analysis.memory import formula
+    from shardlab.analysis.measured_memory import formula
     from shardlab.models import count_params
     psi = count_params(build_model(make_cfg(".cache/shardlab", {}, {}, "bf16").model, 0))
     for rank, stages in enumerate(run(_measure, 2, [0, 1, 2, 3], threads=1, timeout_s=120)):

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from shardlab.analysis.memory import formula
+from shardlab.analysis.measured_memory import formula
 from shardlab.parallel.ddp import make_buckets
 from shardlab.parallel.zero import FlatParam
 

@@ -7,7 +7,7 @@ and B together :func:`pair` moves both receives before and both sends after
 (``RECV_F RECV_B F B [W] SEND_F SEND_B``) for every forward whose next compute action is a
 backward of another (micro-batch, stage), wherever the simulator (simulate.py) still finds no
 deadlock; a rank's receives keep their order, and so do its sends, so issue-order matching holds.
-The executor (engine.py) runs F in lane 0 and B with its W in lane 1 (distributed/lanes.py).
+The executor (executor.py) runs F in lane 0 and B with its W in lane 1 (distributed/lanes.py).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from ...errors import require
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 EXECUTABLE = SCHEDULES
-"""What the executor runs (all; ``dualpipe``'s two parameter copies: dual.py)."""
+"""What the executor runs (all; ``dualpipe``'s two parameter copies: dual_copies.py)."""
 LAYOUT = {"dualpipev": "v", "dualpipe": "dual"}
 
 

@@ -12,7 +12,7 @@ from ...config import register_check
 from ...distributed.placement import get_placement, set_placement
 from ..materialize import init_flat_range
 from ..zero import FlatParam, ShardedEngine, decay_groups
-from .engine import PipelineEngine
+from .executor import PipelineEngine
 
 
 @register_check

@@ -24,7 +24,7 @@ import torch
 
 from ...distributed.placement import get_placement, replicas
 from ...checkpoint import pieces as state
-from .engine import PipelineEngine
+from .executor import PipelineEngine
 
 
 class DualPipeEngine(PipelineEngine):

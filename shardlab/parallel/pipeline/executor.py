@@ -316,7 +316,7 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None)
     return the engine. Call after TP/EP/CP have transformed the model. ``materialize(model)``
     gives a meta model's kept stages their storage (only this rank's layers are ever drawn).
     ``make_engine``: the engine class (or factory) to build, default PipelineEngine (sharded.py's;
-    the package's ``apply`` picks dual.py's for the dualpipe schedule)."""
+    the package's ``apply`` picks dual_copies.py's for the dualpipe schedule)."""
     p = cfg.parallel
     engine_sched = build(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual)
     check(engine_sched)  # refuse before any step runs

@@ -19,6 +19,7 @@ import math
 import torch
 
 from ..distributed.placement import get_placement
+from .reader import TensorSource
 from ..distributed.regions import Piece, flat_boxes, intersect, placement_box, sub_box, writes_piece
 
 
@@ -152,7 +153,7 @@ def _load_local(reader, key, pl, target: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_param_pieces(named, reader, optimizer) -> None:
+def load_param_pieces(named, reader: TensorSource, optimizer) -> None:
     for name, p in named:
         pl = get_placement(p, name)
         key = f"model.{pl.name}"
@@ -212,7 +213,7 @@ def flat_pieces(f, values: dict[str, torch.Tensor], mesh, replicate_groups, lo: 
 
 
 @torch.no_grad()
-def load_flat_range(f, reader, kind: str, target: torch.Tensor, lo: int, hi: int) -> None:
+def load_flat_range(f, reader: TensorSource, kind: str, target: torch.Tensor, lo: int, hi: int) -> None:
     """Fill ``target`` (the flat buffer's range [lo, hi), 1-D) from ``reader``; padding -> 0.
     A segment that is a whole valid box of a CPU buffer is read straight into it (``fill``);
     only what no segment fills whole is zeroed first."""

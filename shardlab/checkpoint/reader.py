@@ -16,6 +16,7 @@ import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -31,6 +32,18 @@ _ST_NAMES = {str(k).replace("torch.", ""): v for k, v in _ST_DTYPES.items()}  # 
 def _crc_after(data, before) -> int:
     """crc32 of ``data`` continuing the crc of ``before`` (a future of the previous chunk's, or None)."""
     return zlib.crc32(data, before.result() if before is not None else 0)
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """What loading (pieces.py) asks of any source of global tensors: :class:`Reader`, and the
+    Hugging Face / GGUF / layered / LoRA-merging readers of models/ (typed, checked by a test)."""
+
+    def keys(self) -> list[str]: ...
+    def has(self, key: str) -> bool: ...
+    def global_shape(self, key: str) -> tuple: ...
+    def read(self, key: str, offsets=None, sizes=None, dtype=None) -> torch.Tensor: ...
+    def close(self) -> None: ...
 
 
 class Reader:

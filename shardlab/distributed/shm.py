@@ -1,26 +1,14 @@
 """SharedComm: collectives through shared memory for the ranks of one host (docs/collectives.md,
-"Shared-memory transport").
+"Shared-memory transport", which gives the region protocol and its ordering argument).
 
-Every rank of the group owns two regions of a shared arena, ``a`` and ``b``, each ``cap`` bytes,
-and maps the regions of all the others. A collective writes the rank's input into its region,
-synchronises (a host barrier), then each rank reads or reduces what it needs straight from the
-others' regions: all_reduce is a reduce-scatter (rank r reduces chunk r of every input into its
-other region) then, after a second barrier, an all-gather of the reduced chunks.
-
-Which region a rank may write before the first barrier of a call alternates, so that no call
-needs a barrier at its end: a rank that has passed the last barrier of call k knows every other
-rank is at worst in the final phase of call k, reading the region that call k read last; call
-k+1 writes the other one first (``self._free``). Every region written after a barrier is read by
-others only after the next one.
-
-Memories: CPU, one /dev/shm file mapped by every rank and unlinked at once; CUDA, each rank's
-regions on its device, opened from CUDA IPC handles, on a comm stream (shm_cuda.py).
-
-Messages over the chunk (CPU: ``shm_host.chunk_bytes(n)``; CUDA: shm_cuda.CHUNK; not all_to_all)
-go in chunks, one barrier each. The arena grows collectively for a bigger message (all_to_all
-first exchanges its splits through a small host control arena). The host barrier is a counter
-per rank in that arena (x86-64; elsewhere ``dist.barrier``) that also checks no point-to-point
-message (shm_p2p.py) was left unreceived; bytes are counted as the base class counts them.
+Every rank owns two regions ``a`` and ``b`` of a shared arena and maps the others'. A collective
+writes the rank's input into its region, passes a host barrier, then reads or reduces what it
+needs straight from the others' regions (all_reduce: a reduce-scatter into the other region, a
+second barrier, an all-gather). The region written first alternates between calls
+(``self._free``), so no call needs a barrier at its end. CPU: one /dev/shm file; CUDA: device
+regions opened from IPC handles, on a comm stream (shm_cuda.py). Messages over the chunk size go
+in chunks, one barrier each; the arena grows collectively; the host barrier also checks that no
+point-to-point message (shm_p2p.py) was left unreceived.
 """
 from __future__ import annotations
 

@@ -105,3 +105,25 @@ def test_every_internal_import_resolves():
     assert not found, "imports of modules that do not exist:\n" + "\n".join(found)
     assert _unresolved("config/schema.py", "def f():\n    from .models.spec import ffn_dim\n") == \
         ["config/schema.py:2: shardlab.config.models.spec"]
+
+
+def test_every_tensor_reader_is_a_tensor_source():
+    """checkpoint/reader.TensorSource is the one reader protocol: the sharded checkpoint's Reader,
+    the Hugging Face and GGUF readers and the wrappers of models/pretrained.py all provide it."""
+    from shardlab.checkpoint.reader import Reader, TensorSource
+    from shardlab.models.gguf import GGUFTensors
+    from shardlab.models.hf import HFReader
+    from shardlab.models.pretrained import Layered, MergedLoRA
+    members = ("keys", "has", "global_shape", "read", "close")
+    for cls in (Reader, GGUFTensors, HFReader):
+        assert all(callable(getattr(cls, m, None)) for m in members), cls.__name__
+
+    class Source:
+        def keys(self):
+            return []
+
+        has = global_shape = read = close = keys
+
+    assert isinstance(Source(), TensorSource) and not isinstance(object(), TensorSource)
+    for wrapper in (Layered(Source(), Source()), MergedLoRA(Source(), 1.0)):
+        assert isinstance(wrapper, TensorSource), type(wrapper).__name__

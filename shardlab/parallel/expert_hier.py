@@ -125,10 +125,12 @@ def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> 
     back[perm] = torch.arange(perm.numel(), device=dev)
     y = y.index_select(0, back)
     t2 = time.perf_counter()
-    # 5. fast hop back, weight, sum the node's assignments of each pair
+    # 5. fast hop back; per pair, the gate-weighted sum of its assignments here (segments in pair order)
     y = all_to_all(y, h.intra, outs2, ins2)
-    full = y.new_zeros(R * k, D).index_copy(0, sel, y)
-    z = (full.view(R, k, D) * wr.unsqueeze(-1)).sum(1)
+    order = torch.argsort(sel)                                       # assignment i*k+j, by (pair i, j)
+    gates = wr.reshape(-1).index_select(0, sel.index_select(0, order)).unsqueeze(1)
+    z = y.index_select(0, order) * gates                            # no pair here: empty, still in the graph
+    z = torch.segment_reduce(z, "sum", lengths=valid.sum(1), axis=0) if R else z
     # 6. slow hop back, sum over nodes
     z = all_to_all(z, h.inter, outs1, ins1)
     out = z.new_zeros(N * T, D).index_copy(0, pb * T + pt, z)

@@ -18,7 +18,7 @@ from tests.distributed.test_expert import ATOL, make_cfg
 D, T = 32, 24
 
 
-def _layer_case(mesh, cfg, dispatch, seed=1):
+def _layer_case(mesh, cfg, dispatch, seed=1, skew=False):
     """One rank's tokens through the ep layer vs the plain layer on the same tokens. Returns the
     error of outputs and gradients, the kept assignments' agreement, the slow-tier bytes sent
     (forward) and, per other node, the (node, token) pairs and the assignments sent there."""
@@ -30,6 +30,11 @@ def _layer_case(mesh, cfg, dispatch, seed=1):
     layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", base, 2 if overlap else 0)
     gen = torch.Generator().manual_seed(10 + mesh.rank)
     x = torch.randn(T, D, dtype=torch.float64, generator=gen)
+    if skew:  # column 0 large, the router's weight on it +/-: node 0's experts win every top-k
+        x[:, 0] = 20.0
+        with torch.no_grad():
+            half = ref.n_experts // 2
+            ref.router.weight[:half, 0], ref.router.weight[half:, 0] = 1.0, -1.0
     w = torch.randn(T, D, dtype=torch.float64, generator=gen)
     # the overlapped layers with a capacity: an input without gradient (the experts still get theirs)
     no_grad_in = overlap and cfg.model.moe_capacity_factor > 0
@@ -124,6 +129,22 @@ def test_hierarchical_ep4_over_two_nodes_equals_the_plain_layer():
     # uniform-ish routing, top 2 of 4 experts on 2 nodes: fewer slow-tier bytes than the flat dispatch
     for r in res:
         assert r[(0.0, 2, 0, "hierarchical")]["inter"] < r[(0.0, 2, 0, "exact")]["inter"]
+
+
+def _skew_worker(ctx):
+    mesh = Mesh.build(Topology(dp_shard=4, ep=4, nodes=2))
+    return {d: _layer_case(mesh, make_cfg(dict(dp_shard=4, ep=4), top_k=2), d, skew=True)
+            for d in ("hierarchical", "hier-overlap")}
+
+
+def test_hierarchical_with_a_node_that_receives_nothing():
+    """All tokens routed to node 0's experts: node 1's ranks receive no (node, token) pair, yet
+    run every collective of the layer forward and backward; outputs and gradients exact."""
+    res = run(_skew_worker, 4)
+    for rank, cases in enumerate(res):
+        for d, c in cases.items():
+            assert c["err"] <= ATOL and c["same"], (rank, d, c["err"])
+            assert c["max_nodes"] == 1, (rank, d)  # every token's experts on one node: node 0
 
 
 def test_hierarchical_on_one_node_is_the_fast_hop_alone():

@@ -22,18 +22,16 @@ from .expert_hier import hierarchical_moe
 class _Chunk:
     """One chunk's routing on this rank: its rows' splits and the regrouping of received rows."""
 
-    def __init__(self, layer, counts: torch.Tensor):
+    def __init__(self, layer, send: torch.Tensor, recv: torch.Tensor):
         ep, n_local = layer.ep.size, layer.n_local
-        send = counts.view(ep, n_local)
-        recv = layer.ep.all_to_all(send.contiguous())
         self.ins, self.outs = send.sum(1).tolist(), recv.sum(1).tolist()   # this chunk's host read
         self.n = sum(self.ins)
-        block = torch.arange(ep * n_local, device=counts.device).view(ep, n_local)
+        block = torch.arange(ep * n_local, device=recv.device).view(ep, n_local)
         key = torch.repeat_interleave(((block % n_local) * ep + block // n_local).flatten(), recv.flatten(),
                                       output_size=sum(self.outs))
         self.perm = torch.argsort(key, stable=True)
         self.back = torch.empty_like(self.perm)
-        self.back[self.perm] = torch.arange(self.perm.numel(), device=counts.device)
+        self.back[self.perm] = torch.arange(self.perm.numel(), device=recv.device)
         self.local_counts = recv.sum(0)
 
 
@@ -91,7 +89,9 @@ def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: i
     for dropped rows."""
     n, k = counts.shape[0], layer.top_k
     T = x.shape[0] // k
-    chunks = [_Chunk(layer, c) for c in counts]
+    send = counts.view(n, layer.ep.size, layer.n_local).transpose(0, 1)  # (ep, n, n_local): per destination
+    recv = layer.ep.all_to_all(send.reshape(layer.ep.size, -1)).view(send.shape)  # one count exchange for all
+    chunks = [_Chunk(layer, send[:, c], recv[:, c]) for c in range(n)]
     starts = [k * (-(-c * T // n)) for c in range(n + 1)]  # first row of each chunk (its first token: ceil(cT/n))
     rows = [x[starts[c]:starts[c] + h.n] for c, h in enumerate(chunks)]
     ys = _Overlapped.apply(layer, chunks, capacity, n, *rows, *layer.experts.parameters())

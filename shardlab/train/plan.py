@@ -48,8 +48,5 @@ def make_plan(cfg: Config, restarts: int = 0, test_hooks: dict | None = None, wa
     """The plan of one start of ``cfg``; with ``checkpoint.resume``, the one lookup of the newest
     valid checkpoint of this start (damaged newer ones reported through ``warn``)."""
     path = ckpt.latest_valid(checkpoint_dir(cfg), warn=warn) if cfg.checkpoint.resume else None
-    step = 0
-    if path is not None:
-        with ckpt.Reader(path) as reader:
-            step = int(reader.step)
+    step = int(path.name.removeprefix(ckpt.PREFIX)) if path is not None else 0  # save names it by its step
     return RunPlan(cfg, path, step, restarts, cfg.parallel.comm_transport, dict(test_hooks or {}))

@@ -128,7 +128,7 @@ def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> 
     # 5. fast hop back; per pair, the gate-weighted sum of its assignments here (segments in pair order)
     y = all_to_all(y, h.intra, outs2, ins2)
     order = torch.argsort(sel)                                       # assignment i*k+j, by (pair i, j)
-    gates = wr.reshape(-1).index_select(0, sel.index_select(0, order)).unsqueeze(1)
+    gates = wr[valid].unsqueeze(1)                                   # the same (pair, j) order
     z = y.index_select(0, order) * gates                            # no pair here: empty, still in the graph
     z = torch.segment_reduce(z, "sum", lengths=valid.sum(1), axis=0) if R else z
     # 6. slow hop back, sum over nodes

@@ -15,6 +15,7 @@ import ast
 from pathlib import Path
 
 import shardlab
+from tests.unit.test_structure import _is_module
 
 ROOT = Path(shardlab.__file__).parent
 
@@ -26,6 +27,12 @@ MODELS_MAY_IMPORT = {
 ENV_READERS = ("cli.py", "launch.py", "launch_ray.py", "launch_replicas.py", "launch_restart.py", "launch_report.py")
 
 
+def _from_module(node: ast.ImportFrom, package: list[str]) -> str:
+    """The module a ``from ... import`` names, relative levels resolved against ``package``."""
+    base = package[:len(package) - node.level + 1] if node.level else []
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(tree: ast.AST, package: list[str]) -> set[str]:
     """Every module a file imports, module level and inside functions ("shardlab." dropped)."""
     out = set()
@@ -33,8 +40,7 @@ def _imports(tree: ast.AST, package: list[str]) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            out.add(".".join(base + ([node.module] if node.module else [])))
+            out.add(_from_module(node, package))
     return {m.removeprefix("shardlab.") for m in out}
 
 
@@ -85,15 +91,9 @@ def test_environment_read_only_in_cli_and_launchers():
 def _unresolved(rel: str, src: str) -> list[str]:
     """shardlab modules that ``rel`` imports (inside functions too) and that do not exist."""
     package = ["shardlab"] + list(Path(rel).parent.parts)
-    missing = []
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("shardlab")):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            mod = ".".join(base + ([node.module] if node.module else []))
-            parts = mod.split(".")[1:]
-            if not ((ROOT / Path(*parts)).with_suffix(".py").is_file() or (ROOT / Path(*parts) / "__init__.py").is_file()):
-                missing.append(f"{rel}:{node.lineno}: {mod}")
-    return missing
+    return [f"{rel}:{node.lineno}: {mod}" for node in ast.walk(ast.parse(src))
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("shardlab"))
+            and not _is_module(mod := _from_module(node, package))]
 
 
 def test_every_internal_import_resolves():

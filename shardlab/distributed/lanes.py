@@ -88,13 +88,20 @@ def start_all_to_all(comm, t: torch.Tensor, in_splits: list[int] | None, out_spl
     """Start ``comm``'s all-to-all on its process group without waiting: the backend's
     ``Comm.all_to_all_async`` even under the shared-memory transport (whose asynchronous calls are
     done when issued on the CPU), priced by the tier wrapper when ``comm`` has one. Returns (work
-    with ``wait()``, output tensor filled once it is waited for)."""
+    with ``wait()``, output tensor filled once it is waited for). Under the profiler the issue is an
+    ``ep:start`` span: with the ``ep:wait`` that follows on the same thread it tells when the
+    transfer could start on every rank (benchmarks/moe_dispatch.py, exposed transfer time)."""
     from .collectives import Comm
     from .tiers import TieredComm
     base = comm.inner if isinstance(comm, TieredComm) else comm
-    pending = Comm.all_to_all_async(base, t, in_splits, out_splits)  # the backend's, by intent
-    work = comm.all_to_all_start(t, in_splits, out_splits, lambda: pending) if isinstance(comm, TieredComm) else pending
-    return work, pending.result
+    issued = []
+
+    def issue():  # the backend's, by intent; issued by the tier wrapper after it noted the time
+        issued.append(Comm.all_to_all_async(base, t, in_splits, out_splits))
+        return issued[0]
+    with torch.profiler.record_function("ep:start"):
+        work = comm.all_to_all_start(t, in_splits, out_splits, issue) if isinstance(comm, TieredComm) else issue()
+    return work, issued[0].result
 
 
 def wait(work) -> None:

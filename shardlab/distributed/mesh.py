@@ -109,7 +109,8 @@ class Mesh:
         if name not in self._comms:
             args = (name, self.group(name), self.members[name], self.rank, self.ledger, self.algorithm, self.flight)
             comm = SharedComm(*args, device=self.device) if self._shared(name) else Comm(*args)
-            self._comms[name] = tiered(comm, self.node_of, self.link) if self.topology.nodes > 1 else comm
+            one_host = len({self.places[r][0] for r in self.members[name]}) == 1 if self.places else True
+            self._comms[name] = tiered(comm, self.node_of, self.link, one_host) if self.topology.nodes > 1 else comm
         return self._comms[name]
 
     def node_of(self, rank: int) -> int:

@@ -9,13 +9,23 @@ bandwidth (``parallel.sim_inter_node_gbps``, ``_latency_us``) it throttles the c
 earlier than ``start + latency + bytes / bandwidth`` (the real transfer runs inside that time; the
 throttle adds only what is missing). Asynchronous calls get the same deadline on ``wait()``, and
 a rank has one slow link, so transfers in flight together queue on it (``_book``).
+
+A transfer starts when the last rank of the group has issued it, as on a real link, where no data
+moves before the peers are there: where the group's ranks share the host (simulated nodes, the
+only case the throttle is for), each rank writes when it issued each call into a small
+shared-memory table (:class:`IssueTimes`) and the deadline counts from the latest of them, so the
+link time of a rank that arrived early does not run out while it waits for the others. Across
+hosts the deadline counts from the rank's own issue.
 """
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .ledger import ring_bytes
 from .p2p import _nbytes
@@ -60,12 +70,56 @@ def _sleep_until(deadline: float):
         time.sleep(left)
 
 
+class IssueTimes:
+    """When each rank of a group issued each of its calls (perf_counter seconds, which is the
+    host's monotonic clock, the same in every process): a table in shared memory, ``SLOTS`` calls
+    deep, written by each rank in its own column (module doc). Built collectively by the group's
+    first throttled call."""
+
+    SLOTS = 4096
+
+    def __init__(self, inner):
+        n, me = inner.size, inner.rank
+        path = [f"/dev/shm/shardlab-issue-{os.getuid()}-{uuid.uuid4().hex}" if me == 0 else None]
+        if me == 0:
+            with open(path[0], "wb") as fh:
+                fh.truncate(self.SLOTS * n * 16)
+        dist.broadcast_object_list(path, src=inner.ranks[0], group=inner.group)
+        self.table = torch.from_file(path[0], shared=True, size=self.SLOTS * n * 2, dtype=torch.float64).view(self.SLOTS, n, 2)
+        dist.barrier(group=inner.group)  # every rank has it mapped: the name can go
+        if me == 0:
+            os.unlink(path[0])
+        self.me, self.calls = me, 0
+
+    def issue(self) -> tuple[int, float]:
+        """Record that this rank issues its next call now; returns (call number, now)."""
+        k, now = self.calls, time.perf_counter()
+        self.calls += 1
+        row = self.table[k % self.SLOTS, self.me]
+        row[0] = now
+        row[1] = k + 1  # written after the time: a reader that sees the number sees the time
+        return k, now
+
+    def last(self, k: int, own: float) -> float:
+        """When the last rank issued call ``k`` (call it once the call has completed, when every
+        rank has issued it); ``own`` if a slot was reused or not yet written."""
+        rows = self.table[k % self.SLOTS].tolist()
+        return max(t for t, _ in rows) if all(c == k + 1 for _, c in rows) else own
+
+
 class Delayed:
     """A work or :class:`~shardlab.distributed.collectives.Pending` whose ``wait()`` returns no
-    earlier than ``deadline`` (perf_counter seconds); everything else is the wrapped object's."""
+    earlier than ``deadline`` (perf_counter seconds, or a function giving it once the work is
+    done); everything else is the wrapped object's."""
 
-    def __init__(self, work, deadline: float):
-        self._inner, self.deadline = work, deadline  # not ``work``: a Pending's own ``work`` shows through
+    def __init__(self, work, deadline):
+        self._inner, self._deadline = work, deadline  # not ``work``: a Pending's own ``work`` shows through
+
+    @property
+    def deadline(self) -> float:
+        if callable(self._deadline):
+            self._deadline = self._deadline()
+        return self._deadline
 
     def wait(self, *a, **k):
         out = self._inner.wait(*a, **k)
@@ -83,10 +137,13 @@ class TieredComm:
     """A Comm (or SharedComm) whose group spans nodes: same interface and results; slow-tier
     bytes counted, and throttled by ``link`` (module doc). ``nodes[q]``: node of group rank q."""
 
-    def __init__(self, inner, nodes: list[int], link: Link):
+    def __init__(self, inner, nodes: list[int], link: Link, one_host: bool = False):
+        """``one_host``: the group's ranks share the host, so the throttle counts each transfer
+        from the last rank's issue (:class:`IssueTimes`; module doc)."""
         if len(nodes) != inner.size:
             raise ValueError(f"TieredComm: {len(nodes)} node ids for a group of {inner.size}")
-        self.inner, self.nodes, self.link = inner, list(nodes), link
+        self.inner, self.nodes, self.link, self.one_host = inner, list(nodes), link, one_host
+        self._issues = None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -124,21 +181,35 @@ class TieredComm:
         with torch.profiler.record_function(f"tier:{op}"):
             return self._run_now(op, cost, call)
 
+    def _issue(self, delay: float):
+        """(when the transfer starts, as a function to call once the call has completed):
+        the last rank's issue on one host, else this rank's (module doc)."""
+        if delay <= 0:
+            return lambda: 0.0
+        if not self.one_host or self.inner.size == 1:
+            now = time.perf_counter()
+            return lambda: now
+        if self._issues is None:
+            self._issues = IssueTimes(self.inner)
+        k, now = self._issues.issue()
+        return lambda: self._issues.last(k, now)
+
     def _run_now(self, op, cost, call):
         sent, recv, delay = cost
-        deadline = _book(time.perf_counter(), delay)
+        start = self._issue(delay)
         out = call()
         self.inner.ledger.record_inter(op, self.inner.name, sent, recv)
-        _sleep_until(deadline)
+        _sleep_until(_book(start(), delay))
         return out
 
     def _start(self, op: str, cost: tuple[int, int, float], call) -> Delayed:
-        """An asynchronous call: counted now, its ``wait()`` no earlier than start + delay."""
+        """An asynchronous call: counted now, its ``wait()`` no earlier than the transfer's start +
+        delay (booked on the link when the call has completed)."""
         sent, recv, delay = cost
-        deadline = _book(time.perf_counter(), delay)
+        start = self._issue(delay)
         work = call()
         self.inner.ledger.record_inter(op, self.inner.name, sent, recv)
-        return Delayed(work, deadline)
+        return Delayed(work, lambda: _book(start(), delay))
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t, op="sum", algorithm=None):
@@ -177,7 +248,8 @@ class TieredComm:
 
     def all_to_all_start(self, t, in_splits=None, out_splits=None, start=None):
         """An asynchronous all-to-all started by ``start()`` (a work with ``wait()``; expert
-        overlap, parallel/expert_overlap.py), counted and given the slow tier's deadline."""
+        overlap, parallel/expert_overlap.py), counted and given the slow tier's deadline. ``start``
+        is called after the issue time is noted (IssueTimes: a peer whose call completes reads it)."""
         return self._start("all_to_all", self._a2a(t, in_splits, out_splits), start)
 
     # -- point to point ----------------------------------------------------------------------
@@ -202,8 +274,8 @@ class TieredComm:
         return [self._p2p(op, t, p, w) for (op, t, p), w in zip(msgs, works)]
 
 
-def tiered(comm, node_of, link: Link):
+def tiered(comm, node_of, link: Link, one_host: bool = False):
     """``comm`` wrapped in a TieredComm when its ranks span nodes (``node_of(global rank)``),
-    else ``comm`` itself."""
+    else ``comm`` itself. ``one_host``: its ranks share the host (TieredComm)."""
     nodes = [node_of(r) for r in comm.ranks]
-    return TieredComm(comm, nodes, link) if len(set(nodes)) > 1 else comm
+    return TieredComm(comm, nodes, link, one_host) if len(set(nodes)) > 1 else comm

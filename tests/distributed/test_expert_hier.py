@@ -174,3 +174,27 @@ def test_throttle_holds_a_cross_node_call_to_the_link_time():
         assert tiered and link_ok
         assert inter == sent == 2 * 100_000  # two calls, half of the 200 kB leaves for the other node
         assert abs(expect - 0.012) < 1e-12 and a2a >= expect
+
+
+def _late_rank_worker(ctx):
+    import torch.distributed as dist
+    from shardlab.distributed.lanes import start_all_to_all
+    mesh = Mesh.build(Topology(dp_shard=2, ep=2, nodes=2, inter_node_gbps=0.01, inter_node_latency_us=20_000))
+    comm, x, out = mesh.comm("ep"), torch.ones(2), []
+    comm.all_to_all(x)  # the first throttled call builds the issue table
+    for call in (lambda: comm.all_to_all(x), lambda: start_all_to_all(comm, x, None, None)[0].wait()):
+        dist.barrier()
+        if mesh.rank == 1:
+            time.sleep(0.08)
+        issued = time.perf_counter()  # the host's monotonic clock: comparable between the ranks
+        call()
+        out.append((issued, time.perf_counter()))
+    return out
+
+
+def test_a_transfer_starts_when_the_last_rank_issues_it():
+    """Rank 1 issues 80 ms after rank 0, over a link of 20 ms: rank 0's call (synchronous, then
+    asynchronous) lasts until 20 ms after rank 1 issued it, not 20 ms after its own issue."""
+    early, late = run(_late_rank_worker, 2)
+    for (_, end0), (issued1, end1) in zip(early, late):
+        assert end0 - issued1 >= 0.02 - 1e-3 and end1 - issued1 >= 0.02, (early, late)

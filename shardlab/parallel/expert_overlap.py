@@ -3,8 +3,8 @@
 
 The tokens are routed together, then their assignments go in n chunks by token: every chunk's
 dispatch and combine is an asynchronous collective, so one chunk's transfer runs while another
-chunk's experts compute (forward: start all dispatches; per chunk wait, experts, start its
-combine; wait the combines. The backward mirrors it, the experts' backward an inner
+chunk's experts compute (forward: per chunk start the next chunk's dispatch, wait its own,
+experts, start its combine; wait the combines. The backward mirrors it, the experts' backward an inner
 ``torch.autograd.backward`` as activation checkpointing does). At most (n-1)/n of the transfer
 time can hide. The hierarchical dispatch overlaps the same way in lanes
 (:func:`hierarchical_overlapped`, distributed/lanes.py). Equal to the layer without overlap up to
@@ -35,6 +35,22 @@ class _Chunk:
         self.local_counts = recv.sum(0)
 
 
+class _Ahead:
+    """The chunks' dispatches started one ahead of their use: taking chunk c starts c + 1 (and c,
+    if not yet), so at most two are in flight beside the combines. All n at once would share the
+    transport between them (gloo moves concurrent all-to-alls together), so the first chunk's would
+    arrive last; the issue order (d0, d1, c0, d2, c1, ...) is the same on every rank."""
+
+    def __init__(self, start, n: int):
+        self.start, self.n, self.works = start, n, {}
+
+    def take(self, c: int):
+        for k in (c, c + 1):
+            if k < self.n and k not in self.works:
+                self.works[k] = self.start(k)
+        return self.works.pop(c)
+
+
 class _Overlapped(torch.autograd.Function):
     """The kept rows of each chunk (grouped by expert) -> their expert outputs, with the
     transfers of one chunk overlapping another's compute (module doc)."""
@@ -45,9 +61,10 @@ class _Overlapped(torch.autograd.Function):
         that the outputs need a gradient whenever they do; their gradients accumulate in the
         inner backward)."""
         ctx.layer, ctx.chunks, ctx.n = layer, chunks, n
-        works = [start_all_to_all(layer.ep, x, h.ins, h.outs) for x, h in zip(tensors[:n], chunks)]
+        works = _Ahead(lambda c: start_all_to_all(layer.ep, tensors[c], chunks[c].ins, chunks[c].outs), n)
         inputs, outputs, combines = [], [], []
-        for (work, got), h in zip(works, chunks):
+        for c, h in enumerate(chunks):
+            work, got = works.take(c)
             _wait(work)
             x = got.detach().requires_grad_()
             with torch.enable_grad():
@@ -65,10 +82,11 @@ class _Overlapped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads_out):
         layer, chunks, n = ctx.layer, ctx.chunks, ctx.n
-        works = [start_all_to_all(layer.ep, g, h.ins, h.outs) for g, h in zip(grads_out, chunks)]
+        works = _Ahead(lambda c: start_all_to_all(layer.ep, grads_out[c], chunks[c].ins, chunks[c].outs), n)
         rows_grad = any(ctx.needs_input_grad[4:4 + n])  # the same on every rank
         back = []
-        for (work, g), h, x, y in zip(works, chunks, ctx.inputs, ctx.outputs):
+        for c, (h, x, y) in enumerate(zip(chunks, ctx.inputs, ctx.outputs)):
+            work, g = works.take(c)
             _wait(work)
             torch.autograd.backward(y, g)
             if rows_grad:

@@ -120,11 +120,16 @@ def _fast_gbps(mesh, nbytes=1 << 21, iters=10) -> float:
     return nbytes * (comm.size - 1) / comm.size / t.item() / 1e9
 
 
-def _exposed_ms(layer, x, w, steps=3) -> float:
-    """Exposed communication per step from a Chrome trace of ``steps`` steps (module doc). Variants
-    with lanes are traced on all threads; the others on the loop's thread, where all their
-    communication runs (a trace of all threads would lose the shared-memory transport's ``shm:``
-    spans: it opens them only where ``_profiler_enabled()``, which such a trace does not set)."""
+COMM = ("tier:", "shm:", "ep:wait", "ep:start")
+
+
+def _comm_trace(layer, x, w, steps=3) -> list:
+    """The communication spans of ``steps`` steps from a Chrome trace: [name, start, end, thread]
+    in microseconds of the host's clock (``baseTimeNanoseconds`` added, so the ranks' traces line
+    up), the outermost per thread. Variants with lanes are traced on all threads; the others on
+    the loop's thread, where all their communication runs (a trace of all threads would lose the
+    shared-memory transport's ``shm:`` spans: it opens them only where ``_profiler_enabled()``,
+    which such a trace does not set)."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
     lanes = layer.fb or layer.hier_chunks > 1
@@ -135,12 +140,50 @@ def _exposed_ms(layer, x, w, steps=3) -> float:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as fh:
-            events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+            trace = json.load(fh)
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     if not lanes:
         tid = statistics.mode(e.get("tid") for e in events if e.get("cat") == "cpu_op")
         events = [e for e in events if e.get("tid") == tid]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(("tier:", "ep:wait", "shm:"))]
-    return sum(b - a for a, b in merge(comm)) / 1e3 / steps
+    spans = sorted((e["ts"] + base, e["ts"] + base + e["dur"], e["name"], e.get("tid")) for e in events
+                   if e["name"].startswith(COMM))
+    out, last = [], {}
+    for a, b, name, tid in spans:
+        if tid in last and b <= last[tid]:
+            continue  # inside an outer communication span (a tier: span around its shm: call)
+        last[tid] = b
+        out.append([name, a, b, tid])
+    return out
+
+
+def _exposure(traces: list, steps=3) -> list[tuple[float, float | None]]:
+    """Per rank, ms per step: (exposed, of it the transfer). Exposed: the union of the collective
+    spans and the waits. Transfer: the same without the time before the collective's last rank
+    issued it (waiting for a slower rank is imbalance, not the all-to-all): collectives are
+    numbered in issue order, the same on every rank (synchronous spans and ``ep:start``); a wait
+    belongs to the oldest unwaited start of its thread. None where the ranks' counts differ."""
+    issues = [[e for e in t if not e[0].startswith("ep:wait")] for t in traces]
+    last = [max(col) for col in zip(*[[e[1] for e in iss] for iss in issues])]
+    same = len({len(i) for i in issues}) == 1
+    out = []
+    for t, iss in zip(traces, issues):
+        exposed = [(a, b) for name, a, b, _ in t if name != "ep:start"]
+        moved, queues, n = [], {}, 0
+        for name, a, b, tid in t:
+            if name == "ep:wait":
+                k = queues[tid].pop(0)
+                moved.append((max(a, last[k]), b))
+            else:
+                if name == "ep:start":
+                    queues.setdefault(tid, []).append(n)
+                else:
+                    moved.append((max(a, last[n]), b))
+                n += 1
+        total = sum(b - a for a, b in merge(exposed)) / 1e3 / steps
+        transfer = sum(b - a for a, b in merge([(a, b) for a, b in moved if b > a])) / 1e3 / steps
+        out.append((total, transfer if same else None))
+    return out
 
 
 def _bytes(mesh, a, x, w) -> dict:
@@ -164,7 +207,7 @@ def _bytes(mesh, a, x, w) -> dict:
 
 
 def worker(ctx, a):
-    mesh = Mesh.build(Topology(dp_shard=4, ep=4, nodes=2))
+    mesh = Mesh.build(Topology(dp_shard=4, ep=4, nodes=2), transport=a.transport)
     g = torch.Generator().manual_seed(10 + ctx.rank)
     x, w = torch.randn(a.tokens, a.d_model, generator=g), torch.randn(a.tokens, a.d_model, generator=g)
     x.requires_grad_()  # as inside a model: the dispatch's backward runs too
@@ -191,9 +234,9 @@ def worker(ctx, a):
                     times[name].append(t.item())
                 inter[name] = sum(e.inter_sent for e in mesh.ledger.since(snap).values())
         row = {n: {"step_ms": 1e3 * statistics.median(times[n]), "inter_KiB": inter[n] / 1024} for n in VARIANTS}
-        if factor == a.profile_factor:
+        if factor in _profiled(a):
             for n in [n for off, ons in OVERLAP.items() for n in (off,) + ons]:
-                row[n]["exposed_ms"] = _exposed_ms(layers[n], x, w)
+                row[n]["trace"] = _comm_trace(layers[n], x, w)
         out["settings"][factor] = {"gbps": link.gbps, "rows": row}
     return out
 
@@ -230,20 +273,33 @@ def _print_steps(res, a):
         for n, r in rows.items():
             print(f"| {tier} | {n} | {r['step_ms']:.1f} | {r['step_ms'] / base['step_ms']:.2f} | "
                   f"{r['inter_KiB']:.0f} | {r['inter_KiB'] / base['inter_KiB']:.2f} |")
-    if a.profile_factor not in a.slow_factors:
+    profiled = [f for f in a.slow_factors if f in _profiled(a)]
+    if not profiled:
         return
-    print(f"\nOverlap, slow tier fast / {a.profile_factor:g}: exposed communication per step from the profiler "
-          "trace of all threads (mean over ranks)")
-    print("| dispatch | overlap | step (ms) | exposed communication (ms) | hidden = 1 - exposed / exposed(off) |")
-    print("|---|---|---|---|---|")
-    for off, ons in OVERLAP.items():
-        rows = {n: [r["settings"][a.profile_factor]["rows"][n] for r in res] for n in (off,) + ons}
-        base = statistics.mean(r["exposed_ms"] for r in rows[off])
-        for n, rr in rows.items():
-            e = statistics.mean(r["exposed_ms"] for r in rr)
-            how = "off" if n == off else n.removeprefix(off + " ")
-            print(f"| {off.split()[0]} | {how} | {rr[0]['step_ms']:.1f} | {e:.1f} | "
-                  f"{'' if n == off else f'{1 - e / base:.2f}'} |")
+    print("\nOverlap: communication per step from the profiler traces, mean over ranks: exposed (collective spans "
+          "and waits), of it transfer (without the wait for the collective's last rank to issue it: imbalance), "
+          "and the share hidden against overlap off")
+    print("| slow tier | dispatch | overlap | step (ms) | exposed (ms) | waiting for a slower rank (ms) | "
+          "transfer exposed (ms) | hidden: exposed | hidden: transfer |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for factor in profiled:
+        for off, ons in OVERLAP.items():
+            rows = {n: [r["settings"][factor]["rows"][n] for r in res] for n in (off,) + ons}
+            ex = {n: _exposure([r["trace"] for r in rr]) for n, rr in rows.items()}
+            mean = {n: (statistics.mean(e for e, _ in v), None if any(t is None for _, t in v)
+                        else statistics.mean(t for _, t in v)) for n, v in ex.items()}
+            (e0, t0) = mean[off]
+            for n, (e, t) in mean.items():
+                how = "off" if n == off else n.removeprefix(off + " ")
+                hid = "" if n == off else f"{1 - e / e0:.2f}"
+                hid_t = "" if n == off or t is None or t0 is None else f"{1 - t / t0:.2f}"
+                print(f"| fast / {factor:g} | {off.split()[0]} | {how} | {rows[n][0]['step_ms']:.1f} | {e:.1f} | "
+                      f"{'' if t is None else f'{e - t:.1f}'} | {'' if t is None else f'{t:.1f}'} | {hid} | {hid_t} |")
+
+
+def _profiled(a) -> list[float]:
+    """The slow-tier settings whose overlap is profiled: ``--profile-factors``, default every throttled one."""
+    return a.profile_factors if a.profile_factors is not None else [f for f in a.slow_factors if f]
 
 
 def main():
@@ -257,7 +313,11 @@ def main():
                     help="slow tier = measured fast-tier bandwidth / factor (0: not throttled)")
     ap.add_argument("--latency-us", type=float, default=20.0, help="slow-tier latency per message")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--profile-factor", type=float, default=16, help="the setting whose overlap is profiled")
+    ap.add_argument("--profile-factors", type=float, nargs="*", default=None,
+                    help="the slow-tier settings whose overlap is profiled (default: every throttled one)")
+    ap.add_argument("--transport", default="auto", choices=["auto", "process_group"],
+                    help="the collectives' transport (parallel.comm_transport): auto = shared memory on x86-64 for "
+                         "the synchronous ones; process_group = gloo for all, as the overlap's asynchronous ones")
     ap.add_argument("--json", default="")
     ap.add_argument("--bytes-top-k", type=int, nargs="*", default=[],
                     help="first: slow-tier bytes of flat vs hierarchical for each of these top-k (module doc)")

@@ -85,7 +85,8 @@ def _worker(ctx, cases):
     from shardlab.parallelize import parallelize
     out = []
     for par, train in cases:
-        topo = Topology(pp=2, dp_shard=2)
+        rep = par.pop("dp_replicate", 1)  # hybrid: gradient shards all-reduced over the replicas
+        topo = Topology(pp=2, dp_shard=2 // rep, dp_replicate=rep)
         mesh = Mesh.build(topo)
         cfg = tiny_cfg()
         cfg.train.precision, cfg.train.param_dtype = "fp32", "bf16"
@@ -93,7 +94,7 @@ def _worker(ctx, cases):
             setattr(cfg.train, k, v)
         m, dp = par.get("microbatches", 4), 2
         p = cfg.parallel
-        p.pp, p.dp_shard, p.microbatches = 2, 2, m
+        p.pp, p.dp_shard, p.dp_replicate, p.microbatches = 2, 2 // rep, rep, m
         for k, v in par.items():
             setattr(p, k, v)
         cfg.train.global_batch = m * dp
@@ -102,8 +103,9 @@ def _worker(ctx, cases):
         engine = parallelize(meta_model(cfg.model, torch.float32), mesh, cfg)
         opt = engine.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=LR))
         x, y = batch(cfg, cfg.train.global_batch, 123)
-        engine.global_loss(engine.forward_backward(local_mbs(x, y, dp, mesh.coords["dp_shard"], m)))
-        row = dict(case=f"{par} {train}", names=set(), over=0.0, err=0.0)
+        d = mesh.coords["dp_replicate"] * topo.dp_shard + mesh.coords["dp_shard"]
+        engine.global_loss(engine.forward_backward(local_mbs(x, y, dp, d, m)))
+        row = dict(case=f"{par} rep={rep} {train}", names=set(), over=0.0, err=0.0)
         for name, (lo, hi, g) in engine.full_grads().items():
             want, bound = (t.reshape(-1)[lo:hi] for t in ref_grads[name])
             diff = (g - want).abs()
@@ -132,14 +134,15 @@ def _worker(ctx, cases):
 
 
 def test_bf16_stages_follow_fsdp2_rule():
-    """ZeRO-3 under 1f1b (fp32 reduce, the default, and bf16 reduce) and under zb-h1 (split
-    backward), ZeRO-1 under gpipe: gradients and updated masters within the stated bounds; the
+    """ZeRO-3 under 1f1b (fp32 reduce, the default, and bf16 reduce), under zb-h1 (split
+    backward) and hybrid (pp=2 x dp_replicate=2), ZeRO-1 under gpipe: gradients and updated masters within the stated bounds; the
     gathered stage and the modules' parameters bf16, the masters fp32; the stage buffers' peak
     bytes are 2 (bf16 stage) + 4 (fp32 gradient) per element, not fp32's 4 + 4, and are what the
     planner plans for the rank."""
     cases = [(dict(zero_stage=3, pp_schedule="1f1b"), {}),
              (dict(zero_stage=3, pp_schedule="1f1b"), {"reduce_dtype": "bf16"}),
              (dict(zero_stage=3, pp_schedule="zb-h1"), {"reduce_dtype": "fp32"}),
+             (dict(zero_stage=3, pp_schedule="1f1b", dp_replicate=2), {}),
              (dict(zero_stage=1, pp_schedule="gpipe", microbatches=2), {})]
     results = run(_worker, 4, cases, timeout_s=180)
     for rows in zip(*results):

@@ -34,6 +34,9 @@ def run_config(run: dict, models: dict):
         setattr(base.model, k, v)
     base.model.max_seq_len = base.train.seq_len = run["seq"]
     base.train.precision, base.train.global_batch = "bf16", run["global_batch"]
+    # the FSDP mixed-precision policy the run applied, where the file states it (torchtitan's
+    # default: bf16 parameters, fp32 reduction; shardlab's train.param_dtype / reduce_dtype)
+    base.train.param_dtype, base.train.reduce_dtype = run.get("param_dtype", ""), run.get("reduce_dtype", "")
     if run["system"] == "Megatron-LM":  # as the fit set's Megatron rows: all-reduce after the backward
         base.parallel.overlap_comm = False
     return base, parse_layout(run["layout"])

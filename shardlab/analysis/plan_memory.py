@@ -194,35 +194,47 @@ def _flats(named, dense: str, topo, weight_decay: float, cap_bytes=None):
 
 
 def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
-    """ZeRO-1/2/3 inside pipeline stages (pipeline/sharded.py; docs/planner.md, Memory model)."""
+    """ZeRO-1/2/3 inside pipeline stages (pipeline/sharded.py; docs/planner.md, Memory model): the
+    stage gathered in ``train.param_dtype`` (c bytes; none: the masters' el) with separate el-byte
+    master slices then, its gradient accumulated over the micro-batches in ``train.reduce_dtype``
+    (a bytes; none: el), as the engine's ``compute_dtype`` / ``acc_dtype``."""
     p, t = cfg.parallel, cfg.train
     n = Topology.from_config(p).size(shard_group(p.zero_stage))
+    c, a = LOW.get(t.param_dtype) or el, LOW.get(t.reduce_dtype) or el
     out["params"] = frozen
     padded_total = largest_shard = 0
     for group, _ in decay_groups(train, t.weight_decay):
         shard = shard_size(sum(q.numel() for _, q in group), n)
         largest_shard = max(largest_shard, shard)
         padded_total += shard * n
-        out["params"] += (shard if p.zero_stage == 3 else shard * n) * el
+        if c != el:  # a low-precision stage: the master slice is the optimizer's (measured as optim)
+            out["params"] += 0 if p.zero_stage == 3 else shard * n * c
+            out["optim"] += shard * el
+        else:
+            out["params"] += (shard if p.zero_stage == 3 else shard * n) * el
         out["grads"] += shard * el
         out["optim"] += 2 * shard * el
     recv = _recv_bytes(cfg)
-    out["buffers"] = padded_total * el * (2 if p.zero_stage == 3 else 1) + recv
+    out["buffers"] = padded_total * ((c if p.zero_stage == 3 else 0) + a) + recv
+    if a != c:  # each parameter's gradient of a micro-batch exists in c bytes until it is folded in
+        out["bwd_transient"] = float(max((q.numel() for _, q in train), default=0) * c)
     # After the last backward (pipeline/sharded.sync_grads) the flat gradients (and under ZeRO-3
     # the gathered stage) are still there when their reduce-scatter outputs arrive; activations
     # are gone. So the peak after backward is the larger of that and the optimizer's temporary.
     sync = out["buffers"] - recv + out["grads"]
     out["opt_transient"] = max(sync, step_transient(out["grads"], largest_shard * el))
-    out["gathered_total"] = out["reduce_total"] = float(padded_total * el)
+    out["gathered_total"], out["reduce_total"] = float(padded_total * c), float(padded_total * a)
     return out
 
 
 def _recv_bytes(cfg) -> float:
-    """A pipeline rank's receive buffers posted ahead (engine.lookahead + 1 activations)."""
+    """A pipeline rank's receive buffers posted ahead (engine.lookahead + 1 activations, in the
+    stages' compute dtype)."""
     p, t = cfg.parallel, cfg.train
     b = t.global_batch // p.dp // p.microbatches
+    low = p.zero_stage and t.param_dtype in ("bf16", "fp16")  # the stages compute in param_dtype
     return 3 * b * (t.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)) * cfg.model.d_model \
-        * act_dtype(cfg).itemsize
+        * (LOW[t.param_dtype] if low else act_dtype(cfg).itemsize)
 
 
 def step_transient(stepped: float, largest: float) -> float:

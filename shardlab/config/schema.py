@@ -159,10 +159,12 @@ class TrainConfig:
     param_dtype: str = f("", "Low-precision parameter storage: '' = none (fp32 parameters; FSDP gathers in the "
                              "autocast dtype); bf16/fp16: ZeRO-1/2 keep the model's parameters and gradient "
                              "buffers in this dtype with fp32 master slices for the optimizer, FSDP all-gathers "
-                             "in it; fp32: FSDP gathers fp32 even under autocast. Needs zero_stage >= 1.", choices=('', 'fp32', 'bf16', 'fp16'))
+                             "in it, ZeRO inside pipeline stages keeps or gathers the stage in it ('' there: fp32); fp32: "
+                             "FSDP gathers fp32 even under autocast. Needs zero_stage >= 1.", choices=('', 'fp32', 'bf16', 'fp16'))
     reduce_dtype: str = f("", "Gradient reduction dtype: FSDP reduce-scatters in it ('' = the fp32 shards' dtype); "
                               "DDP (zero_stage 0, plain data parallel) stores its gradient buckets in it and "
-                              "all-reduces them (bf16: 2 bytes/param). Needs zero_stage 0 or 3.", choices=('', 'fp32', 'bf16', 'fp16'))
+                              "all-reduces them (bf16: 2 bytes/param); ZeRO inside pipeline stages accumulates and "
+                              "reduce-scatters the stage's gradient in it. Needs zero_stage 0 or 3, or pp > 1.", choices=('', 'fp32', 'bf16', 'fp16'))
     nonfinite: str = f("stop", "fp32/bf16/fp64: a step whose loss or gradients are inf/nan is never applied; stop = "
                                "end the run with one line naming the step (exit 1), skip = drop the step and go on "
                                "(fp16 always skips through its loss scaler).", choices=('stop', 'skip'))

@@ -42,6 +42,16 @@ from .zero import DTYPES, FlatParam, ShardedEngine, flat_groups
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def mixed_precision_dtypes(train, autocast_default: bool = True) -> tuple:
+    """(gathered / compute dtype, reduction dtype) from ``train.param_dtype`` / ``train.reduce_dtype``
+    (FSDP2's MixedPrecisionPolicy param_dtype / reduce_dtype); None: the fp32 shards' dtype. An
+    empty param_dtype gathers in the autocast dtype when ``autocast_default`` (FSDPEngine's
+    default), else in the shards' dtype (pipeline/sharded.py)."""
+    compute = DTYPES[train.param_dtype] if train.param_dtype else (
+        _DTYPES.get(train.precision) if autocast_default else None)
+    return compute, DTYPES.get(train.reduce_dtype)
+
+
 def wrap_policy(model: nn.Module, policy: str, spec=None) -> list[str]:
     """Unit names from ``parallel.wrap_policy``: ``blocks`` (the architecture's blocks, from its
     ModelSpec; for a model without a spec, no units but the root), ``size:<N>`` or
@@ -117,9 +127,8 @@ class FSDPEngine(ShardedEngine):
         # offload to a GPU run: shards in pinned host memory, copied to the device without blocking
         # (the copy is queued on the current stream, which the collective that reads it follows)
         self.pin = self.home.type == "cpu" and mesh.device.type == "cuda"
-        t = cfg.train  # gathered (compute) and reduce-scatter dtypes; None: the shards' dtype
-        self.compute_dtype = DTYPES[t.param_dtype] if t.param_dtype else _DTYPES.get(t.precision)
-        self.reduce_dtype = DTYPES.get(t.reduce_dtype)
+        # gathered (compute) and reduce-scatter dtypes; None: the shards' dtype
+        self.compute_dtype, self.reduce_dtype = mixed_precision_dtypes(cfg.train)
         names = unit_names if unit_names is not None else []
         modules = dict(model.named_modules())
         self.gathered_bytes = self.peak_gathered_bytes = 0  # parameters in flight (benchmarks)
@@ -353,4 +362,4 @@ def apply(model: nn.Module, mesh, cfg, unit_names: list[str] | None = None, init
     return FSDPEngine(model, mesh, cfg, unit_names, init_fn)
 
 
-__all__ = ["FSDPEngine", "apply", "wrap_policy", "class_policy", "size_policy", "unit_params", "Engine"]
+__all__ = ["FSDPEngine", "apply", "mixed_precision_dtypes", "wrap_policy", "class_policy", "size_policy", "unit_params", "Engine"]

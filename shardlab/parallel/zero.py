@@ -32,7 +32,7 @@ def check_config(cfg) -> None:
     require(not t.param_dtype or p.zero_stage >= 1, "train.param_dtype",
             "low-precision parameter storage is implemented by ZeRO/FSDP; set --parallel.zero_stage=1, 2 or 3 "
             "or leave train.param_dtype empty")
-    require(not t.reduce_dtype or p.zero_stage in (0, 3), "train.reduce_dtype",
+    require(not t.reduce_dtype or p.zero_stage in (0, 3) or p.pp > 1, "train.reduce_dtype",
             "the reduce dtype is a DDP/FSDP option (ZeRO-1/2 reduce in train.param_dtype); use zero_stage 0 or 3")
 
 

@@ -18,6 +18,9 @@ LAYOUTS = {  # nproc -> (layout, parallel overrides, train overrides)
     3: (ODD3, [("zero1", {"bucket_cap_mb": 0.005}, {}), ("zero2", {"bucket_cap_mb": 0.005}, {}),
                ("zero1", {}, {"param_dtype": "bf16"}), ("fsdp", {}, {}), ("fsdp", {"wrap_policy": "size:2000"}, {})]),
     4: (ODD4, [("pp2-zero1", {"microbatches": 2}, {}), ("pp2-fsdp", {"microbatches": 2}, {}),
+               # bf16 stages, fp32 masters (pipeline/sharded.py): the default fp32 reduce and a bf16 one
+               ("pp2-zero1", {"microbatches": 2}, {"param_dtype": "bf16"}),
+               ("pp2-fsdp", {"microbatches": 2}, {"param_dtype": "bf16", "reduce_dtype": "bf16"}),
                ("ep2-fsdp", {}, {}), ("ep2-zero2", {"bucket_cap_mb": 0.005}, {})]),
 }
 

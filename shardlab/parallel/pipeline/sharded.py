@@ -2,7 +2,15 @@
 buffers (one per weight-decay group) sharded over its data-parallel group (:func:`shard_group`);
 ZeRO-3 gathers them once per step, the gradients are reduce-scattered once, after the last
 micro-batch. The step, and why the parameters stay gathered for it: docs/pipeline.md, "Sharding
-inside stages"."""
+inside stages".
+
+Mixed precision (``train.param_dtype`` / ``train.reduce_dtype``, FSDP2's MixedPrecisionPolicy as
+torch.distributed.pipelining drives it): the gathered stage, hence its compute and the activations
+between stages, in param_dtype; fp32 master slices for the optimizer; the gradients of all
+micro-batches accumulated in one flat buffer of the reduce dtype (default: the masters' fp32),
+each micro-batch's gradient made in param_dtype and added into it as autograd finishes it (FSDP2
+with gradient sync off: ``FSDPParam.to_accumulated_grad_if_needed`` /
+``accumulate_unsharded_grad_if_needed``), reduce-scattered in that dtype after the last one."""
 from __future__ import annotations
 
 import torch
@@ -10,16 +18,17 @@ from torch import nn
 
 from ...config import register_check
 from ...distributed.placement import get_placement, set_placement
+from ..fsdp import mixed_precision_dtypes
 from ..materialize import init_flat_range
 from ..zero import FlatParam, ShardedEngine, decay_groups
-from .executor import PipelineEngine
+from .executor import PipelineEngine, _param_dtype
 
 
 @register_check
 def check_config(cfg) -> None:
     """What stage-local sharding does not implement (called by ``validate`` with pp > 1)."""
     from ...errors import require
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     if p.pp == 1 or p.zero_stage == 0:
         return
     require(p.ep == 1, "parallel.ep",
@@ -27,9 +36,6 @@ def check_config(cfg) -> None:
             "--parallel.zero_stage=0 with pp > 1 and ep > 1, or --parallel.ep=1")
     require(not p.offload, "parallel.offload",
             "CPU offload is not implemented inside pipeline stages; set --parallel.offload=false")
-    require(not t.param_dtype and not t.reduce_dtype, "train.param_dtype",
-            "low-precision parameter/reduce dtypes are not implemented inside pipeline stages; "
-            "leave train.param_dtype and train.reduce_dtype empty (or use zero_stage = 0)")
 
 
 def shard_group(zero_stage: int) -> str:
@@ -50,8 +56,15 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         self.replicate_group = "dp_replicate" if self.stage == 3 and mesh.size("dp_replicate") > 1 else None
         self.comm = mesh.comm(self.shard_group)
         self.gathered = True
+        # gathered (compute) dtype and the gradients' accumulation / reduce-scatter dtype; None: the
+        # masters' (an empty param_dtype gathers the masters' dtype, also under autocast)
+        self.compute_dtype, self.reduce_dtype = mixed_precision_dtypes(cfg.train, autocast_default=False)
+        self.peak_buffer_bytes = 0  # the last step's gathered stage + flat gradients (docs, tests)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.flats = [self._make_flat(g, wd, init_fn) for g, wd in decay_groups(named, cfg.train.weight_decay)]
+        self.flats: list[FlatParam] = []
+        for g, wd in decay_groups(named, cfg.train.weight_decay):
+            self.flats.append(self._make_flat(g, wd, init_fn))
+        self.link.dtype = _param_dtype(model)  # what crosses the stage boundaries: the compute dtype
         if self.stage == 3:
             self._free()
         self.ensure_grads()
@@ -64,31 +77,48 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         checkpoint); a materialised one starts everywhere from dp rank 0's values."""
         f = FlatParam([n for n, _ in group], [p for _, p in group], self.comm.size, self.comm.rank, wd)
         dtype, device = group[0][1].dtype, self.mesh.device
-        f.full = torch.zeros(f.padded, dtype=dtype, device=device)
+        f.full = torch.zeros(f.padded, dtype=self.compute_dtype or dtype, device=device)
         if any(p.is_meta for _, p in group):
             shard = torch.zeros(f.shard_size, dtype=dtype, device=device)
             for (name, p), (lo, hi), off in zip(group, f.own_ranges(), f.offsets):
                 if hi > lo:
                     a = f.start + lo - off
                     shard[lo:hi] = init_flat_range(init_fn, name, p, a, a + hi - lo, device, init=init_fn is not None)
-            f.own(f.full).copy_(shard)
-            self.comm.all_gather_async(shard, out=f.full).wait()
+            self.comm.all_gather_async(shard.to(f.full.dtype), out=f.full).wait()
+            master = shard
         else:
-            f.full.copy_(self.mesh.comm("dp_cp").broadcast(f.flatten([p for _, p in group]), 0))
-        # ZeRO-3 frees the gathered buffer between steps, so its slice is a separate tensor;
-        # ZeRO-1/2 keep the full buffer and the optimizer's slice aliases it.
-        f.shard = nn.Parameter(f.own(f.full).clone() if self.stage == 3 else f.own(f.full))
+            full = self.mesh.comm("dp_cp").broadcast(f.flatten([p for _, p in group]), 0)
+            f.full.copy_(full)
+            master = f.own(full)
+        # The optimizer's slice: ZeRO-1/2 in the masters' dtype alias the full buffer they keep;
+        # ZeRO-3 (which frees it between steps) and a low-precision buffer keep a separate master.
+        separate = self.stage == 3 or f.full.dtype != dtype
+        f.shard = nn.Parameter(master.clone() if separate else f.own(f.full))
+        # Gradients accumulate over the micro-batches in the reduce dtype (default: the masters');
+        # where it is not the compute dtype, each micro-batch's gradient is folded into the flat
+        # buffer when autograd has made it (_fold), as FSDP2 does with gradient sync off.
+        f.acc_dtype = self.reduce_dtype or dtype
+        f.fold = f.acc_dtype != f.full.dtype
         f.params = []
-        for (name, old), view in zip(group, f.views(f.full)):
+        for i, ((name, old), view) in enumerate(zip(group, f.views(f.full))):
             new = nn.Parameter(view)
+            if f.fold:
+                new.register_post_accumulate_grad_hook(lambda p, f=f, i=i: self._fold(f, i, p))
             set_placement(new, get_placement(old, name))
             for mod in self.model.modules():
                 for attr, q in list(mod._parameters.items()):
                     if q is old:
                         mod._parameters[attr] = new
             f.params.append(new)
-        f.grad_full = None
+        f.grad_full = f.grad_views = None
         return f
+
+    @torch.no_grad()
+    def _fold(self, f: FlatParam, i: int, p: nn.Parameter):
+        """A parameter's gradient of one micro-batch (compute dtype, all its uses summed by autograd)
+        added into its view of the flat gradient (reduce dtype), then dropped."""
+        f.grad_views[i].add_(p.grad)
+        p.grad = None
 
     # -- gather / free ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -100,7 +130,7 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         works = []
         for f in self.flats:
             f.full.untyped_storage().resize_(f.padded * f.full.element_size())
-            works.append(self.comm.all_gather_async(f.shard.detach().clone(), out=f.full))
+            works.append(self.comm.all_gather_async(f.shard.detach().to(f.full.dtype, copy=True), out=f.full))
         for w in works:
             w.wait()
         self.gathered = True
@@ -116,20 +146,26 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         self.ensure_grads()
         self._gather()
         for f in self.flats:  # gradients of all micro-batches accumulate into one flat buffer
-            f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
-            for p, g in zip(f.params, f.views(f.grad_full)):
-                p.grad = g
+            f.grad_full = torch.zeros(f.padded, dtype=f.acc_dtype, device=f.full.device)
+            f.grad_views = f.views(f.grad_full)
+            for p, g in zip(f.params, f.grad_views):
+                p.grad = None if f.fold else g  # folded: autograd makes a fresh one per micro-batch
         return super().forward_backward(micro_batches, loss_scale, autocast, mark)  # ends in sync_grads
 
     @torch.no_grad()
     def sync_grads(self):
-        """After the last micro-batch: one reduce-scatter per flat buffer (sum over the shard
-        group), sum over replicas (hybrid), average, add into the gradient shards; free."""
+        """After the last micro-batch: one reduce-scatter per flat buffer in its dtype (sum over the
+        shard group), sum over replicas (hybrid), cast to the masters' dtype, average, add into the
+        gradient shards; free."""
         works = []
+        self.peak_buffer_bytes = self.buffer_bytes()
         for f in self.flats:
-            for p, g in zip(f.params, f.views(f.grad_full)):
+            for p, g in zip(f.params, f.grad_views):
                 if p.grad is not None and p.grad.data_ptr() != g.data_ptr():  # autograd replaced it
-                    g.copy_(p.grad)
+                    if f.fold:
+                        g.add_(p.grad)
+                    else:
+                        g.copy_(p.grad)
                 p.grad = None
             works.append(self.comm.reduce_scatter_async(f.grad_full))
         parts = [w.wait() for w in works]
@@ -138,10 +174,14 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
             for w in [rep.all_reduce_async(part) for part in parts]:
                 w.wait()
         for f, part in zip(self.flats, parts):
-            f.shard.grad.add_(part.div_(self.dp_size()))
-            f.grad_full = None
+            f.shard.grad.add_(part.to(f.shard.dtype).div_(self.dp_size()))
+            f.grad_full = f.grad_views = None
         if self.stage == 3:
             self._free()
+
+    def buffer_bytes(self) -> int:
+        """Bytes the rank's flat buffers hold now: the gathered stage and the flat gradients."""
+        return sum(t.untyped_storage().nbytes() for f in self.flats for t in (f.full, f.grad_full) if t is not None)
 
     @torch.no_grad()
     def evaluate(self, micro_batches, autocast=None) -> torch.Tensor:
@@ -159,7 +199,8 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         the next step's begin. Zero the gradient shards."""
         if self.stage != 3:
             with torch.no_grad():
-                works = [self.comm.all_gather_async(f.shard.detach().clone(), out=f.full) for f in self.flats]
+                works = [self.comm.all_gather_async(f.shard.detach().to(f.full.dtype, copy=True), out=f.full)
+                         for f in self.flats]
                 for w in works:
                     w.wait()
         self.zero_grad()
@@ -173,7 +214,10 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
     def _param_targets(self, f: FlatParam) -> list[tuple[torch.Tensor, int, int]]:
         if self.stage == 3:  # the next step's gather spreads the loaded slice
             return [(f.shard.data, f.start, f.start + f.shard_size)]
-        return [(f.full, 0, f.padded)]  # the slice aliases the full buffer
+        out = [(f.full, 0, f.padded)]  # the slice aliases the full buffer, unless that is low precision:
+        if f.shard.dtype != f.full.dtype:  # then the fp32 master, read at full precision
+            out.append((f.shard.data, f.start, f.start + f.shard_size))
+        return out
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """{global name: this rank's part of the averaged gradient, flattened} with the flat

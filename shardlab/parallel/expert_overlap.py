@@ -3,8 +3,8 @@
 
 The tokens are routed together, then their assignments go in n chunks by token: every chunk's
 dispatch and combine is an asynchronous collective, so one chunk's transfer runs while another
-chunk's experts compute (forward: per chunk start the next chunk's dispatch, wait its own,
-experts, start its combine; wait the combines. The backward mirrors it, the experts' backward an inner
+chunk's experts compute (forward: per chunk wait its dispatch, start the next chunk's, experts,
+start its combine; wait the combines. The backward mirrors it, the experts' backward an inner
 ``torch.autograd.backward`` as activation checkpointing does). At most (n-1)/n of the transfer
 time can hide. The hierarchical dispatch overlaps the same way in lanes
 (:func:`hierarchical_overlapped`, distributed/lanes.py). Equal to the layer without overlap up to
@@ -36,19 +36,25 @@ class _Chunk:
 
 
 class _Ahead:
-    """The chunks' dispatches started one ahead of their use: taking chunk c starts c + 1 (and c,
-    if not yet), so at most two are in flight beside the combines. All n at once would share the
-    transport between them (gloo moves concurrent all-to-alls together), so the first chunk's would
-    arrive last; the issue order (d0, d1, c0, d2, c1, ...) is the same on every rank."""
+    """The chunks' dispatches started one at a time: chunk c's once chunk c - 1's has arrived,
+    before chunk c - 1 computes, so one dispatch is in flight beside the previous combine. All n
+    at once would share the transport between them (gloo moves concurrent all-to-alls together),
+    so the first chunk's would arrive last. The issue order (d0, d1, c0, d2, c1, ...) is the same
+    on every rank."""
 
     def __init__(self, start, n: int):
         self.start, self.n, self.works = start, n, {}
 
     def take(self, c: int):
-        for k in (c, c + 1):
-            if k < self.n and k not in self.works:
-                self.works[k] = self.start(k)
+        """Chunk c's (work, output), started now if it was not."""
+        if c not in self.works:
+            self.works[c] = self.start(c)
         return self.works.pop(c)
+
+    def next(self, c: int):
+        """Start chunk c's, if there is one."""
+        if c < self.n:
+            self.works[c] = self.start(c)
 
 
 class _Overlapped(torch.autograd.Function):
@@ -66,6 +72,7 @@ class _Overlapped(torch.autograd.Function):
         for c, h in enumerate(chunks):
             work, got = works.take(c)
             _wait(work)
+            works.next(c + 1)
             x = got.detach().requires_grad_()
             with torch.enable_grad():
                 y = layer.experts(x[h.perm], h.local_counts, layer.ep.size * capacity)[h.back]
@@ -88,6 +95,7 @@ class _Overlapped(torch.autograd.Function):
         for c, (h, x, y) in enumerate(zip(chunks, ctx.inputs, ctx.outputs)):
             work, g = works.take(c)
             _wait(work)
+            works.next(c + 1)
             torch.autograd.backward(y, g)
             if rows_grad:
                 grad = x.grad if x.grad is not None else torch.zeros_like(x)

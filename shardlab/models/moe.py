@@ -151,7 +151,7 @@ class MoE(nn.Module):
         # (no host read); the experts return zeros for the dropped rows, weighted by 0 anyway
         key = torch.where(r.keep, r.expert, self.n_experts)
         if self.split > 1:  # chunks of the tokens, chunk-major (expert parallel's overlap)
-            key = key + (r.token * self.split // x.shape[0]) * (self.n_experts + 1)
+            key = key + chunk_of(r.token, x.shape[0], self.split) * (self.n_experts + 1)
         sel = torch.argsort(key, stable=True)                 # row i of the experts' input: assignment sel[i]
         inv = torch.empty_like(sel)
         inv[sel] = torch.arange(sel.numel(), device=sel.device)
@@ -163,6 +163,25 @@ class MoE(nn.Module):
         out = _Collect.apply(y.to(x.dtype) * w, sel, inv, self.top_k)
         self.last_routing = r
         return out.view(shape)
+
+
+def chunk_bounds(T: int, n: int) -> list[int]:
+    """The first token of each of n chunks of T tokens, and T (expert parallel's overlap,
+    parallel/expert_overlap.py): the two end chunks half the size of the others (weights 1, 2,
+    ..., 2, 1), since only the first chunk's dispatch and the last one's combine have no compute
+    beside them; two chunks are halves."""
+    w = [1] + [2] * (n - 2) + [1] if n > 2 else [1] * n
+    total, acc, out = sum(w), 0, [0]
+    for x in w:
+        acc += x
+        out.append(T * acc // total)
+    return out
+
+
+def chunk_of(token: torch.Tensor, T: int, n: int) -> torch.Tensor:
+    """The chunk (:func:`chunk_bounds`) of each token index in ``token``."""
+    inner = torch.tensor(chunk_bounds(T, n)[1:-1], device=token.device, dtype=token.dtype)
+    return torch.bucketize(token, inner, right=True)
 
 
 # Token t's k assignments are t, T + t, ..., (k-1) T + t (priority order); sorted by expert,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.lanes import Lanes, start_all_to_all, wait as _wait
-from ..models.moe import Routing
+from ..models.moe import Routing, chunk_bounds
 from .expert_hier import hierarchical_moe
 
 
@@ -110,7 +110,8 @@ class _Overlapped(torch.autograd.Function):
 
 def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
     """``x``: the rows of chunk 0 (``k * T_0``: its kept rows by expert, then its dropped ones),
-    then those of chunk 1, ...; chunk c holds tokens t with ``t * n // T == c``; ``counts`` (n, E):
+    then those of chunk 1, ...; chunk c holds tokens ``chunk_bounds(T, n)[c:c + 2]`` (models/moe.py:
+    the end chunks half the size of the others); ``counts`` (n, E):
     kept rows per expert of each chunk. Returns the expert outputs in the same row order, zeros
     for dropped rows."""
     n, k = counts.shape[0], layer.top_k
@@ -118,7 +119,7 @@ def overlapped_experts(layer, x: torch.Tensor, counts: torch.Tensor, capacity: i
     send = counts.view(n, layer.ep.size, layer.n_local).transpose(0, 1)  # (ep, n, n_local): per destination
     recv = layer.ep.all_to_all(send.reshape(layer.ep.size, -1)).view(send.shape)  # one count exchange for all
     chunks = [_Chunk(layer, send[:, c], recv[:, c]) for c in range(n)]
-    starts = [k * (-(-c * T // n)) for c in range(n + 1)]  # first row of each chunk (its first token: ceil(cT/n))
+    starts = [k * b for b in chunk_bounds(T, n)]  # first row of each chunk
     rows = [x[starts[c]:starts[c] + h.n] for c, h in enumerate(chunks)]
     ys = _Overlapped.apply(layer, chunks, capacity, n, *rows, *layer.experts.parameters())
     parts = []
@@ -135,7 +136,7 @@ class _HierChunks(torch.autograd.Function):
         """``weight``: the routing's gate weights (k*T, j-major); ``params``: the local experts'
         (inputs only so that the output needs a gradient whenever they do)."""
         T, k = x.shape[0], layer.top_k
-        ctx.bounds = bounds = [c * T // n for c in range(n + 1)]
+        ctx.bounds = bounds = chunk_bounds(T, n)
         need_x, need_w = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
 
         def lane(c):

@@ -18,7 +18,7 @@ from tests.distributed.test_expert import ATOL, make_cfg
 D, T = 32, 24
 
 
-def _layer_case(mesh, cfg, dispatch, seed=1, skew=False):
+def _layer_case(mesh, cfg, dispatch, seed=1, skew=False, chunks=2):
     """One rank's tokens through the ep layer vs the plain layer on the same tokens. Returns the
     error of outputs and gradients, the kept assignments' agreement, the slow-tier bytes sent
     (forward) and, per other node, the (node, token) pairs and the assignments sent there."""
@@ -27,7 +27,7 @@ def _layer_case(mesh, cfg, dispatch, seed=1, skew=False):
         ref.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
     overlap = dispatch in ("overlap", "hier-overlap")
     base = {"overlap": "exact", "hier-overlap": "hierarchical"}.get(dispatch, dispatch)
-    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", base, 2 if overlap else 0)
+    layer = expert.ExpertParallelMoE(ref, mesh, cfg.model, "layers.0.feed_forward", base, chunks if overlap else 0)
     gen = torch.Generator().manual_seed(10 + mesh.rank)
     x = torch.randn(T, D, dtype=torch.float64, generator=gen)
     if skew:  # column 0 large, the router's weight on it +/-: node 0's experts win every top-k
@@ -145,6 +145,20 @@ def test_hierarchical_with_a_node_that_receives_nothing():
         for d, c in cases.items():
             assert c["err"] <= ATOL and c["same"], (rank, d, c["err"])
             assert c["max_nodes"] == 1, (rank, d)  # every token's experts on one node: node 0
+
+
+def _chunks_worker(ctx):
+    mesh = Mesh.build(Topology(dp_shard=4, ep=4, nodes=2))
+    return {(d, n, cap): _layer_case(mesh, make_cfg(dict(dp_shard=4, ep=4), top_k=2, capacity=cap), d, chunks=n)
+            for d in ("overlap", "hier-overlap") for n in (3, 4) for cap in (0.0, 1.0)}
+
+
+def test_overlap_in_uneven_chunks_equals_the_plain_layer():
+    """3 and 4 chunks, whose end chunks are half the others (models/moe.py ``chunk_bounds``: 24
+    tokens as 6/12/6 and 4/8/8/4), flat and hierarchical, with and without a capacity."""
+    for rank, cases in enumerate(run(_chunks_worker, 4)):
+        for key, c in cases.items():
+            assert c["err"] <= ATOL and c["same"], (rank, key, c["err"])
 
 
 def test_hierarchical_on_one_node_is_the_fast_hop_alone():

@@ -246,3 +246,14 @@ def test_cuda_layer_has_no_host_sync(capacity):
         assert torch.allclose(y, y_loop, rtol=tol, atol=tol), bf16
         for g, want in zip(grads, grads_loop):
             assert torch.allclose(g, want, rtol=tol, atol=tol * want.abs().max().item()), bf16
+
+
+def test_chunk_bounds_halve_the_end_chunks_and_cover_every_token():
+    from shardlab.models.moe import chunk_bounds, chunk_of
+    assert chunk_bounds(24, 2) == [0, 12, 24] and chunk_bounds(24, 3) == [0, 6, 18, 24]
+    assert chunk_bounds(24, 4) == [0, 4, 12, 20, 24]
+    for T, n in ((24, 4), (7, 4), (100, 8), (3, 5)):
+        b = chunk_bounds(T, n)
+        assert b[0] == 0 and b[-1] == T and b == sorted(b)
+        sizes = torch.bincount(chunk_of(torch.arange(T), T, n), minlength=n).tolist()
+        assert sizes == [b[c + 1] - b[c] for c in range(n)]

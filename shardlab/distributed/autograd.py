@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .lanes import exchange, reduce
+from .lanes import exchange
 
 
 def _chunk(x: torch.Tensor, comm, dim: int) -> torch.Tensor:
@@ -54,10 +54,6 @@ def _sum(t, comm, dim):
 
 def _cat(t, comm, dim):
     return comm.all_gather(t.contiguous(), dim=dim)
-
-
-def _sum_lanes(t, comm, dim):  # in a lane: started, the other lanes run meanwhile (lanes.reduce)
-    return reduce(comm, t.clone(memory_format=torch.contiguous_format))
 
 
 def _sum_chunk(t, comm, dim):
@@ -108,7 +104,7 @@ def reduce_from_region(x: torch.Tensor, comm) -> torch.Tensor:
 def sum_over_ranks(x: torch.Tensor, comm) -> torch.Tensor:
     """Forward: y = sum_r x_r on every rank. Backward: dL/dx_r = sum_s dL/dy_s (every rank's loss
     depends on the sum: MoE statistics summed over the batch's ranks)."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum_lanes, _sum_lanes)
+    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _sum)
 
 
 def scatter_to_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:

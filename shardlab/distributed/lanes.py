@@ -7,8 +7,7 @@ all-to-all, lets the next unfinished lane run until that one starts a transfer o
 ends, then waits for its own. So the collectives keep one order fixed by the program, the same on
 every rank running the same lanes (issue-order matching, as gloo and NCCL need). Outside a lane
 :func:`exchange` is the plain synchronous all-to-all; autograd's ``all_to_all`` goes through it
-both ways, and autograd's ``sum_over_ranks`` (the MoE routing statistics) through :func:`reduce`,
-its all-reduce twin. The lane is a thread-local: where autograd runs a node on a device thread (CUDA) the
+both ways. The lane is a thread-local: where autograd runs a node on a device thread (CUDA) the
 transfer is synchronous (correct, not overlapped). Users: DualPipe's paired F and B
 (parallel/pipeline/executor.py) and the overlapped hierarchical dispatch (parallel/expert_overlap.py).
 """
@@ -85,34 +84,24 @@ class Lanes:
             self.cv.wait_for(lambda: self.turn == i)
 
 
-def _start(comm, backend_call, tiered_start):
-    """Issue ``backend_call(base)`` (a ``Comm`` method of the backend: gloo's threads move the data
-    even under the shared-memory transport, whose asynchronous calls are done when issued on the
-    CPU), through ``tiered_start(comm, issue)`` when ``comm`` has the tier wrapper, which prices it
-    and notes the issue time before the call. Under the profiler the issue is an ``ep:start``
-    span: with the ``ep:wait`` that follows on the same thread it tells when the transfer could
-    start on every rank (benchmarks/moe_dispatch.py, exposed transfer time). Returns (work with
-    ``wait()``, the backend's Pending)."""
+def start_all_to_all(comm, t: torch.Tensor, in_splits: list[int] | None, out_splits: list[int] | None):
+    """Start ``comm``'s all-to-all on its process group without waiting: the backend's
+    ``Comm.all_to_all_async`` even under the shared-memory transport (whose asynchronous calls are
+    done when issued on the CPU), priced by the tier wrapper when ``comm`` has one. Returns (work
+    with ``wait()``, output tensor filled once it is waited for). Under the profiler the issue is an
+    ``ep:start`` span: with the ``ep:wait`` that follows on the same thread it tells when the
+    transfer could start on every rank (benchmarks/moe_dispatch.py, exposed transfer time)."""
+    from .collectives import Comm
     from .tiers import TieredComm
-    tiered = isinstance(comm, TieredComm)
-    base = comm.inner if tiered else comm
+    base = comm.inner if isinstance(comm, TieredComm) else comm
     issued = []
 
-    def issue():
-        issued.append(backend_call(base))
+    def issue():  # the backend's, by intent; issued by the tier wrapper after it noted the time
+        issued.append(Comm.all_to_all_async(base, t, in_splits, out_splits))
         return issued[0]
     with torch.profiler.record_function("ep:start"):
-        work = tiered_start(comm, issue) if tiered else issue()
-    return work, issued[0]
-
-
-def start_all_to_all(comm, t: torch.Tensor, in_splits: list[int] | None, out_splits: list[int] | None):
-    """Start ``comm``'s all-to-all without waiting (:func:`_start`). Returns (work with ``wait()``,
-    output tensor filled once it is waited for)."""
-    from .collectives import Comm
-    work, pending = _start(comm, lambda base: Comm.all_to_all_async(base, t, in_splits, out_splits),
-                           lambda c, issue: c.all_to_all_start(t, in_splits, out_splits, issue))
-    return work, pending.result
+        work = comm.all_to_all_start(t, in_splits, out_splits, issue) if isinstance(comm, TieredComm) else issue()
+    return work, issued[0].result
 
 
 def wait(work) -> None:
@@ -132,17 +121,3 @@ def exchange(comm, t: torch.Tensor, in_splits: list[int] | None = None,
     lane[0].give_way(lane[1])
     wait(work)
     return out
-
-
-def reduce(comm, t: torch.Tensor) -> torch.Tensor:
-    """``comm.all_reduce(t)`` (sum, in place); inside a lane, like :func:`exchange`: started, the
-    other lanes run, then waited for (autograd's ``sum_over_ranks``: the MoE routing statistics)."""
-    lane = current()
-    if lane is None or comm.size == 1:
-        return comm.all_reduce(t)
-    from .collectives import Comm
-    work, pending = _start(comm, lambda base: Comm.all_reduce_async(base, t, "sum", "backend"),
-                           lambda c, issue: c.all_reduce_start(t, issue))
-    lane[0].give_way(lane[1])
-    wait(work)
-    return pending.wait()

@@ -252,11 +252,6 @@ class TieredComm:
         is called after the issue time is noted (IssueTimes: a peer whose call completes reads it)."""
         return self._start("all_to_all", self._a2a(t, in_splits, out_splits), start)
 
-    def all_reduce_start(self, t, start=None):
-        """An asynchronous all-reduce started by ``start()`` (lanes.reduce), counted and given the
-        slow tier's deadline, as :meth:`all_to_all_start`."""
-        return self._start("all_reduce", self._ring("all_reduce", _nbytes(t)), start)
-
     # -- point to point ----------------------------------------------------------------------
     def _p2p(self, op: str, t, peer: int, work):
         if not self.crosses(peer):

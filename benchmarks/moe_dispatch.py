@@ -123,10 +123,11 @@ def _fast_gbps(mesh, nbytes=1 << 21, iters=10) -> float:
 COMM = ("tier:", "shm:", "ep:wait", "ep:start")
 
 
-def _comm_trace(layer, x, w, steps=3) -> list:
+def _comm_trace(layer, x, w, steps=3) -> tuple[list, float]:
     """The communication spans of ``steps`` steps from a Chrome trace: [name, start, end, thread]
     in microseconds of the host's clock (``baseTimeNanoseconds`` added, so the ranks' traces line
-    up), the outermost per thread. Variants with lanes are traced on all threads; the others on
+    up), the outermost per thread; and the experts' compute per step in ms (the ``_Experts``
+    autograd function forward and backward: what the transfers can hide behind). Variants with lanes are traced on all threads; the others on
     the loop's thread, where all their communication runs (a trace of all threads would lose the
     shared-memory transport's ``shm:`` spans: it opens them only where ``_profiler_enabled()``,
     which such a trace does not set)."""
@@ -154,7 +155,8 @@ def _comm_trace(layer, x, w, steps=3) -> list:
             continue  # inside an outer communication span (a tier: span around its shm: call)
         last[tid] = b
         out.append([name, a, b, tid])
-    return out
+    experts = sum(e["dur"] for e in events if e["name"] in ("_Experts", "_ExpertsBackward")) / 1e3 / steps
+    return out, experts
 
 
 def _a2a(name: str) -> bool:
@@ -244,7 +246,7 @@ def worker(ctx, a):
         row = {n: {"step_ms": 1e3 * statistics.median(times[n]), "inter_KiB": inter[n] / 1024} for n in VARIANTS}
         if factor in _profiled(a):
             for n in [n for off, ons in OVERLAP.items() for n in (off,) + ons]:
-                row[n]["trace"] = _comm_trace(layers[n], x, w)
+                row[n]["trace"], row[n]["experts_ms"] = _comm_trace(layers[n], x, w)
         out["settings"][factor] = {"gbps": link.gbps, "rows": row}
     return out
 
@@ -286,10 +288,11 @@ def _print_steps(res, a):
         return
     print("\nOverlap: all-to-all time per step from the profiler traces, mean over ranks: exposed (collective spans "
           "and waits), of it transfer (without the wait for the collective's last rank to issue it: imbalance), "
-          "and the share hidden against overlap off")
+          "and the share hidden against overlap off; the experts' compute per step (forward + backward) and, for "
+          "overlap off, the most that can hide behind it: min(1, experts / transfer)")
     print("| slow tier | dispatch | overlap | step (ms) | exposed (ms) | waiting for a slower rank (ms) | "
-          "transfer exposed (ms) | hidden: exposed | hidden: transfer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "transfer exposed (ms) | hidden: exposed | hidden: transfer | experts (ms) | at most hidden |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for factor in profiled:
         for off, ons in OVERLAP.items():
             rows = {n: [r["settings"][factor]["rows"][n] for r in res] for n in (off,) + ons}
@@ -301,8 +304,11 @@ def _print_steps(res, a):
                 how = "off" if n == off else n.removeprefix(off + " ")
                 hid = "" if n == off else f"{1 - e / e0:.2f}"
                 hid_t = "" if n == off or t is None or t0 is None else f"{1 - t / t0:.2f}"
+                c = statistics.mean(r["experts_ms"] for r in rows[n])
+                bound = f"{min(1.0, c / t):.2f}" if n == off and t else ""
                 print(f"| fast / {factor:g} | {off.split()[0]} | {how} | {rows[n][0]['step_ms']:.1f} | {e:.1f} | "
-                      f"{'' if t is None else f'{e - t:.1f}'} | {'' if t is None else f'{t:.1f}'} | {hid} | {hid_t} |")
+                      f"{'' if t is None else f'{e - t:.1f}'} | {'' if t is None else f'{t:.1f}'} | {hid} | {hid_t} | "
+                      f"{c:.1f} | {bound} |")
 
 
 def _profiled(a) -> list[float]:

@@ -35,26 +35,20 @@ class _Chunk:
         self.local_counts = recv.sum(0)
 
 
-class _Ahead:
-    """The chunks' dispatches started one at a time: chunk c's once chunk c - 1's has arrived,
-    before chunk c - 1 computes, so one dispatch is in flight beside the previous combine. All n
-    at once would share the transport between them (gloo moves concurrent all-to-alls together),
-    so the first chunk's would arrive last. The issue order (d0, d1, c0, d2, c1, ...) is the same
-    on every rank."""
-
-    def __init__(self, start, n: int):
-        self.start, self.n, self.works = start, n, {}
-
-    def take(self, c: int):
-        """Chunk c's (work, output), started now if it was not."""
-        if c not in self.works:
-            self.works[c] = self.start(c)
-        return self.works.pop(c)
-
-    def next(self, c: int):
-        """Start chunk c's, if there is one."""
-        if c < self.n:
-            self.works[c] = self.start(c)
+def _arrivals(layer, rows, chunks):
+    """Each chunk's rows as they arrive, chunk by chunk: chunk c's transfer starts once chunk
+    c - 1's has arrived, before chunk c - 1 computes, so one is in flight beside the previous
+    chunk's combine. All n at once would share the transport between them (gloo moves concurrent
+    all-to-alls together), so the first chunk's would arrive last. The issue order (d0, d1, c0,
+    d2, c1, ...) is the same on every rank."""
+    start = lambda c: start_all_to_all(layer.ep, rows[c], chunks[c].ins, chunks[c].outs)  # noqa: E731
+    nxt = start(0)
+    for c in range(len(chunks)):
+        work, got = nxt
+        _wait(work)
+        if c + 1 < len(chunks):
+            nxt = start(c + 1)
+        yield got
 
 
 class _Overlapped(torch.autograd.Function):
@@ -67,12 +61,8 @@ class _Overlapped(torch.autograd.Function):
         that the outputs need a gradient whenever they do; their gradients accumulate in the
         inner backward)."""
         ctx.layer, ctx.chunks, ctx.n = layer, chunks, n
-        works = _Ahead(lambda c: start_all_to_all(layer.ep, tensors[c], chunks[c].ins, chunks[c].outs), n)
         inputs, outputs, combines = [], [], []
-        for c, h in enumerate(chunks):
-            work, got = works.take(c)
-            _wait(work)
-            works.next(c + 1)
+        for h, got in zip(chunks, _arrivals(layer, tensors, chunks)):
             x = got.detach().requires_grad_()
             with torch.enable_grad():
                 y = layer.experts(x[h.perm], h.local_counts, layer.ep.size * capacity)[h.back]
@@ -89,13 +79,9 @@ class _Overlapped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads_out):
         layer, chunks, n = ctx.layer, ctx.chunks, ctx.n
-        works = _Ahead(lambda c: start_all_to_all(layer.ep, grads_out[c], chunks[c].ins, chunks[c].outs), n)
         rows_grad = any(ctx.needs_input_grad[4:4 + n])  # the same on every rank
         back = []
-        for c, (h, x, y) in enumerate(zip(chunks, ctx.inputs, ctx.outputs)):
-            work, g = works.take(c)
-            _wait(work)
-            works.next(c + 1)
+        for h, x, y, g in zip(chunks, ctx.inputs, ctx.outputs, _arrivals(layer, grads_out, chunks)):
             torch.autograd.backward(y, g)
             if rows_grad:
                 grad = x.grad if x.grad is not None else torch.zeros_like(x)

@@ -61,9 +61,7 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         self.compute_dtype, self.reduce_dtype = mixed_precision_dtypes(cfg.train, autocast_default=False)
         self.peak_buffer_bytes = 0  # the last step's gathered stage + flat gradients (docs, tests)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.flats: list[FlatParam] = []
-        for g, wd in decay_groups(named, cfg.train.weight_decay):
-            self.flats.append(self._make_flat(g, wd, init_fn))
+        self.flats = [self._make_flat(g, wd, init_fn) for g, wd in decay_groups(named, cfg.train.weight_decay)]
         self.link.dtype = _param_dtype(model)  # what crosses the stage boundaries: the compute dtype
         if self.stage == 3:
             self._free()

@@ -40,6 +40,19 @@ class Device:
     comm_curves: tuple = ()    # CPU: ((transport, comm_curve), ...) per transport probed; comm_curve above is
                                # the one ``parallel.comm_transport = auto`` picks here (for_transport)
     peak_fp8: float = 0.0      # dense fp8 tensor-core FLOP/s (datasheet); 0: no fp8 (Float8 linears refused)
+    sustain: float = 1.0       # GPU: share of the datasheet peaks the part reaches at its power limit (tdp_share);
+                               # compute time only: MFU stays against ``peak_flops``
+
+
+def tdp_share(watts: float) -> float:
+    """The share of H100 SXM's datasheet peak an H100 limited to ``watts`` is credited with: the
+    dense bf16 peaks of the two parts that bracket it, H100 NVL (835.5 TFLOP/s, 1,671 "with
+    sparsity", at its 400 W maximum) and H100 SXM (989.4 at 700 W), interpolated linearly in the
+    power limit. torchtitan's paper states of its 500 W HBM2e parts that their peak "should be
+    between SXM and NVL" (docs/planner.md, Time model)."""
+    nvl, sxm = (400.0, 835.5e12), (700.0, 989.4e12)
+    w = min(max(watts, nvl[0]), sxm[0])
+    return (nvl[1] + (sxm[1] - nvl[1]) * (w - nvl[0]) / (sxm[0] - nvl[0])) / sxm[1]
 
 
 GiB = 2**30
@@ -48,7 +61,8 @@ DEVICES = {
     "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU", peak_fp8=1979e12),
     "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.35, 360e9, 10e-6,
-                      45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU", peak_fp8=1979e12),
+                      45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU, 500 W limit",
+                      peak_fp8=1979e12, sustain=tdp_share(500.0)),
     "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute with HBM3e", peak_fp8=1979e12),
     "h800": Device("H800 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 160e9, 10e-6, 45e9, 20e-6, 8,

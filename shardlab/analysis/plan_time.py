@@ -60,8 +60,15 @@ def link(topo, group: str, dev, size: int = 0) -> tuple:
         n, alpha, bw = min(dev.comm_n, key=lambda e: (e[0] < w, abs(e[0] - w)))
         return bw, alpha
     ranks = _group_of_rank0(topo, group)
-    nodes = {r // dev.gpus_per_node for r in ranks}
-    return (dev.intra_bw, dev.intra_alpha) if len(nodes) == 1 else (dev.inter_bw, dev.inter_alpha)
+    per_node = {}
+    for r in ranks:
+        per_node[r // dev.gpus_per_node] = per_node.get(r // dev.gpus_per_node, 0) + 1
+    if len(per_node) == 1:
+        return dev.intra_bw, dev.intra_alpha
+    # across nodes, each GPU with its own NIC: a group with g ranks on a node runs g rings side by side
+    # (NCCL's channels), each crossing the network on its own NIC and carrying 1/g of the bytes
+    g = max(per_node.values())
+    return min(dev.intra_bw, g * dev.inter_bw), dev.inter_alpha
 
 
 def _group_of_rank0(topo, group: str) -> list[int]:
@@ -99,7 +106,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     tokens = b * s
     attn_term = 12.0 * m.n_layers * m.d_model * s
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
-    peak = dev.peak_flops
+    peak = dev.peak_flops * dev.sustain  # a power-limited part's share of the datasheet peak (devices.tdp_share)
     over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
     if dev.cores > 1 and topo.world_size > 1:  # and the caches / memory bandwidth (probed: busy)
         over *= 1.0 + (dev.busy - 1.0) * min(1.0, (topo.world_size - 1) / (dev.cores - 1))
@@ -109,7 +116,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         from .plan_features import block_matmul_share, block_weights, fp8_cast_bytes, fp8_matmul_seconds
         share = block_matmul_share(cfg)
         if "float8" in features:
-            t_mm = fp8_matmul_seconds(t_mm, share, peak, dev.peak_fp8)
+            t_mm = fp8_matmul_seconds(t_mm, share, peak, dev.peak_fp8 * dev.sustain)
             t_cast = fp8_cast_bytes(block_weights(cfg), b * (s // p.cp), p.activation_checkpointing == "full") \
                 * m.n_layers / p.pp / dev.hbm_bw
     attn = attn_term * tokens / (p.tp * p.cp * p.pp)

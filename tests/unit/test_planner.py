@@ -240,3 +240,39 @@ def test_cpu_compute_slows_by_the_probed_busy_factor_when_ranks_fill_the_cores()
         plain, slow = parts(1.0, n), parts(1.3, n)
         assert slow["compute"] == pytest.approx(plain["compute"] * (1 + 0.3 * share))
         assert slow["optimizer"] == plain["optimizer"] and slow["exposed_comm"] == pytest.approx(plain["exposed_comm"])
+
+
+def test_a_group_across_nodes_runs_a_ring_per_nic():
+    """Across nodes each GPU has its own NIC: a group with g ranks on each node runs g rings side by
+    side, so its bus bandwidth is g NICs' (at most NVLink's); a group with one rank per node gets
+    one NIC; a group inside a node NVLink."""
+    from shardlab.analysis.devices import get_device, with_nodes
+    from shardlab.analysis.plan_time import link
+    from shardlab.distributed.topology import Topology
+    dev = with_nodes(get_device("a100"), 8)
+    nic, nvlink = 22e9, 230e9  # 200 Gb/s HDR at ~90%, NVLink 3 at ~80% (docs/planner.md)
+    assert link(Topology(dp_shard=64), "dp_shard", dev)[0] == pytest.approx(min(nvlink, 8 * nic))
+    assert link(Topology(dp_shard=8, tp=2), "dp_shard", dev)[0] == pytest.approx(4 * nic)  # 4 per node
+    assert link(Topology(dp_shard=32, tp=8), "dp_shard", dev)[0] == pytest.approx(nic)  # one per node
+    assert link(Topology(dp_shard=32, tp=8), "tp", dev)[0] == pytest.approx(nvlink)
+
+
+def test_a_power_limited_part_computes_at_its_share_of_the_datasheet_peak(monkeypatch):
+    """h100-gt (500 W) is credited with the bf16 peak interpolated in watts between H100 NVL (835.5
+    TFLOP/s at 400 W) and H100 SXM (989.4 at 700 W): its compute takes 989.4 / 886.7 of the
+    same step on an H100 SXM with its memory bandwidth; MFU stays against the datasheet peak."""
+    from dataclasses import replace
+
+    from shardlab.analysis import devices
+    from shardlab.analysis.predict import predict
+    cfg = _tiny(dp_shard=2)
+    cfg.train.precision = "bf16"
+    gt = devices.DEVICES["h100-gt"]
+    capped = predict(cfg, "h100-gt").breakdown
+    monkeypatch.setitem(devices.DEVICES, "h100-gt", replace(gt, sustain=1.0))
+    full = predict(cfg, "h100-gt").breakdown
+    share = (835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400)) / 989.4
+    for part in ("matmul", "attention"):
+        assert capped[part] == pytest.approx(full[part] / share)
+    assert capped["elementwise"] == pytest.approx(full["elementwise"])  # HBM-bound: not the clock
+    assert gt.peak_flops == 989e12

@@ -6,6 +6,8 @@
 # step with under 15 s left is skipped (logged). Steps run in the order given in STEPS:
 #
 #   env           nvidia-smi, cores, /dev/shm, torch and the device
+#   kernels       the rates behind the planner's constants: bf16 products at Llama-8B's shapes, causal
+#                 SDPA forward/backward at 8k-32k per backend, an add (benchmarks/gpu_kernels.py)
 #   shared_gpu    the same-GPU transport's CUDA test (comm stream, events, async collectives), alone
 #   checks        side by side (they time nothing): the gpu-marked tests, `shardlab verify` at
 #                 N = 2 and 4 ranks sharing the GPU (VERIFY_N2 / VERIFY_N4: layout lists), and on
@@ -94,6 +96,8 @@ for s in $STEPS; do
         read -r rc t0 < "$WORK/$name.rc"
         collect "$name" "$rc" "$t0"
       done ;;
+    kernels)  # mm_eff / attn_eff / HBM measured beside the stated constants (docs/planner.md, Time model)
+      step kernels 60 "$PY" benchmarks/gpu_kernels.py --device cuda --json "$OUT/kernels.json" ;;
     shared_gpu)  # the comm-stream path first: if it is wrong, the comm and overlap rows say nothing
       step shared_gpu 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/distributed/test_shared_comm.py::test_shared_collectives_on_one_gpu ;;

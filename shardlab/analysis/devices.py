@@ -56,16 +56,22 @@ def tdp_share(watts: float) -> float:
 
 
 GiB = 2**30
+HOPPER_FA2 = round(3.5 / (1 / (335 / 989) + 2.5 / (322 / 989)), 2)
+"""``attn_eff`` of the Hopper parts (0.33): FlashAttention-2 on an H100 SXM at the 1,830 MHz of the
+989 TFLOP/s peak (Shah et al., "FlashAttention-3", 2024, section 4.1, head dimension 128, 16k
+tokens): 335 TFLOP/s causal forward and 322 non-causal backward (the causal backward is not in
+its table), combined by their FLOP weights (forward 1, backward 2.5). Was 0.35, that paper's
+rounded "35% utilization" of the forward alone."""
 # Sources of the constants (datasheets; stated efficiencies, not fitted): docs/planner.md, Time model.
 DEVICES = {
-    "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
+    "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, HOPPER_FA2, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU", peak_fp8=1979e12),
-    "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, 0.35, 360e9, 10e-6,
+    "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, HOPPER_FA2, 360e9, 10e-6,
                       45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU, 500 W limit",
                       peak_fp8=1979e12, sustain=tdp_share(500.0)),
-    "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, 0.35, 360e9, 10e-6, 45e9, 20e-6, 8,
+    "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, HOPPER_FA2, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute with HBM3e", peak_fp8=1979e12),
-    "h800": Device("H800 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, 0.35, 160e9, 10e-6, 45e9, 20e-6, 8,
+    "h800": Device("H800 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, HOPPER_FA2, 160e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute and HBM3, NVLink cut to 400 GB/s (200 GB/s per direction), 400 Gb/s InfiniBand "
                    "per GPU (DeepSeek-V3's platform)", peak_fp8=1979e12),
     "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, 0.50, 230e9, 10e-6, 22e9, 20e-6, 8,

@@ -42,6 +42,7 @@ class Device:
     peak_fp8: float = 0.0      # dense fp8 tensor-core FLOP/s (datasheet); 0: no fp8 (Float8 linears refused)
     sustain: float = 1.0       # GPU: share of the datasheet peaks the part reaches at its power limit (tdp_share);
                                # compute time only: MFU stays against ``peak_flops``
+    attn_curve: tuple = ()     # GPU: ((sequence length, FLOP/s), ...) of the flash kernels forward + backward (FA2_*)
 
 
 def tdp_share(watts: float) -> float:
@@ -56,26 +57,32 @@ def tdp_share(watts: float) -> float:
 
 
 GiB = 2**30
-HOPPER_FA2 = round(3.5 / (1 / (335 / 989) + 2.5 / (322 / 989)), 2)
-"""``attn_eff`` of the Hopper parts (0.33): FlashAttention-2 on an H100 SXM at the 1,830 MHz of the
-989 TFLOP/s peak (Shah et al., "FlashAttention-3", 2024, section 4.1, head dimension 128, 16k
-tokens): 335 TFLOP/s causal forward and 322 non-causal backward (the causal backward is not in
-its table), combined by their FLOP weights (forward 1, backward 2.5). Was 0.35, that paper's
-rounded "35% utilization" of the forward alone."""
+FA2_H100 = ((512, 163e12), (1024, 221e12), (2048, 265e12), (4096, 294e12), (8192, 308e12), (16384, 328e12))
+FA2_A100 = ((512, 99e12), (1024, 131e12), (2048, 155e12), (4096, 182e12), (8192, 189e12), (16384, 189e12))
+"""FlashAttention-2's forward + backward rate by sequence length, causal, head dimension 128, 16k
+tokens per call (Dao, "FlashAttention-2", 2023, Figure 7(d) on an H100 SXM5, Figure 4(d) on an
+A100 80GB SXM4; FLOPs counted as the planner counts them: causal half, backward 2.5 x forward).
+``attn_eff`` is the longest length's share of the datasheet peak: 0.33 on H100 (the
+FlashAttention-3 paper's own FlashAttention-2 figures give the same: 335 TFLOP/s causal forward,
+322 backward at 16k), 0.61 on A100; plan_time.attention_eff reads the curve at the kernel's
+length (docs/planner.md, Time model)."""
+HOPPER_FA2 = round(FA2_H100[-1][1] / 989e12, 2)
+A100_FA2 = round(FA2_A100[-1][1] / 312e12, 2)
 # Sources of the constants (datasheets; stated efficiencies, not fitted): docs/planner.md, Time model.
 DEVICES = {
     "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, HOPPER_FA2, 360e9, 10e-6, 45e9, 20e-6, 8,
-                   "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU", peak_fp8=1979e12),
+                   "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU", peak_fp8=1979e12,
+                   attn_curve=FA2_H100),
     "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, HOPPER_FA2, 360e9, 10e-6,
                       45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU, 500 W limit",
-                      peak_fp8=1979e12, sustain=tdp_share(500.0)),
+                      peak_fp8=1979e12, sustain=tdp_share(500.0), attn_curve=FA2_H100),
     "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, HOPPER_FA2, 360e9, 10e-6, 45e9, 20e-6, 8,
-                   "H100's compute with HBM3e", peak_fp8=1979e12),
+                   "H100's compute with HBM3e", peak_fp8=1979e12, attn_curve=FA2_H100),
     "h800": Device("H800 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, HOPPER_FA2, 160e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute and HBM3, NVLink cut to 400 GB/s (200 GB/s per direction), 400 Gb/s InfiniBand "
-                   "per GPU (DeepSeek-V3's platform)", peak_fp8=1979e12),
-    "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, 0.50, 230e9, 10e-6, 22e9, 20e-6, 8,
-                   "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU"),
+                   "per GPU (DeepSeek-V3's platform)", peak_fp8=1979e12, attn_curve=FA2_H100),
+    "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, A100_FA2, 230e9, 10e-6, 22e9, 20e-6, 8,
+                   "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU", attn_curve=FA2_A100),
 }
 
 FITTED_EFFICIENCY = 1.000

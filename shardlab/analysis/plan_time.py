@@ -13,6 +13,23 @@ ELEMENTWISE_PASSES = {"eager": 12.0, "fused": 4.0}
 """Bytes moved by elementwise work per byte autograd saves: one kernel per op (eager) or fused."""
 
 
+def attention_eff(dev, length: int) -> float:
+    """The flash kernels' forward + backward share of ``dev``'s datasheet peak at ``length`` tokens
+    per call (query and key): its published curve (devices.FA2_*) interpolated in log2 of the
+    length, flat beyond its ends; ``attn_eff`` where the device has no curve (CPU)."""
+    pts = dev.attn_curve
+    if not pts:
+        return dev.attn_eff
+    x = math.log2(max(length, 1))
+    if x <= math.log2(pts[0][0]):
+        return pts[0][1] / dev.peak_flops
+    for (l0, r0), (l1, r1) in zip(pts, pts[1:]):
+        if x <= math.log2(l1):
+            f = (x - math.log2(l0)) / (math.log2(l1) - math.log2(l0))
+            return (r0 + f * (r1 - r0)) / dev.peak_flops
+    return pts[-1][1] / dev.peak_flops
+
+
 def collective(kind: str, nbytes: float, n: int, bw, alpha: float) -> float:
     """Seconds of one collective of ``nbytes`` (full message) over ``n`` ranks. ``bw`` is a bus
     bandwidth, or on the CPU a :class:`Curve` (then ``alpha`` is unused). ``p2p``: one send."""
@@ -122,8 +139,10 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     attn = attn_term * tokens / (p.tp * p.cp * p.pp)
     math_core = m.attention == "math"  # scores materialised: the whole S x S products as batched matmuls,
     # backward without recomputing them; their mask / softmax / dropout traffic is in the traced bytes
+    u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
+    kernel = s // max(1, p.cp // u)  # one flash call's tokens: the ring's shard (Ulysses: the whole sequence)
     t_attn = over * (attn / (peak * dev.mm_eff) if math_core
-                     else 0.5 * attn * FLASH_BWD_EXTRA / (peak * dev.attn_eff))
+                     else 0.5 * attn * FLASH_BWD_EXTRA / (peak * attention_eff(dev, kernel)))
     saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
         / max(1, len([k for k in traced if isinstance(k, int)]))
     cpu = dev.op_s > 0
@@ -160,7 +179,6 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
             from .plan_features import async_tp_exposed
             tp_exposed = async_tp_exposed(blocks, t_mm * share * (4 / 3 if ac == "full" else 1), p.tp) + rest
     cp_comm = ring = uly = 0.0
-    u = p.cp if p.cp_impl == "ulysses" else (p.cp_ulysses if p.cp_impl == "unified" else 1)
     if p.cp // u > 1:  # ring (parallel/context.py), per block and ring size r: forward r - 1 exchanges
         r = p.cp // u  # of k, v; backward r + 1: k, v first, k, v with the passed dK, dV, the last dK, dV, the final
         bw, al = link(topo, "cp", dev, r)

@@ -276,3 +276,28 @@ def test_a_power_limited_part_computes_at_its_share_of_the_datasheet_peak(monkey
         assert capped[part] == pytest.approx(full[part] / share)
     assert capped["elementwise"] == pytest.approx(full["elementwise"])  # HBM-bound: not the clock
     assert gt.peak_flops == 989e12
+
+
+def test_flash_attention_runs_at_its_published_rate_for_the_kernels_length():
+    """attn_eff by sequence length: FlashAttention-2's published forward + backward rates (causal,
+    head dimension 128; H100 328 TFLOP/s at 16k, 294 at 4k; A100 182 at 4k), read in log2 of the
+    length between them, flat beyond; a ring CP layout's kernels run on its shard of the sequence."""
+    from shardlab.analysis.devices import get_device
+    from shardlab.analysis.plan_time import attention_eff
+    h100, a100 = get_device("h100"), get_device("a100")
+    assert attention_eff(h100, 16384) == pytest.approx(328 / 989)
+    assert attention_eff(h100, 1 << 20) == pytest.approx(328 / 989)
+    assert attention_eff(h100, 4096) == pytest.approx(294 / 989)
+    assert attention_eff(h100, 5793) == pytest.approx((294 + 0.5 * (308 - 294)) / 989, rel=1e-3)  # 2^12.5
+    assert attention_eff(h100, 128) == pytest.approx(163 / 989)
+    assert attention_eff(a100, 4096) == pytest.approx(182 / 312)
+    from shardlab.analysis.predict import predict
+    times = {}
+    for cp in (1, 4):
+        cfg = _tiny(cp=cp)
+        cfg.train.precision = "bf16"
+        cfg.model.max_seq_len = cfg.train.seq_len = 16384
+        cfg = cfg.validate(cfg.parallel.world_size)
+        times[cp] = predict(cfg, "h100").breakdown["attention"]
+    # the same attention FLOPs per rank over cp, on 4,096-token kernels instead of 16,384-token ones
+    assert times[4] * 4 == pytest.approx(times[1] * (328 / 294), rel=1e-6)

@@ -246,7 +246,7 @@ def worker(ctx, a):
         row = {n: {"step_ms": 1e3 * statistics.median(times[n]), "inter_KiB": inter[n] / 1024} for n in VARIANTS}
         if factor in _profiled(a):
             for n in [n for off, ons in OVERLAP.items() for n in (off,) + ons]:
-                row[n]["trace"], row[n]["experts_ms"] = _comm_trace(layers[n], x, w)
+                row[n]["trace"], row[n]["experts_ms"] = _comm_trace(layers[n], x, w, a.trace_steps)
         out["settings"][factor] = {"gbps": link.gbps, "rows": row}
     return out
 
@@ -296,7 +296,7 @@ def _print_steps(res, a):
     for factor in profiled:
         for off, ons in OVERLAP.items():
             rows = {n: [r["settings"][factor]["rows"][n] for r in res] for n in (off,) + ons}
-            ex = {n: _exposure([r["trace"] for r in rr]) for n, rr in rows.items()}
+            ex = {n: _exposure([r["trace"] for r in rr], a.trace_steps) for n, rr in rows.items()}
             mean = {n: (statistics.mean(e for e, _ in v), None if any(t is None for _, t in v)
                         else statistics.mean(t for _, t in v)) for n, v in ex.items()}
             (e0, t0) = mean[off]
@@ -332,6 +332,9 @@ def main():
     ap.add_argument("--transport", default="auto", choices=["auto", "process_group"],
                     help="the collectives' transport (parallel.comm_transport): auto = shared memory on x86-64 for "
                          "the synchronous ones; process_group = gloo for all, as the overlap's asynchronous ones")
+    ap.add_argument("--trace-steps", type=int, default=3,
+                    help="steps per profiled trace (the exposure is their mean: more steps, less of the 2-core "
+                         "machine's scheduling noise)")
     ap.add_argument("--json", default="")
     ap.add_argument("--bytes-top-k", type=int, nargs="*", default=[],
                     help="first: slow-tier bytes of flat vs hierarchical for each of these top-k (module doc)")

@@ -78,6 +78,7 @@ def attention_rows(seqs, tokens, heads, head_dim, device, dtype, timed, warmup, 
                    for _ in range(3))
         g = torch.randn(b, heads, s, head_dim, device=device, dtype=dtype)
         nc_fwd = 4 * s * s * head_dim * heads * b
+        shape = f"b{b} h{heads} s{s} d{head_dim}"
         for name in backends:
             ctx = _backend(name)
             if ctx is None:
@@ -91,10 +92,10 @@ def attention_rows(seqs, tokens, heads, head_dim, device, dtype, timed, warmup, 
                         torch.autograd.backward(out, g)
                     total = timed(both, warmup, reps)
             except RuntimeError as e:  # the backend refuses these shapes / this device
-                rows.append({"kind": "attention", "shape": f"b{b} h{heads} s{s} d{head_dim}", "backend": name,
+                rows.append({"kind": "attention", "shape": shape, "backend": name,
                              "error": str(e).splitlines()[0][:80]})
                 continue
-            rows.append({"kind": "attention", "shape": f"b{b} h{heads} s{s} d{head_dim}", "backend": name,
+            rows.append({"kind": "attention", "shape": shape, "backend": name,
                          "fwd_s": fwd, "bwd_s": max(total - fwd, 1e-12), "seconds": total,
                          "fwd_flops": 0.5 * nc_fwd, "bwd_flops": 0.5 * nc_fwd * 2.5, "flops": 0.5 * nc_fwd * 3.5})
             q.grad = k.grad = v.grad = None
@@ -144,10 +145,8 @@ def table(rows: list[dict], dev) -> list[str]:
             continue
         if r["kind"] == "elementwise":
             rate = r["bytes"] / r["seconds"]
-            share = f"{rate / dev.hbm_bw:.2f}" if dev else "n/a"
-            out.append(f"| elementwise | {r['shape']} | | {r['seconds']:.2e} | {rate / 1e9:,.0f} GB/s | {share} | HBM "
-                       f"{dev.hbm_bw / 1e12:.2f} TB/s |" if dev else
-                       f"| elementwise | {r['shape']} | | {r['seconds']:.2e} | {rate / 1e9:,.1f} GB/s | n/a | |")
+            share, stated = (f"{rate / dev.hbm_bw:.2f}", f"HBM {dev.hbm_bw / 1e12:.2f} TB/s") if dev else ("n/a", "")
+            out.append(f"| elementwise | {r['shape']} | | {r['seconds']:.2e} | {rate / 1e9:,.1f} GB/s | {share} | {stated} |")
             continue
         rate = r["flops"] / r["seconds"]
         share = f"{rate / dev.peak_flops:.3f}" if dev else "n/a"

@@ -4,6 +4,7 @@ Time model)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 FLASH_BWD_EXTRA = 3.5 / 3
 """Attention FLOPs executed per FLOP counted: the spec counts forward + 2 x forward, a flash backward
@@ -76,16 +77,12 @@ def link(topo, group: str, dev, size: int = 0) -> tuple:
         w = topo.world_size
         n, alpha, bw = min(dev.comm_n, key=lambda e: (e[0] < w, abs(e[0] - w)))
         return bw, alpha
-    ranks = _group_of_rank0(topo, group)
-    per_node = {}
-    for r in ranks:
-        per_node[r // dev.gpus_per_node] = per_node.get(r // dev.gpus_per_node, 0) + 1
+    per_node = Counter(r // dev.gpus_per_node for r in _group_of_rank0(topo, group))
     if len(per_node) == 1:
         return dev.intra_bw, dev.intra_alpha
     # across nodes, each GPU with its own NIC: a group with g ranks on a node runs g rings side by side
     # (NCCL's channels), each crossing the network on its own NIC and carrying 1/g of the bytes
-    g = max(per_node.values())
-    return min(dev.intra_bw, g * dev.inter_bw), dev.inter_alpha
+    return min(dev.intra_bw, max(per_node.values()) * dev.inter_bw), dev.inter_alpha
 
 
 def _group_of_rank0(topo, group: str) -> list[int]:

@@ -120,7 +120,7 @@ def _fast_gbps(mesh, nbytes=1 << 21, iters=10) -> float:
     return nbytes * (comm.size - 1) / comm.size / t.item() / 1e9
 
 
-COMM = ("tier:", "shm:", "ep:wait", "ep:start")
+COMM = ("tier:", "shm:", "ep:wait", "ep:start", "ep:all_to_all")
 
 
 def _comm_trace(layer, x, w, steps=3) -> tuple[list, float]:

@@ -5,11 +5,14 @@ forwarding"; docs/expert-parallel.md, "Two tiers", with a worked example).
 
 Ep rank (node b, local l) talks over the slow tier only to the ranks with local index l on the
 other nodes (``ep_inter``) and over the fast tier to its node's ep ranks (``ep_intra``). The steps
-of :func:`hierarchical_moe`: 1. the (node, token) pairs of the kept assignments, node-major;
+of :func:`hierarchical_moe`: 1. the (node, token) pairs of the kept assignments, node-major, and
+the counts of both hops (:class:`Route`), exchanged first, one small exchange per tier for all
+the chunks of an overlapped layer (:func:`exchange_counts`): the slow tier carries each pair count
+with the assignments per expert slot, so a forwarder knows what it passes on before the rows come;
 2. slow hop: each pair's row with the token's k gates and k expert ids as extra columns;
-3. fast hop: one row per assignment to its expert's rank (counts first); 4. the experts; 5. fast
-hop back, the gate-weighted sum per pair; 6. slow hop back, the sum over nodes. Exact split
-sizes (one host read per hop); the gradient is autograd's through the same exchanges. Equal to
+3. fast hop: one row per assignment to its expert's rank; 4. the experts; 5. fast hop back, the
+gate-weighted sum per pair; 6. slow hop back, the sum over nodes. Exact split sizes (one host
+read per count exchange); the gradient is autograd's through the same exchanges. Equal to
 the flat dispatch up to the order of the sums over a token's experts
 (tests/distributed/test_expert_hier.py, float64, 1e-10).
 """
@@ -66,73 +69,102 @@ class _WithIds(torch.autograd.Function):
         return exchange(ctx.comm, g[:, :ctx.width].contiguous(), ctx.outs, ctx.ins), None, None, None, None
 
 
-def _a2a_rows(comm, rows: torch.Tensor, send_counts: torch.Tensor, ids: torch.Tensor | None = None):
-    """Exchange ``rows`` (grouped by destination, ``send_counts`` per group rank) over ``comm``:
-    counts first, then the rows (autograd), with ``ids`` as extra columns that get no gradient.
-    Returns (received rows, in_splits, out_splits)."""
-    recv_counts = exchange(comm, send_counts.contiguous())
-    ins, outs = send_counts.tolist(), recv_counts.tolist()  # the hop's one host read
+class Route:
+    """One piece of tokens' two-tier routing on this rank, before any transfer (step 1 of the module
+    doc): the (node, token) pairs, node-major, and the counts both hops need, so that one exchange
+    per tier (:func:`exchange_counts`) sizes every hop of every piece. ``counts`` (N, 1 + L *
+    per_rank): per destination node, the pairs sent there, then the kept assignments per expert
+    slot of that node (local rank l, expert e % per_rank), from which the forwarder there knows
+    what it passes to each local rank before the rows arrive."""
+
+    def __init__(self, layer, h: Hierarchy, r, T: int, dev):
+        k, N = layer.top_k, h.N
+        self.expert, self.keep = r.expert.view(k, T), r.keep.view(k, T)
+        enode = h.exp_node.to(dev)[self.expert]                       # (k, T) node of each assignment
+        hit = torch.zeros(N, T, dtype=torch.bool, device=dev)
+        hit.view(-1).index_fill_(0, (enode * T + torch.arange(T, device=dev))[self.keep], True)
+        self.pb, self.pt = hit.nonzero(as_tuple=True)                  # pair p: node pb[p], token pt[p]
+        self.on = self.keep[:, self.pt] & (enode[:, self.pt] == self.pb)  # (k, P): assignment j of pair p here
+        S = h.L * h.per_rank
+        slot = h.exp_local.to(dev)[self.expert] * h.per_rank + self.expert % h.per_rank
+        per_slot = count((enode * S + slot)[self.keep], N * S).view(N, S)
+        self.counts = torch.cat([hit.sum(1, keepdim=True), per_slot], 1)
+
+
+def exchange_counts(h: Hierarchy, routes: list[Route]) -> None:
+    """Size both hops of every piece in ``routes`` with one count exchange per tier (the slow one
+    carries each piece's pairs and per-slot assignments, the fast one what each forwarder passes
+    on), and one host read of each; sets ``ins1``/``outs1`` (slow hop splits), ``ins2``/``outs2``
+    (fast hop) and ``recv`` (L, per_rank: rows arriving from each local rank, per local expert)."""
+    n, S = len(routes), 1 + h.L * h.per_rank
+    send = torch.stack([ro.counts for ro in routes], 1)                        # (N, n, S)
+    got = exchange(h.inter, send.reshape(h.N, -1).contiguous()).view(h.N, n, S)
+    fwd = got[:, :, 1:].sum(0).view(n, h.L, h.per_rank).transpose(0, 1)       # (L, n, per_rank) forwarded
+    recv = exchange(h.intra, fwd.reshape(h.L, -1).contiguous()).view(h.L, n, h.per_rank)
+    sent, pairs, passed, came = (send[:, :, 0].tolist(), got[:, :, 0].tolist(), fwd.sum(2).tolist(),
+                                 recv.sum(2).tolist())                          # the host reads
+    for c, ro in enumerate(routes):
+        ro.ins1, ro.outs1 = [s[c] for s in sent], [p[c] for p in pairs]
+        ro.ins2, ro.outs2 = [p[c] for p in passed], [p[c] for p in came]
+        ro.recv = recv[:, c]
+
+
+def _slow_hop(comm, rows: torch.Tensor, ids: torch.Tensor | None, ins, outs):
+    """The slow hop's rows, with ``ids`` as extra columns that get no gradient."""
     if ids is not None and comm.size > 1:
-        return _WithIds.apply(rows, ids, comm, ins, outs), ins, outs
-    rows = rows if ids is None else torch.cat([rows, ids], 1)
-    return all_to_all(rows, comm, ins, outs), ins, outs
+        return _WithIds.apply(rows, ids, comm, ins, outs)
+    return all_to_all(rows if ids is None else torch.cat([rows, ids], 1), comm, ins, outs)
 
 
-def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int) -> torch.Tensor:
+def hierarchical_moe(layer, h: Hierarchy, x: torch.Tensor, r, capacity: int, ro: Route | None = None) -> torch.Tensor:
     """The MoE output (T, D) of the tokens ``x`` routed as ``r`` (models/moe.py Routing), through
-    the two hops of the module doc. ``layer``: the ExpertParallelMoE (its local experts, timing)."""
+    the two hops of the module doc. ``layer``: the ExpertParallelMoE (its local experts, timing);
+    ``ro``: the tokens' Route with its counts exchanged (chunks, parallel/expert_overlap.py), or
+    None to route and exchange them here."""
     t0 = time.perf_counter()
     T, D = x.shape
     k, N, dev = layer.top_k, h.N, x.device
-    expert = r.expert.view(k, T)
-    keep = r.keep.view(k, T)
-    enode = h.exp_node.to(dev)[expert]                               # (k, T) node of each assignment
-    # 1. (node, token) pairs, node-major
-    hit = torch.zeros(N, T, dtype=torch.bool, device=dev)
-    hit.view(-1).index_fill_(0, (enode * T + torch.arange(T, device=dev))[keep], True)
-    pb, pt = hit.nonzero(as_tuple=True)                              # pair p: node pb[p], token pt[p]
-    on = keep[:, pt] & (enode[:, pt] == pb)                          # (k, P): assignment j of pair p here
+    if ro is None:
+        ro = Route(layer, h, r, T, dev)
+        exchange_counts(h, [ro])
+    pb, pt, on = ro.pb, ro.pt, ro.on
     # 2. slow hop: row + k gate weights (as columns, in x's dtype like the flat combine) + the k ids
     w = (r.weight.view(k, T)[:, pt] * on).t().to(x.dtype)           # (P, k)
-    ids = torch.where(on, expert[:, pt], -1).t()
+    ids = torch.where(on, ro.expert[:, pt], -1).t()
     inline = layer.n_experts <= _EXACT_INTS.get(x.dtype, 0)          # ids exact in x's dtype: one message
     payload = torch.cat([x.index_select(0, pt), w], 1)
-    got, ins1, outs1 = _a2a_rows(h.inter, payload, hit.sum(1), ids.to(x.dtype) if inline else None)
+    got = _slow_hop(h.inter, payload, ids.to(x.dtype) if inline else None, ro.ins1, ro.outs1)
     got_ids = (got[:, D + k:].detach().round() if inline else
-               exchange(h.inter, ids.to(torch.int32).contiguous(), ins1, outs1)).long()
+               exchange(h.inter, ids.to(torch.int32).contiguous(), ro.ins1, ro.outs1)).long()
     xr, wr = got[:, :D], got[:, D:D + k]                             # R received pairs
     # 3. fast hop: one row per assignment, sorted by (owner's local index, expert)
     R = got.shape[0]
     valid = got_ids >= 0                                              # (R, k)
     e = got_ids.clamp(min=0)
     key = torch.where(valid, h.exp_local.to(dev)[e] * layer.n_experts + e, h.L * layer.n_experts).view(-1)
-    sel = torch.argsort(key, stable=True)[:int(valid.sum())]        # assignment i*k+j, sorted
+    sel = torch.argsort(key, stable=True)[:sum(ro.ins2)]             # assignment i*k+j, sorted
     rows = xr.index_select(0, sel // k)
-    es = e.view(-1)[sel]                                              # their experts, sorted
-    per_dest = count(h.exp_local.to(dev)[es] * h.per_rank + es % h.per_rank, h.L * h.per_rank).view(h.L, -1)
-    recv = exchange(h.intra, per_dest)                               # (L, per_rank): from source s
-    ins2, outs2 = per_dest.sum(1).tolist(), recv.sum(1).tolist()
-    arrived = all_to_all(rows, h.intra, ins2, outs2)
+    arrived = all_to_all(rows, h.intra, ro.ins2, ro.outs2)
     # 4. experts on rows regrouped from (source, expert) to (expert, source), as the flat dispatch
     L, n_local = h.L, h.per_rank
     block = torch.arange(L * n_local, device=dev).view(L, n_local)
-    bkey = torch.repeat_interleave(((block % n_local) * L + block // n_local).flatten(), recv.flatten(),
+    bkey = torch.repeat_interleave(((block % n_local) * L + block // n_local).flatten(), ro.recv.flatten(),
                                    output_size=arrived.shape[0])
     perm = torch.argsort(bkey, stable=True)
     t1 = time.perf_counter()
-    y = layer.experts(arrived.index_select(0, perm), recv.sum(0), layer.ep.size * capacity)
+    y = layer.experts(arrived.index_select(0, perm), ro.recv.sum(0), layer.ep.size * capacity)
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=dev)
     y = y.index_select(0, back)
     t2 = time.perf_counter()
     # 5. fast hop back; per pair, the gate-weighted sum of its assignments here (segments in pair order)
-    y = all_to_all(y, h.intra, outs2, ins2)
+    y = all_to_all(y, h.intra, ro.outs2, ro.ins2)
     order = torch.argsort(sel)                                       # assignment i*k+j, by (pair i, j)
     gates = wr[valid].unsqueeze(1)                                   # the same (pair, j) order
     z = y.index_select(0, order) * gates                            # no pair here: empty, still in the graph
     z = torch.segment_reduce(z, "sum", lengths=valid.sum(1), axis=0) if R else z
     # 6. slow hop back, sum over nodes
-    z = all_to_all(z, h.inter, outs1, ins1)
+    z = all_to_all(z, h.inter, ro.outs1, ro.ins1)
     out = z.new_zeros(N * T, D).index_copy(0, pb * T + pt, z)
     layer._time(t0, t1, t2, time.perf_counter())
     return out.view(N, T, D).sum(0)

@@ -7,7 +7,8 @@ chunk's experts compute (forward: per chunk wait its dispatch, start the next ch
 start its combine; wait the combines. The backward mirrors it, the experts' backward an inner
 ``torch.autograd.backward`` as activation checkpointing does). At most (n-1)/n of the transfer
 time can hide. The hierarchical dispatch overlaps the same way in lanes
-(:func:`hierarchical_overlapped`, distributed/lanes.py). Equal to the layer without overlap up to
+(:func:`hierarchical_overlapped`, distributed/lanes.py), both hops of every chunk sized by one
+count exchange per tier before the lanes start. Equal to the layer without overlap up to
 the order of the expert gradients' sums (tests/distributed/test_expert_hier.py, float64, 1e-10).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from ..distributed.lanes import Lanes, start_all_to_all, wait as _wait
 from ..models.moe import Routing, chunk_bounds
-from .expert_hier import hierarchical_moe
+from .expert_hier import Route, exchange_counts, hierarchical_moe
 
 
 class _Chunk:
@@ -124,15 +125,21 @@ class _HierChunks(torch.autograd.Function):
         T, k = x.shape[0], layer.top_k
         ctx.bounds = bounds = chunk_bounds(T, n)
         need_x, need_w = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
-
-        def lane(c):
+        pieces = []
+        for c in range(n):
             a, b = bounds[c], bounds[c + 1]
             xc = x[a:b].detach().requires_grad_(need_x)
             wc = weight.view(k, T)[:, a:b].detach().requires_grad_(need_w)
             with torch.enable_grad():  # the gates' reshape too: it must reach wc's gradient
                 rc = Routing(r.expert.view(k, T)[:, a:b].reshape(-1), None, wc.reshape(-1),
                              r.keep.view(k, T)[:, a:b].reshape(-1))
-                return xc, wc, hierarchical_moe(layer, h, xc, rc, capacity)
+            pieces.append((xc, wc, rc, Route(layer, h, rc, b - a, x.device)))
+        exchange_counts(h, [p[3] for p in pieces])  # every chunk's hops sized at once, before the lanes
+
+        def lane(c):
+            xc, wc, rc, ro = pieces[c]
+            with torch.enable_grad():
+                return xc, wc, hierarchical_moe(layer, h, xc, rc, capacity, ro)
         ctx.lanes = Lanes()
         ctx.chunks = ctx.lanes.run(*[(lambda c=c: lane(c)) for c in range(n)])
         return torch.cat([y.detach() for _, _, y in ctx.chunks])

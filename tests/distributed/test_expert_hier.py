@@ -62,7 +62,7 @@ def _layer_case(mesh, cfg, dispatch, seed=1, skew=False, chunks=2):
     rows = {int(q): int((other & (owner == q)).sum()) for q in owner[other].unique()}
     return dict(err=err, same=torch.equal(r.keep, rr.keep) and torch.equal(r.expert, rr.expert),
                 dropped=int((~r.keep).sum()), inter=inter, inter_bwd=inter_bwd, pairs=pairs, rows=rows, node=mine, rank=mesh.rank,
-                local=mesh.local_rank("ep_intra"),
+                local=mesh.local_rank("ep_intra"), experts=layer.n_experts,
                 max_nodes=int(max(len(set(node[r.keep & (r.token == t)].tolist())) for t in range(T))))
 
 
@@ -88,9 +88,10 @@ def _slow_bytes(case, dispatch, k, everyone, ep_nodes):
         back = sum(c["rows"].get(case["rank"], 0) for c in everyone)  # counts: n_local ints per rank (per half)
         return (sum(case["rows"].values()) + back) * D * 8 + ep_nodes * 8 * (2 if dispatch == "overlap" else 1)
     # hierarchical: row + k weights + k ids (float64 columns) per (node, token), to and from the same local index
-    # (overlapped: the same rows in 2 chunks of the tokens, a count exchange per chunk)
+    # and one count exchange: per other node and chunk, its pair count and the assignments per expert slot of
+    # that node (1 + n_experts / nodes ints; overlapped: the same rows in 2 chunks of the tokens)
     back = sum(c["pairs"].get(case["node"], 0) for c in everyone if c["local"] == case["local"])
-    counts = 8 * (ep_nodes - 1) * (2 if dispatch == "hier-overlap" else 1)
+    counts = 8 * (ep_nodes - 1) * (1 + case["experts"] // ep_nodes) * (2 if dispatch == "hier-overlap" else 1)
     return sum(case["pairs"].values()) * (D + 2 * k) * 8 + back * D * 8 + counts
 
 

@@ -12,7 +12,7 @@ with the assignments per expert slot, so a forwarder knows what it passes on bef
 2. slow hop: each pair's row with the token's k gates and k expert ids as extra columns;
 3. fast hop: one row per assignment to its expert's rank; 4. the experts; 5. fast hop back, the
 gate-weighted sum per pair; 6. slow hop back, the sum over nodes. Exact split sizes (one host
-read per count exchange); the gradient is autograd's through the same exchanges. Equal to
+read for both count exchanges); the gradient is autograd's through the same exchanges. Equal to
 the flat dispatch up to the order of the sums over a token's experts
 (tests/distributed/test_expert_hier.py, float64, 1e-10).
 """
@@ -94,18 +94,18 @@ class Route:
 def exchange_counts(h: Hierarchy, routes: list[Route]) -> None:
     """Size both hops of every piece in ``routes`` with one count exchange per tier (the slow one
     carries each piece's pairs and per-slot assignments, the fast one what each forwarder passes
-    on), and one host read of each; sets ``ins1``/``outs1`` (slow hop splits), ``ins2``/``outs2``
+    on), and one host read for all; sets ``ins1``/``outs1`` (slow hop splits), ``ins2``/``outs2``
     (fast hop) and ``recv`` (L, per_rank: rows arriving from each local rank, per local expert)."""
     n, S = len(routes), 1 + h.L * h.per_rank
     send = torch.stack([ro.counts for ro in routes], 1)                        # (N, n, S)
     got = exchange(h.inter, send.reshape(h.N, -1).contiguous()).view(h.N, n, S)
     fwd = got[:, :, 1:].sum(0).view(n, h.L, h.per_rank).transpose(0, 1)       # (L, n, per_rank) forwarded
     recv = exchange(h.intra, fwd.reshape(h.L, -1).contiguous()).view(h.L, n, h.per_rank)
-    sent, pairs, passed, came = (send[:, :, 0].tolist(), got[:, :, 0].tolist(), fwd.sum(2).tolist(),
-                                 recv.sum(2).tolist())                          # the host reads
-    for c, ro in enumerate(routes):
-        ro.ins1, ro.outs1 = [s[c] for s in sent], [p[c] for p in pairs]
-        ro.ins2, ro.outs2 = [p[c] for p in passed], [p[c] for p in came]
+    splits = torch.cat([send[:, :, 0], got[:, :, 0], fwd.sum(2), recv.sum(2)]).t().tolist()  # the host read
+    for c, ro in enumerate(routes):  # splits[c]: N sent, N received, L passed on, L arriving
+        col = splits[c]
+        ro.ins1, ro.outs1 = col[:h.N], col[h.N:2 * h.N]
+        ro.ins2, ro.outs2 = col[2 * h.N:2 * h.N + h.L], col[2 * h.N + h.L:]
         ro.recv = recv[:, c]
 
 

@@ -32,6 +32,7 @@ throttle that simulates it on one host (distributed/tiers.py); 0 = not throttled
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import product
 
@@ -116,7 +117,7 @@ class Topology:
     def size(self, group: str) -> int:
         """Number of ranks in one group of the given name."""
         if group in ("ep_intra", "ep_inter"):
-            return len(self.groups(group)[0])
+            return len(_groups(self, group)[0])
         if group == "pp_pair":
             return min(2, self.pp)
         if group == "ep":
@@ -161,7 +162,12 @@ class Topology:
         return r
 
     def groups(self, name: str) -> list[list[int]]:
-        """All groups of this name, each a sorted list of ranks; together they partition the world."""
+        """All groups of this name, each a sorted list of ranks; together they partition the world
+        (computed once per topology and name: the planner asks for the same groups of thousands of
+        ranks for every layout it weighs)."""
+        return [list(g) for g in _groups(self, name)]
+
+    def _groups(self, name: str) -> list[list[int]]:
         if name in ("ep_intra", "ep_inter"):
             return self._tier_groups(name)
         if name == "pp_pair":
@@ -208,9 +214,9 @@ class Topology:
 
     def group_of(self, name: str, rank: int) -> list[int]:
         """The ranks of the ``name`` group that contains ``rank``."""
-        for g in self.groups(name):
+        for g in _groups(self, name):
             if rank in g:
-                return g
+                return list(g)
         raise AssertionError("groups must partition the world")
 
     def describe(self) -> str:
@@ -221,3 +227,9 @@ class Topology:
                 f" (ulysses {self.cp_ulysses} x ring {self.cp // self.cp_ulysses})"
         nodes = f" over {self.nodes} nodes" if self.nodes > 1 else ""
         return (" x ".join(parts) if parts else "single process") + nodes
+
+
+@functools.lru_cache(maxsize=1024)
+def _groups(topo: Topology, name: str) -> tuple[tuple[int, ...], ...]:
+    """:meth:`Topology.groups`, cached (a frozen Topology is its own key)."""
+    return tuple(tuple(g) for g in topo._groups(name))

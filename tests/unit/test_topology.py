@@ -118,3 +118,15 @@ def test_tier_groups_split_each_ep_group_by_node():
                 for x in inter:  # same position inside its node's part of the ep group
                     assert len({next(p for p in intra if r in p).index(r) for r in x}) == 1
     assert checked > 1000
+
+
+def test_groups_are_cached_per_topology_but_handed_out_as_copies():
+    """groups() is computed once per (topology, name) for the planner's thousands of layouts; a
+    caller that edits the lists it got must not change what the next caller gets."""
+    t = Topology(dp_shard=4, ep=4, nodes=2)
+    first = t.groups("ep_intra")
+    first[0].append(99)
+    t.group_of("ep", 0).append(98)
+    again = Topology(dp_shard=4, ep=4, nodes=2)  # an equal topology: the same cached entry
+    assert again.groups("ep_intra") == [[0, 1], [2, 3]]
+    assert again.group_of("ep", 0) == [0, 1, 2, 3]

@@ -23,7 +23,7 @@ def trace_mode(cfg, device: str = "cpu") -> str:
     return f"autocast-{'cpu' if device == 'cpu' else 'cuda'}-{'bfloat16' if low else 'float32'}"
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)  # one per distinct stage shape of a search (a few hundred bytes each)
 def _trace(key: str, cfg_json: str, micro_batch: int, seq: int, mode: str, pp_rank: int):
     from ..config import from_dict
     from ..distributed.topology import Topology

@@ -52,7 +52,8 @@ def _canonical(cfg) -> str:
     data-parallel and context degrees are normalised away so that layouts share one build."""
     d = {k: v for k, v in cfg.to_dict().items() if k in ("model", "parallel", "train")}
     par = d["parallel"]
-    par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, cp_ulysses=1, zero_stage=0, microbatches=max(par["pp"], 1))
+    par.update(dp_replicate=1, dp_shard=par["ep"], cp=1, cp_ulysses=1, cp_impl="ring", zero_stage=0,
+               microbatches=max(par["pp"], 1))  # cp 1: ring, Ulysses and unified build the same local model
     if par["pp_schedule"] == "interleaved":
         par["microbatches"] = par["pp"]
     if par["pp_schedule"] in ("dualpipe", "dualpipev"):

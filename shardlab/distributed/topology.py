@@ -229,7 +229,7 @@ class Topology:
         return (" x ".join(parts) if parts else "single process") + nodes
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # an entry holds world-size ints: ~20 MB when full at 2,048 ranks
 def _groups(topo: Topology, name: str) -> tuple[tuple[int, ...], ...]:
     """:meth:`Topology.groups`, cached (a frozen Topology is its own key)."""
     return tuple(tuple(g) for g in topo._groups(name))

@@ -168,10 +168,11 @@ def _edge_ranks(pp: int) -> list[int]:
 
 
 def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | None = None,
-           efficiency: float = 1.0, features=()):
+           efficiency: float = 1.0, features=(), progress=None):
     """(ranked candidates that fit, number of valid layouts, number dropped for memory). A layout
     with recomputation is not evaluated when the same layout without it fits (it cannot be
-    faster); it still counts as valid. ``features``: float8 / async_tp priced (plan_features)."""
+    faster); it still counts as valid. ``features``: float8 / async_tp priced (plan_features);
+    ``progress(valid, fit)``, if given, is called after every valid layout (the CLI's status line)."""
     from .devices import get_device
     capacity = HEADROOM * get_device(device).memory
     fits, valid, dropped = [], 0, 0
@@ -179,15 +180,16 @@ def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | N
     for cfg in enumerate_layouts(base, gpus, gpus_per_node, fixed, lambda c: state_fits(c, capacity)):
         valid += 1
         key = _without_ac(cfg)
-        if key in fit_without_ac:  # dominated: recomputation only adds time (plan_time), and the
-            continue               # same layout without it already fits
-        c = evaluate(cfg, device, gpus_per_node, capacity, efficiency, features)
-        if c is not None and cfg.parallel.activation_checkpointing == "none":
-            fit_without_ac.add(key)
-        if c is None:
-            dropped += 1
-        else:
-            fits.append(c)
+        if key not in fit_without_ac:  # else dominated: recomputation only adds time (plan_time),
+            c = evaluate(cfg, device, gpus_per_node, capacity, efficiency, features)  # and the same
+            if c is not None and cfg.parallel.activation_checkpointing == "none":  # layout without
+                fit_without_ac.add(key)                                             # it already fits
+            if c is None:
+                dropped += 1
+            else:
+                fits.append(c)
+        if progress is not None:
+            progress(valid, len(fits))
     fits.sort(key=lambda c: -c.tokens_per_gpu)
     return fits, valid, dropped
 

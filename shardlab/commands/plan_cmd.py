@@ -10,6 +10,7 @@ the field. When nothing fits, the smallest cluster that would is named.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def load_model(arg: str):
     return load(path)
 
 
+def _status_line(t0: float):
+    """A progress callback for ``search``: one line on the terminal, redrawn at most twice a second."""
+    last = [0.0]
+
+    def show(valid: int, fit: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= 0.5:
+            last[0] = now
+            sys.stderr.write(f"\r\033[Ksearching: {valid:,} valid layouts, {fit:,} fit so far ({now - t0:.0f} s)")
+            sys.stderr.flush()
+    return show
+
+
 def main(args) -> int:
     from ..analysis.devices import FITTED_EFFICIENCY, get_device
     from ..analysis.plan_search import HEADROOM, search, smallest_cluster, why
@@ -102,7 +116,10 @@ def main(args) -> int:
             raise ConfigError("--compare", "goes with a search, not with --layout; drop one of them")
         return _pinned(base, args, dev, eta, t0, features)
     _check_fixed(base, args.gpus, fixed)
-    fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed, eta, features)
+    status = _status_line(t0) if sys.stderr.isatty() else None
+    fits, valid, dropped = search(base, args.gpus, args.gpu, args.gpus_per_node, fixed, eta, features, status)
+    if status is not None:
+        sys.stderr.write("\r\033[K")  # the status line gives way to the table
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: "
           f"{valid} valid layouts, {len(fits)} fit (search: {time.perf_counter() - t0:.1f} s wall)"

@@ -84,6 +84,20 @@ def test_enumeration_of_405b_on_16k_gpus_returns_layouts():
     assert all(c.tokens_per_gpu > 0 and c.peak_bytes <= HEADROOM * 80e9 for c in fits)
 
 
+def test_search_reports_progress_after_every_valid_layout():
+    """The CLI's status line (a terminal only) is fed by ``search``'s callback: one call per valid
+    layout (also those skipped because the same layout without recomputation fits), counts rising
+    to the totals the search returns."""
+    from shardlab.analysis.plan_search import search
+    from shardlab.commands.plan_cmd import load_model
+    base = load_model("llama-8b")
+    calls = []
+    fits, valid, dropped = search(base, 8, "h100", 8, {"tp": 2}, progress=lambda v, f: calls.append((v, f)))
+    assert valid > 1 and len(calls) == valid
+    assert [v for v, _ in calls] == list(range(1, valid + 1))
+    assert all(a <= b for (_, a), (_, b) in zip(calls, calls[1:])) and calls[-1][1] == len(fits)
+
+
 def test_plan_no_fit_names_the_smallest_cluster(capsys):
     from shardlab.cli import main
     rc = main(["plan", "llama-8b", "--gpus", "1", "--gpu", "h100", "--global-batch", "8", "--seq", "2048",

@@ -19,8 +19,9 @@ round) and the bytes one rank sends over the slow tier per step (ledger, mean ov
 collectives of the layer: dispatch, combine, count exchanges, the auxiliary statistics' all-reduce).
 Then, for overlap off / 2 / 4 chunks / F&B, the exposed communication per step read from a profiler
 trace (union of the ``tier:*`` collective spans, ``ep:all_to_all`` synchronous exchanges, ``ep:wait``
-waits and ``shm:*`` spans, analysis/overlap.py's interval arithmetic; with lanes, of every thread: only the lane holding the baton runs,
-so a wait in any lane is a wait of the rank) and the share of the all-to-all time hidden:
+waits and ``shm:*`` spans, analysis/overlap.py's interval arithmetic; with lanes, of every thread:
+only the lane holding the baton runs, so a wait in any lane is a wait of the rank) and the share
+of the all-to-all time hidden:
 1 - exposed(on) / exposed(off).
 
 ``--bytes-top-k``: first, for each top-k, one step of flat and hierarchical (M = all): the slow-tier

@@ -180,10 +180,12 @@ def search(base, gpus: int, device: str, gpus_per_node: int = 8, fixed: dict | N
     for cfg in enumerate_layouts(base, gpus, gpus_per_node, fixed, lambda c: state_fits(c, capacity)):
         valid += 1
         key = _without_ac(cfg)
-        if key not in fit_without_ac:  # else dominated: recomputation only adds time (plan_time),
-            c = evaluate(cfg, device, gpus_per_node, capacity, efficiency, features)  # and the same
-            if c is not None and cfg.parallel.activation_checkpointing == "none":  # layout without
-                fit_without_ac.add(key)                                             # it already fits
+        # a layout whose twin without recomputation fits is dominated (recomputation only adds
+        # time, plan_time): counted as valid, not evaluated
+        if key not in fit_without_ac:
+            c = evaluate(cfg, device, gpus_per_node, capacity, efficiency, features)
+            if c is not None and cfg.parallel.activation_checkpointing == "none":
+                fit_without_ac.add(key)
             if c is None:
                 dropped += 1
             else:

@@ -167,7 +167,7 @@ class Topology:
         ranks for every layout it weighs)."""
         return [list(g) for g in _groups(self, name)]
 
-    def _groups(self, name: str) -> list[list[int]]:
+    def _compute_groups(self, name: str) -> list[list[int]]:
         if name in ("ep_intra", "ep_inter"):
             return self._tier_groups(name)
         if name == "pp_pair":
@@ -232,4 +232,4 @@ class Topology:
 @functools.lru_cache(maxsize=256)  # an entry holds world-size ints: ~20 MB when full at 2,048 ranks
 def _groups(topo: Topology, name: str) -> tuple[tuple[int, ...], ...]:
     """:meth:`Topology.groups`, cached (a frozen Topology is its own key)."""
-    return tuple(tuple(g) for g in topo._groups(name))
+    return tuple(tuple(g) for g in topo._compute_groups(name))

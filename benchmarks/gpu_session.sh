@@ -17,7 +17,10 @@
 #                 plain compiled loop, side by side in one process (PROFILE_STEPS: profile them)
 #   single_eager  the same without torch.compile;  single1b: the 1B Llama
 #   comm / comm2  same-GPU collectives at 64 MiB, N = 2, 4, 8 / N = 2 only: the transport on its
-#                 comm stream (shared) beside its first version (shared_sync) and gloo (N = 2)
+#                 comm stream (shared; one-shot all-reduce up to 4 ranks), the same in two phases
+#                 (shared_2phase), its first version (shared_sync) and gloo (N = 2)
+#   mps           comm at N = 2 and 4 under CUDA's MPS daemon (started and stopped by the step;
+#                 MPS_TRAIN set: DDP on the 1B Llama under it too); run it last
 #   memory        Llama-1B on 2 ranks: DDP vs ZeRO-3 with prefetch on/off (benchmarks/gpu_memory.py)
 #   peaks         benchmarks/memory_peaks.py --device cuda on PEAKS layouts (predicted vs max allocated)
 #   planner       predicted vs torch.cuda.max_memory_allocated, tiny layouts
@@ -66,8 +69,8 @@ background() {  # background NAME LIMIT CORES CMD...: start a step beside the ot
   ( t0=$SECONDS; timeout -k 5 "$lim" "${pin[@]}" "$@" > "$WORK/$name.txt" 2>&1; echo "$? $t0" > "$WORK/$name.rc" ) &
 }
 
-comm() {  # comm N LIMIT TRANSPORTS: the collectives at 64 MiB with N ranks sharing the GPU
-  step "comm_n$1" "$2" "$PY" -m shardlab.cli bench comm --device cuda --nproc "$1" --sizes 64M --iters 10 \
+comm() {  # comm N LIMIT TRANSPORTS [NAME]: the collectives at 64 MiB with N ranks sharing the GPU
+  step "${4:-comm}_n$1" "$2" "$PY" -m shardlab.cli bench comm --device cuda --nproc "$1" --sizes 64M --iters 10 \
     --warmup 2 --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport "$3"
 }
 
@@ -83,6 +86,11 @@ for s in $STEPS; do
       # VERIFY_N2 / VERIFY_N4: a comma list of layouts (default: all that fit)
       background verify_n2 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 2 ${VERIFY_N2:+--layouts "$VERIFY_N2"}
       background verify_n4 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 4 ${VERIFY_N4:+--layouts "$VERIFY_N4"}
+      extra=""
+      if [ -n "${VERIFY_N8:-}" ]; then  # 8 ranks sharing the GPU, only the layouts named
+        background verify_n8 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 8 --layouts "$VERIFY_N8"
+        extra=verify_n8
+      fi
       if [ -n "${CHECKS_PLANNER:-}" ]; then  # memory predicted vs max allocated (its step times ran beside)
         background planner "$lim" 12-15 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "$CHECKS_PLANNER"
         side=planner
@@ -92,7 +100,7 @@ for s in $STEPS; do
         side=pipeline_cpu_pp4
       fi
       wait
-      for name in test_gpu verify_n2 verify_n4 $side; do
+      for name in test_gpu verify_n2 verify_n4 $extra $side; do
         read -r rc t0 < "$WORK/$name.rc"
         collect "$name" "$rc" "$t0"
       done ;;
@@ -112,10 +120,25 @@ for s in $STEPS; do
       step single_llama1b 170 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda \
         --blocks 3 --per-block 3 --warmup 2 --parallel.compile=true ;;
     comm2)  # N = 2 only
-      comm 2 35 process_group,shared,shared_sync ;;
+      comm 2 35 process_group,shared,shared_2phase,shared_sync ;;
     comm)  # N ranks on one GPU at 64 MiB: the shared-memory transport over CUDA IPC (and gloo at N = 2)
-      comm 2 35 process_group,shared,shared_sync
-      for n in 4 8; do comm "$n" 30 shared,shared_sync; done ;;
+      comm 2 35 process_group,shared,shared_2phase,shared_sync
+      for n in 4 8; do comm "$n" 30 shared,shared_2phase,shared_sync; done ;;
+    mps)  # the same with CUDA's MPS daemon: the ranks' kernels in one GPU context, no time slices
+      if ! command -v nvidia-cuda-mps-control >/dev/null; then echo "=== mps: no nvidia-cuda-mps-control" | tee -a "$LOG"; continue; fi
+      export CUDA_MPS_PIPE_DIRECTORY="$WORK/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps_log"
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && echo "mps: daemon started" >> "$LOG"
+      comm 2 35 shared,shared_2phase mps_comm
+      comm 4 30 shared,shared_2phase mps_comm
+      if [ -n "${MPS_TRAIN:-}" ]; then  # DDP on the 1B Llama, 2 ranks, under MPS
+        step mps_train_zero0 70 "$PY" -m shardlab.cli train configs/llama-1b.toml --nproc 2 --train.device=cuda \
+          --train.steps=5 --train.global_batch=2 --profile 2 --parallel.zero_stage=0 --checkpoint.save=false \
+          --logging.progress=false --logging.run_dir="$WORK/mps_train"
+      fi
+      echo quit | nvidia-cuda-mps-control; sleep 1
+      { echo "mps: daemon stopped; its log:"; tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null; } >> "$LOG"
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     memory)  # Llama-1B, 2 ranks sharing the GPU: DDP vs ZeRO-3 with prefetch on/off (MEM_BATCH: global batch)
       step memory_1b 90 "$PY" benchmarks/gpu_memory.py --config configs/llama-1b.toml --nproc 2 \
         --train.global_batch="${MEM_BATCH:-2}" ;;

@@ -116,8 +116,9 @@ def bench(ctx, cfgs, data_dir, blocks, per_block, warmup, prof_steps=0):
         for k, step in enumerate(loops):
             name = "plain PyTorch" if k == len(cfgs) else f"shardlab, variant {k}"
             print(profile_steps(name, step, prof_steps, ctx.device), flush=True)
+    per_block = [[statistics.median(t[b * per_block:(b + 1) * per_block]) for b in range(blocks)] for t in times]
     return [statistics.median(t) for t in times], \
-        (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu")
+        (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"), per_block
 
 
 def main(argv=None):
@@ -144,25 +145,28 @@ def main(argv=None):
         cfgs.append(cfg)
     cfg = cfgs[0]
     data_dir = str(prepare(cfg.data))
-    (times, name), = launch.run(bench, 1, cfgs, data_dir, args.blocks, args.per_block, args.warmup,
+    (times, name, per_block), = launch.run(bench, 1, cfgs, data_dir, args.blocks, args.per_block, args.warmup,
                                 args.profile_steps, device=args.device)
     plain = times[-1]
     tokens = cfg.train.global_batch * cfg.train.seq_len
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     peak, label = peak_flops(torch.device(args.device), cfg.train.precision) if args.device != "cpu" else (None, "cpu")
     mfu = (lambda v: f"{100 * v:.1f}%" if v else "n/a")
-    print("| config | device | precision | compile | variant | plain PyTorch tok/s | shardlab tok/s | ratio | MFU plain / shardlab |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| config | device | precision | compile | variant | plain PyTorch tok/s | shardlab tok/s | ratio "
+          "| ratio per block (min-max) | MFU plain / shardlab |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for extra, ours in zip(sets, times[:-1]):
+    for k, (extra, ours) in enumerate(zip(sets, times[:-1])):
+        spread = [p / o for p, o in zip(per_block[-1], per_block[k])]  # each block ran both loops in turn
         row = {"config": args.config, "device": name, "precision": cfg.train.precision, "compile": cfg.parallel.compile,
                "variant": " ".join(extra) or "default", "plain_tok_s": tokens / plain, "shardlab_tok_s": tokens / ours,
                "ratio": plain / ours, "plain_mfu": fpt * tokens / plain / peak if peak else None,
-               "shardlab_mfu": fpt * tokens / ours / peak if peak else None}
+               "shardlab_mfu": fpt * tokens / ours / peak if peak else None, "block_ratios": spread}
         rows.append(row)
         print(f"| {Path(args.config).name} | {name} | {cfg.train.precision} | "
               f"{cfg.parallel.compile} | {row['variant']} | {row['plain_tok_s']:,.0f} | {row['shardlab_tok_s']:,.0f} | "
-              f"{row['ratio']:.3f} | {mfu(row['plain_mfu'])} / {mfu(row['shardlab_mfu'])} |")
+              f"{row['ratio']:.3f} | {min(spread):.3f}-{max(spread):.3f} | "
+              f"{mfu(row['plain_mfu'])} / {mfu(row['shardlab_mfu'])} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
 

@@ -36,12 +36,15 @@ class SharedComm(RingPointToPoint, Comm):
 
     def __init__(self, name, group, ranks, rank, ledger, algorithm="backend", flight=None,
                  device: torch.device | str = "cpu", host_barrier: str = "auto", p2p_cap: int = 16 << 20,
-                 cuda_streams: bool = True):
+                 cuda_streams: bool = True, one_shot_ranks: int | None = None):
         """``host_barrier``: "shm" (flags in shared memory, x86-64 only), "process_group"
         (``dist.barrier``) or "auto" (shm on x86-64). ``p2p_cap``: bytes of each point-to-point
         ring (per pair and direction; longer messages stream through it). ``cuda_streams=False``:
         the first CUDA version (the stream drained at every barrier, host-sized chunks), kept to
-        be measured against (``shardlab bench comm --transport shared_sync``)."""
+        be measured against (``shardlab bench comm --transport shared_sync``). ``one_shot_ranks``:
+        groups up to this size all-reduce in one phase (every rank sums every region: one
+        barrier instead of two); default 4 on CUDA streams, where each barrier costs the GPU a
+        switch between the processes (docs/gpu.md), and 0 elsewhere."""
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
         if host_barrier not in ("auto", "shm", "process_group"):
             raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
@@ -63,6 +66,7 @@ class SharedComm(RingPointToPoint, Comm):
         streams = cuda and cuda_streams and self.size > 1
         self._order = StreamOrder(self.device) if streams else None  # shm_cuda.py
         self._chunk = CUDA_CHUNK if streams else shm_host.chunk_bytes(self.size)  # bytes per rank per phase
+        self._one_shot = self.size <= (one_shot_ranks if one_shot_ranks is not None else 4 if streams else 0)
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
@@ -220,9 +224,16 @@ class SharedComm(RingPointToPoint, Comm):
         return t
 
     def _all_reduce_chunk(self, flat: torch.Tensor, op: str):
-        """One chunk: a reduce-scatter into the other region, a barrier, an all-gather of the parts."""
+        """One chunk: a reduce-scatter into the other region, a barrier, an all-gather of the parts;
+        or, one-shot, a barrier, then every rank reduces every rank's region (in rank order, so
+        every rank gets the same bits); the next write goes to the other region."""
         m, n = flat.numel(), self.size
         inp = self._write(flat)
+        if self._one_shot:
+            self._sync()
+            _reduce_into(flat, self._inputs(inp, flat.dtype, m), op)
+            self._free = 1 - inp  # peers may still read ``inp``; ``1 - inp`` was last read before this barrier
+            return
         out = 1 - inp
         bounds = [(i * m // n, (i + 1) * m // n) for i in range(n)]
         self._sync()

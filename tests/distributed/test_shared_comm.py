@@ -154,10 +154,15 @@ def _worker(ctx):
         pg = Comm("g", group, ranks, ctx.rank, Ledger())
         _collective_checks(sh, pg, errors)
         _ledger_checks(group, ranks, ctx.rank, errors)
+        # the one-shot all-reduce (CUDA's default up to 4 ranks) on the host arena
+        _collective_checks(SharedComm("o", group, ranks, ctx.rank, Ledger(), host_barrier=barrier, one_shot_ranks=8),
+                           pg, errors)
         chunk, shm_host.CHUNK = shm_host.CHUNK, 4096  # every message longer than 4 KiB per rank goes in chunks
         try:
             small = SharedComm("c", group, ranks, ctx.rank, Ledger(), host_barrier=barrier)
             _collective_checks(small, pg, errors, chunked=True)
+            one = SharedComm("o1", group, ranks, ctx.rank, Ledger(), host_barrier=barrier, one_shot_ranks=8)
+            _collective_checks(one, pg, errors, chunked=True)  # chunks alternate the regions
             bounded = SharedComm("b", group, ranks, ctx.rank, Ledger(), host_barrier=barrier)
             x = _data(7, (len(ranks) * 50_000,), torch.float64)
             bounded.all_reduce(x.clone()), bounded.reduce_scatter(x), bounded.all_gather(x), bounded.broadcast(x.clone(), 0)

@@ -17,7 +17,7 @@
 #                 plain compiled loop, side by side in one process (PROFILE_STEPS: profile them)
 #   single_eager  the same without torch.compile;  single1b: the 1B Llama
 #   comm / comm2  same-GPU collectives at 64 MiB, N = 2, 4, 8 / N = 2 only: the transport on its
-#                 comm stream (shared; one-shot all-reduce up to 4 ranks), the same in two phases
+#                 comm stream (shared; one-shot all-reduce at 2 ranks), the same in two phases
 #                 (shared_2phase), its first version (shared_sync) and gloo (N = 2)
 #   mps           comm at N = 2 and 4 under CUDA's MPS daemon (started and stopped by the step;
 #                 MPS_TRAIN set: DDP on the 1B Llama under it too); run it last
@@ -40,7 +40,8 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"env shared_gpu single single1b comm overlap memory peaks"}
 DEADLINE=$((SECONDS + ${DEADLINE_S:-540}))
 GPU_TESTS="tests/unit/test_moe.py tests/unit/test_checkpoint_io.py tests/distributed/test_shared_comm.py
-  tests/distributed/test_gpu_offload.py tests/distributed/test_async_checkpoint.py tests/distributed/test_compile.py"
+  tests/distributed/test_gpu_offload.py tests/distributed/test_async_checkpoint.py tests/distributed/test_compile.py
+  tests/distributed/test_memory_peaks.py"
 
 limit() {  # limit WANTED: seconds this step may take (clipped to the deadline), 0 to skip
   local left=$((DEADLINE - SECONDS))

@@ -43,8 +43,10 @@ class SharedComm(RingPointToPoint, Comm):
         the first CUDA version (the stream drained at every barrier, host-sized chunks), kept to
         be measured against (``shardlab bench comm --transport shared_sync``). ``one_shot_ranks``:
         groups up to this size all-reduce in one phase (every rank sums every region: one
-        barrier instead of two); default 4 on CUDA streams, where each barrier costs the GPU a
-        switch between the processes (docs/gpu.md), and 0 elsewhere."""
+        barrier instead of two); default 2 on CUDA streams, where each barrier costs the GPU a
+        switch between the processes' time slices (H100, 64 MiB: 66 against 57 GB/s at N = 2,
+        tied under MPS; at N = 4 under MPS one phase lost, 80 against 115; docs/gpu.md), and 0
+        elsewhere."""
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
         if host_barrier not in ("auto", "shm", "process_group"):
             raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
@@ -66,7 +68,7 @@ class SharedComm(RingPointToPoint, Comm):
         streams = cuda and cuda_streams and self.size > 1
         self._order = StreamOrder(self.device) if streams else None  # shm_cuda.py
         self._chunk = CUDA_CHUNK if streams else shm_host.chunk_bytes(self.size)  # bytes per rank per phase
-        self._one_shot = self.size <= (one_shot_ranks if one_shot_ranks is not None else 4 if streams else 0)
+        self._one_shot = self.size <= (one_shot_ranks if one_shot_ranks is not None else 2 if streams else 0)
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()

@@ -49,3 +49,15 @@ def test_zero3_peak_shrinks_as_n_grows():
         cost[n] = max(trace.peak - trace.baseline for _, trace in _run(over, n))
     fall = 16 * psi * (1 / 2 - 1 / 4)
     assert cost[2] - cost[4] >= 0.5 * fall, ({n: c / 2**20 for n, c in cost.items()}, fall / 2**20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_peaks_are_the_devices():
+    """On CUDA the ranks build their mesh on the GPU: the trace is the caching allocator's
+    (max allocated, reserved at least that), not the host's RSS (the first two leases' rows
+    of memory_peaks.py --device cuda were host RSS: the mesh was built on the CPU)."""
+    cfg = load(None, MODEL + ["--parallel.dp_shard=2", "--train.device=cuda"]).validate(world_size=2)
+    for _, trace in measure_run(cfg, 2):
+        assert trace.device == "cuda" and not trace.split, trace
+        assert trace.peak > trace.baseline and trace.reserved >= trace.peak, (trace.peak, trace.reserved)

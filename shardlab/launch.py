@@ -66,6 +66,13 @@ def choose_backend(device: str, nproc_local: int) -> tuple[str, str]:
     return "gloo", "cpu"
 
 
+def mps_running() -> bool:
+    """Whether CUDA's MPS control daemon runs for this user: its pipe directory
+    (``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps) holds its ``control`` pipe. Ranks sharing
+    a GPU under MPS run their kernels at once instead of in time slices (docs/gpu.md)."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
+
+
 def default_threads(nproc_local: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nproc_local))
 

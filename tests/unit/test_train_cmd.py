@@ -16,6 +16,17 @@ def test_gloo_fallback_on_gpus_is_said(monkeypatch):
     assert backend_note("auto", 1) == "" and backend_note("cpu", 4) == ""
 
 
+def test_mps_is_suggested_only_when_its_daemon_is_not_running(monkeypatch, tmp_path):
+    """Ranks sharing a GPU: the note names CUDA MPS unless its control pipe exists."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert "nvidia-cuda-mps-control -d" in backend_note("auto", 2)
+    (tmp_path / "control").touch()  # the daemon's pipe
+    note = backend_note("auto", 2)
+    assert note.startswith("shardlab: 2 ranks on 1 GPU(s)") and "MPS" not in note
+
+
 def test_paths_handed_to_ranks_are_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text("x")

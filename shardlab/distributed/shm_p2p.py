@@ -23,9 +23,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import shm_host
+from . import shm_pair
+from .shm_pair import LINE, Ring
 from .collectives import _nbytes, _recorded
 
-LINE = 64          # bytes: one counter per cache line
 NAME = 32          # bytes of a pair file's name token (uuid4 hex)
 DEFAULT_CAP = 16 << 20
 """Bytes of one ring (per direction and pair); longer messages stream through it."""
@@ -45,70 +46,22 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-class Ring:
-    """One direction of a pair: ``written`` / ``read`` byte counters and ``cap`` data bytes, and
-    the messages each side had issued when it entered the group's latest two barriers (two
-    slots by parity: a peer can be one barrier ahead): ``posted`` (sends, on the producer's
-    line) and ``wanted`` (receives, on the consumer's)."""
-
-    def __init__(self, buf: torch.Tensor, cap: int):
-        ctr = buf[:2 * LINE].view(torch.int64)
-        self.written, self.read = ctr[0:1], ctr[LINE // 8:LINE // 8 + 1]
-        self.posted, self.wanted = ctr[1:3], ctr[LINE // 8 + 1:LINE // 8 + 3]
-        self.closed = ctr[LINE // 8 + 3:LINE // 8 + 4]  # the consumer's function returned (1; 2: it raised a desync)
-        self.data, self.cap = buf[2 * LINE:2 * LINE + cap], cap
-
-    @staticmethod
-    def nbytes(cap: int) -> int:
-        return 2 * LINE + cap
-
-    def put(self, src: torch.Tensor, off: int) -> int:
-        """Copy as many bytes of ``src[off:]`` as fit; returns how many."""
-        w = int(self.written[0])
-        n = min(src.numel() - off, self.cap - (w - int(self.read[0])))
-        if n <= 0:
-            return 0
-        at = w % self.cap
-        first = min(n, self.cap - at)
-        self.data[at:at + first].copy_(src[off:off + first])
-        if n > first:
-            self.data[:n - first].copy_(src[off + first:off + n])
-        self.written[0] = w + n  # publish after the data
-        return n
-
-    def head(self) -> int | None:
-        """The length header of the earliest unreceived message, if it is in the ring (read when
-        no receive from this ring is under way, so ``read`` is at a message boundary)."""
-        r = int(self.read[0])
-        if int(self.written[0]) - r < 8:
-            return None
-        at = [(r + i) % self.cap for i in range(8)]
-        return int(self.data[at].view(torch.int64)[0])
-
-    def take(self, dst: torch.Tensor, off: int) -> int:
-        """Copy as many available bytes as ``dst[off:]`` needs; returns how many."""
-        r = int(self.read[0])
-        n = min(dst.numel() - off, int(self.written[0]) - r)
-        if n <= 0:
-            return 0
-        at = r % self.cap
-        first = min(n, self.cap - at)
-        dst[off:off + first].copy_(self.data[at:at + first])
-        if n > first:
-            dst[off + first:off + n].copy_(self.data[:n - first])
-        self.read[0] = r + n  # release after the copy
-        return n
-
-
 class Op:
     """A queued send or receive; ``wait()`` advances every queued message until this one is done."""
 
-    def __init__(self, chans: "Channels", kind: str, peer: int, t: torch.Tensor, entry=None):
+    def __init__(self, chans: "Channels", kind: str, peer: int, t: torch.Tensor, entry=None, boxed=False):
         self.chans, self.kind, self.peer, self.entry = chans, kind, peer, entry
         self.tensor = t
-        self.head = torch.tensor([t.numel() * t.element_size()], dtype=torch.int64)
+        self.boxed = boxed  # the data goes through the box (shm_pair.py); a receive learns it from the header
+        self.head = torch.tensor([shm_pair.encode(t.numel() * t.element_size(), boxed)], dtype=torch.int64)
         self.parts = [_bytes(self.head), _bytes(t)]  # a send reads them, a receive fills them
         self.part, self.off, self.done = 0, 0, False
+        self.record = torch.zeros(1, dtype=torch.int64)  # a boxed piece's record in the ring
+        self.record_bytes = _bytes(self.record)
+        self.ready = self.last = None  # CUDA boxes: the caller's stream at the post; the op's last copy
+        if t.is_cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(t.device))
 
     def is_completed(self) -> bool:
         with _disable_current_modes():
@@ -119,6 +72,8 @@ class Op:
         with _disable_current_modes():  # spins dispatch a varying number of operators (shm_host.modes_off)
             self.chans.wait_until(lambda: self.done, f"{self.kind} {'to' if self.kind == 'send' else 'from'} "
                                                      f"group rank {self.peer}")
+            if self.last is not None:  # its copies ran on the p2p stream (shm_pair.py)
+                torch.cuda.current_stream(self.chans.comm.device).wait_event(self.last)
         if self.entry is not None:
             self.entry[-1] = True
         return True
@@ -140,6 +95,8 @@ class Channels:
         self.rounds = 0                                 # the slot of the latest publish
         self._maps: list[torch.Tensor] = []
         self.broken = False  # a desync was raised here already: not checked again at exit
+        self.boxes: dict[tuple[int, bool], shm_pair.Box] = {}  # (peer, out) -> its box, at its first boxed message
+        self.stream = torch.cuda.Stream(comm.device) if comm.device.type == "cuda" else None  # the boxes' copies
         comm.flight.at_exit.append(self.at_exit)
 
     def post(self, kind: str, t: torch.Tensor, peer: int, entry=None) -> Op:
@@ -148,9 +105,11 @@ class Channels:
                              f"(0..{self.comm.size - 1}, this is {self.comm.rank})")
         if not t.is_contiguous():
             raise ValueError(f"{self.comm.name}: a {kind} buffer must be contiguous")
+        boxed = kind == "send" and (t.device.type == self.comm.device.type == "cuda"
+                                    or (t.device.type == "cpu" and shm_pair.HOST_SLOT > 0))
         with _disable_current_modes():
             self._connect(peer)
-            op = Op(self, kind, peer, t, entry)
+            op = Op(self, kind, peer, t, entry, boxed)
             (self.sends if kind == "send" else self.recvs).setdefault(peer, deque()).append(op)
             self.issued[kind, peer] = self.issued.get((kind, peer), 0) + 1
             if kind == "send":
@@ -217,22 +176,41 @@ class Channels:
                 ring = self.rings[peer][0 if out else 1]
                 while q:
                     op = q[0]
+                    if op.part == 1 and op.boxed:  # the header went: the data goes through the box
+                        moved |= self._box(peer, out, ring).advance(op) > 0
+                        if not op.done:
+                            break
+                        q.popleft()
+                        continue
                     n = (ring.put if out else ring.take)(op.parts[op.part], op.off)
                     op.off += n
                     moved |= n > 0
                     if op.off < op.parts[op.part].numel():
                         break
-                    if op.part == 0 and not out and int(op.head[0]) != op.tensor.numel() * op.tensor.element_size():
-                        self.broken = True
-                        raise RuntimeError(
-                            f"{self.comm.name}: group rank {peer} sent a message of {int(op.head[0])} bytes "
-                            f"where this rank's receive expects {op.tensor.numel() * op.tensor.element_size()} "
-                            "(sends and receives between two ranks must be issued in the same order)")
+                    if op.part == 0 and not out:
+                        self._check_header(op, peer)
                     op.part, op.off = op.part + 1, 0
                     if op.part == 2:
                         op.done = True
                         q.popleft()
         return moved
+
+    def _check_header(self, op: Op, peer: int) -> None:
+        """A receive's header came: its length must be the buffer's; it says whether the data
+        comes through the box."""
+        got, op.boxed = shm_pair.decode(int(op.head[0]))
+        if got != op.tensor.numel() * op.tensor.element_size():
+            self.broken = True
+            raise RuntimeError(
+                f"{self.comm.name}: group rank {peer} sent a message of {got} bytes "
+                f"where this rank's receive expects {op.tensor.numel() * op.tensor.element_size()} "
+                "(sends and receives between two ranks must be issued in the same order)")
+
+    def _box(self, peer: int, out: bool, ring: Ring) -> shm_pair.Box:
+        box = self.boxes.get((peer, out))
+        if box is None:
+            box = self.boxes[peer, out] = shm_pair.Box(ring, out, self.comm.device, self.stream)
+        return box
 
     # -- sends left unreceived (checked at each collective and barrier of the group) -----------
     def publish(self, rounds: int) -> tuple[int, int]:

@@ -267,14 +267,16 @@ def _gpu_worker(ctx):
     inputs = [_data(30 + s, (7,), torch.float64) for s in range(n)]  # a host tensor: the process group
     _check("cpu tensor on the cuda SharedComm", sh.all_reduce(inputs[r].clone()), _reduce(inputs, "sum"), errors)
     _check_gpu_streams(sh, dev, errors)
-    # point-to-point of CUDA tensors through the host rings (shm_p2p.py), one longer than a ring
-    for numel in (3, 5_000_000):
+    # point-to-point of CUDA tensors through the boxes (shm_pair.py): one piece, and one of three
+    for numel in (3, 5_000_000, 20_000_000):
         inputs = [_data(40 + s, (numel,), torch.float32) for s in range(n)]
         buf = torch.empty(numel, dtype=torch.float32, device=dev)
         works = sh.exchange([(inputs[r].to(dev), (r + 1) % n)], [(buf, (r - 1) % n)])
         for w in works:
             w.wait()
         _check(f"cuda sendrecv {numel}", buf.cpu(), inputs[(r - 1) % n], errors, 0)
+    if not sh._channels.boxes or sh._channels.boxes[(r + 1) % n, True].pieces != 5:
+        errors.append(f"cuda sendrecv: the boxes did not carry 5 pieces: {sh._channels.boxes}")
     return errors
 
 

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from shardlab.distributed import shm_pair
 from shardlab.distributed.collectives import Comm
 from shardlab.distributed.ledger import Ledger
 from shardlab.distributed.shm import SharedComm
@@ -81,7 +82,10 @@ def _ledger_checks(group, ranks, rank, errors):
         errors.append(f"ledger differs: shared {a} vs process group {b}")
 
 
-def _worker(ctx):
+def _worker(ctx, slot=0):
+    """``slot`` > 0: every message goes through a box of two slots of that many bytes (the path
+    of CUDA tensors, shm_pair.py), run on host memory; the rings carry headers and piece records."""
+    shm_pair.HOST_SLOT = slot
     errors = []
     pair = dist.new_group([0, 2])  # non-contiguous: group-relative peers
     for group, ranks in ((dist.group.WORLD, list(range(ctx.world_size))), (pair, [0, 2])):
@@ -94,6 +98,9 @@ def _worker(ctx):
         _ring_checks(sh, errors, tag + " again")  # rings reused after wrapping
         if sh._channels is None or sh._channels.setup:
             errors.append(f"{tag}: the rings were not set up")
+        pieces = sum(b.pieces for b in sh._channels.boxes.values()) if sh._channels else 0
+        if bool(pieces) != bool(slot):
+            errors.append(f"{tag}: {pieces} pieces went through boxes (slot {slot})")
         _ledger_checks(group, ranks, ctx.rank, errors)
     # a receive of the wrong size: the receiver fails naming both sizes (a fresh comm)
     sh = SharedComm("mismatch", dist.group.WORLD, list(range(ctx.world_size)), ctx.rank, Ledger(), p2p_cap=CAP)
@@ -164,6 +171,13 @@ def _unreceived_checks(rank, errors):
 
 def test_shared_point_to_point_equals_sent_data():
     errors = run(_worker, 3, timeout_s=120)
+    assert errors == [[], [], []]
+
+
+def test_shared_point_to_point_through_boxes():
+    """The same checks with every message in pieces through two 1000-byte slots (the protocol
+    of CUDA tensors, whose slots are device memory: shm_pair.py)."""
+    errors = run(_worker, 3, 1000, timeout_s=120)
     assert errors == [[], [], []]
 
 

@@ -18,7 +18,8 @@
 #   single_eager  the same without torch.compile;  single1b: the 1B Llama
 #   comm / comm2  same-GPU collectives at 64 MiB, N = 2, 4, 8 / N = 2 only: the transport on its
 #                 comm stream (shared; one-shot all-reduce at 2 ranks), the same in two phases
-#                 (shared_2phase), its first version (shared_sync) and gloo (N = 2)
+#                 (shared_2phase), with waits that nap at once (shared_naps), its first version
+#                 (shared_sync) and gloo (N = 2)
 #   mps           comm at N = 2 and 4 under CUDA's MPS daemon (started and stopped by the step;
 #                 MPS_TRAIN set: DDP on the 1B Llama under it too); run it last
 #   memory        Llama-1B on 2 ranks: DDP vs ZeRO-3 with prefetch on/off (benchmarks/gpu_memory.py)
@@ -121,10 +122,10 @@ for s in $STEPS; do
       step single_llama1b 170 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda \
         --blocks 3 --per-block 3 --warmup 2 --parallel.compile=true ;;
     comm2)  # N = 2 only
-      comm 2 35 process_group,shared,shared_2phase,shared_sync ;;
+      comm 2 35 process_group,shared,shared_2phase,shared_naps,shared_sync ;;
     comm)  # N ranks on one GPU at 64 MiB: the shared-memory transport over CUDA IPC (and gloo at N = 2)
-      comm 2 35 process_group,shared,shared_2phase,shared_sync
-      for n in 4 8; do comm "$n" 30 shared,shared_2phase,shared_sync; done ;;
+      comm 2 35 process_group,shared,shared_2phase,shared_naps,shared_sync
+      for n in 4 8; do comm "$n" 30 shared,shared_2phase,shared_naps,shared_sync; done ;;
     mps)  # the same with CUDA's MPS daemon: the ranks' kernels in one GPU context, no time slices
       if ! command -v nvidia-cuda-mps-control >/dev/null; then echo "=== mps: no nvidia-cuda-mps-control" | tee -a "$LOG"; continue; fi
       export CUDA_MPS_PIPE_DIRECTORY="$WORK/mps_pipe" CUDA_MPS_LOG_DIRECTORY="$WORK/mps_log"

@@ -32,10 +32,11 @@ import time
 
 import torch
 
-TRANSPORTS = ("process_group", "shared", "shared_2phase", "shared_sync")
+TRANSPORTS = ("process_group", "shared", "shared_2phase", "shared_naps", "shared_sync")
 """--transport values: the backend (the --algorithms columns), the shared-memory transport, the
 same with its all-reduce always in two phases (reduce-scatter, all-gather; on CUDA, groups of 2
-all-reduce in one), and on CUDA its first version (stream drained at each barrier)."""
+all-reduce in one), the same with its waits napping after 64 yields whatever the cores
+(``shm_host.spin_seconds``), and on CUDA its first version (stream drained at each barrier)."""
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -85,8 +86,8 @@ def configure(parser):
     parser.add_argument("--transport", default="process_group",
                         help="comma list of process_group (the --algorithms columns), shared (one column: "
                              "shared memory, distributed/shm.py), shared_2phase (its all-reduce in two phases "
-                             "at every group size) and shared_sync (on CUDA: its first version, the stream "
-                             "drained at each barrier)")
+                             "at every group size), shared_naps (its waits nap after 64 yields) and "
+                             "shared_sync (on CUDA: its first version, the stream drained at each barrier)")
     parser.add_argument("--dtype", default="float32", help="element type (float32, bfloat16, int64, ...)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per point (fewer for huge sizes)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per point")
@@ -204,6 +205,8 @@ def _worker(ctx, s):
     for t in s["shared"]:  # shared_sync: the first CUDA version (stream drained at each barrier)
         comms[t] = SharedComm("world", dist.group.WORLD, list(range(n)), ctx.rank, ledger, device=ctx.device,
                               cuda_streams=t != "shared_sync", one_shot_ranks=0 if t == "shared_2phase" else None)
+        if t == "shared_naps":
+            comms[t].spin_s = 0.0
     per_node = n // s["nodes"]
     comms = {k: tiered(c, lambda r: r // per_node, Link(*s["link"])) for k, c in comms.items()}
     prof = None

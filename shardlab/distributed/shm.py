@@ -53,17 +53,16 @@ class SharedComm(RingPointToPoint, Comm):
         if host_barrier == "shm" and not X86:
             raise ValueError(f"host_barrier='shm' relies on x86-64 memory ordering; this is {platform.machine()}")
         self.host_barrier = "shm" if host_barrier == "auto" and X86 else host_barrier
-        self._epoch = 0
-        self.device = torch.device(device)
+        self._epoch, self.device = 0, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._token, self._gen, self._ctl_buf = None, 0, None
         self._sig = (0, 0, 0)  # the collective this rank is in (shm_host.signature), checked at each barrier
-        self.cap = 0
+        self.cap, self._free = 0, 0  # _free: which region (0: a, 1: b) this rank may write before a call's first barrier
         self._regions: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group rank: (a, b), uint8
-        self._free = 0  # which region (0: a, 1: b) this rank may write before a call's first barrier
         self.p2p_cap = p2p_cap  # point-to-point (RingPointToPoint, shm_p2p.py)
         self.timeout_s = shm_host.group_timeout(group)  # how long a barrier or a ring may wait
+        self.spin_s = shm_host.spin_seconds(self.size)  # how long a wait yields before napping
         cuda = self.device.type == "cuda"
         streams = cuda and cuda_streams and self.size > 1
         self._order = StreamOrder(self.device) if streams else None  # shm_cuda.py
@@ -102,7 +101,8 @@ class SharedComm(RingPointToPoint, Comm):
         self._flags[self.rank] = epoch
         shm_host.wait(lambda: int(self._flags.min()) >= epoch, self.timeout_s,
                       lambda: f"{self.name}: shared-memory barrier: group ranks "
-                              f"{[i for i in range(self.size) if int(self._flags[i]) < epoch]} did not arrive")
+                              f"{[i for i in range(self.size) if int(self._flags[i]) < epoch]} did not arrive",
+                      spin_s=self.spin_s)
         lines = self._lines.tolist()
         bad = shm_host.mismatch(self.name, [row[at:at + 3] for row in lines])
         if bad:

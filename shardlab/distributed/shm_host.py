@@ -19,6 +19,17 @@ SPINS = 64
 """``sched_yield`` calls before a waiting rank starts to sleep (naps from 20 us, doubling to 1 ms):
 a busy spin would starve the rank being waited for when ranks outnumber cores."""
 DEFAULT_TIMEOUT_S = 600.0
+SPIN_S = 0.002
+"""Seconds a waiting rank keeps yielding before its first nap where the host has two cores per
+rank of the group (:func:`spin_seconds`): a nap's overshoot delays the other ranks too (on an
+H100 host, 2 ranks: 0.3-0.6 ms of each 1 ms all-reduce call was barrier wait; docs/gpu.md)."""
+
+
+def spin_seconds(size: int) -> float:
+    """How long a rank of a group of ``size`` ranks on this host yields before napping: SPIN_S
+    where this process may run on at least 2 x ``size`` cores, else 0 (the SPINS yields only)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return SPIN_S if cores >= 2 * size else 0.0
 
 
 def group_timeout(group) -> float:
@@ -33,18 +44,19 @@ def group_timeout(group) -> float:
         return DEFAULT_TIMEOUT_S
 
 
-def wait(done, timeout_s: float, late, progress=None) -> None:
-    """Return once ``done()`` is true. Yields the core ``SPINS`` times, then sleeps in doubling
-    naps up to 1 ms. ``progress()`` (optional) is called each round and returns True when it
-    moved something, which restarts the yields and the clock. After ``timeout_s`` seconds with
-    nothing moved, raises RuntimeError with the text ``late()`` returns."""
+def wait(done, timeout_s: float, late, progress=None, spin_s: float = 0.0) -> None:
+    """Return once ``done()`` is true. Yields the core ``SPINS`` times (and for at least
+    ``spin_s`` seconds), then sleeps in doubling naps up to 1 ms. ``progress()`` (optional) is
+    called each round and returns True when it moved something, which restarts the yields and
+    the clock. After ``timeout_s`` seconds with nothing moved, raises RuntimeError with the text
+    ``late()`` returns."""
     t0, spins, nap = time.monotonic(), 0, 2e-5
     while not done():
         if progress is not None and progress():
             t0, spins, nap = time.monotonic(), 0, 2e-5
             continue
         spins += 1
-        if spins < SPINS:
+        if spins < SPINS or (spin_s and time.monotonic() - t0 < spin_s):
             os.sched_yield()
             continue
         time.sleep(nap)

@@ -275,7 +275,7 @@ class Channels:
 
     def wait_until(self, cond, what: str) -> None:
         shm_host.wait(cond, self.timeout_s, lambda: f"{self.comm.name}: shared-memory {what}: no progress "
-                      "(did the peer issue the matching call?)", self.progress)
+                      "(did the peer issue the matching call?)", self.progress, getattr(self.comm, "spin_s", 0.0))
 
 
 class RingPointToPoint:

@@ -46,3 +46,19 @@ def test_wait_times_out_with_the_late_text_and_progress_restarts_the_clock():
         time.sleep(0.01)
         return time.monotonic() < end
     shm_host.wait(lambda: time.monotonic() >= end, 0.05, lambda: "gave up while moving", progress)
+
+
+def test_spin_before_napping_only_with_two_cores_per_rank(monkeypatch):
+    """A wait yields for spin_s before its first nap (no sleep before it); the policy spins only
+    where the host has at least two cores per rank of the group (else ranks outnumber cores)."""
+    slept = []
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
+    t0 = time.monotonic()
+    shm_host.wait(lambda: time.monotonic() - t0 > 0.01, 5, lambda: "late", spin_s=0.05)
+    assert not slept  # done after 10 ms, inside the 50 ms spin
+    shm_host.wait(lambda: len(slept) >= 3, 5, lambda: "late")  # no spin: naps after SPINS yields
+    assert slept[:3] == [2e-5, 4e-5, 8e-5]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert shm_host.spin_seconds(8) == shm_host.SPIN_S and shm_host.spin_seconds(9) == 0.0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # this CI machine: 2 cores
+    assert shm_host.spin_seconds(2) == 0.0 and shm_host.spin_seconds(1) == shm_host.SPIN_S

@@ -56,8 +56,7 @@ class Op:
         self.head = torch.tensor([shm_pair.encode(t.numel() * t.element_size(), boxed)], dtype=torch.int64)
         self.parts = [_bytes(self.head), _bytes(t)]  # a send reads them, a receive fills them
         self.part, self.off, self.done = 0, 0, False
-        self.record = torch.zeros(1, dtype=torch.int64)  # a boxed piece's record in the ring
-        self.record_bytes = _bytes(self.record)
+        self.record = self.record_bytes = None  # a boxed piece's record in the ring (made by the box)
         self.ready = self.last = None  # CUDA boxes: the caller's stream at the post; the op's last copy
         if t.is_cuda:
             self.ready = torch.cuda.Event()

@@ -181,6 +181,9 @@ class Box:
         sets ``op.done`` at its end. Returns the bytes moved."""
         data = op.parts[1]  # the sent bytes, or the receive's buffer
         n, moved = data.numel(), 0
+        if op.record is None:
+            op.record = torch.zeros(1, dtype=torch.int64)
+            op.record_bytes = op.record.view(torch.uint8)
         ring = self.ring
         while op.off < n:
             p, slot = self.pieces, self.pieces % 2

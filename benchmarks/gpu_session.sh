@@ -17,7 +17,7 @@
 #                 plain compiled loop, side by side in one process (PROFILE_STEPS: profile them)
 #   single_eager  the same without torch.compile;  single1b: the 1B Llama
 #   comm / comm2  same-GPU collectives at 64 MiB, N = 2, 4, 8 / N = 2 only: the transport on its
-#                 comm stream (shared; one-shot all-reduce at 2 ranks), the same in two phases
+#                 comm stream (shared; one-shot all-reduce at 2 ranks, and up to 4 for small chunks), the same in two phases
 #                 (shared_2phase), with waits that nap at once (shared_naps), its first version
 #                 (shared_sync) and gloo (N = 2)
 #   mps           comm at N = 2 and 4 under CUDA's MPS daemon (started and stopped by the step;

@@ -34,8 +34,8 @@ import torch
 
 TRANSPORTS = ("process_group", "shared", "shared_2phase", "shared_naps", "shared_sync")
 """--transport values: the backend (the --algorithms columns), the shared-memory transport, the
-same with its all-reduce always in two phases (reduce-scatter, all-gather; on CUDA, groups of 2
-all-reduce in one), the same with its waits napping after 64 yields whatever the cores
+same with its all-reduce always in two phases (reduce-scatter, all-gather; groups of 2, and of up
+to 4 for small chunks, all-reduce in one), the same with its waits napping after 64 yields whatever the cores
 (``shm_host.spin_seconds``), and on CUDA its first version (stream drained at each barrier)."""
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

@@ -42,11 +42,9 @@ class SharedComm(RingPointToPoint, Comm):
         ring (per pair and direction; longer messages stream through it). ``cuda_streams=False``:
         the first CUDA version (the stream drained at every barrier, host-sized chunks), kept to
         be measured against (``shardlab bench comm --transport shared_sync``). ``one_shot_ranks``:
-        groups up to this size all-reduce in one phase (every rank sums every region: one
-        barrier instead of two); default 2 on CUDA streams, where each barrier costs the GPU a
-        switch between the processes' time slices (H100, 64 MiB: 66 against 57 GB/s at N = 2,
-        tied under MPS; at N = 4 under MPS one phase lost, 80 against 115; docs/gpu.md), and 0
-        elsewhere."""
+        groups up to this size (default 2) all-reduce in one phase (every rank sums every region:
+        one barrier instead of two), and groups up to 4 for chunks up to
+        ``shm_host.ONE_SHOT_BYTES``; 0: always two phases (docs/collectives.md, "On a GPU")."""
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
         if host_barrier not in ("auto", "shm", "process_group"):
             raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
@@ -67,7 +65,7 @@ class SharedComm(RingPointToPoint, Comm):
         streams = cuda and cuda_streams and self.size > 1
         self._order = StreamOrder(self.device) if streams else None  # shm_cuda.py
         self._chunk = CUDA_CHUNK if streams else shm_host.chunk_bytes(self.size)  # bytes per rank per phase
-        self._one_shot = self.size <= (one_shot_ranks if one_shot_ranks is not None else 2 if streams else 0)
+        self._one_shot = 2 if one_shot_ranks is None else one_shot_ranks
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
@@ -231,7 +229,7 @@ class SharedComm(RingPointToPoint, Comm):
         every rank gets the same bits); the next write goes to the other region."""
         m, n = flat.numel(), self.size
         inp = self._write(flat)
-        if self._one_shot:
+        if n <= self._one_shot or (self._one_shot and n <= 4 and _nbytes(flat) <= shm_host.ONE_SHOT_BYTES):
             self._sync()
             _reduce_into(flat, self._inputs(inp, flat.dtype, m), op)
             self._free = 1 - inp  # peers may still read ``inp``; ``1 - inp`` was last read before this barrier

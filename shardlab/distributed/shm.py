@@ -79,7 +79,7 @@ class SharedComm(RingPointToPoint, Comm):
             n = self.size
             buf = self._host(n * (2 * n + 1) * 8 + n * 128).view(torch.int64)
             self._ctl_buf = buf[:n * (2 * n + 1)].view(n, 2 * n + 1)
-            self._lines = buf[n * (2 * n + 1):].view(n, 16)
+            self._lines = buf[n * (2 * n + 1):].view(n, 16).numpy()  # numpy: a store or a poll without dispatch
             self._flags = self._lines[:, 0]
         return self._ctl_buf
 
@@ -93,8 +93,7 @@ class SharedComm(RingPointToPoint, Comm):
         self._epoch += 1
         epoch = self._epoch
         at = 1 + 3 * (epoch % 2)  # this collective's signature (shm_host.signature) before the counter;
-        for k, v in enumerate(self._sig):  # a peer can be one barrier ahead
-            self._lines[self.rank, at + k] = v
+        self._lines[self.rank, at:at + 3] = self._sig  # a peer can be one barrier ahead
         self._p2p_publish(epoch, self._lines[self.rank])  # the messages it sent and asked for (shm_p2p.py)
         self._flags[self.rank] = epoch
         shm_host.wait(lambda: int(self._flags.min()) >= epoch, self.timeout_s,
@@ -105,7 +104,7 @@ class SharedComm(RingPointToPoint, Comm):
         bad = shm_host.mismatch(self.name, [row[at:at + 3] for row in lines])
         if bad:
             raise RuntimeError(bad)
-        self._p2p_check(epoch, lines, f"its {shm_host.describe(self._sig)}")
+        self._p2p_check(epoch, lines, lambda: f"its {shm_host.describe(self._sig)}")
 
     def _host(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` mapped by every rank of the group (collective)."""

@@ -314,13 +314,15 @@ class RingPointToPoint:
             at = 8 + 2 * (epoch % 2)
             line[at], line[at + 1] = self._channels.publish(epoch)
 
-    def _p2p_check(self, epoch: int, lines: list, where: str) -> None:
+    def _p2p_check(self, epoch: int, lines: list, where_fn) -> None:
         """Called once every rank arrived (``lines``: every rank's line): every rank raises if the
-        group's ranks sent more messages than they asked for; the pair's ranks name it."""
+        group's ranks sent more messages than they asked for; the pair's ranks name it.
+        ``where_fn()``: the collective, named only when it raises."""
         at = 8 + 2 * (epoch % 2)
         sent, wanted = sum(row[at] for row in lines), sum(row[at + 1] for row in lines)
         if sent == wanted:
             return
+        where = where_fn()
         pair = self._channels.unreceived(where) if self._channels is not None else None
         if pair or sent > wanted:
             if self._channels is not None:

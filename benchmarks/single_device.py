@@ -116,9 +116,9 @@ def bench(ctx, cfgs, data_dir, blocks, per_block, warmup, prof_steps=0):
         for k, step in enumerate(loops):
             name = "plain PyTorch" if k == len(cfgs) else f"shardlab, variant {k}"
             print(profile_steps(name, step, prof_steps, ctx.device), flush=True)
-    per_block = [[statistics.median(t[b * per_block:(b + 1) * per_block]) for b in range(blocks)] for t in times]
+    block_medians = [[statistics.median(t[b * per_block:(b + 1) * per_block]) for b in range(blocks)] for t in times]
     return [statistics.median(t) for t in times], \
-        (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"), per_block
+        (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"), block_medians
 
 
 def main(argv=None):
@@ -145,7 +145,7 @@ def main(argv=None):
         cfgs.append(cfg)
     cfg = cfgs[0]
     data_dir = str(prepare(cfg.data))
-    (times, name, per_block), = launch.run(bench, 1, cfgs, data_dir, args.blocks, args.per_block, args.warmup,
+    (times, name, block_medians), = launch.run(bench, 1, cfgs, data_dir, args.blocks, args.per_block, args.warmup,
                                 args.profile_steps, device=args.device)
     plain = times[-1]
     tokens = cfg.train.global_batch * cfg.train.seq_len
@@ -157,7 +157,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for k, (extra, ours) in enumerate(zip(sets, times[:-1])):
-        spread = [p / o for p, o in zip(per_block[-1], per_block[k])]  # each block ran both loops in turn
+        spread = [p / o for p, o in zip(block_medians[-1], block_medians[k])]  # each block ran both loops in turn
         row = {"config": args.config, "device": name, "precision": cfg.train.precision, "compile": cfg.parallel.compile,
                "variant": " ".join(extra) or "default", "plain_tok_s": tokens / plain, "shardlab_tok_s": tokens / ours,
                "ratio": plain / ours, "plain_mfu": fpt * tokens / plain / peak if peak else None,

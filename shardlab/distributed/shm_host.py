@@ -21,8 +21,9 @@ a busy spin would starve the rank being waited for when ranks outnumber cores.""
 DEFAULT_TIMEOUT_S = 600.0
 ONE_SHOT_BYTES = 256 << 10
 """Chunks up to this size all-reduce in one phase in groups of up to 4 ranks (``SharedComm``'s
-``one_shot_ranks``): one barrier less beats reading every rank's region (2-core CPU, N = 4: 4 KiB
-524 against 716 us, 256 KiB 613 against 788; 4 MiB 2,316 against 2,029; docs/collectives.md)."""
+``one_shot_ranks``): one barrier less beats reading every rank's region (2-core CPU, N = 4, one
+phase / two: 0.69-0.88 at 4 KiB, 0.79-1.03 at 256 KiB, 1.18-1.29 at 16 MiB;
+benchmarks/shm_latency.py, docs/collectives.md)."""
 SPIN_S = 0.002
 """Seconds a waiting rank keeps yielding before its first nap where the host has two cores per
 rank of the group (:func:`spin_seconds`): a nap's overshoot delays the other ranks too (on an

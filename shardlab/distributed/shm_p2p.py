@@ -58,7 +58,7 @@ class Op:
         self.part, self.off, self.done = 0, 0, False
         self.record = self.record_bytes = None  # a boxed piece's record in the ring (made by the box)
         self.ready = self.last = None  # CUDA boxes: the caller's stream at the post; the op's last copy
-        if t.is_cuda:
+        if t.is_cuda and (boxed or kind == "recv"):  # a receive learns from the header whether it is boxed
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(t.device))
 
@@ -274,7 +274,7 @@ class Channels:
 
     def wait_until(self, cond, what: str) -> None:
         shm_host.wait(cond, self.timeout_s, lambda: f"{self.comm.name}: shared-memory {what}: no progress "
-                      "(did the peer issue the matching call?)", self.progress, getattr(self.comm, "spin_s", 0.0))
+                      "(did the peer issue the matching call?)", self.progress, self.comm.spin_s)
 
 
 class RingPointToPoint:

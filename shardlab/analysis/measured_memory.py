@@ -125,7 +125,8 @@ def _measure_worker(ctx, cfg, steps: int = 2, cuda_snapshot: str = "", categorie
         b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)
         g = torch.Generator().manual_seed(cfg.train.seed + mesh.rank)
         for step in range(steps):  # the second step holds the optimizer states the first created
-            batches = [sample_batch(cfg, b, g) for _ in range(cfg.parallel.microbatches)]
+            batches = [tuple(t.to(mesh.device) for t in sample_batch(cfg, b, g))
+                       for _ in range(cfg.parallel.microbatches)]
             with profiled(categories and step == steps - 1) as prof:  # the last step, by category
                 _phases(engine, opt, batches, autocast, rec, step)
     if categories:

@@ -20,6 +20,7 @@
 #                 comm stream (shared; one-shot all-reduce at 2 ranks, and up to 4 for small chunks), the same in two phases
 #                 (shared_2phase), with waits that nap at once (shared_naps), its first version
 #                 (shared_sync) and gloo (N = 2)
+#                 (COMM_BURST: calls back to back per timed sample, default 1 = each call alone)
 #   mps           comm at N = 2 and 4 under CUDA's MPS daemon (started and stopped by the step;
 #                 MPS_TRAIN set: DDP on the 1B Llama under it too); run it last
 #   memory        Llama-1B on 2 ranks: DDP vs ZeRO-3 with prefetch on/off (benchmarks/gpu_memory.py)
@@ -73,7 +74,8 @@ background() {  # background NAME LIMIT CORES CMD...: start a step beside the ot
 
 comm() {  # comm N LIMIT TRANSPORTS [NAME]: the collectives at 64 MiB with N ranks sharing the GPU
   step "${4:-comm}_n$1" "$2" "$PY" -m shardlab.cli bench comm --device cuda --nproc "$1" --sizes 64M --iters 10 \
-    --warmup 2 --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport "$3"
+    --warmup 2 --ops all_reduce,all_gather,reduce_scatter,all_to_all,sendrecv --algorithms backend --transport "$3" \
+    --burst "${COMM_BURST:-1}"
 }
 
 for s in $STEPS; do

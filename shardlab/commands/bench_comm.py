@@ -91,6 +91,10 @@ def configure(parser):
     parser.add_argument("--dtype", default="float32", help="element type (float32, bfloat16, int64, ...)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations per point (fewer for huge sizes)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per point")
+    parser.add_argument("--burst", type=int, default=1,
+                        help="calls back to back per timed sample, time divided by them (default 1: each call "
+                             "timed alone after a barrier, which counts the ranks' skew leaving it; "
+                             "nccl-tests times calls back to back)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--json", default=None, help="write every measured point to this JSON file")
     parser.add_argument("--plot", default=None, help="write busbw vs size to this PNG")
@@ -124,10 +128,12 @@ def _settings(args) -> dict:
         raise ValueError("--nproc: collectives need at least 2 ranks")
     if args.nodes < 1 or args.nproc % args.nodes:
         raise ValueError(f"--nodes: {args.nodes} must be >= 1 and divide --nproc {args.nproc}")
+    if not 1 <= args.burst <= 16:
+        raise ValueError(f"--burst: {args.burst} must be 1 to 16 (repeated in-place reductions grow the values)")
     if args.inter_gbps < 0 or args.inter_latency_us < 0:
         raise ValueError("--inter-gbps / --inter-latency-us: must be >= 0")
     return dict(ops=ops, sizes=parse_sizes(args.sizes, args.factor), algorithms=algorithms,
-                shared=[t for t in transports if t != "process_group"], dtype=args.dtype, iters=args.iters, warmup=args.warmup, profile=args.profile,
+                shared=[t for t in transports if t != "process_group"], dtype=args.dtype, iters=args.iters, warmup=args.warmup, burst=args.burst, profile=args.profile,
                 nodes=args.nodes, link=(args.inter_gbps, args.inter_latency_us))
 
 
@@ -228,25 +234,28 @@ def _worker(ctx, s):
                 _call(comms, op, x, algo, splits)
                 sent[algo] = sum(e.bytes_sent for e in ledger.since(before).values())
                 inter[algo] = sum(e.inter_sent for e in ledger.since(before).values())
-            # Algorithms interleaved call by call, each call timed alone after a barrier, so that
-            # the load of a shared machine drifts over all columns alike.
+            # Algorithms interleaved sample by sample, each sample (``burst`` calls back to back)
+            # timed alone after a barrier, so that the load of a shared machine drifts over all
+            # columns alike.
             times = torch.zeros(len(algos), iters, dtype=torch.float64)
+            burst = s.get("burst", 1)
             for i in range(iters):
                 for a, algo in enumerate(algos):
                     x.fill_(1)  # keep values bounded across repeated in-place reductions
                     dist.barrier()
                     _sync(ctx.device)
                     t0 = time.perf_counter()
-                    _call(comms, op, x, algo, splits)
+                    for _ in range(burst):
+                        _call(comms, op, x, algo, splits)
                     _sync(ctx.device)
-                    times[a, i] = time.perf_counter() - t0
+                    times[a, i] = (time.perf_counter() - t0) / burst
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per call: the slowest rank
             most = torch.tensor([inter[a] for a in algos], dtype=torch.float64)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)  # slow-tier bytes: the busiest rank's
             for a, algo in enumerate(algos):
                 rows.append(dict(op=op, size=size, count=x.numel(), algorithm=algo,
                                  seconds=times[a].median().item(), mean_seconds=times[a].mean().item(),
-                                 min_seconds=times[a].min().item(), iters=iters, sent_per_rank=sent[algo],
+                                 min_seconds=times[a].min().item(), iters=iters, burst=burst, sent_per_rank=sent[algo],
                                  inter_per_rank=int(most[a])))
     if prof is not None:
         prof.__exit__(None, None, None)
@@ -332,7 +341,9 @@ def main(args) -> int:
     rows = run(_worker, args.nproc, s, device=args.device, timeout_s=600)[0]
     print(table(rows, args.nproc, args.nodes))
     link = f", slow tier {args.inter_gbps:g} GB/s + {args.inter_latency_us:g} us" if args.nodes > 1 and any(s["link"]) else ""
-    print(f"# {args.nproc} ranks, dtype {s['dtype']}, device {args.device}{link}, {time.perf_counter() - t0:.1f} s in all")
+    timing = f"{s['burst']} calls back to back per sample" if s["burst"] > 1 else "each call timed alone"
+    print(f"# {args.nproc} ranks, dtype {s['dtype']}, device {args.device}{link}, {timing}, "
+          f"{time.perf_counter() - t0:.1f} s in all")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(nproc=args.nproc, dtype=s["dtype"], device=args.device, nodes=args.nodes,

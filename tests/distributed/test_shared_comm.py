@@ -314,16 +314,20 @@ def _check_gpu_streams(sh, dev, errors):
 
 def test_bench_comm_shared_column(tmp_path, capsys):
     """``shardlab bench comm --transport process_group,shared``: a shared column beside the
-    backend's, recording the backend's (ring-model) bytes; a bad transport fails before spawning."""
+    backend's, recording the backend's (ring-model) bytes (of one call, also where ``--burst``
+    times calls back to back); a bad transport fails before spawning."""
     import json
 
     from shardlab import cli
     out = tmp_path / "comm.json"
     assert cli.main(["bench", "comm", "--nproc", "2", "--ops", "all_reduce,all_to_all,sendrecv", "--sizes", "4K",
                      "--algorithms", "backend,ring", "--transport", "process_group,shared", "--iters", "1",
-                     "--warmup", "0", "--json", str(out)]) == 0
-    assert "shared" in capsys.readouterr().out
-    rows = {(r["op"], r["algorithm"]): r["sent_per_rank"] for r in json.loads(out.read_text())["rows"]}
+                     "--warmup", "0", "--burst", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "shared" in text and "2 calls back to back per sample" in text
+    got = json.loads(out.read_text())["rows"]
+    assert {r["burst"] for r in got} == {2}
+    rows = {(r["op"], r["algorithm"]): r["sent_per_rank"] for r in got}
     # sendrecv has no algorithm choice: the backend's column and the shared one only
     assert set(rows) == {(op, a) for op in ("all_reduce", "all_to_all") for a in ("backend", "ring", "shared")} \
         | {("sendrecv", "backend"), ("sendrecv", "shared")}

@@ -47,6 +47,7 @@ def test_table_with_tiers_shows_slow_tier_bytes():
     (["bench", "comm", "--sizes", "1Q"], "--sizes"),
     (["bench", "comm", "--nproc", "4", "--nodes", "3"], "--nodes"),
     (["bench", "comm", "--nodes", "2", "--inter-gbps", "-1"], "--inter-gbps"),
+    (["bench", "comm", "--burst", "0"], "--burst"),
 ])
 def test_bad_arguments_fail_before_spawning(argv, msg, capsys):
     assert cli.main(argv) == 2

@@ -25,6 +25,7 @@
 #                 MPS_TRAIN set: DDP on the 1B Llama under it too); run it last
 #   memory        Llama-1B on 2 ranks: DDP vs ZeRO-3 with prefetch on/off (benchmarks/gpu_memory.py)
 #   peaks         benchmarks/memory_peaks.py --device cuda on PEAKS layouts (predicted vs max allocated)
+#   categories    shardlab memory --categories on CUDA, ZeRO-3 and DDP of the peaks step's model
 #   planner       predicted vs torch.cuda.max_memory_allocated, tiny layouts
 #   overlap       Llama-1B, 2 ranks on the same-GPU transport, ZeRO-3 and DDP under --profile: the
 #                 share of communication hidden under compute (OVERLAP_ZERO: the stages)
@@ -150,6 +151,14 @@ for s in $STEPS; do
       # shellcheck disable=SC2086
       step peaks 120 "$PY" benchmarks/memory_peaks.py --device cuda --n 4 \
         --only ${PEAKS:-ddp zero1 zero2 zero3 zero3-noprefetch tp2-sp-dp2 pp2-1f1b-dp2 ddp-bf16 zero3-bf16} ;;
+    categories)  # where the CUDA peak goes (torch.profiler's categories at the peak) for ZeRO-3 and DDP, the
+                 # ~100M Llama of the peaks step (its CUDA rows measured 1.06-1.19x the prediction)
+      for zero in 3 0; do
+        step "categories_zero$zero" 60 "$PY" -m shardlab.cli memory --nproc 4 --model.vocab_size=256 \
+          --model.d_model=1024 --model.n_layers=8 --model.n_heads=8 --model.max_seq_len=64 --train.seq_len=64 \
+          --train.global_batch=16 --parallel.dp_shard=4 --parallel.zero_stage=$zero --train.device=cuda \
+          --device h100 --categories
+      done ;;
     planner)  # the planner's predicted total vs torch.cuda.max_memory_allocated, tiny layouts
       step planner 120 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "dp:1,fsdp:2,tp2:2,pp2-1f1b:2" ;;
     overlap)  # Llama-1B, 2 ranks on the same-GPU transport (collectives on its comm stream):

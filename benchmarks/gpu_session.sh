@@ -28,7 +28,8 @@
 #   categories    shardlab memory --categories on CUDA, ZeRO-3 and DDP of the peaks step's model
 #   planner       predicted vs torch.cuda.max_memory_allocated, tiny layouts
 #   overlap       Llama-1B, 2 ranks on the same-GPU transport, ZeRO-3 and DDP under --profile: the
-#                 share of communication hidden under compute (OVERLAP_ZERO: the stages)
+#                 share of communication hidden under compute (OVERLAP_ZERO: the stages; OVERLAP_THREAD:
+#                 "false true" runs each also with parallel.comm_thread)
 #   moe           the experts' kernels on the GPU
 #
 #   OUT=$OUT bash benchmarks/gpu_session.sh     # default: env checks single comm memory overlap
@@ -44,7 +45,7 @@ STEPS=${STEPS:-"env shared_gpu single single1b comm overlap memory peaks"}
 DEADLINE=$((SECONDS + ${DEADLINE_S:-540}))
 GPU_TESTS="tests/unit/test_moe.py tests/unit/test_checkpoint_io.py tests/distributed/test_shared_comm.py
   tests/distributed/test_gpu_offload.py tests/distributed/test_async_checkpoint.py tests/distributed/test_compile.py
-  tests/distributed/test_memory_peaks.py"
+  tests/distributed/test_memory_peaks.py tests/distributed/test_comm_thread.py"
 
 limit() {  # limit WANTED: seconds this step may take (clipped to the deadline), 0 to skip
   local left=$((DEADLINE - SECONDS))
@@ -163,12 +164,15 @@ for s in $STEPS; do
       step planner 120 "$PY" benchmarks/planner_calibration.py --device cuda --layouts "dp:1,fsdp:2,tp2:2,pp2-1f1b:2" ;;
     overlap)  # Llama-1B, 2 ranks on the same-GPU transport (collectives on its comm stream):
               # ZeRO-3 and DDP traces; the summary's line: how much communication overlapped compute
-      for zero in ${OVERLAP_ZERO:-3 0}; do
-        step "overlap_zero$zero" 70 "$PY" -m shardlab.cli train configs/llama-1b.toml --nproc 2 \
-          --train.device=cuda --train.steps=5 --train.global_batch=2 --profile 2 --parallel.zero_stage=$zero \
-          --checkpoint.save=false --logging.progress=false --logging.run_dir="$WORK/overlap_zero$zero"
-        for f in "$WORK/overlap_zero$zero"/profile/rank*.json; do  # traces back, compressed (16 MiB a file)
-          [ -f "$f" ] && gzip -c "$f" > "$OUT/overlap_zero${zero}_$(basename "$f").gz"
+      for zero in ${OVERLAP_ZERO:-3 0}; do  # OVERLAP_THREAD="false true": also with parallel.comm_thread
+        for thr in ${OVERLAP_THREAD:-false}; do
+          name="overlap_zero$zero$([ "$thr" = true ] && echo _thread)"
+          step "$name" 70 "$PY" -m shardlab.cli train configs/llama-1b.toml --nproc 2 \
+            --train.device=cuda --train.steps=5 --train.global_batch=2 --profile 2 --parallel.zero_stage=$zero \
+            --parallel.comm_thread=$thr --checkpoint.save=false --logging.progress=false --logging.run_dir="$WORK/$name"
+          for f in "$WORK/$name"/profile/rank*.json; do  # traces back, compressed (16 MiB a file)
+            [ -f "$f" ] && gzip -c "$f" > "$OUT/${name}_$(basename "$f").gz"
+          done
         done
       done ;;
     moe)  # the experts' kernels: per-expert loop vs torch._grouped_mm

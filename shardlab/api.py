@@ -143,7 +143,8 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
                         data.train.timeout_s if kind == "shardlab" else 60.0)
     cfg = resolve_config(config, ctx.world_size)
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm,
-                      check_collectives=cfg.parallel.check_collectives, transport=cfg.parallel.comm_transport)
+                      check_collectives=cfg.parallel.check_collectives, transport=cfg.parallel.comm_transport,
+                      comm_thread=cfg.parallel.comm_thread)
     build, schedule, own_groups = _optimizer_builder(optimizer, cfg, ctx.device)
     if model_parameters is not None and own_groups is not None:
         raise ConfigError("model_parameters", "pass either model_parameters or an optimizer object holding them, not both")

@@ -138,7 +138,8 @@ def _worker(ctx, cfg, warmup: int, steps: int):
     from ..parallelize import parallelize
     from ..train.optim import autocast_factory, build_adamw, param_dtype
 
-    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport)
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport,
+                      comm_thread=cfg.parallel.comm_thread)
     torch.manual_seed(cfg.train.seed)
     model = meta_model(cfg.model, dtype=param_dtype(cfg.train.precision))
     if cfg.train.lora_rank:

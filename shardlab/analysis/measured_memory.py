@@ -111,7 +111,8 @@ def _measure_worker(ctx, cfg, steps: int = 2, cuda_snapshot: str = "", categorie
     from ..train.optim import autocast_factory, build_adamw
     from .memtrace import Recorder, categories_at_peak, cuda_history, dump_cuda_history, profiled
 
-    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport)
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport,
+                      comm_thread=cfg.parallel.comm_thread)
     _warm_up(cfg, mesh.device)
     rec = Recorder(mesh.device, mesh.rank)  # the empty rank: its baseline is the fixed overhead
     cuda_history(bool(cuda_snapshot))

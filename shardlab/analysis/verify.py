@@ -238,7 +238,8 @@ def _micro_rows(cfg: C.Config) -> list:
 
 def _worker(ctx, cfg: C.Config, data_dir: str, steps: int):
     from ..train.loop import Trainer
-    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport)
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport,
+                      comm_thread=cfg.parallel.comm_thread)
     tr = Trainer(cfg, mesh, TokenData(data_dir))
     losses = []
     snap = mesh.ledger.snapshot()

@@ -119,6 +119,7 @@ class ParallelConfig:
                                     "process_group elsewhere). "
                                     "docs/collectives.md, Shared-memory transport.",
                             choices=('process_group', 'shared', 'auto'))
+    comm_thread: bool = f(False, "On the shared-memory transport, run each group's asynchronous collectives (DDP's bucket all-reduces, ZeRO/FSDP's gathers and reduce-scatters) on a thread of the group's own, so the rank's thread goes on queuing its work while that one meets the other ranks at the host barrier (distributed/shm_thread.py; docs/collectives.md, The communication thread). Not yet measured on a GPU.")
     check_collectives: bool = f(False, "Before each collective, all-gather a fingerprint (op, seq, shapes, dtypes, reduce "
                                        "op) over the group and fail at the first mismatch, naming both ranks; p2p "
                                        "messages carry it as a header (docs/faults.md, Hangs and desyncs). Costs one "

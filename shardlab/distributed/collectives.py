@@ -25,12 +25,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _recorded(op: str, args):
+def _recorded(op: str, args, queued: bool = False):
     """Record the call in the Comm's flight recorder (``args(*a, **k)`` -> (tensors, extra)), run
-    the fingerprint check in check mode, dump the recorder if the call raises (flight.py)."""
+    the fingerprint check in check mode, dump the recorder if the call raises (flight.py). A call
+    that is not ``queued`` first waits for what the comm's thread has queued (shm_thread.py)."""
     def deco(method):
         @functools.wraps(method)
         def wrapper(self, *a, **k):
+            thread = None if queued else getattr(self, "_comm_thread", None)
+            if thread is not None:
+                thread.hold()
             if self._inside:
                 return method(self, *a, **k)
             tensors, extra = args(*a, **k)

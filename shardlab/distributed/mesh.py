@@ -52,6 +52,9 @@ class Mesh:
     """The rank's flight recorder (flight.py); ``mesh.flight.check = True``: check mode."""
     transport: str = "auto"
     """``parallel.comm_transport``: process_group, shared or auto (see :meth:`comm`)."""
+    comm_thread: bool = False
+    """``parallel.comm_thread``: shared-memory comms queue their asynchronous collectives on a
+    thread of their own (distributed/shm_thread.py)."""
     places: list = field(default_factory=list)
     """(host, device) of every global rank, gathered once by :meth:`build` (host: hostname and
     kernel boot id, so that two machines with one hostname still differ)."""
@@ -59,17 +62,20 @@ class Mesh:
 
     @classmethod
     def build(cls, topology: Topology, device: torch.device | str = "cpu", algorithm: str = "backend",
-              check_collectives: bool = False, transport: str = "auto", flight_dir: str | None = None) -> "Mesh":
+              check_collectives: bool = False, transport: str = "auto", flight_dir: str | None = None,
+              comm_thread: bool = False) -> "Mesh":
         """Create every named group (collectively: all ranks must call this, in the same order).
         ``algorithm``: the collectives' default (``parallel.comm_algorithm``; see algorithms.py).
         ``check_collectives``: fingerprint every collective first (``parallel.check_collectives``).
-        ``flight_dir``: where the flight recorder also dumps on a failure (``Recorder.run_dir``)."""
+        ``flight_dir``: where the flight recorder also dumps on a failure (``Recorder.run_dir``).
+        ``comm_thread``: ``parallel.comm_thread``."""
         if not dist.is_initialized():
             raise RuntimeError("Mesh.build needs torch.distributed initialised (use shardlab.launch)")
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != topology.world_size:
             raise ValueError(f"topology {topology.describe()} has {topology.world_size} ranks, world has {world}")
-        mesh = cls(topology, rank, torch.device(device), algorithm=algorithm, transport=transport)
+        mesh = cls(topology, rank, torch.device(device), algorithm=algorithm, transport=transport,
+                   comm_thread=comm_thread)
         mesh.flight.check, mesh.flight.run_dir = check_collectives, flight_dir
         dev = mesh.device
         if dev.type == "cuda" and dev.index is None:
@@ -108,7 +114,8 @@ class Mesh:
         """The counted collectives handle of group ``name`` (see collectives.py)."""
         if name not in self._comms:
             args = (name, self.group(name), self.members[name], self.rank, self.ledger, self.algorithm, self.flight)
-            comm = SharedComm(*args, device=self.device) if self._shared(name) else Comm(*args)
+            comm = SharedComm(*args, device=self.device, comm_thread=self.comm_thread) if self._shared(name) \
+                else Comm(*args)
             one_host = len({self.places[r][0] for r in self.members[name]}) == 1 if self.places else True
             self._comms[name] = tiered(comm, self.node_of, self.link, one_host) if self.topology.nodes > 1 else comm
         return self._comms[name]

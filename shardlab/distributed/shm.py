@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .collectives import Comm, Pending, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_out, _t_rs, _t_src
+from .collectives import Comm, _nbytes, _recorded, _t_a2a, _t_dim, _t_op, _t_rs, _t_src
 from . import shm_host
-from .shm_cuda import CHUNK as CUDA_CHUNK, StreamOrder, run_async, streamed
+from .shm_cuda import CHUNK as CUDA_CHUNK, StreamOrder, streamed
 from .shm_host import X86, _reduce_into, _round, _spans, modes_off as _modes_off
 from .shm_p2p import RingPointToPoint
+from .shm_thread import ThreadedAsync
 
-class SharedComm(RingPointToPoint, Comm):
+class SharedComm(ThreadedAsync, RingPointToPoint, Comm):
     """A :class:`Comm` whose collectives run through memory shared by the group's ranks (all on
     one host). Same interface and results as the process-group ``Comm``; ``algorithm`` is ignored
     (the transport replaces the algorithm choice). Constructing one is local; the first
@@ -36,7 +37,7 @@ class SharedComm(RingPointToPoint, Comm):
 
     def __init__(self, name, group, ranks, rank, ledger, algorithm="backend", flight=None,
                  device: torch.device | str = "cpu", host_barrier: str = "auto", p2p_cap: int = 16 << 20,
-                 cuda_streams: bool = True, one_shot_ranks: int | None = None):
+                 cuda_streams: bool = True, one_shot_ranks: int | None = None, comm_thread: bool = False):
         """``host_barrier``: "shm" (flags in shared memory, x86-64 only), "process_group"
         (``dist.barrier``) or "auto" (shm on x86-64). ``p2p_cap``: bytes of each point-to-point
         ring (per pair and direction; longer messages stream through it). ``cuda_streams=False``:
@@ -44,7 +45,8 @@ class SharedComm(RingPointToPoint, Comm):
         be measured against (``shardlab bench comm --transport shared_sync``). ``one_shot_ranks``:
         groups up to this size (default 2) all-reduce in one phase (every rank sums every region:
         one barrier instead of two), and groups up to 4 for chunks up to
-        ``shm_host.ONE_SHOT_BYTES``; 0: always two phases (docs/collectives.md, "On a GPU")."""
+        ``shm_host.ONE_SHOT_BYTES``; 0: always two phases (docs/collectives.md, "On a GPU").
+        ``comm_thread``: queue the asynchronous collectives on a thread of this comm (shm_thread.py)."""
         super().__init__(name, group, ranks, rank, ledger, algorithm, flight)
         if host_barrier not in ("auto", "shm", "process_group"):
             raise ValueError(f"host_barrier: {host_barrier!r}; choose auto, shm or process_group")
@@ -66,6 +68,7 @@ class SharedComm(RingPointToPoint, Comm):
         self._order = StreamOrder(self.device) if streams else None  # shm_cuda.py
         self._chunk = CUDA_CHUNK if streams else shm_host.chunk_bytes(self.size)  # bytes per rank per phase
         self._one_shot = 2 if one_shot_ranks is None else one_shot_ranks
+        self.comm_thread = comm_thread
 
     # -- the arena -----------------------------------------------------------------------------
     # Created lazily by the first collective (constructing a Comm is not collective: Mesh.comm()
@@ -371,26 +374,3 @@ class SharedComm(RingPointToPoint, Comm):
         if self.rank != src:
             chunk.copy_(self._region(src, inp, chunk.dtype, chunk.numel()))
         self._free = 1 - inp
-
-    # -- asynchronous variants: on CUDA queued on the comm stream; on the CPU done when issued -----
-    @_recorded("all_reduce", _t_op)
-    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
-        """``all_reduce(t, op)``; ``.wait()`` returns ``t`` (on CUDA: the caller's stream waits)."""
-        return Pending(*run_async(self, lambda: self.all_reduce(t, op)))
-
-    @_recorded("all_gather", _t_out)
-    def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
-                         algorithm: str | None = None) -> Pending:
-        """A dim-0 all-gather of ``t``, into ``out`` if given; ``.wait()`` returns it."""
-        return Pending(*run_async(self, lambda: self._gather(t, 0, out)))
-
-    @_recorded("all_to_all", _t_a2a)
-    def all_to_all_async(self, t: torch.Tensor, in_splits: list[int] | None = None,
-                         out_splits: list[int] | None = None, algorithm: str | None = None) -> Pending:
-        """``all_to_all``; ``.wait()`` returns the received rows."""
-        return Pending(*run_async(self, lambda: self.all_to_all(t, in_splits, out_splits)))
-
-    @_recorded("reduce_scatter", _t_op)
-    def reduce_scatter_async(self, t: torch.Tensor, op: str = "sum", algorithm: str | None = None) -> Pending:
-        """A dim-0 reduce-scatter; ``.wait()`` returns this rank's slice."""
-        return Pending(*run_async(self, lambda: self.reduce_scatter(t, 0, op)))

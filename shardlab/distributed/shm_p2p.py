@@ -295,6 +295,8 @@ class RingPointToPoint:
         return self._rings_on
 
     def _post(self, kind: str, t: torch.Tensor, peer: int) -> Op:
+        if self._comm_thread is not None:  # after the collectives queued on the comm's thread
+            self._comm_thread.hold()
         self.ledger.record(kind, self.name, *((_nbytes(t), 0) if kind == "send" else (0, _nbytes(t))))
         return self._channels.post(kind, t, peer, self.flight.enter(self, kind, (t,), None, peer))
 

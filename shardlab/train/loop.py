@@ -214,7 +214,8 @@ class _Run:
         t, log = cfg.train, cfg.logging
         self.mesh = mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm,
                                       check_collectives=cfg.parallel.check_collectives, transport=plan.transport,
-                                      flight_dir=str(plan.run_dir / "flight"))  # dumps on failure (docs/faults.md)
+                                      flight_dir=str(plan.run_dir / "flight"),  # dumps on failure (docs/faults.md)
+                                      comm_thread=cfg.parallel.comm_thread)
         self.data = open_data(cfg, data_dir)
         self.run_dir, self.ck_dir = plan.run_dir, plan.checkpoint_dir
         is_main = mesh.rank == 0

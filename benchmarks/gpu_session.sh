@@ -8,7 +8,8 @@
 #   env           nvidia-smi, cores, /dev/shm, torch and the device
 #   kernels       the rates behind the planner's constants: bf16 products at Llama-8B's shapes, causal
 #                 SDPA forward/backward at 8k-32k per backend, an add (benchmarks/gpu_kernels.py)
-#   shared_gpu    the same-GPU transport's CUDA test (comm stream, events, async collectives), alone
+#   shared_gpu    the same-GPU transport's CUDA tests (comm stream, events, async collectives, the comm
+#                 thread), alone
 #   checks        side by side (they time nothing): the gpu-marked tests, `shardlab verify` at
 #                 N = 2 and 4 ranks sharing the GPU (VERIFY_N2 / VERIFY_N4: layout lists), and on
 #                 4 cores of their own the CPU pp = 4 schedules (or, with CHECKS_PLANNER set,
@@ -114,7 +115,8 @@ for s in $STEPS; do
       step kernels 60 "$PY" benchmarks/gpu_kernels.py --device cuda --json "$OUT/kernels.json" ;;
     shared_gpu)  # the comm-stream path first: if it is wrong, the comm and overlap rows say nothing
       step shared_gpu 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-        tests/distributed/test_shared_comm.py::test_shared_collectives_on_one_gpu ;;
+        tests/distributed/test_shared_comm.py::test_shared_collectives_on_one_gpu \
+        tests/distributed/test_comm_thread.py::test_comm_thread_on_one_gpu ;;
     single)  # shardlab's loop vs a plain compiled loop, bf16, GPT-2 124M at 16 x 1024 tokens
       step single_gpt2 150 "$PY" benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda \
         --blocks 4 --per-block 5 --warmup 3 --profile-steps "${PROFILE_STEPS:-0}" \

@@ -122,11 +122,14 @@ class ThreadedAsync:
         return n * _spans(t.numel() // n, n, es, self._chunk)[0][1] * es  # reduce_scatter, dim 0
 
     def _queueable(self, kind: str, t: torch.Tensor) -> bool:
+        """Whether the thread can run this call without the process group (module docstring).
+        ``StreamOrder.active`` is not asked: the thread sets it while it runs a call, and the
+        next call must queue behind that one, not wait for it here."""
         o = self._order
         return (self.comm_thread and self.size > 1 and t.numel() > 0 and not self._elsewhere(t)
                 and self.host_barrier == "shm" and not self.flight.check and self._channels is None
                 and bool(self._regions) and self.cap >= self._first_chunk(kind, t)
-                and (o.peers if o is not None else self.device.type == "cpu") and not (o and o.active))
+                and (o.peers if o is not None else self.device.type == "cpu"))
 
     def _issue(self, kind: str | None, run, t: torch.Tensor, given: tuple) -> Pending:
         """``run()`` queued on the comm thread when :meth:`_queueable`, else as before (after

@@ -151,3 +151,70 @@ def test_comm_thread_on_one_gpu():
     the comm stream from the thread, and the caller's stream waits for them at ``wait()``."""
     errors = run(_gpu_worker, 2, device="cuda", timeout_s=120)
     assert errors == [[], []], errors
+
+
+def test_queued_call_on_cuda_orders_streams_by_events(monkeypatch):
+    """The CUDA branch of a queued call, with torch.cuda's streams and events replaced by
+    recorders (the same branch runs on a GPU in ``test_comm_thread_on_one_gpu``): the comm stream
+    waits for an event recorded on the caller's stream at the call, the collective runs on the
+    comm stream from the thread, and ``wait()`` makes the caller's stream wait for the event
+    recorded after it; a fresh result is marked as used on the caller's stream."""
+    import threading
+    from types import SimpleNamespace
+
+    from shardlab.distributed import shm_thread
+
+    log, local = [], threading.local()
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.id))
+
+    class Event:
+        count = 0
+
+        def __init__(self, *a, **k):
+            Event.count += 1
+            self.id = Event.count
+
+        def record(self, stream):
+            log.append(("record", stream.name, self.id))
+
+    class On:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            self.old, local.cur = getattr(local, "cur", None), self.s
+
+        def __exit__(self, *a):
+            local.cur = self.old
+
+    caller = Stream("caller")
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "stream", On)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: getattr(local, "cur", None) or caller)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(("mark", s.name, t.numel())),
+                        raising=False)
+    order = SimpleNamespace(stream=Stream("comm"), active=False, peers=[None, []])
+    comm = SimpleNamespace(_order=order, _comm_thread=None, device=torch.device("cuda", 0), name="t")
+    comm._hold = lambda: None
+    comm._queueable = lambda kind, t: True
+    seen = []
+
+    def run():
+        seen.append((torch.cuda.current_stream().name, order.active, threading.current_thread().name))
+        return torch.zeros(3)
+    given = torch.ones(5)
+    pending = shm_thread.ThreadedAsync._issue(comm, "all_reduce", run, given, (given,))
+    res = pending.wait()
+    ready, done = 1, 2  # the events, in the order they were made
+    assert log[:2] == [("record", "caller", ready), ("mark", "comm", 5)], log
+    assert log[2:4] == [("wait", "comm", ready), ("record", "comm", done)], log
+    assert log[4:] == [("wait", "caller", done), ("mark", "caller", 3)], log
+    assert seen == [("comm", True, "shardlab-comm-t")] and not order.active, seen
+    assert res.numel() == 3 and comm._comm_thread.ran == 1

@@ -117,8 +117,10 @@ class ThreadedAsync:
         es, n = t.element_size(), self.size
         if kind == "all_reduce":
             return _spans(t.numel(), 1, es, self._chunk)[0][1] * es
-        if kind == "all_gather":
+        if kind == "all_gather":  # (into a non-contiguous ``out``: whole, kind "all_gather_whole")
             return _spans(t.numel(), 1, es, self._chunk)[0][1] * es if _nbytes(t) > self._chunk else _nbytes(t)
+        if kind == "all_gather_whole":
+            return _nbytes(t)
         return n * _spans(t.numel() // n, n, es, self._chunk)[0][1] * es  # reduce_scatter, dim 0
 
     def _queueable(self, kind: str, t: torch.Tensor) -> bool:
@@ -176,7 +178,8 @@ class ThreadedAsync:
     def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None,
                          algorithm: str | None = None) -> Pending:
         """A dim-0 all-gather of ``t``, into ``out`` if given; ``.wait()`` returns it."""
-        return self._issue("all_gather", lambda: self._gather(t, 0, out), t, (t,) if out is None else (t, out))
+        kind = "all_gather" if out is None or out.is_contiguous() else "all_gather_whole"
+        return self._issue(kind, lambda: self._gather(t, 0, out), t, (t,) if out is None else (t, out))
 
     @_recorded("all_to_all", _t_a2a)
     def all_to_all_async(self, t: torch.Tensor, in_splits: list[int] | None = None,

@@ -10,14 +10,10 @@ import torch.distributed as dist
 
 from shardlab.analysis.verify import plain_run
 from shardlab.distributed.ledger import Ledger
-from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.shm import X86, SharedComm
-from shardlab.distributed.topology import Topology
 from shardlab.launch import run
-from shardlab.models import build_model
-from shardlab.parallelize import parallelize
 
-from tests.distributed.test_data_parallel import adamw, batches, make_cfg
+from tests.distributed.test_data_parallel import batches, make_cfg
 
 pytestmark = pytest.mark.skipif(not X86, reason="the shared-memory barrier needs x86-64")
 
@@ -102,31 +98,14 @@ LAYOUTS = [dict(zero_stage=0, bucket_cap_mb=0.001), dict(zero_stage=2), dict(zer
 
 
 def _train_worker(ctx, cfgs):
-    out = []
-    for cfg in cfgs:
-        mesh = Mesh.build(Topology.from_config(cfg.parallel), transport="shared", comm_thread=True)
-        engine = parallelize(build_model(cfg.model, cfg.train.seed, dtype=torch.float64), mesh, cfg)
-        opt = engine.make_optimizer(adamw(cfg))
-        dp, r = mesh.size("dp"), mesh.local_rank("dp")
-        losses = []
-        for x, y in batches(cfg):
-            per = x.shape[0] // dp
-            micro = list(zip(x[r * per:(r + 1) * per].chunk(cfg.parallel.microbatches),
-                             y[r * per:(r + 1) * per].chunk(cfg.parallel.microbatches)))
-            local = engine.forward_backward(micro)
-            engine.clip_grads(cfg.train.grad_clip)
-            opt.step()
-            opt.zero_grad()
-            losses.append(engine.global_loss(local))
-        ran = sum(c._comm_thread.ran for c in mesh._comms.values() if getattr(c, "_comm_thread", None))
-        out.append((losses, ran))
-    return out
+    from tests.distributed.test_shared_comm import _train
+    return [_train(ctx, cfg, "shared", comm_thread=True) for cfg in cfgs]
 
 
 def test_training_with_the_comm_thread_matches_one_process():
     cfgs = [make_cfg(2, **layout) for layout in LAYOUTS]
     out = run(_train_worker, 2, cfgs, timeout_s=240)
-    for cfg, layout, (losses, ran) in zip(cfgs, LAYOUTS, out[0]):
+    for cfg, layout, (losses, _, ran) in zip(cfgs, LAYOUTS, out[0]):
         assert ran > 0, f"{layout}: no collective ran on the comm thread"
         ref = plain_run(cfg, batches(cfg))[0]
         assert len(losses) == len(ref) and max(abs(a - b) for a, b in zip(losses, ref)) <= 1e-10, (layout, losses, ref)

@@ -191,8 +191,9 @@ def test_shared_collectives_equal_independent_results():
 LAYOUTS = [dict(zero_stage=0, bucket_cap_mb=0.001), dict(zero_stage=3), dict(tp=2), dict(ep=2)]
 
 
-def _train(ctx, cfg, transport):
-    mesh = Mesh.build(Topology.from_config(cfg.parallel), transport=transport)
+def _train(ctx, cfg, transport, comm_thread=False):
+    """(losses, the groups on the shared transport, calls run on comm threads) of a float64 run."""
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), transport=transport, comm_thread=comm_thread)
     engine = parallelize(build_model(cfg.model, cfg.train.seed, dtype=torch.float64), mesh, cfg)
     opt = engine.make_optimizer(adamw(cfg))
     dp, r = mesh.size("dp"), mesh.local_rank("dp")
@@ -209,7 +210,7 @@ def _train(ctx, cfg, transport):
     shared = sorted(k for k, c in mesh._comms.items() if isinstance(c, SharedComm))
     if transport == "shared" and cfg.parallel.ep > 1 and "ep" not in shared:
         raise AssertionError(f"the ep group did not run on the shared transport: {shared}")
-    return losses, shared
+    return losses, shared, sum(c._comm_thread.ran for c in mesh._comms.values() if getattr(c, "_comm_thread", None))
 
 
 def _train_worker(ctx, cfgs):
@@ -228,7 +229,7 @@ def _cfg(layout):
 def test_training_on_shared_transport_matches_process_group():
     cfgs = [_cfg(layout) for layout in LAYOUTS]
     out = run(_train_worker, 2, cfgs, timeout_s=180)
-    for cfg, layout, ((shared, used), (pg, _)) in zip(cfgs, LAYOUTS, out[0]):
+    for cfg, layout, ((shared, used, _), (pg, _, _)) in zip(cfgs, LAYOUTS, out[0]):
         assert used, f"{layout}: no group ran on the shared transport"
         assert len(shared) == len(pg) == 3 and max(abs(a - b) for a, b in zip(shared, pg)) <= 1e-10, (layout, shared, pg)
         if cfg.parallel.ep == 1:  # and the single-process reference

@@ -91,8 +91,10 @@ for s in $STEPS; do
       # shellcheck disable=SC2086
       background test_gpu "$lim" 0-11 "$PY" -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS
       # VERIFY_N2 / VERIFY_N4: a comma list of layouts (default: all that fit)
-      background verify_n2 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 2 ${VERIFY_N2:+--layouts "$VERIFY_N2"}
-      background verify_n4 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 4 ${VERIFY_N4:+--layouts "$VERIFY_N4"}
+      # shellcheck disable=SC2086  (VERIFY_ARGS: more flags, e.g. --comm-thread)
+      background verify_n2 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 2 ${VERIFY_N2:+--layouts "$VERIFY_N2"} ${VERIFY_ARGS:-}
+      # shellcheck disable=SC2086
+      background verify_n4 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 4 ${VERIFY_N4:+--layouts "$VERIFY_N4"} ${VERIFY_ARGS:-}
       extra=""
       if [ -n "${VERIFY_N8:-}" ]; then  # 8 ranks sharing the GPU, only the layouts named
         background verify_n8 "$lim" 0-11 "$PY" -m shardlab.cli verify --nproc 8 --layouts "$VERIFY_N8"

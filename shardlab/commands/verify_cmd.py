@@ -16,6 +16,9 @@ def configure(parser):
     parser.add_argument("--transport", default=None, choices=("process_group", "shared", "auto"),
                         help="parallel.comm_transport of every layout (default: the config's, auto): "
                              "shared runs the collectives through shared memory (docs/collectives.md)")
+    parser.add_argument("--comm-thread", action="store_true",
+                        help="parallel.comm_thread = true in every layout: the shared-memory transport's "
+                             "asynchronous collectives on a thread per comm (docs/collectives.md)")
 
 
 def overrides(args) -> dict:
@@ -32,6 +35,8 @@ def overrides(args) -> dict:
     C.check_ranges(C.load(None, extra))  # each value's type and range, one line naming the field
     if getattr(args, "transport", None):
         extra.setdefault("parallel", {})["comm_transport"] = args.transport
+    if getattr(args, "comm_thread", False):
+        extra.setdefault("parallel", {})["comm_thread"] = True
     return extra
 
 

@@ -60,3 +60,15 @@ def test_verify_two_tier_layouts():
     assert all(r["ok"] for r in rows), rows
     assert all("over 2 nodes" in r["detail"] or "over 4 nodes" in r["detail"] for r in rows[:-3])
     assert all("F&B lanes" in r["detail"] for r in rows if r["layout"].endswith("-fb")), rows
+
+
+def test_verify_comm_thread_flag():
+    """`--comm-thread` sets parallel.comm_thread in every layout (the whole matrix with it:
+    docs/collectives.md, The communication thread); alone it leaves the transport as it is."""
+    from argparse import Namespace
+
+    from shardlab.commands.verify_cmd import overrides
+    assert overrides(Namespace(comm_thread=True, transport=None, overrides=[], arch="llama")) == \
+        {"parallel": {"comm_thread": True}}
+    assert overrides(Namespace(comm_thread=False, transport="shared", overrides=[], arch="llama")) == \
+        {"parallel": {"comm_transport": "shared"}}

@@ -53,18 +53,14 @@ def _worker(ctx, calls: int, sizes: list[int]):
     return out
 
 
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="group sizes (default 2 4)")
     ap.add_argument("--calls", type=int, default=2000, help="calls of each kind per rank (default 2000)")
     ap.add_argument("--sizes", nargs="*", default=[], help="all-reduce sizes for one phase vs two (4K 256K 4M ...)")
     args = ap.parse_args(argv)
-    sizes = [_size(v) for v in args.sizes]
+    from shardlab.commands.bench_comm import parse_size
+    sizes = [parse_size(v) for v in args.sizes]
     from shardlab.launch import run
     results = {n: run(_worker, n, args.calls, sizes, timeout_s=600) for n in args.nproc}
     print("| ranks | barrier us per call | all_reduce 4 KiB us per call |")

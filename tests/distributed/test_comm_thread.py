@@ -19,7 +19,14 @@ pytestmark = pytest.mark.skipif(not X86, reason="the shared-memory barrier needs
 
 
 def _data(seed: int, n: int) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    from tests.distributed.test_shared_comm import _data as shaped
+    return shaped(seed, (n,), torch.float64)
+
+
+def _inputs(n: int) -> tuple:
+    """Every rank's inputs of the queued all-reduce, all-gather, reduce-scatter and blocking all-reduce."""
+    return ([_data(10 + s, 1000) for s in range(n)], [_data(20 + s, 300) for s in range(n)],
+            [_data(30 + s, 40 * n) for s in range(n)], [_data(40 + s, 77) for s in range(n)])
 
 
 def _comm(ctx, name="t"):
@@ -32,10 +39,7 @@ def _order_worker(ctx):
     first = sh.all_reduce_async(_data(r, 64))  # no arena yet: runs on this thread, as before
     assert sh._comm_thread is None and first.work is None
     sh.all_reduce(torch.ones(4096, dtype=torch.float64))  # sets the arena up
-    a = [_data(10 + s, 1000) for s in range(n)]
-    b = [_data(20 + s, 300) for s in range(n)]
-    c = [_data(30 + s, 40 * n) for s in range(n)]
-    d = [_data(40 + s, 77) for s in range(n)]
+    a, b, c, d = _inputs(n)
     pa = sh.all_reduce_async(a[r].clone())
     out = torch.empty(300 * n, dtype=torch.float64)
     pb = sh.all_gather_async(b[r], out=out)
@@ -56,10 +60,7 @@ def _order_worker(ctx):
 def test_queued_collectives_equal_independent_results():
     n = 2
     out = run(_order_worker, n, timeout_s=120)
-    a = [_data(10 + s, 1000) for s in range(n)]
-    b = [_data(20 + s, 300) for s in range(n)]
-    c = [_data(30 + s, 40 * n) for s in range(n)]
-    d = [_data(40 + s, 77) for s in range(n)]
+    a, b, c, d = _inputs(n)
     for r, got in enumerate(out):
         # the blocking call waited for all four queued ones before it ran
         assert got["queued"] == 4, got["queued"]

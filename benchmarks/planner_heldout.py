@@ -16,6 +16,7 @@ from pathlib import Path
 from shardlab.analysis.devices import get_device
 from shardlab.analysis.plan_layout import parse_layout, predict_pinned, refused
 from shardlab.analysis.plan_search import HEADROOM
+from shardlab.analysis.predict import RESERVED_PER_ALLOCATED, reserved
 from shardlab.config import Config
 
 FILE = Path(__file__).with_name("planner_heldout.toml")
@@ -73,20 +74,25 @@ def rows(path: Path = FILE) -> list[dict]:
         pr, cfg, note = predict_run(run, data["models"])
         no = refused(run.get("features", []))
         got = None if no else value(run, pr, cfg)
+        resv = reserved(pr.peak.total, run["gpu"]) / GiB
+        pub = run.get("memory_gib") if run.get("memory_kind") == "reserved" else None
         out.append({"run": run, "predicted": got, "refused": no, "note": note,
                     "error": None if got is None else (got - run["published"]) / run["published"],
-                    "peak_gib": pr.peak.total / GiB, "fits": pr.peak.total <= HEADROOM * get_device(run["gpu"]).memory})
+                    "peak_gib": pr.peak.total / GiB, "fits": pr.peak.total <= HEADROOM * get_device(run["gpu"]).memory,
+                    "reserved_gib": resv, "mem_error": None if pub is None else (resv - pub) / pub})
     return out
 
 
 def print_table(table: list[dict]) -> list[float]:
     """The held-out table (markdown); returns the absolute errors of the modelled rows."""
-    print("| run | source | GPUs | layout | unit | published | predicted | error | peak GiB allocated (bf16 layout) | published GiB | note |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---|")
+    print("| run | source | GPUs | layout | unit | published | predicted | error | peak GiB allocated (bf16 layout) "
+          f"| predicted reserved GiB ({RESERVED_PER_ALLOCATED:.2f}x) | published GiB | memory error | note |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     errs = []
     for r in table:
         run = r["run"]
         pub_mem = f"{run['memory_gib']} {run.get('memory_kind', '')}" if "memory_gib" in run else ""
+        mem_err = "" if r["mem_error"] is None else f"{100 * r['mem_error']:+.1f}%"
         if r["refused"]:
             got, err = "refused", ", ".join(r["refused"]) + " not modelled"
         else:
@@ -94,7 +100,7 @@ def print_table(table: list[dict]) -> list[float]:
             errs.append(abs(r["error"]))
         print(f"| {run['id']} | {run['source']} | {run['gpus']} {run['gpu']} | {run['layout']} | {run['unit']} | "
               f"{run['published']:,} | {got} | {err} | {r['peak_gib']:.1f}{'' if r['fits'] else ' (over 92%)'} | "
-              f"{pub_mem} | {'; '.join(x for x in (', '.join(run.get('features', [])), r['note']) if x)} |")
+              f"{r['reserved_gib']:.1f} | {pub_mem} | {mem_err} | {'; '.join(x for x in (', '.join(run.get('features', [])), r['note']) if x)} |")
     return errs
 
 
@@ -109,10 +115,22 @@ def summary(errs: list[float], table: list[dict]) -> str:
             + (f"{n_ref} rows refused by name ({', '.join(feats)}: not modelled)" if n_ref else "none refused"))
 
 
+def memory_summary(table: list[dict]) -> str:
+    """The memory side: predicted reserved bytes (allocated x the stated ratio) against the
+    published reserved figures, signed median and range."""
+    errs = [r["mem_error"] for r in table if r["mem_error"] is not None]
+    if not errs:
+        return "held-out memory: no run publishes reserved bytes"
+    return (f"held-out memory: predicted reserved (allocated x {RESERVED_PER_ALLOCATED:.2f}) against published "
+            f"reserved over {len(errs)} runs: median absolute error {100 * statistics.median(map(abs, errs)):.1f}%, "
+            f"from {100 * min(errs):+.1f}% to {100 * max(errs):+.1f}%")
+
+
 def main() -> int:
     table = rows()
     errs = print_table(table)
     print("\n" + summary(errs, table))
+    print(memory_summary(table))
     return 0
 
 

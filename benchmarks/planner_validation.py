@@ -164,6 +164,7 @@ def main(argv=None) -> int:
     held = planner_heldout.rows()
     herrs = planner_heldout.print_table(held)
     print("\n" + planner_heldout.summary(herrs, held))
+    print(planner_heldout.memory_summary(held))
     print(f"\nfit median {100 * statistics.median(errs):.1f}% ({len(errs)} rows, in-sample) | held-out median "
           f"{100 * statistics.median(herrs):.1f}%, max {100 * max(herrs):.1f}% ({len(herrs)} modelled rows) "
           f"({time.perf_counter() - t0:.1f} s)")

@@ -62,6 +62,28 @@ class Prediction:
         return max(self.ranks, key=lambda r: r.total)
 
 
+H100_RESERVED_ROWS = (("ddp", 2110, 1970), ("zero1", 1594, 1365), ("zero2", 1222, 1111), ("zero3", 1044, 917),
+                      ("zero3-noprefetch", 1354, 869), ("tp2-sp-dp2", 1294, 1091), ("pp2-1f1b-dp2", 1082, 982),
+                      ("ddp-bf16", 2244, 2111), ("zero3-bf16", 854, 782))
+"""(layout, max reserved MiB, max allocated MiB) of the worst rank, measured on one H100 on
+2026-11-27 (docs/gpu.md, "Memory peaks on CUDA": ``benchmarks/memory_peaks.py --device cuda --n
+4``, a ~100M Llama, 4 ranks sharing the GPU): the caching allocator's reserved bytes over its
+allocated bytes, 1.06-1.56x."""
+
+RESERVED_PER_ALLOCATED = sorted(r / a for _, r, a in H100_RESERVED_ROWS)[len(H100_RESERVED_ROWS) // 2]
+"""The allocator's headroom the planner states for a CUDA rank: the median of
+:data:`H100_RESERVED_ROWS` (1.10). Not a model of the allocator's segments (their rounding, the
+blocks each stream keeps, fragmentation between differently sized requests): a measured ratio on
+small ranks (about 1-2 GiB), stated as such; it is checked against published reserved figures in
+docs/planner_validation.md and is never fitted to them."""
+
+
+def reserved(total: float, device: str) -> float:
+    """Bytes the CUDA caching allocator is predicted to reserve for a rank peaking at ``total``
+    allocated bytes (:data:`RESERVED_PER_ALLOCATED`); on CPU the peak is resident bytes: itself."""
+    return total if device == "cpu" else total * RESERVED_PER_ALLOCATED
+
+
 EMPTY_RANK_CPU = 385 * 2**20
 """Resident bytes of an empty CPU rank (torch 2.13 imported, gloo process groups up, 1 thread, one
 step of a 0.1M-parameter model run), measured on this project's 2-core machines with

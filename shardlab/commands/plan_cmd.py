@@ -132,7 +132,7 @@ def main(args) -> int:
         _compare(base, args, dev, eta, features)
         return 1
     top = fits[:args.top]
-    _print_rows(top)
+    _print_rows(top, args.gpu)
     print("\n" + why(top[0], top[1:], valid, dropped))
     if tier_line(top[0].breakdown):
         print(tier_line(top[0].breakdown))
@@ -144,20 +144,24 @@ def main(args) -> int:
 
 
 MEMORY_NOTE = ("memory: allocated bytes at the peak rank's peak (as torch.cuda.max_memory_allocated counts them); "
-               "the allocator reserves more (its segments' fragmentation: not modelled), hence the 92% plan")
+               "'reserved': what the caching allocator is predicted to hold, {ratio:.2f}x allocated (the median "
+               "of nine H100 measurements, docs/planner.md: a stated ratio, not a model of its segments); "
+               "the plan keeps allocated bytes within 92% of the device")
 
 
-def _print_rows(cands) -> None:
-    print(MEMORY_NOTE)
+def _print_rows(cands, device: str = "") -> None:
+    from ..analysis.predict import RESERVED_PER_ALLOCATED, reserved
+    gpu = device not in ("", "cpu")
+    print(MEMORY_NOTE.format(ratio=RESERVED_PER_ALLOCATED) if gpu else MEMORY_NOTE.split("; 'reserved'")[0])
     print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'W':>6}{'buf':>6}{'trans':>7}"
-          f"{'total GiB':>10}{'tok/s/GPU':>11}{'MFU':>7}")
+          f"{'total GiB':>10}" + (f"{'reserved':>9}" if gpu else "") + f"{'tok/s/GPU':>11}{'MFU':>7}")
     for i, c in enumerate(cands, 1):
         m = c.memory
         print(f"{i:>2} {getattr(c, 'shown', '') or c.label():<44}" + "".join(f"{m[k] / GiB:>{w}.1f}" for k, w in
               (("params", 8), ("grads", 7), ("optim", 7), ("activations", 7), ("wgrad", 6), ("buffers", 6),
                ("transient", 7)))
-              + f"{c.peak_bytes / GiB:>10.1f}{c.tokens_per_gpu:>11,.0f}"
-              + (f"{100 * c.mfu:>6.1f}%" if c.mfu else f"{'':>7}"))
+              + f"{c.peak_bytes / GiB:>10.1f}" + (f"{reserved(c.peak_bytes, device) / GiB:>9.1f}" if gpu else "")
+              + f"{c.tokens_per_gpu:>11,.0f}" + (f"{100 * c.mfu:>6.1f}%" if c.mfu else f"{'':>7}"))
 
 
 def _pinned_row(base, args, layout: str, eta: float, features=()):
@@ -200,7 +204,7 @@ def _compare(base, args, dev, eta: float, features=()) -> None:
         return
     c, _ = _pinned_row(base, args, args.compare, eta, features)
     print(f"\ncompared (--compare {args.compare!r}):")
-    _print_rows([c])
+    _print_rows([c], args.gpu)
     print(_verdict(c, dev))
     if tier_line(c.breakdown):
         print(tier_line(c.breakdown))
@@ -214,7 +218,7 @@ def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
     print(f"{base.model.arch} {base.model.n_layers} layers d={base.model.d_model} on {args.gpus} x {dev.name} "
           f"({args.gpus_per_node} per node), global batch {t.global_batch} x seq {t.seq_len}: the layout given "
           f"({time.perf_counter() - t0:.1f} s wall)" + (f"; compute time / {eta:.3f} (--efficiency fitted)" if eta != 1.0 else ""))
-    _print_rows([c])
+    _print_rows([c], args.gpu)
     if tier_line(c.breakdown):
         print(tier_line(c.breakdown))
     print("\n" + _verdict(c, dev).replace("its peak rank", f"its peak rank (pipeline stage {pred.peak.stage})"))

@@ -137,3 +137,35 @@ def test_ac_fit_takes_the_lightest_recomputation_that_fits():
         c = apply_layout(base, {**parse_layout("fsdp8 mb2x1"), "ac": lighter}, 8)
         assert predict(c, "h100", per_rank=False).peak.total > cap, lighter
     assert chosen != "none"  # 8B at 2 x 8,192 tokens per GPU needs recomputation on 80 GB
+
+
+def test_reserved_column_is_the_stated_ratio_of_allocated(capsys):
+    """The reserved estimate (predict.RESERVED_PER_ALLOCATED) is the median of the nine H100 rows
+    it names (reserved / allocated as measured, 1.06-1.56x), printed beside the allocated total;
+    on CPU a rank's peak is resident bytes, with nothing reserved beyond it."""
+    import statistics
+    from shardlab.analysis.predict import H100_RESERVED_ROWS, RESERVED_PER_ALLOCATED, reserved
+    ratios = [r / a for _, r, a in H100_RESERVED_ROWS]
+    assert len(ratios) == 9 and all(r > 1 for r in ratios)
+    assert RESERVED_PER_ALLOCATED == statistics.median(ratios)
+    assert reserved(10 * 2**30, "cpu") == 10 * 2**30
+    assert reserved(10 * 2**30, "h100") == pytest.approx(10 * 2**30 * RESERVED_PER_ALLOCATED)
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100-gt", "--seq", "8192",
+                 "--layout", "fsdp8 mb2x1 ac-op", "--compile"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if "total GiB" in line)
+    assert "reserved" in lines[head] and "reserved" in lines[head - 1]
+    total, resv = (float(x) for x in lines[head + 1].split()[-4:-2])
+    assert resv == pytest.approx(total * RESERVED_PER_ALLOCATED, abs=0.06), lines[head + 1]
+
+
+def test_heldout_memory_side_compares_reserved_with_reserved():
+    """Only runs whose source publishes reserved bytes get a memory error, and it is the predicted
+    reserved (allocated x the ratio) against that figure."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import planner_heldout
+    table = [{"mem_error": None}, {"mem_error": -0.10}, {"mem_error": 0.02}, {"mem_error": -0.30}]
+    line = planner_heldout.memory_summary(table)
+    assert "over 3 runs" in line and "median absolute error 10.0%" in line and "-30.0% to +2.0%" in line
+    assert "no run" in planner_heldout.memory_summary([{"mem_error": None}])

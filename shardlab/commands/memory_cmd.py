@@ -101,11 +101,13 @@ def main(args) -> int:
               f"{want.optim / mib:.3f} = {want.model_state / mib:.3f}, ratio {got.total / want.model_state:.3f})")
     kind = "peak RSS (VmHWM)" if results[0][1].device == "cpu" else "max_memory_allocated"
     print(f"peak per rank: predicted (with the measured empty rank) vs measured {kind}, MiB:")
+    from ..analysis.predict import RESERVED_PER_ALLOCATED, reserved
     peaks = []
     for r, (_, trace) in enumerate(results):
         want = pred[r].total - pred[r].fixed + trace.baseline
         peaks.append(want)
-        extra = (f"  reserved {trace.reserved / mib:,.1f}" if trace.reserved else
+        extra = (f"  reserved {trace.reserved / mib:,.1f} (stated {reserved(want, trace.device) / mib:,.1f}: "
+                 f"{RESERVED_PER_ALLOCATED:.2f}x predicted, docs/planner.md)" if trace.reserved else
                  "  (heap {:,.0f}, libraries {:,.0f}, shared arena {:,.0f})".format(
                      *(trace.split.get(k, 0) / mib for k in ("RssAnon", "RssFile", "RssShmem"))))
         print(f"  rank {r}: predicted {want / mib:,.1f}  measured {trace.peak / mib:,.1f}  ratio "

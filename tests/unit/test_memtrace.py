@@ -1,6 +1,7 @@
 """analysis/memtrace.py: the profiler's categories at the allocation peak of a step count the
 parameters and AdamW's states of a known model exactly; the recorder samples and marks; the
 timeline picture is written."""
+import pytest
 import torch
 
 from shardlab.analysis.memtrace import Recorder, Trace, categories_at_peak, draw, profiled
@@ -51,3 +52,24 @@ def test_memory_command_refuses_bad_arguments_before_launch(capsys):
         assert main(["memory", "configs/tiny.toml", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"config error: {flag}") and "\n" not in err, err
+
+
+def test_memory_command_states_reserved_beside_the_cuda_measurement(monkeypatch, capsys):
+    """On CUDA the peak line names the measured reserved bytes and the stated estimate beside them
+    (predict.RESERVED_PER_ALLOCATED x the predicted peak); the run itself is replaced by traces of
+    the shape a CUDA run returns, since this machine has no GPU."""
+    from shardlab.analysis.measured_memory import StateBytes
+    from shardlab.analysis.memtrace import Trace
+    from shardlab.analysis.predict import RESERVED_PER_ALLOCATED
+    from shardlab.cli import main
+    from shardlab.commands import memory_cmd
+    mib = 2**20
+    fake = [(StateBytes(1.0, 1.0, 1.0), Trace(rank=r, device="cuda", peak=300 * mib, reserved=340 * mib))
+            for r in range(2)]
+    monkeypatch.setattr(memory_cmd, "measure_run", lambda *a, **k: fake)
+    assert main(["memory", "configs/tiny.toml", "--nproc", "2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("rank 0: predicted")]
+    assert len(lines) == 1 and "reserved 340.0 (stated " in lines[0], lines
+    predicted = float(lines[0].split("predicted ")[1].split()[0].replace(",", ""))
+    stated = float(lines[0].split("(stated ")[1].split(":")[0].replace(",", ""))
+    assert stated == pytest.approx(predicted * RESERVED_PER_ALLOCATED, abs=0.06)

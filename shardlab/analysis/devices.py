@@ -43,6 +43,7 @@ class Device:
     sustain: float = 1.0       # GPU: share of the datasheet peaks the part reaches at its power limit (tdp_share);
                                # compute time only: MFU stays against ``peak_flops``
     attn_curve: tuple = ()     # GPU: ((sequence length, FLOP/s), ...) of the flash kernels forward + backward (FA2_*)
+    hbm_eff: float = 1.0       # GPU: share of ``hbm_bw`` an elementwise kernel moves (HBM_EFF, measured)
 
 
 def tdp_share(watts: float) -> float:
@@ -66,26 +67,33 @@ A100 80GB SXM4; FLOPs counted as the planner counts them: causal half, backward 
 FlashAttention-3 paper's own FlashAttention-2 figures give the same: 335 TFLOP/s causal forward,
 322 backward at 16k), 0.61 on A100; plan_time.attention_eff reads the curve at the kernel's
 length (docs/planner.md, Time model)."""
+HBM_EFF = 0.87
+"""The share of the datasheet HBM bandwidth a large elementwise kernel moves: an add of 2^28 bf16
+elements (1.61 GB read and written) took 0.551 ms on the third lease's H100 SXM, 2.92 of 3.35
+TB/s (``benchmarks/gpu_kernels.py --device cuda``, benchmarks/results/gpu_kernels_h100_2026-11-27.json;
+docs/gpu.md). Measured on one part and stated for every GPU kind (as ``mm_eff`` is for matrix
+products): the planner's elementwise, Float8-cast and optimizer terms run at ``hbm_bw * hbm_eff``.
+Adopted 2026-11-27 from that measurement, not from a published run's error."""
 HOPPER_FA2 = round(FA2_H100[-1][1] / 989e12, 2)
 A100_FA2 = round(FA2_A100[-1][1] / 312e12, 2)
 # Sources of the constants (datasheets; stated efficiencies, not fitted): docs/planner.md, Time model.
 DEVICES = {
     "h100": Device("H100 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, HOPPER_FA2, 360e9, 10e-6, 45e9, 20e-6, 8,
                    "NVLink 4 (450 GB/s per direction), 400 Gb/s InfiniBand per GPU", peak_fp8=1979e12,
-                   attn_curve=FA2_H100),
+                   attn_curve=FA2_H100, hbm_eff=HBM_EFF),
     "h100-gt": Device("H100 96GB HBM2e, 500 W (Grand Teton)", 989e12, 96e9, 2.4e12, 0.70, HOPPER_FA2, 360e9, 10e-6,
                       45e9, 20e-6, 8, "torchtitan's benchmark platform: HBM2e 2.4 TB/s, 400 Gb/s RDMA per GPU, 500 W limit",
-                      peak_fp8=1979e12, sustain=tdp_share(500.0), attn_curve=FA2_H100),
+                      peak_fp8=1979e12, sustain=tdp_share(500.0), attn_curve=FA2_H100, hbm_eff=HBM_EFF),
     "h200": Device("H200 SXM 141GB", 989e12, 141e9, 4.8e12, 0.70, HOPPER_FA2, 360e9, 10e-6, 45e9, 20e-6, 8,
-                   "H100's compute with HBM3e", peak_fp8=1979e12, attn_curve=FA2_H100),
+                   "H100's compute with HBM3e", peak_fp8=1979e12, attn_curve=FA2_H100, hbm_eff=HBM_EFF),
     "h800": Device("H800 SXM 80GB", 989e12, 80e9, 3.35e12, 0.70, HOPPER_FA2, 160e9, 10e-6, 45e9, 20e-6, 8,
                    "H100's compute and HBM3, NVLink cut to 400 GB/s (200 GB/s per direction), 400 Gb/s InfiniBand "
-                   "per GPU (DeepSeek-V3's platform)", peak_fp8=1979e12, attn_curve=FA2_H100),
+                   "per GPU (DeepSeek-V3's platform)", peak_fp8=1979e12, attn_curve=FA2_H100, hbm_eff=HBM_EFF),
     "a100": Device("A100 SXM 80GB", 312e12, 80e9, 2.0e12, 0.80, A100_FA2, 230e9, 10e-6, 22e9, 20e-6, 8,
-                   "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU", attn_curve=FA2_A100),
+                   "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU", attn_curve=FA2_A100, hbm_eff=HBM_EFF),
 }
 
-FITTED_EFFICIENCY = 1.000
+FITTED_EFFICIENCY = 1.025
 """Not a device constant: the one global efficiency fitted to the fit set of published runs (never
 the held-out set) by ``benchmarks/planner_validation.py``; used only by ``shardlab plan
 --efficiency fitted`` (docs/planner.md)."""

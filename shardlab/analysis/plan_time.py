@@ -132,7 +132,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         if "float8" in features:
             t_mm = fp8_matmul_seconds(t_mm, share, peak, dev.peak_fp8 * dev.sustain)
             t_cast = fp8_cast_bytes(block_weights(cfg), b * (s // p.cp), p.activation_checkpointing == "full") \
-                * m.n_layers / p.pp / dev.hbm_bw
+                * m.n_layers / p.pp / (dev.hbm_bw * dev.hbm_eff)
     attn = attn_term * tokens / (p.tp * p.cp * p.pp)
     math_core = m.attention == "math"  # scores materialised: the whole S x S products as batched matmuls,
     # backward without recomputing them; their mask / softmax / dropout traffic is in the traced bytes
@@ -149,7 +149,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         t_elem = over * (ops * dev.op_s + ew / dev.ew_bw)
         elem_blocks = over * (ops * traced.get("op_ops", 0) * dev.op_s + ew * traced.get("op_ew", 0) / dev.ew_bw)
     else:
-        t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / dev.hbm_bw
+        t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / (dev.hbm_bw * dev.hbm_eff)
         elem_blocks = t_elem * traced.get("op_saved", 0)
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
@@ -266,7 +266,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     else:
         span, bubble = mbs * (f_mb + b_mb), 0.0
     state = mem["params"] + mem["grads"] + mem["optim"]
-    optimizer = 2 * state / dev.hbm_bw
+    optimizer = 2 * state / (dev.hbm_bw * dev.hbm_eff)
     if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
         bw, al = link(topo, "world", dev) if (dev.comm_n or dev.comm_curve) else (dev.inter_bw, dev.inter_alpha)
         optimizer += collective("all_reduce", 8, topo.world_size, bw, al)

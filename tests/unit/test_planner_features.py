@@ -3,7 +3,7 @@ checked against its mechanism computed here from the model's dimensions and the 
 figures, not from the planner's own helpers."""
 import pytest
 
-from shardlab.analysis.devices import get_device
+from shardlab.analysis.devices import HBM_EFF, get_device
 from shardlab.analysis.plan_features import block_weights
 from shardlab.analysis.plan_layout import apply_layout, parse_layout
 from shardlab.analysis.predict import predict
@@ -44,7 +44,8 @@ def test_float8_runs_the_block_gemms_at_the_fp8_peak():
 @pytest.mark.parametrize("layout, tp, recompute", [("fsdp4 tp2sp mb1x1", 2, False), ("fsdp8 mb1x1 ac-full", 1, True)])
 def test_float8_scaling_casts_are_passes_over_the_linears_operands(layout, tp, recompute):
     """Per block and micro-batch: amax (read 2 B) + cast (read 2, write 1) of x and W forward and
-    again backward, one amax and two casts of dY; a recomputed forward casts x and W again."""
+    again backward, one amax and two casts of dY; a recomputed forward casts x and W again; at the
+    datasheet HBM rate (H100: 3.35 TB/s) x the measured share an elementwise kernel moves."""
     cfg = _cfg(layout, 8, seq=4096)
     m = cfg.model
     lin = _llama_linears(m, tp)
@@ -53,7 +54,8 @@ def test_float8_scaling_casts_are_passes_over_the_linears_operands(layout, tp, r
     x, w, dy = (sum(tokens * i for _, i in lin), sum(o * i for o, i in lin), sum(tokens * o for o, _ in lin))
     per_block = 10 * x + 10 * w + 8 * dy + (5 * x + 5 * w if recompute else 0)
     got = predict(cfg, "h100", per_rank=False, features=("float8",)).breakdown["fp8_casts"]
-    assert got == pytest.approx(per_block * m.n_layers / 3.35e12, rel=1e-9)
+    assert get_device("h100").hbm_bw == 3.35e12
+    assert got == pytest.approx(per_block * m.n_layers / (3.35e12 * HBM_EFF), rel=1e-9)
 
 
 def test_float8_leaves_memory_unchanged():
@@ -158,3 +160,16 @@ def test_fsdp_gathers_hide_behind_the_other_units():
     b = predict(cfg, "h100", per_rank=False).breakdown
     assert b["dp_comm"] == pytest.approx(total, rel=1e-3)  # flat buffers padded to 8 ranks
     assert b["dp_comm"] < b["compute"] and b["exposed_comm"] == pytest.approx(b["dp_comm"] / m.n_layers, rel=1e-9)
+
+
+def test_hbm_share_is_the_measured_add():
+    """devices.HBM_EFF is the rate of the add that benchmarks/gpu_kernels.py measured on an H100
+    (its saved JSON: bytes / seconds over the datasheet's 3.35 TB/s), and every GPU kind uses it."""
+    import json
+    from pathlib import Path
+    from shardlab.analysis.devices import DEVICES
+    data = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+                       / "gpu_kernels_h100_2026-11-27.json").read_text())
+    add = next(r for r in data["rows"] if r["kind"] == "elementwise")
+    assert data["kind"] == "h100" and HBM_EFF == pytest.approx(add["bytes"] / add["seconds"] / 3.35e12, abs=0.005)
+    assert all(d.hbm_eff == HBM_EFF for k, d in DEVICES.items() if k != "cpu")

@@ -1,5 +1,5 @@
 """Features of published runs the planner models beyond shardlab's own engine (float8, async_tp,
-selective_layer_ac, compile, dualpipe_overlap), each priced from its mechanism, none fitted to a
+selective_layer_ac, compile, dualpipe_overlap, torch_cp), each priced from its mechanism, none fitted to a
 published run; any other name is refused (plan_layout.refused). docs/planner.md, "Features"."""
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ MODELLED = {
     "async_tp": "asynchronous TP: each TP collective in tp chunks behind the blocks' matmuls, the first chunk exposed",
     "selective_layer_ac": "per-layer selective recomputation: every 2nd block fully recomputed (torchtitan's rule)",
     "dualpipe_overlap": "DualPipe's F&B pairs: one chunk's expert all-to-alls behind the other's compute (plan_moe.py)",
+    "torch_cp": "PyTorch's context_parallel ring: K/V at the query heads, gathered once per call and waited "
+                "after the first chunk, fp32 merges and fp32 dK/dV around the ring (torch_cp_costs)",
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
 
@@ -104,13 +106,62 @@ def fp8_cast_bytes(weights, tokens: float, recompute: bool = False) -> float:
     return out
 
 
+TORCH_CP_BYTES = {"cast": 6, "merge": 32, "kv_cat": 8, "bwd_zeros": 12, "bwd_first": 30, "bwd_step": 36,
+                  "dkv_cat": 16, "bwd_end": 18}
+"""HBM bytes per element of a rank's query block (b x s/cp x heads/tp x head_dim; its K and V
+have as many, repeated to the query heads) that PyTorch's ring attention
+(torch.distributed.tensor.experimental context_parallel, ``_templated_ring_attention`` and its
+backward, load-balanced, ``convert_to_f32``) moves outside the attention kernels on the ring's
+last rank (whose every step is a full merge), counted from its eager operations: each step's
+output cast to fp32 and the final cast back (read 2 write 4, read 4 write 2: 6 each, r + 1 of
+them), a merge (``out - block_out`` and the update: read 8 write 4 each; the sigmoid-weighted
+product: read 4 write 4), the K/V concatenation sent on each step but the last (read 4 write 4);
+in the backward the three fp32 accumulators zeroed (12), the first step's dK, dV and dQ added
+into them (3 x 10), each later step's dK and dV added into their first halves and concatenated
+back (2 x 13) and dQ added (10), the K/V concatenation on each step but the last (8), the fp32
+dK/dV concatenated for the next rank on every step (16), and at the end dQ and dK/dV cast back
+(6 + 12). Checked against the bytes torch's own functions move on CPU
+(tests/distributed/test_torch_cp_bytes.py)."""
+
+
+def torch_cp_fwd_bytes(r: int) -> int:
+    """Bytes per query element of one forward of PyTorch's ring over ``r`` ranks (last rank)."""
+    c = TORCH_CP_BYTES
+    return (r + 1) * c["cast"] + (r - 1) * (c["merge"] + c["kv_cat"])
+
+
+def torch_cp_bwd_bytes(r: int) -> int:
+    """Bytes per query element of its backward (last rank)."""
+    c = TORCH_CP_BYTES
+    return (c["bwd_zeros"] + c["bwd_first"] + (r - 1) * (c["bwd_step"] + c["kv_cat"]) + r * c["dkv_cat"]
+            + c["bwd_end"])
+
+
+def torch_cp_costs(cfg, r: int, t_attn_block: float, ag_s: float, dkv_s: float, hbm: float) -> dict:
+    """Per block and micro-batch of PyTorch's ring over ``r`` ranks: the seconds its all-gather of
+    K/V (``ag_s``, issued with the first chunk's kernel and waited before the second) and its
+    per-step fp32 dK/dV exchange (``dkv_s``, behind the next step's kernel) leave exposed in one
+    forward and in the backward, and the seconds of its eager traffic (:data:`TORCH_CP_BYTES`) at
+    ``hbm`` bytes/s. ``t_attn_block``: the block's attention forward + backward seconds (the
+    backward 2.5 x the forward); each of the ``r`` steps computes 1/r of it (load-balanced)."""
+    from .plan_activations import micro_batch
+    m, p = cfg.model, cfg.parallel
+    el = micro_batch(cfg) * (cfg.train.seq_len // p.cp) * (m.n_heads / p.tp) * m.head_dim
+    fwd_step, bwd_step = t_attn_block / 3.5 / r, t_attn_block * 2.5 / 3.5 / r
+    return {"fwd_exposed": max(0.0, ag_s - fwd_step),
+            "bwd_exposed": max(0.0, ag_s - bwd_step) + (r - 1) * max(0.0, dkv_s - bwd_step),
+            "fwd_traffic": torch_cp_fwd_bytes(r) * el / hbm, "bwd_traffic": torch_cp_bwd_bytes(r) * el / hbm,
+            "kv_bytes": 4 * el, "dkv_bytes": 8 * el}
+
+
 def applicable(cfg, features) -> tuple:
     """``features`` for one layout of a search: asynchronous TP only where it has something to
-    overlap (tp > 1 with sequence parallel), DualPipe's overlap only on DualPipe with experts."""
+    overlap (tp > 1 with sequence parallel), DualPipe's overlap only on DualPipe with experts,
+    PyTorch's CP ring only on ring CP layouts."""
     p = cfg.parallel
     dual = p.pp > 1 and p.pp_schedule in DUAL and p.ep > 1 and cfg.model.n_experts
     return tuple(f for f in features if (f != "async_tp" or (p.tp > 1 and p.sequence_parallel))
-                 and (f != "dualpipe_overlap" or dual))
+                 and (f != "dualpipe_overlap" or dual) and (f != "torch_cp" or (p.cp > 1 and p.cp_impl == "ring")))
 
 
 def check_features(cfg, dev, features) -> None:
@@ -130,6 +181,9 @@ def check_features(cfg, dev, features) -> None:
                                                and cfg.model.n_experts and cfg.parallel.ep > 1):
         raise ConfigError("--dualpipe-overlap", "DualPipe's overlap hides expert all-to-alls in its F&B pairs: "
                                                 "use an epN part and ppN dualpipe (or dualpipev)")
+    if "torch_cp" in features and (dev.op_s > 0 or cfg.parallel.cp < 2 or cfg.parallel.cp_impl != "ring"):
+        raise ConfigError("--torch-cp", "PyTorch's context_parallel is priced for a ring CP layout on a GPU kind: "
+                                        "use a cpN part (ring, N >= 2) and a GPU, or leave --torch-cp out")
     if "async_tp" in features and dev.op_s > 0:
         raise ConfigError("--async-tp", "asynchronous TP is priced on GPUs (the CPU model overlaps nothing); "
                                         "pick a GPU kind or leave --async-tp out")

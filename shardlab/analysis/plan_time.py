@@ -175,8 +175,21 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         if "async_tp" in features and dev.op_s == 0:  # the blocks' collectives behind their linears' matmuls
             from .plan_features import async_tp_exposed
             tp_exposed = async_tp_exposed(blocks, t_mm * share * (4 / 3 if ac == "full" else 1), p.tp) + rest
-    cp_comm = ring = uly = 0.0
-    if p.cp // u > 1:  # ring (parallel/context.py), per block and ring size r: forward r - 1 exchanges
+    cp_comm = ring = uly = cp_traffic = 0.0
+    if p.cp // u > 1 and "torch_cp" in features:  # PyTorch's context_parallel (plan_features.torch_cp_costs)
+        from .plan_features import torch_cp_costs
+        r = p.cp // u
+        bw, al = link(topo, "cp", dev, r)
+        c = torch_cp_costs(cfg, r, t_attn / layers, 0.0, 0.0, dev.hbm_bw * dev.hbm_eff)
+        c = torch_cp_costs(cfg, r, t_attn / layers, collective("all_gather", r * c["kv_bytes"], r, bw, al),
+                           collective("p2p", c["dkv_bytes"], 2, bw, al), dev.hbm_bw * dev.hbm_eff)
+        passes = 2 if ac in ("full", "selective") else 1  # the recomputed forward gathers and merges again
+        ring = layers * (c["fwd_exposed"] * passes + c["bwd_exposed"])
+        cp_comm = ring
+        fwd, bwd = fwd + layers * c["fwd_traffic"], bwd + layers * c["bwd_traffic"]
+        recompute += layers * c["fwd_traffic"] if passes == 2 else 0.0
+        cp_traffic = layers * (c["fwd_traffic"] * passes + c["bwd_traffic"])
+    elif p.cp // u > 1:  # ring (parallel/context.py), per block and ring size r: forward r - 1 exchanges
         r = p.cp // u  # of k, v; backward r + 1: k, v first, k, v with the passed dK, dV, the last dK, dV, the final
         bw, al = link(topo, "cp", dev, r)
         kv = 2 * b * (s // p.cp) * m.kv_heads * m.head_dim / min(p.tp, m.kv_heads) / u * el
@@ -277,4 +290,4 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
             "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs, "ep_comm": ep_total * mbs,
             "ep_exposed": ep_comm * mbs, "ep_tiers": ep_tiers,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute,
-            "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs}
+            "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs, "cp_traffic": mbs * cp_traffic}

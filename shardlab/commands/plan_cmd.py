@@ -45,6 +45,8 @@ def configure(p):
                    "behind their matmuls (layouts with tpNsp)")
     p.add_argument("--dualpipe-overlap", action="store_true", help="DualPipe's F&B pairs overlap one chunk's expert "
                    "all-to-alls with the other's compute (DeepSeek-V3; analysis/plan_moe.py; epN with ppN dualpipe)")
+    p.add_argument("--torch-cp", action="store_true", help="CP as PyTorch's context_parallel runs it (torchtitan): "
+                   "K/V at the query heads gathered per call, fp32 merges and dK/dV (ring cpN layouts, GPUs)")
     p.add_argument("--compare", default="", help="after the search, also evaluate this layout (e.g. a published "
                    "one, written as for --layout) and print it under the table")
 
@@ -106,7 +108,8 @@ def main(args) -> int:
     if args.ac:
         fixed["ac"] = args.ac
     features = tuple(name for flag, name in (("float8", "float8"), ("async_tp", "async_tp"),
-                                             ("dualpipe_overlap", "dualpipe_overlap")) if getattr(args, flag, False))
+                                             ("dualpipe_overlap", "dualpipe_overlap"), ("torch_cp", "torch_cp"))
+                     if getattr(args, flag, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):

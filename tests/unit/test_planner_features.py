@@ -173,3 +173,40 @@ def test_hbm_share_is_the_measured_add():
     add = next(r for r in data["rows"] if r["kind"] == "elementwise")
     assert data["kind"] == "h100" and HBM_EFF == pytest.approx(add["bytes"] / add["seconds"] / 3.35e12, abs=0.005)
     assert all(d.hbm_eff == HBM_EFF for k, d in DEVICES.items() if k != "cpu")
+
+
+def test_torch_cp_prices_the_eager_ring_traffic_and_its_gather():
+    """``torch_cp`` on Llama-3.1-8B CP 8 at 256k tokens, one node: per micro-batch, 32 blocks x
+    (two forwards, full recomputation, + one backward) x the bytes per query element
+    (tests/distributed/test_torch_cp_bytes.py checks them against torch's ring) over 32k tokens x
+    32 heads x 128 (K/V repeated to the query heads), at the measured HBM share; its all-gather
+    of 8 x 32k x 32 x 128 x 2 x 2 bytes over NVLink (360 GB/s) hides behind 1/8 of a block's
+    forward attention. Across nodes (405B, TP 8 in a node, CP 8 over 8 nodes at 45 GB/s per
+    NIC) the gather no longer hides."""
+    from shardlab.analysis.plan_features import torch_cp_bwd_bytes, torch_cp_fwd_bytes
+    cfg = _cfg("fsdp1 cp8 mb1x1 ac-full", 8, seq=262144)
+    plain = predict(cfg, "h100", per_rank=False).breakdown
+    torch_cp = predict(cfg, "h100", per_rank=False, features=("torch_cp",)).breakdown
+    elems = 262144 // 8 * 32 * 128
+    traffic = 32 * (2 * torch_cp_fwd_bytes(8) + torch_cp_bwd_bytes(8)) * elems / (3.35e12 * HBM_EFF)
+    assert (torch_cp_fwd_bytes(8), torch_cp_bwd_bytes(8)) == (9 * 6 + 7 * (32 + 8), 12 + 30 + 7 * (36 + 8) + 8 * 16 + 18)
+    assert torch_cp["cp_traffic"] == pytest.approx(traffic, rel=1e-9) and plain["cp_traffic"] == 0
+    gather = 2 * 3 * 10e-6 + 8 * elems * 4 * 7 / 8 / 360e9
+    assert gather < torch_cp["attention"] / 32 / 3.5 / 8 and torch_cp["cp_comm"] == 0
+    assert torch_cp["step_s"] == pytest.approx(plain["step_s"] + traffic, rel=1e-6)
+    wide = _cfg("fsdp1 tp8sp cp8 pp8 1f1b mb1x8 ac-full", 512, model="llama-405b", seq=262144)
+    assert predict(wide, "h100", per_rank=False, features=("torch_cp",)).breakdown["cp_comm"] > 0
+
+
+def test_torch_cp_is_refused_where_it_cannot_apply(capsys):
+    """--torch-cp without a ring CP part: one line naming the flag, exit 2; in a search it applies
+    to the layouts with ring CP only."""
+    from shardlab.analysis.plan_features import applicable
+    from shardlab.cli import main
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--layout", "fsdp8 mb1x1", "--torch-cp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: --torch-cp") and "\n" not in err, err
+    assert applicable(_cfg("fsdp8 mb1x1", 8), ("torch_cp",)) == ()
+    assert applicable(_cfg("fsdp4 cp2 mb1x1", 8, seq=65536), ("torch_cp",)) == ("torch_cp",)
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--seq", "65536", "--global-batch", "4",
+                 "--layout", "fsdp4 cp2 mb1x1 ac-full", "--torch-cp"]) == 0

@@ -46,7 +46,8 @@ def configure(p):
     p.add_argument("--dualpipe-overlap", action="store_true", help="DualPipe's F&B pairs overlap one chunk's expert "
                    "all-to-alls with the other's compute (DeepSeek-V3; analysis/plan_moe.py; epN with ppN dualpipe)")
     p.add_argument("--torch-cp", action="store_true", help="CP as PyTorch's context_parallel runs it (torchtitan): "
-                   "K/V at the query heads gathered per call, fp32 merges and dK/dV (ring cpN layouts, GPUs)")
+                   "K/V at the query heads gathered per call, fp32 merges and dK/dV (ring cpN layouts, GPUs; "
+                   "Ulysses and unified CP stay shardlab's)")
     p.add_argument("--compare", default="", help="after the search, also evaluate this layout (e.g. a published "
                    "one, written as for --layout) and print it under the table")
 

@@ -137,21 +137,26 @@ def torch_cp_bwd_bytes(r: int) -> int:
             + c["bwd_end"])
 
 
-def torch_cp_costs(cfg, r: int, t_attn_block: float, ag_s: float, dkv_s: float, hbm: float) -> dict:
+def torch_cp_elements(cfg) -> float:
+    """Elements of a rank's query block under PyTorch's ring (b x s/cp x heads/tp x head_dim); its K
+    and V have as many each, repeated to the query heads before the attention call."""
+    from .plan_activations import micro_batch
+    m, p = cfg.model, cfg.parallel
+    return micro_batch(cfg) * (cfg.train.seq_len // p.cp) * (m.n_heads / p.tp) * m.head_dim
+
+
+def torch_cp_costs(r: int, elements: float, t_attn_block: float, ag_s: float, dkv_s: float, hbm: float) -> dict:
     """Per block and micro-batch of PyTorch's ring over ``r`` ranks: the seconds its all-gather of
     K/V (``ag_s``, issued with the first chunk's kernel and waited before the second) and its
     per-step fp32 dK/dV exchange (``dkv_s``, behind the next step's kernel) leave exposed in one
-    forward and in the backward, and the seconds of its eager traffic (:data:`TORCH_CP_BYTES`) at
-    ``hbm`` bytes/s. ``t_attn_block``: the block's attention forward + backward seconds (the
-    backward 2.5 x the forward); each of the ``r`` steps computes 1/r of it (load-balanced)."""
-    from .plan_activations import micro_batch
-    m, p = cfg.model, cfg.parallel
-    el = micro_batch(cfg) * (cfg.train.seq_len // p.cp) * (m.n_heads / p.tp) * m.head_dim
+    forward and in the backward, and the seconds of its eager traffic (:data:`TORCH_CP_BYTES` per
+    query element, :func:`torch_cp_elements`) at ``hbm`` bytes/s. ``t_attn_block``: the block's
+    attention forward + backward seconds (the backward 2.5 x the forward); each of the ``r`` steps
+    computes 1/r of it (load-balanced)."""
     fwd_step, bwd_step = t_attn_block / 3.5 / r, t_attn_block * 2.5 / 3.5 / r
     return {"fwd_exposed": max(0.0, ag_s - fwd_step),
             "bwd_exposed": max(0.0, ag_s - bwd_step) + (r - 1) * max(0.0, dkv_s - bwd_step),
-            "fwd_traffic": torch_cp_fwd_bytes(r) * el / hbm, "bwd_traffic": torch_cp_bwd_bytes(r) * el / hbm,
-            "kv_bytes": 4 * el, "dkv_bytes": 8 * el}
+            "fwd_traffic": torch_cp_fwd_bytes(r) * elements / hbm, "bwd_traffic": torch_cp_bwd_bytes(r) * elements / hbm}
 
 
 def applicable(cfg, features) -> tuple:

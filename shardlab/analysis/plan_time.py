@@ -177,12 +177,11 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
             tp_exposed = async_tp_exposed(blocks, t_mm * share * (4 / 3 if ac == "full" else 1), p.tp) + rest
     cp_comm = ring = uly = cp_traffic = 0.0
     if p.cp // u > 1 and "torch_cp" in features:  # PyTorch's context_parallel (plan_features.torch_cp_costs)
-        from .plan_features import torch_cp_costs
-        r = p.cp // u
-        bw, al = link(topo, "cp", dev, r)
-        c = torch_cp_costs(cfg, r, t_attn / layers, 0.0, 0.0, dev.hbm_bw * dev.hbm_eff)
-        c = torch_cp_costs(cfg, r, t_attn / layers, collective("all_gather", r * c["kv_bytes"], r, bw, al),
-                           collective("p2p", c["dkv_bytes"], 2, bw, al), dev.hbm_bw * dev.hbm_eff)
+        from .plan_features import torch_cp_costs, torch_cp_elements
+        r, e = p.cp // u, torch_cp_elements(cfg)
+        bw, al = link(topo, "cp", dev, r)  # K/V: 2 x 2 bytes per query element, dK/dV in fp32: 2 x 4
+        c = torch_cp_costs(r, e, t_attn / layers, collective("all_gather", r * 4 * e, r, bw, al),
+                           collective("p2p", 8 * e, 2, bw, al), dev.hbm_bw * dev.hbm_eff)
         passes = 2 if ac in ("full", "selective") else 1  # the recomputed forward gathers and merges again
         ring = layers * (c["fwd_exposed"] * passes + c["bwd_exposed"])
         cp_comm = ring

@@ -121,6 +121,17 @@ def bench(ctx, cfgs, data_dir, blocks, per_block, warmup, prof_steps=0):
         (torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"), block_medians
 
 
+def planner_line(cfg, kind: str, measured_tok_s: float) -> str:
+    """The planner's tokens/s for this one-device run on ``kind`` (analysis/predict.py: bf16 or the
+    config's precision, compile as configured) beside the measured shardlab loop: an own-hardware
+    check of its compile, HBM and matmul terms (never a held-out row; docs/planner_validation.md)."""
+    from shardlab.analysis.predict import predict
+    pr = predict(cfg, kind, per_rank=False)
+    err = (pr.tokens_per_s - measured_tok_s) / measured_tok_s
+    return (f"planner on {kind} (compile {cfg.parallel.compile}): {pr.tokens_per_s:,.0f} tok/s predicted, "
+            f"{measured_tok_s:,.0f} measured ({100 * err:+.1f}%)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
@@ -167,6 +178,10 @@ def main(argv=None):
               f"{cfg.parallel.compile} | {row['variant']} | {row['plain_tok_s']:,.0f} | {row['shardlab_tok_s']:,.0f} | "
               f"{row['ratio']:.3f} | {min(spread):.3f}-{max(spread):.3f} | "
               f"{mfu(row['plain_mfu'])} / {mfu(row['shardlab_mfu'])} |")
+    from shardlab.analysis.devices import gpu_kind
+    kind = gpu_kind(name) if args.device == "cuda" else None
+    if kind:
+        print(planner_line(cfg, kind, rows[0]["shardlab_tok_s"]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
 

@@ -210,3 +210,20 @@ def test_torch_cp_is_refused_where_it_cannot_apply(capsys):
     assert applicable(_cfg("fsdp4 cp2 mb1x1", 8, seq=65536), ("torch_cp",)) == ("torch_cp",)
     assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--seq", "65536", "--global-batch", "4",
                  "--layout", "fsdp4 cp2 mb1x1 ac-full", "--torch-cp"]) == 0
+
+
+def test_single_device_benchmark_states_the_planner_beside_the_measurement():
+    """benchmarks/single_device.py prints, on a GPU, the planner's tokens/s for the run's config on
+    the device's kind and its error against the measured loop (here a measured figure is given)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import single_device
+    from shardlab import config as C
+    import shardlab.train.checks  # noqa: F401
+    cfg = C.load("configs/llama-1b.toml", ["--parallel.compile=true"])
+    cfg.validate(1)
+    want = predict(cfg, "h100", per_rank=False).tokens_per_s
+    line = single_device.planner_line(cfg, "h100", 60097.0)
+    assert f"{want:,.0f} tok/s predicted" in line and "60,097 measured" in line
+    assert f"({100 * (want - 60097) / 60097:+.1f}%)" in line

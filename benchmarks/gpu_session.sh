@@ -125,7 +125,7 @@ for s in $STEPS; do
         --variants='--parallel.compile_scope=blocks' ;;
     single_eager)  # the same without torch.compile (is the gap in the compiled blocks or in the loop?)
       step single_gpt2_eager 60 "$PY" benchmarks/single_device.py --config configs/gpt2-124m.toml --device cuda \
-        --blocks 3 --per-block 5 --warmup 2 --parallel.compile=false ;;
+        --blocks 3 --per-block 5 --warmup 2 --profile-steps "${PROFILE_STEPS:-0}" --parallel.compile=false ;;
     single1b)  # the 1B Llama at seq 2048 (compiled)
       step single_llama1b 170 "$PY" benchmarks/single_device.py --config configs/llama-1b.toml --device cuda \
         --blocks 3 --per-block 3 --warmup 2 --parallel.compile=true ;;

@@ -121,6 +121,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     attn_term = 12.0 * m.n_layers * m.d_model * s
     mm = max(spec_flops - attn_term, 0.0) * tokens / (p.tp * p.cp * p.pp)
     peak = dev.peak_flops * dev.sustain  # a power-limited part's share of the datasheet peak (devices.tdp_share)
+    hbm = dev.hbm_bw * dev.hbm_eff  # what an elementwise kernel moves (devices.HBM_EFF on GPUs; CPU: 1)
     over = max(1.0, topo.world_size / dev.cores) if dev.cores else 1.0  # CPU ranks sharing cores
     if dev.cores > 1 and topo.world_size > 1:  # and the caches / memory bandwidth (probed: busy)
         over *= 1.0 + (dev.busy - 1.0) * min(1.0, (topo.world_size - 1) / (dev.cores - 1))
@@ -132,7 +133,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         if "float8" in features:
             t_mm = fp8_matmul_seconds(t_mm, share, peak, dev.peak_fp8 * dev.sustain)
             t_cast = fp8_cast_bytes(block_weights(cfg), b * (s // p.cp), p.activation_checkpointing == "full") \
-                * m.n_layers / p.pp / (dev.hbm_bw * dev.hbm_eff)
+                * m.n_layers / p.pp / hbm
     attn = attn_term * tokens / (p.tp * p.cp * p.pp)
     math_core = m.attention == "math"  # scores materialised: the whole S x S products as batched matmuls,
     # backward without recomputing them; their mask / softmax / dropout traffic is in the traced bytes
@@ -149,7 +150,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         t_elem = over * (ops * dev.op_s + ew / dev.ew_bw)
         elem_blocks = over * (ops * traced.get("op_ops", 0) * dev.op_s + ew * traced.get("op_ew", 0) / dev.ew_bw)
     else:
-        t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / (dev.hbm_bw * dev.hbm_eff)
+        t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / hbm
         elem_blocks = t_elem * traced.get("op_saved", 0)
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
@@ -181,7 +182,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         r, e = p.cp // u, torch_cp_elements(cfg)
         bw, al = link(topo, "cp", dev, r)  # K/V: 2 x 2 bytes per query element, dK/dV in fp32: 2 x 4
         c = torch_cp_costs(r, e, t_attn / layers, collective("all_gather", r * 4 * e, r, bw, al),
-                           collective("p2p", 8 * e, 2, bw, al), dev.hbm_bw * dev.hbm_eff)
+                           collective("p2p", 8 * e, 2, bw, al), hbm)
         passes = 2 if ac in ("full", "selective") else 1  # the recomputed forward gathers and merges again
         ring = layers * (c["fwd_exposed"] * passes + c["bwd_exposed"])
         cp_comm = ring
@@ -278,7 +279,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     else:
         span, bubble = mbs * (f_mb + b_mb), 0.0
     state = mem["params"] + mem["grads"] + mem["optim"]
-    optimizer = 2 * state / (dev.hbm_bw * dev.hbm_eff)
+    optimizer = 2 * state / hbm
     if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
         bw, al = link(topo, "world", dev) if (dev.comm_n or dev.comm_curve) else (dev.inter_bw, dev.inter_alpha)
         optimizer += collective("all_reduce", 8, topo.world_size, bw, al)

@@ -3,6 +3,7 @@ before launch; the planner's public API (docs/planner.md, API). ``device``: a ki
 analysis/devices.py or ``cpu`` (constants from ``probe``, ``devices.probe_cpu()`` when not given)."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -70,7 +71,7 @@ H100_RESERVED_ROWS = (("ddp", 2110, 1970), ("zero1", 1594, 1365), ("zero2", 1222
 4``, a ~100M Llama, 4 ranks sharing the GPU): the caching allocator's reserved bytes over its
 allocated bytes, 1.06-1.56x."""
 
-RESERVED_PER_ALLOCATED = sorted(r / a for _, r, a in H100_RESERVED_ROWS)[len(H100_RESERVED_ROWS) // 2]
+RESERVED_PER_ALLOCATED = statistics.median(r / a for _, r, a in H100_RESERVED_ROWS)
 """The allocator's headroom the planner states for a CUDA rank: the median of
 :data:`H100_RESERVED_ROWS` (1.10). Not a model of the allocator's segments (their rounding, the
 blocks each stream keeps, fragmentation between differently sized requests): a measured ratio on

@@ -147,16 +147,16 @@ def main(args) -> int:
     return 0
 
 
-MEMORY_NOTE = ("memory: allocated bytes at the peak rank's peak (as torch.cuda.max_memory_allocated counts them); "
-               "'reserved': what the caching allocator is predicted to hold, {ratio:.2f}x allocated (the median "
-               "of nine H100 measurements, docs/planner.md: a stated ratio, not a model of its segments); "
-               "the plan keeps allocated bytes within 92% of the device")
+MEMORY_NOTE = "memory: allocated bytes at the peak rank's peak (as torch.cuda.max_memory_allocated counts them)"
+RESERVED_NOTE = ("; 'reserved': what the caching allocator is predicted to hold, {ratio:.2f}x allocated (the median "
+                 "of nine H100 measurements, docs/planner.md: a stated ratio, not a model of its segments); "
+                 "the plan keeps allocated bytes within 92% of the device")
 
 
 def _print_rows(cands, device: str = "") -> None:
     from ..analysis.predict import RESERVED_PER_ALLOCATED, reserved
     gpu = device not in ("", "cpu")
-    print(MEMORY_NOTE.format(ratio=RESERVED_PER_ALLOCATED) if gpu else MEMORY_NOTE.split("; 'reserved'")[0])
+    print(MEMORY_NOTE + (RESERVED_NOTE.format(ratio=RESERVED_PER_ALLOCATED) if gpu else ""))
     print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'W':>6}{'buf':>6}{'trans':>7}"
           f"{'total GiB':>10}" + (f"{'reserved':>9}" if gpu else "") + f"{'tok/s/GPU':>11}{'MFU':>7}")
     for i, c in enumerate(cands, 1):

@@ -26,7 +26,10 @@ off (2021), its fused kernels modelled as ``parallel.compile``, its data-paralle
 the backward (Megatron-LM's DDP of that time: ``overlap_comm`` off); torchtitan TP with sequence
 parallel. The 70B row ran with torch.compile and Float8 matmuls: predicted with Float8 priced
 (analysis/plan_features.py) since it is modelled; refused by name before, and compared with a bf16
-prediction before 2026-11-26.
+prediction before 2026-11-26. Since 2026-11-27 the torchtitan rows are priced with FSDP2's copies
+(``fsdp2``: its all-gather copy-out and reduce-scatter copy-in on the compute stream) and the 70B
+row's compile as torchtitan applies it, to each block only (``compile_blocks``): both read from
+PyTorch's and torchtitan's code (analysis/plan_features.py), as for the held-out torchtitan rows.
 """
 from __future__ import annotations
 
@@ -106,7 +109,9 @@ def rows():
     out = []
     for label, model, gpus, dp, tp, local, ac, pub, note in TITAN:
         cfg = titan_cfg(model, gpus, dp, tp, local, ac, "compile" in note)
-        pr = predict(cfg, "h100-gt", per_rank=False, features=("float8",) if "Float8" in note else ())
+        # torchtitan runs FSDP2 (its copies priced: fsdp2) and compiles the blocks only (compile_blocks)
+        feats = ("fsdp2",) + (("compile_blocks",) if "compile" in note else ()) + (("float8",) if "Float8" in note else ())
+        pr = predict(cfg, "h100-gt", per_rank=False, features=feats)
         got = pr.tokens_per_s / gpus
         out.append((label, f"{gpus} H100", "tok/s/GPU", got, pub, pr.mfu, note, pr.breakdown, layout_label(cfg)))
     for name, h, heads, layers, tp, pp, gpus, batch, pub in MEGATRON:

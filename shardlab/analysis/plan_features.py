@@ -1,5 +1,5 @@
 """Features of published runs the planner models beyond shardlab's own engine (float8, async_tp,
-selective_layer_ac, compile, dualpipe_overlap, torch_cp), each priced from its mechanism, none fitted to a
+selective_layer_ac, compile, compile_blocks, dualpipe_overlap, torch_cp, fsdp2), each priced from its mechanism, none fitted to a
 published run; any other name is refused (plan_layout.refused). docs/planner.md, "Features"."""
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ MODELLED = {
     "dualpipe_overlap": "DualPipe's F&B pairs: one chunk's expert all-to-alls behind the other's compute (plan_moe.py)",
     "torch_cp": "PyTorch's context_parallel ring: K/V at the query heads, gathered once per call and waited "
                 "after the first chunk, fp32 merges and fp32 dK/dV around the ring (torch_cp_costs)",
+    "fsdp2": "PyTorch's FSDP2 (fully_shard): each all-gather's copy-out and the reduce-scatter's copy-in "
+             "(chunk_cat, cast to the reduce dtype) on the compute stream (fsdp2_copy_bytes)",
+    "compile_blocks": "torch.compile of each transformer block only (torchtitan's apply_compile): the embedding, "
+                      "final norm, output head and loss run eager (plan_time: their traced bytes at the eager passes)",
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
 
@@ -159,14 +163,30 @@ def torch_cp_costs(r: int, elements: float, t_attn_block: float, ag_s: float, dk
             "fwd_traffic": torch_cp_fwd_bytes(r) * elements / hbm, "bwd_traffic": torch_cp_bwd_bytes(r) * elements / hbm}
 
 
+def fsdp2_copy_bytes(gathered: float, reduced: float, gathers: int, root: float = 0.0) -> float:
+    """Bytes FSDP2 moves on the compute stream per micro-batch beside its collectives, for a rank
+    whose units unshard to ``gathered`` bytes (parameter dtype; ``root`` of them the root unit's:
+    embedding, final norm, head) and reduce-scatter ``reduced`` bytes (reduce dtype), each unit
+    gathered ``gathers`` times (2 with reshard after forward: forward and backward; the root once,
+    FSDP2 keeping it unsharded for the backward that follows). Each gather's copy-out
+    (``split_with_sizes_copy`` of the all-gather output into the unsharded parameters) reads and
+    writes the unit's bytes; the reduce-scatter's copy-in (``chunk_cat`` of the unsharded gradients
+    into its input, in the reduce dtype) reads the gradients (parameter dtype) and writes
+    ``reduced`` bytes. Both run on the current stream in torch.distributed.fsdp._fully_shard
+    (wait_for_unshard, foreach_reduce), so compute waits for them;
+    tests/distributed/test_fsdp2_copy_bytes.py counts them on gloo ranks."""
+    return 2 * (gathers * (gathered - root) + root) + gathered + reduced
+
+
 def applicable(cfg, features) -> tuple:
     """``features`` for one layout of a search: asynchronous TP only where it has something to
     overlap (tp > 1 with sequence parallel), DualPipe's overlap only on DualPipe with experts,
-    PyTorch's CP ring only on ring CP layouts."""
+    PyTorch's CP ring only on ring CP layouts, FSDP2's copies only on ZeRO-3 layouts."""
     p = cfg.parallel
     dual = p.pp > 1 and p.pp_schedule in DUAL and p.ep > 1 and cfg.model.n_experts
     return tuple(f for f in features if (f != "async_tp" or (p.tp > 1 and p.sequence_parallel))
-                 and (f != "dualpipe_overlap" or dual) and (f != "torch_cp" or (p.cp > 1 and p.cp_impl == "ring")))
+                 and (f != "dualpipe_overlap" or dual) and (f != "torch_cp" or (p.cp > 1 and p.cp_impl == "ring"))
+                 and (f != "fsdp2" or p.zero_stage == 3))
 
 
 def check_features(cfg, dev, features) -> None:
@@ -189,6 +209,9 @@ def check_features(cfg, dev, features) -> None:
     if "torch_cp" in features and (dev.op_s > 0 or cfg.parallel.cp < 2 or cfg.parallel.cp_impl != "ring"):
         raise ConfigError("--torch-cp", "PyTorch's context_parallel is priced for a ring CP layout on a GPU kind: "
                                         "use a cpN part (ring, N >= 2) and a GPU, or leave --torch-cp out")
+    if "fsdp2" in features and (dev.op_s > 0 or cfg.parallel.zero_stage != 3):
+        raise ConfigError("--fsdp2", "FSDP2's copies are priced for a ZeRO-3 layout on a GPU kind: use an fsdpN "
+                                     "part and a GPU, or leave --fsdp2 out")
     if "async_tp" in features and dev.op_s > 0:
         raise ConfigError("--async-tp", "asynchronous TP is priced on GPUs (the CPU model overlaps nothing); "
                                         "pick a GPU kind or leave --async-tp out")

@@ -182,7 +182,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     out["largest_unit"] = float(big)
     out["opt_transient"] = step_transient(out["grads"], largest_shard * el)
     out["gathered_total"], out["reduce_total"] = float(sum(gathered)), float(reduce_total)
-    out["units"] = float(len(gathered))
+    out["units"], out["root_gathered"] = float(len(gathered)), float(root)
     return out
 
 

@@ -141,8 +141,11 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     kernel = s // max(1, p.cp // u)  # one flash call's tokens: the ring's shard (Ulysses: the whole sequence)
     t_attn = over * (attn / (peak * dev.mm_eff) if math_core
                      else 0.5 * attn * FLASH_BWD_EXTRA / (peak * attention_eff(dev, kernel)))
-    saved = sum(v for k, v in traced.items() if isinstance(k, int)) * (p.pp_virtual if p.pp > 1 else 1) \
-        / max(1, len([k for k in traced if isinstance(k, int)]))
+    stages = [k for k in traced if isinstance(k, int)]
+    per_stage = (p.pp_virtual if p.pp > 1 else 1) / max(1, len(stages))
+    saved = sum(traced[k] for k in stages) * per_stage
+    # torchtitan compiles the blocks only (compile_blocks): the embedding's, head's and loss's bytes stay eager
+    ends = sum(traced.get("ends", {}).values()) * per_stage if "compile_blocks" in features and p.compile else 0.0
     cpu = dev.op_s > 0
     if cpu:  # every operator's dispatch + autograd cost and its written bytes, both probed
         half = 0.5 if p.pp > 1 and p.pp_schedule == "dualpipe" else 1.0  # a micro-batch runs one copy
@@ -150,8 +153,9 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         t_elem = over * (ops * dev.op_s + ew / dev.ew_bw)
         elem_blocks = over * (ops * traced.get("op_ops", 0) * dev.op_s + ew * traced.get("op_ew", 0) / dev.ew_bw)
     else:
-        t_elem = over * ELEMENTWISE_PASSES["fused" if p.compile else "eager"] * saved / hbm
-        elem_blocks = t_elem * traced.get("op_saved", 0)
+        passes = ELEMENTWISE_PASSES["fused" if p.compile else "eager"]
+        t_elem = over * (passes * (saved - ends) + ELEMENTWISE_PASSES["eager"] * ends) / hbm
+        elem_blocks = over * passes * saved * traced.get("op_saved", 0) / hbm
     fwd = (t_mm + t_attn + t_elem) / 3
     bwd = 2 * fwd
     ac = p.activation_checkpointing
@@ -232,7 +236,12 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     b_mb = bwd + recompute + 2 * (tp_exposed + cp_comm + ep_comm) / 3
     mbs = p.microbatches
     # data-parallel collectives of the engine
-    dp_exposed, dp_total = 0.0, 0.0
+    dp_exposed, dp_total, copies = 0.0, 0.0, 0.0
+    if "fsdp2" in features and p.zero_stage == 3 and not cpu:  # FSDP2's copy-out / copy-in on the compute stream
+        from .plan_features import fsdp2_copy_bytes
+        gathers = 1 if p.pp > 1 or not p.reshard_after_forward else 2  # in pipeline stages: once per step
+        copies = fsdp2_copy_bytes(mem["gathered_total"], mem["reduce_total"], gathers, mem.get("root_gathered", 0.0)) \
+            / hbm * (1 if p.pp > 1 else mbs)
     if p.pp > 1 and p.zero_stage:  # stage-local sharding (pipeline/sharded.py): once per step, exposed
         n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
         bw, al = link(topo, "dp_shard_cp" if p.zero_stage == 3 else "dp_cp", dev)
@@ -283,11 +292,12 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
         bw, al = link(topo, "world", dev) if (dev.comm_n or dev.comm_curve) else (dev.inter_bw, dev.inter_alpha)
         optimizer += collective("all_reduce", 8, topo.world_size, bw, al)
-    step = span + dp_exposed + optimizer
+    step = span + dp_exposed + optimizer + copies
     compute = mbs * (fwd + bwd + recompute)
-    exposed = step - compute - max(bubble, 0.0) - optimizer
+    exposed = step - compute - max(bubble, 0.0) - optimizer - copies
     return {"step_s": step, "compute": compute, "exposed_comm": max(exposed, 0.0), "bubble": max(bubble, 0.0),
             "optimizer": optimizer, "tp_comm": tp_comm * mbs, "dp_comm": dp_total, "cp_comm": cp_comm * mbs, "ep_comm": ep_total * mbs,
             "ep_exposed": ep_comm * mbs, "ep_tiers": ep_tiers,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute,
-            "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs, "cp_traffic": mbs * cp_traffic}
+            "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs, "cp_traffic": mbs * cp_traffic,
+            "fsdp2_copies": copies}

@@ -48,6 +48,10 @@ def configure(p):
     p.add_argument("--torch-cp", action="store_true", help="CP as PyTorch's context_parallel runs it (torchtitan): "
                    "K/V at the query heads gathered per call, fp32 merges and dK/dV (ring cpN layouts, GPUs; "
                    "Ulysses and unified CP stay shardlab's)")
+    p.add_argument("--fsdp2", action="store_true", help="ZeRO-3 as PyTorch's FSDP2 (fully_shard) runs it: each gather's "
+                   "copy-out and the reduce-scatter's copy-in on the compute stream (fsdpN layouts, GPUs)")
+    p.add_argument("--compile-blocks", action="store_true", help="with --compile: only the blocks compiled, as "
+                   "torchtitan does; the embedding, head and loss priced eager")
     p.add_argument("--compare", default="", help="after the search, also evaluate this layout (e.g. a published "
                    "one, written as for --layout) and print it under the table")
 
@@ -109,7 +113,8 @@ def main(args) -> int:
     if args.ac:
         fixed["ac"] = args.ac
     features = tuple(name for flag, name in (("float8", "float8"), ("async_tp", "async_tp"),
-                                             ("dualpipe_overlap", "dualpipe_overlap"), ("torch_cp", "torch_cp"))
+                                             ("dualpipe_overlap", "dualpipe_overlap"), ("torch_cp", "torch_cp"),
+                                             ("fsdp2", "fsdp2"), ("compile_blocks", "compile_blocks"))
                      if getattr(args, flag, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0

@@ -227,3 +227,59 @@ def test_single_device_benchmark_states_the_planner_beside_the_measurement():
     line = single_device.planner_line(cfg, "h100", 60097.0)
     assert f"{want:,.0f} tok/s predicted" in line and "60,097 measured" in line
     assert f"({100 * (want - 60097) / 60097:+.1f}%)" in line
+
+
+def _llama_params(m):
+    """(all parameters, the root unit's: embedding, final norm, head) of a Llama from its dimensions."""
+    hd, kv = m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
+    block = 2 * m.d_model * m.d_model + 2 * m.d_model * kv * hd + 3 * m.d_model * m.ffn_hidden + 2 * m.d_model
+    root = 2 * m.vocab_size * m.d_model + m.d_model
+    return m.n_layers * block + root, root
+
+
+def test_fsdp2_copies_are_gathered_bytes_on_the_compute_stream():
+    """``fsdp2`` on Llama-3.1-8B FSDP 8: per step, each block unit's bf16 bytes copied out of the
+    all-gather output twice (forward, and backward after resharding), the root's once, each read
+    and written, plus the reduce-scatter copy-in reading the bf16 gradients and writing fp32
+    (tests/distributed/test_fsdp2_copy_bytes.py counts the same bytes in FSDP2 itself), at the
+    measured HBM share; the step grows by exactly that, and the copies are not communication."""
+    cfg = _cfg("fsdp8 mb2x1 ac-op", 8)
+    n, root = _llama_params(cfg.model)
+    want = (2 * (2 * 2 * (n - root) + 2 * root) + 2 * n + 4 * n) / (3.35e12 * HBM_EFF)
+    plain = predict(cfg, "h100", per_rank=False).breakdown
+    fsdp2 = predict(cfg, "h100", per_rank=False, features=("fsdp2",)).breakdown
+    assert fsdp2["fsdp2_copies"] == pytest.approx(want, rel=1e-3) and plain["fsdp2_copies"] == 0
+    assert fsdp2["step_s"] == pytest.approx(plain["step_s"] + fsdp2["fsdp2_copies"], rel=1e-9)
+    assert fsdp2["exposed_comm"] == pytest.approx(plain["exposed_comm"], rel=1e-9)
+
+
+def test_fsdp2_is_refused_where_it_cannot_apply(capsys):
+    """--fsdp2 without ZeRO-3: one line naming the flag, exit 2; in a search only ZeRO-3 layouts take it."""
+    from shardlab.analysis.plan_features import applicable
+    from shardlab.cli import main
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--layout", "ddp8 mb1x1", "--fsdp2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: --fsdp2") and "\n" not in err, err
+    assert applicable(_cfg("ddp8 mb1x1", 8), ("fsdp2",)) == ()
+    assert applicable(_cfg("fsdp8 mb1x1", 8), ("fsdp2",)) == ("fsdp2",)
+
+
+def test_compile_blocks_leaves_the_head_and_loss_eager():
+    """``compile_blocks`` (torchtitan compiles each block only): the embedding's, head's and loss's
+    traced bytes take the eager passes (12) instead of the fused ones (4); what they are: at least
+    the fp32 logits the loss reads (b x s x vocab x 4 bytes), at most those and the bf16 head output."""
+    from shardlab.analysis.plan_activations import chunk_activations
+    from shardlab.analysis.plan_time import ELEMENTWISE_PASSES as P
+    cfg = _cfg("fsdp8 mb2x1 ac-op", 8)
+    cfg.parallel.compile = True
+    ends = sum(chunk_activations(cfg, 0, "gpu")["ends"].values())
+    logits = 2 * 8192 * cfg.model.vocab_size
+    assert 4 * logits <= ends <= 6 * logits, ends / logits
+    fused = predict(cfg, "h100", per_rank=False).breakdown
+    blocks = predict(cfg, "h100", per_rank=False, features=("compile_blocks",)).breakdown
+    extra = (P["eager"] - P["fused"]) * ends / (3.35e12 * HBM_EFF)
+    assert blocks["elementwise"] - fused["elementwise"] == pytest.approx(extra, rel=1e-9)
+    assert blocks["recompute"] == pytest.approx(fused["recompute"], rel=1e-9)  # the op policy recomputes blocks only
+    cfg.parallel.compile = False  # eager: nothing to leave out
+    assert predict(cfg, "h100", per_rank=False, features=("compile_blocks",)).breakdown["elementwise"] == \
+        pytest.approx(predict(cfg, "h100", per_rank=False).breakdown["elementwise"], rel=1e-12)

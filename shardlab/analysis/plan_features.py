@@ -8,7 +8,8 @@ import functools
 
 MODELLED = {
     "compile": "torch.compile of each block: elementwise work fused (plan_time.ELEMENTWISE_PASSES)",
-    "float8": "Float8 linear layers: the blocks' GEMMs at the fp8 peak, the amax / cast passes over their operands",
+    "float8": "Float8 linear layers: the blocks' GEMMs at the fp8 peak, the amax / cast passes over their operands; "
+              "under sequence-parallel TP the blocks' forward all-gathers in fp8 (torchao's PrepareFloat8ModuleInput)",
     "async_tp": "asynchronous TP: each TP collective in tp chunks behind the blocks' matmuls, the first chunk exposed",
     "selective_layer_ac": "per-layer selective recomputation: every 2nd block fully recomputed (torchtitan's rule)",
     "dualpipe_overlap": "DualPipe's F&B pairs: one chunk's expert all-to-alls behind the other's compute (plan_moe.py)",

@@ -283,3 +283,22 @@ def test_compile_blocks_leaves_the_head_and_loss_eager():
     cfg.parallel.compile = False  # eager: nothing to leave out
     assert predict(cfg, "h100", per_rank=False, features=("compile_blocks",)).breakdown["elementwise"] == \
         pytest.approx(predict(cfg, "h100", per_rank=False).breakdown["elementwise"], rel=1e-12)
+
+
+def test_float8_gathers_the_sequence_parallel_inputs_in_fp8():
+    """Float8 with sequence-parallel TP (torchao's Float8ColwiseParallel behind
+    PrepareFloat8ModuleInput: the input is cast before its all-gather): each block's two forward
+    all-gathers, and their repeats in the recomputed forward, move 1 byte per element instead of
+    2; the backward's collectives stay bf16. Ring formulas on NVLink (360 GB/s, 10 us per step)."""
+    cfg = _cfg("fsdp32 tp8sp mb16x1 ac-full", 256, model="llama-70b")
+    act = 16 * 8192 * 8192 * 2  # one micro-batch of 16 sequences x d_model, bf16
+
+    def gather(nbytes):
+        return 2 * 3 * 10e-6 + nbytes * 7 / 8 / 360e9
+    plain = predict(cfg, "h100", per_rank=False).breakdown
+    f8 = predict(cfg, "h100", per_rank=False, features=("float8",)).breakdown
+    sites = 80 * 2 * 2  # 80 blocks x 2 gathers x (forward + recomputed forward)
+    assert plain["tp_comm"] - f8["tp_comm"] == pytest.approx(sites * (gather(act) - gather(act / 2)), rel=1e-9)
+    nosp = _cfg("fsdp32 tp8 mb16x1 ac-full", 256, model="llama-70b")  # no SP: all-reduces, unchanged
+    assert predict(nosp, "h100", per_rank=False, features=("float8",)).breakdown["tp_comm"] == \
+        pytest.approx(predict(nosp, "h100", per_rank=False).breakdown["tp_comm"], rel=1e-12)

@@ -254,7 +254,8 @@ def test_fsdp2_copies_are_gathered_bytes_on_the_compute_stream():
 
 
 def test_fsdp2_is_refused_where_it_cannot_apply(capsys):
-    """--fsdp2 without ZeRO-3: one line naming the flag, exit 2; in a search only ZeRO-3 layouts take it."""
+    """--fsdp2 without ZeRO-3: one line naming the flag, exit 2; in a search only ZeRO-3 layouts take it;
+    on a ZeRO-3 layout the summary states the copies' seconds."""
     from shardlab.analysis.plan_features import applicable
     from shardlab.cli import main
     assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--layout", "ddp8 mb1x1", "--fsdp2"]) == 2
@@ -262,6 +263,9 @@ def test_fsdp2_is_refused_where_it_cannot_apply(capsys):
     assert err.startswith("config error: --fsdp2") and "\n" not in err, err
     assert applicable(_cfg("ddp8 mb1x1", 8), ("fsdp2",)) == ()
     assert applicable(_cfg("fsdp8 mb1x1", 8), ("fsdp2",)) == ("fsdp2",)
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--layout", "fsdp8 mb1x1", "--fsdp2"]) == 0
+    out = capsys.readouterr().out  # the step's sentence names the copies beside compute and communication
+    assert "s FSDP2's copies and" in out and "s optimizer step." in out, out
 
 
 def test_compile_blocks_leaves_the_head_and_loss_eager():

@@ -263,7 +263,7 @@ def test_fsdp2_is_refused_where_it_cannot_apply(capsys):
     assert err.startswith("config error: --fsdp2") and "\n" not in err, err
     assert applicable(_cfg("ddp8 mb1x1", 8), ("fsdp2",)) == ()
     assert applicable(_cfg("fsdp8 mb1x1", 8), ("fsdp2",)) == ("fsdp2",)
-    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--layout", "fsdp8 mb1x1", "--fsdp2"]) == 0
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "h100", "--layout", "fsdp8 mb1x1 ac-full", "--fsdp2"]) == 0
     out = capsys.readouterr().out  # the step's sentence names the copies beside compute and communication
     assert "s FSDP2's copies and" in out and "s optimizer step." in out, out
 

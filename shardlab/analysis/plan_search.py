@@ -223,13 +223,13 @@ def _capacity(device: str) -> float:
 
 
 def step_sentence(c: Candidate) -> str:
-    """'N tokens/s per GPU (MFU): of its step, compute, exposed communication, bubble (FSDP2's
+    """'N tokens/s per GPU (MFU): of its step, compute, exposed communication, bubble (ZeRO-3's
     copies where priced) and optimizer.'"""
     b = c.breakdown
     return (f"{c.tokens_per_gpu:,.0f} tokens/s per GPU" + (f" (MFU {100 * c.mfu:.1f}%)" if c.mfu else "")
             + f": of its {b['step_s']:.3f} s step, {b['compute']:.3f} s is compute ({b['recompute']:.3f} s of it "
             f"recomputation), {b['exposed_comm']:.3f} s exposed communication, {b['bubble']:.3f} s pipeline bubble"
-            + (f", {b['fsdp2_copies']:.3f} s FSDP2's copies" if b.get("fsdp2_copies") else "")
+            + (f", {b['copies']:.3f} s FSDP copies" if b.get("copies") else "")
             + f" and {b['optimizer']:.3f} s optimizer step.")
 
 

@@ -246,6 +246,8 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         gathers = 1 if p.pp > 1 or not p.reshard_after_forward else 2  # in pipeline stages: once per step
         copies = fsdp2_copy_bytes(mem["gathered_total"], mem["reduce_total"], gathers, mem.get("root_gathered", 0.0)) \
             / hbm * (1 if p.pp > 1 else mbs)
+    elif p.zero_stage == 3 and p.pp == 1 and not cpu and mem["reduce_total"] != mem["gathered_total"]:
+        copies = mbs * (mem["gathered_total"] + mem["reduce_total"]) / hbm  # shardlab's cast to the reduce dtype
     if p.pp > 1 and p.zero_stage:  # stage-local sharding (pipeline/sharded.py): once per step, exposed
         n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
         bw, al = link(topo, "dp_shard_cp" if p.zero_stage == 3 else "dp_cp", dev)
@@ -304,4 +306,4 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
             "ep_exposed": ep_comm * mbs, "ep_tiers": ep_tiers,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute,
             "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs, "cp_traffic": mbs * cp_traffic,
-            "fsdp2_copies": copies}
+            "copies": copies}

@@ -126,9 +126,9 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
 
 def scaled_step(breakdown: dict, efficiency: float) -> float:
     """Step seconds with its compute-bound part (all but exposed communication, the optimizer and
-    FSDP2's copies: compute and the bubble it stretches) divided by ``efficiency`` (docs/planner.md,
+    ZeRO-3's copies: compute and the bubble it stretches) divided by ``efficiency`` (docs/planner.md,
     ``shardlab plan --efficiency fitted``)."""
-    fixed = breakdown["exposed_comm"] + breakdown["optimizer"] + breakdown.get("fsdp2_copies", 0.0)
+    fixed = breakdown["exposed_comm"] + breakdown["optimizer"] + breakdown.get("copies", 0.0)
     return (breakdown["step_s"] - fixed) / efficiency + fixed
 
 

@@ -93,11 +93,10 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
         for region, here in (("first", rng.start == 0), ("last", rng.stop == end)):
             if here:
                 ends[s] += tr.regions.get(region, 0)
-                b += tr.regions.get(region, 0)
                 w += tr.wgrad.get(region, 0)
                 o += tr.ops.get(region, 0)
                 e += tr.ew_bytes.get(region, 0)
-        out[s], stash[s], ops[s], ew[s] = b, w, o, e
+        out[s], stash[s], ops[s], ew[s] = b + ends[s], w, o, e
     out["stash"], out["graph_kept"], out["ops"], out["ew"], out["ends"] = stash, tr.graph_kept, ops, ew, ends
     out["recompute"], out["logits"] = full_block if mode in ("full", "op") else 0, tr.logits
     return {**out, **tr.op_shares(cfg.model.n_layers)}  # the op policy's recomputation (plan_time.py)

@@ -172,8 +172,8 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         bw, al = link(topo, "tp", dev)
         one = (collective("all_gather", act_bytes, p.tp, bw, al) + collective("reduce_scatter", act_bytes, p.tp, bw, al)) \
             if p.sequence_parallel else collective("all_reduce", act_bytes, p.tp, bw, al)  # SP: two per site
-        fwd_sites = 2 * layers * (2 if ac in ("full", "op") else 1)  # forward (and recomputed) sites
-        blocks = one * (4 * layers + (2 * layers if ac in ("full", "op") else 0))
+        fwd_sites = 2 * layers * (2 if ac in ("full", "op") else 1)  # forward (and recomputed forward) sites
+        blocks = one * (2 * layers + fwd_sites)  # and the backward's 2 per block
         if "float8" in features and p.sequence_parallel and dev.op_s == 0:  # Float8 TP: all-gathers in fp8
             blocks -= fwd_sites * (collective("all_gather", act_bytes, p.tp, bw, al)
                                    - collective("all_gather", act_bytes / el, p.tp, bw, al))

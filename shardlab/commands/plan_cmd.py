@@ -112,10 +112,8 @@ def main(args) -> int:
         fixed["schedule"] = args.schedule
     if args.ac:
         fixed["ac"] = args.ac
-    features = tuple(name for flag, name in (("float8", "float8"), ("async_tp", "async_tp"),
-                                             ("dualpipe_overlap", "dualpipe_overlap"), ("torch_cp", "torch_cp"),
-                                             ("fsdp2", "fsdp2"), ("compile_blocks", "compile_blocks"))
-                     if getattr(args, flag, False))
+    features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks")
+                     if getattr(args, name, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):

@@ -29,7 +29,9 @@ parallel. The 70B row ran with torch.compile and Float8 matmuls: predicted with 
 prediction before 2026-11-26. Since 2026-11-27 the torchtitan rows are priced with FSDP2's copies
 (``fsdp2``: its all-gather copy-out and reduce-scatter copy-in on the compute stream) and the 70B
 row's compile as torchtitan applies it, to each block only (``compile_blocks``): both read from
-PyTorch's and torchtitan's code (analysis/plan_features.py), as for the held-out torchtitan rows.
+PyTorch's and torchtitan's code (analysis/plan_features.py), as for the held-out torchtitan rows;
+and with torchtitan's optimizer (``foreach_adamw``: torch.optim.AdamW with foreach and
+clip_grad_norm_, one pass per foreach op), read from its code in the same way.
 """
 from __future__ import annotations
 
@@ -109,8 +111,10 @@ def rows():
     out = []
     for label, model, gpus, dp, tp, local, ac, pub, note in TITAN:
         cfg = titan_cfg(model, gpus, dp, tp, local, ac, "compile" in note)
-        # torchtitan runs FSDP2 (its copies priced: fsdp2) and compiles the blocks only (compile_blocks)
-        feats = ("fsdp2",) + (("compile_blocks",) if "compile" in note else ()) + (("float8",) if "Float8" in note else ())
+        # torchtitan runs FSDP2 (its copies priced: fsdp2), compiles the blocks only (compile_blocks) and
+        # steps torch's foreach AdamW after clip_grad_norm_ (foreach_adamw)
+        feats = ("fsdp2", "foreach_adamw") + (("compile_blocks",) if "compile" in note else ()) \
+            + (("float8",) if "Float8" in note else ())
         pr = predict(cfg, "h100-gt", per_rank=False, features=feats)
         got = pr.tokens_per_s / gpus
         out.append((label, f"{gpus} H100", "tok/s/GPU", got, pub, pr.mfu, note, pr.breakdown, layout_label(cfg)))

@@ -1,5 +1,5 @@
 """Features of published runs the planner models beyond shardlab's own engine (float8, async_tp,
-selective_layer_ac, compile, compile_blocks, dualpipe_overlap, torch_cp, fsdp2), each priced from its mechanism, none fitted to a
+selective_layer_ac, compile, compile_blocks, dualpipe_overlap, torch_cp, fsdp2, foreach_adamw), each priced from its mechanism, none fitted to a
 published run; any other name is refused (plan_layout.refused). docs/planner.md, "Features"."""
 from __future__ import annotations
 
@@ -19,8 +19,25 @@ MODELLED = {
              "(chunk_cat, cast to the reduce dtype) on the compute stream (fsdp2_copy_bytes)",
     "compile_blocks": "torch.compile of each transformer block only (torchtitan's apply_compile): the embedding, "
                       "final norm, output head and loss run eager (plan_time: their traced bytes at the eager passes)",
+    "foreach_adamw": "torch.optim.AdamW(foreach=True) and clip_grad_norm_ (torchtitan's optimizer): one pass per "
+                     "foreach op over the fp32 state instead of fused AdamW's one (adamw_bytes)",
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
+
+ADAMW_BYTES = {"fused": 28, "foreach": 80, "clip": 12}
+"""HBM bytes per stepped element of AdamW with fp32 parameters (the masters), gradients and
+moments. fused (torch.optim.AdamW(fused=True), shardlab's on CUDA): reads p, g, m, v, writes p, m,
+v (7 x 4). foreach (torch.optim.AdamW(foreach=True), torchtitan's default): one kernel per foreach
+op, each reading and writing whole tensors: the decoupled weight decay p *= 1 - lr wd (8), m.lerp_(g)
+(12), v *= beta2 (8), v.addcmul_(g, g) (12), t = sqrt(v) (8), t /= sqrt(bias correction) (8),
+t += eps (8), p.addcdiv_(m, t) (16). clip: the global norm's foreach_norm over the gradients (4)
+and their scaling in place (8), torch.nn.utils.clip_grad_norm_ and shardlab's engines alike.
+tests/unit/test_planner_optimizer.py counts the bytes torch's own AdamW and clip move."""
+
+
+def adamw_bytes(elems: float, impl: str, clip: bool) -> float:
+    """HBM bytes of one optimizer step over ``elems`` elements (:data:`ADAMW_BYTES`)."""
+    return elems * (ADAMW_BYTES[impl] + (ADAMW_BYTES["clip"] if clip else 0))
 
 CAST_BYTES = {"x": 2 * (2 + 2 + 1), "w": 2 * (2 + 2 + 1), "dy": 2 + 2 * (2 + 1)}
 """HBM bytes per element of a Float8Linear's operands per micro-batch (bf16 sources, fp8 casts):
@@ -210,6 +227,9 @@ def check_features(cfg, dev, features) -> None:
     if "torch_cp" in features and (dev.op_s > 0 or cfg.parallel.cp < 2 or cfg.parallel.cp_impl != "ring"):
         raise ConfigError("--torch-cp", "PyTorch's context_parallel is priced for a ring CP layout on a GPU kind: "
                                         "use a cpN part (ring, N >= 2) and a GPU, or leave --torch-cp out")
+    if "foreach_adamw" in features and dev.op_s > 0:
+        raise ConfigError("--foreach-adamw", "torch's foreach AdamW is priced on a GPU kind (shardlab's CPU engine "
+                                             "already steps foreach); pick a GPU or leave --foreach-adamw out")
     if "fsdp2" in features and (dev.op_s > 0 or cfg.parallel.zero_stage != 3):
         raise ConfigError("--fsdp2", "FSDP2's copies are priced for a ZeRO-3 layout on a GPU kind: use an fsdpN "
                                      "part and a GPU, or leave --fsdp2 out")

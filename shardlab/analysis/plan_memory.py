@@ -111,7 +111,8 @@ def model_state(cfg, pp_rank: int = 0) -> dict:
 
 def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     """{params, grads, optim, buffers}: bytes of the rank's model state and its data-parallel
-    engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket)."""
+    engine's communication buffers (FSDP: the gathered units in flight; ZeRO-2: one staging bucket);
+    ``opt_elems``: the elements its optimizer steps (its shard of the trained parameters)."""
     model, spec = local_model_for(cfg, pp_rank)
     p, t = cfg.parallel, cfg.train
     el = param_elem(cfg)
@@ -119,12 +120,12 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
     train = [(n, q) for n, q in named if q.requires_grad]
     frozen = sum(q.numel() for _, q in named if not q.requires_grad) * el
     psi_t = sum(q.numel() for _, q in train)
-    out = {"params": 0.0, "grads": 0.0, "optim": 0.0, "buffers": 0.0}
+    out = {"params": 0.0, "grads": 0.0, "optim": 0.0, "buffers": 0.0, "opt_elems": 0.0}
     if p.pp > 1 and p.zero_stage:
         return _stage_sharded(cfg, train, frozen, el, out)
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
-        out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el,
+        out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el, opt_elems=float(psi_t),
                    opt_transient=step_transient(psi_t * el, max((q.numel() for _, q in train), default=0) * el))
         if p.dp * p.cp == 1 or p.pp > 1:  # p.grad kept as autograd made it: kv heads copied over tp
             out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x
@@ -143,6 +144,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["params"] += padded * fel
             out["grads"] += (padded if p.zero_stage == 1 else shard) * fel
             out["optim"] += 2 * shard * el + (shard * el if low else 0)
+            out["opt_elems"] += shard
         if p.zero_stage == 2:
             out["buffers"] = 2 * biggest * fel  # the bucket being filled and the one reduce-scattering
         out["opt_transient"] = step_transient(out["optim"] / (3 if low else 2), largest_shard * el)
@@ -161,6 +163,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["optim" if master else "params"] += shard * el
             out["grads"] += shard * el
             out["optim"] += 2 * shard * el
+            out["opt_elems"] += shard
             unit_bytes += shard * n * (compute or el)
         gathered.append(unit_bytes)
     root, rest = gathered[0], sorted(gathered[1:], reverse=True)
@@ -215,6 +218,7 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
             out["params"] += (shard if p.zero_stage == 3 else shard * n) * el
         out["grads"] += shard * el
         out["optim"] += 2 * shard * el
+        out["opt_elems"] += shard
     recv = _recv_bytes(cfg)
     out["buffers"] = padded_total * ((c if p.zero_stage == 3 else 0) + a) + recv
     if a != c:  # each parameter's gradient of a micro-batch exists in c bytes until it is folded in

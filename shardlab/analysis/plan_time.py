@@ -293,8 +293,11 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         bubble = span - mbs * (f_st + b_st)
     else:
         span, bubble = mbs * (f_mb + b_mb), 0.0
-    state = mem["params"] + mem["grads"] + mem["optim"]
-    optimizer = 2 * state / hbm
+    if "foreach_adamw" in features and not cpu:  # torch's foreach AdamW and clip (plan_features.adamw_bytes)
+        from .plan_features import adamw_bytes
+        optimizer = adamw_bytes(mem["opt_elems"], "foreach", t.grad_clip > 0) / hbm
+    else:  # the engine's: every state byte read and written once
+        optimizer = 2 * (mem["params"] + mem["grads"] + mem["optim"]) / hbm
     if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce
         bw, al = link(topo, "world", dev) if (dev.comm_n or dev.comm_curve) else (dev.inter_bw, dev.inter_alpha)
         optimizer += collective("all_reduce", 8, topo.world_size, bw, al)

@@ -264,8 +264,15 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         per_mb = k * (collective("all_gather", gathered / k, n, bw, al) * (2 if p.reshard_after_forward else 1)
                       + collective("reduce_scatter", mem["reduce_total"] / k, n, bw, al))
         dp_total = per_mb * mbs
-        units = max(1, m.n_layers)
-        dp_exposed = dp_total if cpu else max(0.0, dp_total - mbs * (f_mb + b_mb)) + per_mb / units
+        # a micro-batch's edges have no compute beside them: the root unit's gather (embedding, final
+        # norm, head) and the first block's open its forward, the first block's reduce-scatter and the
+        # root's (made when the whole backward is done) close its backward; the rest hides behind compute
+        root = min(mem.get("root_gathered", 0.0), gathered)
+        block = (gathered - root) / max(1.0, k - 1)
+        ratio = mem["reduce_total"] / gathered if gathered else 0.0
+        edges = sum(collective("all_gather", x, n, bw, al) + collective("reduce_scatter", x * ratio, n, bw, al)
+                    for x in (root, block))
+        dp_exposed = dp_total if cpu else max(0.0, dp_total - mbs * (edges + f_mb + b_mb)) + mbs * edges
         if p.dp_replicate > 1:
             bw, al = link(topo, "dp_replicate", dev)
             dp_exposed += collective("all_reduce", mem["grads"], p.dp_replicate, bw, al)

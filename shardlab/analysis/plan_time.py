@@ -251,8 +251,14 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     if p.pp > 1 and p.zero_stage:  # stage-local sharding (pipeline/sharded.py): once per step, exposed
         n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
         bw, al = link(topo, "dp_shard_cp" if p.zero_stage == 3 else "dp_cp", dev)
-        dp_total = dp_exposed = (collective("all_gather", mem["gathered_total"], n, bw, al)
-                                 + collective("reduce_scatter", mem["reduce_total"], n, bw, al))
+        ag = collective("all_gather", mem["gathered_total"], n, bw, al)
+        rs = collective("reduce_scatter", mem["reduce_total"], n, bw, al)
+        dp_total = dp_exposed = ag + rs
+        if "fsdp2" in features and p.zero_stage == 3 and not cpu:  # FSDP2 in torch's pipelining: each unit
+            # gathered in the first micro-batch's forward, behind it but the stage's first two units; all
+            # reduce-scatters issued together after the last backward, then waited (exposed)
+            edge = 2 * collective("all_gather", mem["gathered_total"] / (layers + 1), n, bw, al)
+            dp_exposed = edge + max(0.0, ag - edge - f_mb) + rs
         if p.zero_stage == 3 and p.dp_replicate > 1:
             bw, al = link(topo, "dp_replicate", dev)
             dp_exposed += collective("all_reduce", mem["grads"], p.dp_replicate, bw, al)

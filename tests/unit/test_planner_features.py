@@ -313,3 +313,26 @@ def test_float8_gathers_the_sequence_parallel_inputs_in_fp8():
     nosp = _cfg("fsdp32 tp8 mb16x1 ac-full", 256, model="llama-70b")  # no SP: all-reduces, unchanged
     assert predict(nosp, "h100", per_rank=False, features=("float8",)).breakdown["tp_comm"] == \
         pytest.approx(predict(nosp, "h100", per_rank=False).breakdown["tp_comm"], rel=1e-12)
+
+
+def test_fsdp2_in_pipeline_stages_hides_the_gathers_not_the_reduce_scatters():
+    """``fsdp2`` on Llama-3.1-8B FSDP 4 x PP 2 (one H100 node): torch's pipelining keeps each
+    stage unsharded after its first micro-batch's forward, which the gathers run behind but for
+    the stage's first two units (16 blocks + the head and final norm: 17 units), and issues every
+    reduce-scatter together after the last backward (exposed, as shardlab's own stage sharding
+    exposes both). The exposed communication drops by exactly the gathers less those two units."""
+    import math
+    cfg = _cfg("fsdp4 pp2 1f1b mb1x8 ac-full", 8)
+    cfg.train.param_dtype, cfg.train.reduce_dtype = "bf16", "fp32"  # torchtitan's policy: bf16 gathers
+    m = cfg.model
+    d, kv = m.d_model, m.n_kv_heads * (m.d_model // m.n_heads)
+    block = 2 * d * d + 2 * d * kv + 3 * d * m.ffn_hidden + 2 * d
+    stage = 16 * block + m.vocab_size * d + d  # the last stage: the slower by its norm
+
+    def ring(nbytes):
+        return 2 * math.log2(4) * 10e-6 + nbytes * 3 / 4 / 360e9
+    plain = predict(cfg, "h100", per_rank=False).breakdown
+    fsdp2 = predict(cfg, "h100", per_rank=False, features=("fsdp2",)).breakdown
+    assert fsdp2["dp_comm"] == pytest.approx(plain["dp_comm"], rel=1e-12)
+    hidden = ring(2 * stage) - 2 * ring(2 * stage / 17)
+    assert plain["exposed_comm"] - fsdp2["exposed_comm"] == pytest.approx(hidden, rel=1e-3)

@@ -48,16 +48,14 @@ class _Bytes(TorchDispatchMode):
 
 
 def _cfg() -> Config:
-    cfg = Config()
-    m = cfg.model
-    m.arch, m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden = "llama", 256, 64, 2, 4, 2, 128
-    m.max_seq_len = cfg.train.seq_len = 16
-    return cfg
+    """configs/tiny.toml's Llama (0.9M parameters), one rank."""
+    from shardlab.commands.plan_cmd import load_model
+    return load_model("tiny")
 
 
 def _step_bytes(clip: bool, step: bool) -> tuple[int, list]:
     """Bytes of torch's second AdamW(foreach) step (the first makes the moments) and / or its
-    clip_grad_norm_(foreach), on the tiny Llama's fp32 parameters, torchtitan's settings."""
+    clip_grad_norm_(foreach), on the tiny Llama's fp32 parameters, with torchtitan's settings."""
     from shardlab.models.spec import build_model
     torch.manual_seed(0)
     model = build_model(_cfg().model, 0)

@@ -1,5 +1,6 @@
 """Features of published runs the planner models beyond shardlab's own engine (float8, async_tp,
-selective_layer_ac, compile, compile_blocks, dualpipe_overlap, torch_cp, fsdp2, foreach_adamw), each priced from its mechanism, none fitted to a
+selective_layer_ac, compile, compile_blocks, dualpipe_overlap, torch_cp, fsdp2, foreach_adamw,
+megatron_tp_overlap), each priced from its mechanism, none fitted to a
 published run; any other name is refused (plan_layout.refused). docs/planner.md, "Features"."""
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ MODELLED = {
              "(chunk_cat, cast to the reduce dtype) on the compute stream (fsdp2_copy_bytes)",
     "compile_blocks": "torch.compile of each transformer block only (torchtitan's apply_compile): the embedding, "
                       "final norm, output head and loss run eager (plan_time: their traced bytes at the eager passes)",
+    "megatron_tp_overlap": "Megatron-LM's backward TP collectives of the column-parallel linears behind their "
+                           "GEMMs: the input gradient's all-reduce behind the weight gradient; with sequence "
+                           "parallel the input's re-gather behind the input gradient and its reduce-scatter behind "
+                           "the weight gradient (megatron_tp_backward)",
     "foreach_adamw": "torch.optim.AdamW(foreach=True) and clip_grad_norm_ (torchtitan's optimizer): one pass per "
                      "foreach op over the fp32 state instead of fused AdamW's one (adamw_bytes)",
 }
@@ -181,6 +186,29 @@ def torch_cp_costs(r: int, elements: float, t_attn_block: float, ag_s: float, dk
             "fwd_traffic": torch_cp_fwd_bytes(r) * elements / hbm, "bwd_traffic": torch_cp_bwd_bytes(r) * elements / hbm}
 
 
+def column_share(weights, d_model: int) -> float:
+    """Share of a block's linear weights (``block_weights`` on a TP rank) that are column-parallel:
+    those whose input is the whole hidden size (q, k, v, gate, up / fc1); the row-parallel ones
+    (output projection, down / fc2) take a TP shard of theirs."""
+    col = sum(o * i for o, i in weights if i == d_model)
+    total = sum(o * i for o, i in weights)
+    return col / total if total else 0.0
+
+
+def megatron_tp_backward(ag: float, rs: float, ar: float, sp: bool, gemm: float) -> tuple[float, float]:
+    """(exposed, moved) seconds of one block's backward TP collectives as Megatron-LM runs them
+    (megatron/mpu/layers.py, 2022: ColumnParallelLinearWithAsyncAllreduce and its sequence-parallel
+    twin), for collectives of ``ag`` / ``rs`` / ``ar`` seconds and ``gemm`` seconds of one GEMM pass
+    (input or weight gradient) of the block's column-parallel linears. Without sequence parallel
+    the two column-parallel linears' input-gradient all-reduces run behind their weight-gradient
+    GEMMs. With it, each column-parallel linear re-gathers its sequence-sharded input behind its
+    input-gradient GEMM and reduce-scatters its input gradient behind its weight-gradient GEMM;
+    the row-parallel linears' gradient all-gathers stay exposed."""
+    if not sp:
+        return max(0.0, 2 * ar - gemm), 2 * ar
+    return 2 * ag + max(0.0, 2 * ag - gemm) + max(0.0, 2 * rs - gemm), 4 * ag + 2 * rs
+
+
 def fsdp2_copy_bytes(gathered: float, reduced: float, gathers: int, root: float = 0.0) -> float:
     """Bytes FSDP2 moves on the compute stream per micro-batch beside its collectives, for a rank
     whose units unshard to ``gathered`` bytes (parameter dtype; ``root`` of them the root unit's:
@@ -199,12 +227,13 @@ def fsdp2_copy_bytes(gathered: float, reduced: float, gathers: int, root: float 
 def applicable(cfg, features) -> tuple:
     """``features`` for one layout of a search: asynchronous TP only where it has something to
     overlap (tp > 1 with sequence parallel), DualPipe's overlap only on DualPipe with experts,
-    PyTorch's CP ring only on ring CP layouts, FSDP2's copies only on ZeRO-3 layouts."""
+    PyTorch's CP ring only on ring CP layouts, FSDP2's copies only on ZeRO-3 layouts, Megatron's TP
+    overlap only with TP."""
     p = cfg.parallel
     dual = p.pp > 1 and p.pp_schedule in DUAL and p.ep > 1 and cfg.model.n_experts
     return tuple(f for f in features if (f != "async_tp" or (p.tp > 1 and p.sequence_parallel))
                  and (f != "dualpipe_overlap" or dual) and (f != "torch_cp" or (p.cp > 1 and p.cp_impl == "ring"))
-                 and (f != "fsdp2" or p.zero_stage == 3))
+                 and (f != "fsdp2" or p.zero_stage == 3) and (f != "megatron_tp_overlap" or p.tp > 1))
 
 
 def check_features(cfg, dev, features) -> None:
@@ -227,6 +256,9 @@ def check_features(cfg, dev, features) -> None:
     if "torch_cp" in features and (dev.op_s > 0 or cfg.parallel.cp < 2 or cfg.parallel.cp_impl != "ring"):
         raise ConfigError("--torch-cp", "PyTorch's context_parallel is priced for a ring CP layout on a GPU kind: "
                                         "use a cpN part (ring, N >= 2) and a GPU, or leave --torch-cp out")
+    if "megatron_tp_overlap" in features and (dev.op_s > 0 or cfg.parallel.tp < 2):
+        raise ConfigError("--megatron-tp-overlap", "Megatron-LM's TP overlap is priced for a tpN part (N >= 2) on a "
+                                                   "GPU kind; add one or leave --megatron-tp-overlap out")
     if "foreach_adamw" in features and dev.op_s > 0:
         raise ConfigError("--foreach-adamw", "torch's foreach AdamW is priced on a GPU kind (shardlab's CPU engine "
                                              "already steps foreach); pick a GPU or leave --foreach-adamw out")

@@ -184,6 +184,15 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         if "async_tp" in features and dev.op_s == 0:  # the blocks' collectives behind their linears' matmuls
             from .plan_features import async_tp_exposed
             tp_exposed = async_tp_exposed(blocks, t_mm * share * (4 / 3 if ac == "full" else 1), p.tp) + rest
+        elif "megatron_tp_overlap" in features and dev.op_s == 0:  # the backward's behind the column GEMMs
+            from .plan_features import block_weights, column_share, megatron_tp_backward
+            gemm = t_mm * share * column_share(block_weights(cfg), m.d_model) / 3 / layers  # one pass, one block
+            exposed, moved = megatron_tp_backward(collective("all_gather", act_bytes, p.tp, bw, al),
+                                                  collective("reduce_scatter", act_bytes, p.tp, bw, al),
+                                                  collective("all_reduce", act_bytes, p.tp, bw, al),
+                                                  p.sequence_parallel, gemm)
+            tp_comm += layers * moved - 2 * layers * one
+            tp_exposed = blocks - 2 * layers * one + layers * exposed + rest
     cp_comm = ring = uly = cp_traffic = 0.0
     if p.cp // u > 1 and "torch_cp" in features:  # PyTorch's context_parallel (plan_features.torch_cp_costs)
         from .plan_features import torch_cp_costs, torch_cp_elements

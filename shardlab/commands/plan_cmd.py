@@ -52,6 +52,8 @@ def configure(p):
                    "copy-out and the reduce-scatter's copy-in on the compute stream (fsdpN layouts, GPUs)")
     p.add_argument("--foreach-adamw", action="store_true", help="the optimizer as torch.optim.AdamW(foreach=True) "
                    "and clip_grad_norm_ step it (torchtitan's default): one pass per foreach op (GPUs)")
+    p.add_argument("--megatron-tp-overlap", action="store_true", help="Megatron-LM's backward TP collectives of the "
+                   "column-parallel linears behind their GEMMs (tpN layouts, GPUs)")
     p.add_argument("--compile-blocks", action="store_true", help="with --compile: only the blocks compiled, as "
                    "torchtitan does; the embedding, head and loss priced eager")
     p.add_argument("--compare", default="", help="after the search, also evaluate this layout (e.g. a published "
@@ -115,7 +117,7 @@ def main(args) -> int:
     if args.ac:
         fixed["ac"] = args.ac
     features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks",
-                                       "foreach_adamw") if getattr(args, name, False))
+                                       "foreach_adamw", "megatron_tp_overlap") if getattr(args, name, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):

@@ -29,11 +29,12 @@ MODELLED = {
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
 
-ADAMW_BYTES = {"fused": 28, "foreach": 80, "clip": 12}
+ADAMW_BYTES = {"foreach": 80, "clip": 12}
 """HBM bytes per stepped element of AdamW with fp32 parameters (the masters), gradients and
-moments. fused (torch.optim.AdamW(fused=True), shardlab's on CUDA): reads p, g, m, v, writes p, m,
-v (7 x 4). foreach (torch.optim.AdamW(foreach=True), torchtitan's default): one kernel per foreach
-op, each reading and writing whole tensors: the decoupled weight decay p *= 1 - lr wd (8), m.lerp_(g)
+moments (a fused step, shardlab's on CUDA, reads p, g, m, v and writes p, m, v: 28; plan_time
+prices the engine's as every state byte read and written, 32). foreach
+(torch.optim.AdamW(foreach=True), torchtitan's default): one kernel per foreach op, each reading
+and writing whole tensors: the decoupled weight decay p *= 1 - lr wd (8), m.lerp_(g)
 (12), v *= beta2 (8), v.addcmul_(g, g) (12), t = sqrt(v) (8), t /= sqrt(bias correction) (8),
 t += eps (8), p.addcdiv_(m, t) (16). clip: the global norm's foreach_norm over the gradients (4)
 and their scaling in place (8), torch.nn.utils.clip_grad_norm_ and shardlab's engines alike.
@@ -41,7 +42,8 @@ tests/unit/test_planner_optimizer.py counts the bytes torch's own AdamW and clip
 
 
 def adamw_bytes(elems: float, impl: str, clip: bool) -> float:
-    """HBM bytes of one optimizer step over ``elems`` elements (:data:`ADAMW_BYTES`)."""
+    """HBM bytes of one ``impl`` optimizer step over ``elems`` elements, with the gradient clip
+    before it when ``clip`` (:data:`ADAMW_BYTES`)."""
     return elems * (ADAMW_BYTES[impl] + (ADAMW_BYTES["clip"] if clip else 0))
 
 CAST_BYTES = {"x": 2 * (2 + 2 + 1), "w": 2 * (2 + 2 + 1), "dy": 2 + 2 * (2 + 1)}

@@ -308,13 +308,15 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     # the schedule
     if p.pp > 1:  # the schedule simulated once per (schedule, pp, m, v) with equal F, B, W
         bw, al = link(topo, "pp", dev)
-        p2p = 2 * collective("p2p", act_bytes, 2, bw, al)  # the activation forward, its gradient backward
+        boundary = act_bytes / (p.tp if p.sequence_parallel else 1)  # sequence-parallel: each TP rank's shard
+        p2p = 2 * collective("p2p", boundary, 2, bw, al)  # the activation forward, its gradient backward
+        pp_p2p = mbs * p.pp_virtual * p2p
         f_st, b_st = f_mb + p.pp_virtual * p2p / 2, b_mb + p.pp_virtual * p2p / 2
         _, _, frac = schedule_peaks(p.pp_schedule, p.pp, mbs, p.pp_virtual)
         span = mbs * (f_st + b_st) / max(1e-9, 1 - frac)
         bubble = span - mbs * (f_st + b_st)
     else:
-        span, bubble = mbs * (f_mb + b_mb), 0.0
+        span, bubble, pp_p2p = mbs * (f_mb + b_mb), 0.0, 0.0
     if "foreach_adamw" in features and not cpu:  # torch's foreach AdamW and clip (plan_features.adamw_bytes)
         from .plan_features import adamw_bytes
         optimizer = adamw_bytes(mem["opt_elems"], "foreach", t.grad_clip > 0) / hbm
@@ -331,4 +333,4 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
             "ep_exposed": ep_comm * mbs, "ep_tiers": ep_tiers,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute,
             "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs, "cp_traffic": mbs * cp_traffic,
-            "copies": copies}
+            "copies": copies, "pp_p2p": pp_p2p}

@@ -336,3 +336,16 @@ def test_fsdp2_in_pipeline_stages_hides_the_gathers_not_the_reduce_scatters():
     assert fsdp2["dp_comm"] == pytest.approx(plain["dp_comm"], rel=1e-12)
     hidden = ring(2 * stage) - 2 * ring(2 * stage / 17)
     assert plain["exposed_comm"] - fsdp2["exposed_comm"] == pytest.approx(hidden, rel=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2 tp2sp pp2 1f1b mb1x4 ac-full", "fsdp2 tp2 pp2 1f1b mb1x4 ac-full"])
+def test_pipeline_boundary_sends_what_the_engine_sends(layout):
+    """A stage boundary moves the tensor the pipeline engine sends (executor.activation_shape: with
+    sequence parallel each TP rank's sequence shard), forward and its gradient backward, per
+    micro-batch, on one H100 node (NVLink 360 GB/s, 10 us)."""
+    import math
+    from shardlab.parallel.pipeline.executor import activation_shape
+    cfg = _cfg(layout, 8)
+    sent = math.prod(activation_shape(cfg)) * 2  # bf16
+    b = predict(cfg, "h100", per_rank=False).breakdown
+    assert b["pp_p2p"] == pytest.approx(4 * 2 * (10e-6 + sent / 360e9), rel=1e-9)

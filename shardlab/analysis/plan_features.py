@@ -41,10 +41,10 @@ and their scaling in place (8), torch.nn.utils.clip_grad_norm_ and shardlab's en
 tests/unit/test_planner_optimizer.py counts the bytes torch's own AdamW and clip move."""
 
 
-def adamw_bytes(elems: float, impl: str, clip: bool) -> float:
-    """HBM bytes of one ``impl`` optimizer step over ``elems`` elements, with the gradient clip
-    before it when ``clip`` (:data:`ADAMW_BYTES`)."""
-    return elems * (ADAMW_BYTES[impl] + (ADAMW_BYTES["clip"] if clip else 0))
+def adamw_bytes(elems: float, clip: bool) -> float:
+    """HBM bytes of one foreach AdamW step over ``elems`` elements, with the gradient clip before it
+    when ``clip`` (:data:`ADAMW_BYTES`)."""
+    return elems * (ADAMW_BYTES["foreach"] + (ADAMW_BYTES["clip"] if clip else 0))
 
 CAST_BYTES = {"x": 2 * (2 + 2 + 1), "w": 2 * (2 + 2 + 1), "dy": 2 + 2 * (2 + 1)}
 """HBM bytes per element of a Float8Linear's operands per micro-batch (bf16 sources, fp8 casts):

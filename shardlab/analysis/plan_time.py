@@ -170,13 +170,13 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     tp_comm = tp_exposed = 0.0
     if p.tp > 1:
         bw, al = link(topo, "tp", dev)
-        one = (collective("all_gather", act_bytes, p.tp, bw, al) + collective("reduce_scatter", act_bytes, p.tp, bw, al)) \
-            if p.sequence_parallel else collective("all_reduce", act_bytes, p.tp, bw, al)  # SP: two per site
+        t_ag, t_rs, t_ar = (collective(kind, act_bytes, p.tp, bw, al) for kind in ("all_gather", "reduce_scatter",
+                                                                                    "all_reduce"))
+        one = t_ag + t_rs if p.sequence_parallel else t_ar  # SP: two per site
         fwd_sites = 2 * layers * (2 if ac in ("full", "op") else 1)  # forward (and recomputed forward) sites
         blocks = one * (2 * layers + fwd_sites)  # and the backward's 2 per block
         if "float8" in features and p.sequence_parallel and dev.op_s == 0:  # Float8 TP: all-gathers in fp8
-            blocks -= fwd_sites * (collective("all_gather", act_bytes, p.tp, bw, al)
-                                   - collective("all_gather", act_bytes / el, p.tp, bw, al))
+            blocks -= fwd_sites * (t_ag - collective("all_gather", act_bytes / el, p.tp, bw, al))
         # the embedding's pair; vocabulary-parallel cross-entropy (last stage, the slowest): max, sum of exp,
         # target logit per token
         rest = 2 * one + 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
@@ -187,10 +187,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         elif "megatron_tp_overlap" in features and dev.op_s == 0:  # the backward's behind the column GEMMs
             from .plan_features import block_weights, column_share, megatron_tp_backward
             gemm = t_mm * share * column_share(block_weights(cfg), m.d_model) / 3 / layers  # one pass, one block
-            exposed, moved = megatron_tp_backward(collective("all_gather", act_bytes, p.tp, bw, al),
-                                                  collective("reduce_scatter", act_bytes, p.tp, bw, al),
-                                                  collective("all_reduce", act_bytes, p.tp, bw, al),
-                                                  p.sequence_parallel, gemm)
+            exposed, moved = megatron_tp_backward(t_ag, t_rs, t_ar, p.sequence_parallel, gemm)
             tp_comm += layers * moved - 2 * layers * one
             tp_exposed = blocks - 2 * layers * one + layers * exposed + rest
     cp_comm = ring = uly = cp_traffic = 0.0
@@ -319,7 +316,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         span, bubble, pp_p2p = mbs * (f_mb + b_mb), 0.0, 0.0
     if "foreach_adamw" in features and not cpu:  # torch's foreach AdamW and clip (plan_features.adamw_bytes)
         from .plan_features import adamw_bytes
-        optimizer = adamw_bytes(mem["opt_elems"], "foreach", t.grad_clip > 0) / hbm
+        optimizer = adamw_bytes(mem["opt_elems"], t.grad_clip > 0) / hbm
     else:  # the engine's: every state byte read and written once
         optimizer = 2 * (mem["params"] + mem["grads"] + mem["optim"]) / hbm
     if t.grad_clip > 0 and topo.world_size > 1:  # the global gradient norm: one small all-reduce

@@ -81,8 +81,7 @@ def test_foreach_adamw_moves_the_priced_bytes(clip, step):
     got, ops = _step_bytes(clip, step)
     elems = model_state(_cfg())["opt_elems"]
     assert elems == sum(p.numel() for p in build_model(_cfg().model, 0).parameters())
-    want = (adamw_bytes(elems, "foreach", clip) if step else adamw_bytes(elems, "foreach", True)
-            - adamw_bytes(elems, "foreach", False))
+    want = adamw_bytes(elems, clip) if step else adamw_bytes(elems, True) - adamw_bytes(elems, False)
     assert got == want, (got, want, ops)
 
 

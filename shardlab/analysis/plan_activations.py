@@ -53,7 +53,7 @@ def chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
 def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dict:
     """{stage: bytes saved for one micro-batch by that stage (chunk) of this pipeline rank},
     plus "recompute" (the largest block's full activations, re-created in backward under full
-    recomputation) and "logits" (the largest transient output)."""
+    recomputation) and "logits" (the loss's transient, :func:`loss_transient`)."""
     p = cfg.parallel
     seq = cfg.train.seq_len // p.cp
     small = _small_cfg(cfg)
@@ -98,8 +98,22 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
                 e += tr.ew_bytes.get(region, 0)
         out[s], stash[s], ops[s], ew[s] = b + ends[s], w, o, e
     out["stash"], out["graph_kept"], out["ops"], out["ew"], out["ends"] = stash, tr.graph_kept, ops, ew, ends
-    out["recompute"], out["logits"] = full_block if mode in ("full", "op") else 0, tr.logits
+    owns_loss = any(owner(s) == pp_rank and rng.stop == end for s, rng in enumerate(ranges))
+    out["recompute"] = full_block if mode in ("full", "op") else 0
+    out["logits"] = loss_transient(cfg, tr) if owns_loss else 0  # the stage with the head and loss only
     return {**out, **tr.op_shares(cfg.model.n_layers)}  # the op policy's recomputation (plan_time.py)
+
+
+def loss_transient(cfg, tr) -> int:
+    """Bytes the loss holds beyond its saved tensors, from the trace's logits (L: the head's output)
+    and the largest tensor the loss creates (F: the fp32 copy under bf16, else L's size). The
+    cross-entropy of models/decoder.py saves the fp32 log-softmax; its backward holds the gradient
+    into log_softmax and the one out of it beside it: 2 F. The vocabulary-parallel one of
+    parallel/tensor.py saves the exponentials; its forward holds the logits and their fp32 copy,
+    its backward the fp32 gradient and its cast to the logits' dtype: L + F (measured on CPU:
+    tests/distributed/test_memory_peaks.py)."""
+    f = max(tr.loss_copy, tr.logits)
+    return tr.logits + f if cfg.parallel.tp > 1 else 2 * f
 
 
 def _small_cfg(cfg):
@@ -145,5 +159,5 @@ def activations(cfg, pp_rank: int = 0, device: str = "cpu") -> tuple[float, floa
         from .plan_pipeline import walk_peak
         graph_kept = ch["graph_kept"] or p.activation_checkpointing != "none"
         held, stash = walk_peak(cfg, pp_rank, stages, ch["stash"], graph_kept)
-    transient = max(ch["recompute"], 2 * ch["logits"])
+    transient = max(ch["recompute"], ch["logits"])
     return float(held), float(transient), float(stash)

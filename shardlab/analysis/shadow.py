@@ -170,7 +170,11 @@ class SavedTrace:
     """{block name: bytes of the core's outputs}: under selective recomputation the checkpoint's
     output is a fresh storage, saved by the next projection (without it, a view of one already counted)."""
     logits: int = 0
-    """Bytes of the largest output of the last region (the logits): the biggest transient."""
+    """Bytes of the largest output of the last region's modules (the logits)."""
+    loss_copy: int = 0
+    """Bytes of the largest tensor an operator of the last region creates: under bf16 the loss's
+    fp32 copy of the logits (both cross-entropies cast before their softmax), else the logits'
+    size (plan_activations.loss_transient)."""
     wgrad: dict = field(default_factory=dict)
     """{region: bytes a split backward (ZB-H1, DualPipe) holds for the deferred W after B}: the
     distinct inputs of the modules whose W is direct (pipeline/wgrad.py ``direct_input``) and

@@ -59,7 +59,8 @@ class OpCount(TorchDispatchMode):
     Per region also the forward FLOPs of its 2-D matrix products (``mm_flops``) and, applying
     recompute.op_keeps to them in order (the count restarting at each region, as the policy's
     restarts at each checkpointed block), the FLOPs the ``op`` policy recomputes
-    (``op_recompute_flops``) and the bytes of the outputs it keeps (``op_kept``)."""
+    (``op_recompute_flops``) and the bytes of the outputs it keeps (``op_kept``). In the last region
+    it also keeps the largest tensor an operator creates (``loss_copy``)."""
 
     def __init__(self, out, state):
         super().__init__()
@@ -79,6 +80,9 @@ class OpCount(TorchDispatchMode):
                 self.out.op_kept[region] = self.out.op_kept.get(region, 0) + res.numel() * res.element_size()
             else:
                 self.out.op_recompute_flops[region] = self.out.op_recompute_flops.get(region, 0) + flops
+        if region == "last":  # the loss's fp32 copy of bf16 logits is the region's largest tensor
+            self.out.loss_copy = max([self.out.loss_copy] + [t.numel() * t.element_size() for t in _tensors(
+                res if isinstance(res, (tuple, list)) else [res]) if t.dim() > 1])
         if name not in _MATMULS:
             ins = {a.untyped_storage()._cdata for a in _tensors(args) + _tensors((kwargs or {}).values())}
             new = sum(t.numel() * t.element_size() for t in _tensors(res if isinstance(res, (tuple, list)) else [res])

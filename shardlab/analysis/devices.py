@@ -174,7 +174,7 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
     if path.exists() and not refresh:
         return json.loads(path.read_text())
     import torch
-    from ..train.metrics import cpu_probe_flops
+    from ..train.metrics import matmul_rate
     import os
     torch.set_num_threads(1)
     # a transformer-shaped matmul, forward and backward: its rate over the square probe's is mm_eff.
@@ -186,7 +186,7 @@ def probe_cpu(cache_dir: str = ".cache/shardlab", refresh: bool = False, nproc: 
         torch.nn.functional.linear(x, w).sum().backward()
     squares, linears = [], []
     for _ in range(PROBE_ROUNDS):
-        squares.append(cpu_probe_flops(0.6 / PROBE_ROUNDS, 256))
+        squares.append(matmul_rate(256, 0.6 / PROBE_ROUNDS))  # measured each round, never the cached peak
         reps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < 0.6 / PROBE_ROUNDS:
             torch.nn.functional.linear(x, w).sum().backward()

@@ -92,7 +92,7 @@ CACHE_DIR = Path.home() / ".cache" / "shardlab"
 PROBE_LABEL = "cpu matmul probe (measured, not a datasheet peak)"
 
 
-def _matmul_rate(n: int, seconds: float, dtype=torch.float32) -> float:
+def matmul_rate(n: int, seconds: float, dtype=torch.float32) -> float:
     """FLOP/s of repeated n x n matmuls on this process's threads, timed for about ``seconds``."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b  # warm-up (allocations, kernel choice)
@@ -158,7 +158,7 @@ def cpu_probe_flops(seconds: float = 2.0, sizes=PROBE_SIZES, dtype=torch.float32
     try:
         for t in threads:
             torch.set_num_threads(t)
-            best = max([best] + [(_matmul_rate(n, seconds / len(sizes) / len(threads), dtype), n, t) for n in sizes])
+            best = max([best] + [(matmul_rate(n, seconds / len(sizes) / len(threads), dtype), n, t) for n in sizes])
     finally:
         torch.set_num_threads(before)
     how = f"{best[1]}x{best[1]} on {best[2]} thread(s), best of {len(sizes)} sizes x {len(threads)} thread counts"

@@ -53,7 +53,7 @@ def test_lora_counts_no_weight_gradient_for_frozen_weights(arch):
 def test_cpu_peak_is_the_best_of_several_sizes_and_thread_counts(monkeypatch, tmp_path):
     rates = {(256, 1): 1e9, (512, 1): 4e9, (1024, 1): 5e9, (2048, 1): 4e9,  # a small matmul is the slowest
              (256, 2): 2e9, (512, 2): 6e9, (1024, 2): 7e9, (2048, 2): 6.5e9}
-    monkeypatch.setattr(metrics, "_matmul_rate", lambda n, seconds, dtype=None: rates[n, torch.get_num_threads()])
+    monkeypatch.setattr(metrics, "matmul_rate", lambda n, seconds, dtype=None: rates[n, torch.get_num_threads()])
     before = torch.get_num_threads()
     flops, how = metrics.cpu_probe_flops(threads=(1, 2), cache_dir=tmp_path)
     assert flops == 7e9 and how.startswith("1024x1024 on 2 thread(s), best of 4 sizes x 2 thread counts"), how
@@ -66,7 +66,7 @@ def test_cpu_peak_is_measured_once_per_machine_and_cached(monkeypatch, tmp_path)
     another dtype is measured afresh; a run that beat the peak raises the cached value, and a
     slower one never lowers it."""
     calls = []
-    monkeypatch.setattr(metrics, "_matmul_rate", lambda n, seconds, dtype=None: calls.append(n) or 1e9 * n / 256)
+    monkeypatch.setattr(metrics, "matmul_rate", lambda n, seconds, dtype=None: calls.append(n) or 1e9 * n / 256)
     first = metrics.cpu_probe_flops(threads=(1,), cache_dir=tmp_path)
     measured = len(calls)
     again = metrics.cpu_probe_flops(threads=(1,), cache_dir=tmp_path)

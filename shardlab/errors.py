@@ -29,5 +29,6 @@ def did_you_mean(name: str, options) -> str:
 
 
 def one_of(value, options, field_name: str) -> None:
-    require(value in options, field_name, f"unknown value {value!r}{did_you_mean(str(value), [str(o) for o in options])}; "
-                                          f"choose one of {', '.join(map(str, options))}")
+    if value not in options:  # the suggestion only when it fails: validate runs once per planned layout
+        raise ConfigError(field_name, f"unknown value {value!r}{did_you_mean(str(value), [str(o) for o in options])}; "
+                                      f"choose one of {', '.join(map(str, options))}")

@@ -37,17 +37,6 @@ def busiest_share(cfg) -> float:
     evenly by the blocks) and, on the rank owning the last stage, the head's matrix product (6 x
     vocab x d_model FLOPs a token), over the stage split the engine builds (shadow.stage_ranges)
     and the schedule's rank_of. 1.0 for models without a token head (the CNN)."""
-    p, m = cfg.parallel, cfg.model
-    key = (tuple(sorted(vars(m).items())), p.pp, p.pp_virtual, p.pp_schedule, cfg.train.seq_len)
-    if key not in _BUSIEST:  # the search asks for it once per layout
-        _BUSIEST[key] = _busiest_share(cfg)
-    return _BUSIEST[key]
-
-
-_BUSIEST: dict = {}
-
-
-def _busiest_share(cfg) -> float:
     from ..models.spec import get_spec
     from .plan_pipeline import layout
     from .shadow import stage_ranges

@@ -80,13 +80,12 @@ class OpCount(TorchDispatchMode):
                 self.out.op_kept[region] = self.out.op_kept.get(region, 0) + res.numel() * res.element_size()
             else:
                 self.out.op_recompute_flops[region] = self.out.op_recompute_flops.get(region, 0) + flops
+        outs = _tensors(res if isinstance(res, (tuple, list)) else [res])
         if region == "last":  # the loss's fp32 copy of bf16 logits is the region's largest tensor
-            self.out.loss_copy = max([self.out.loss_copy] + [t.numel() * t.element_size() for t in _tensors(
-                res if isinstance(res, (tuple, list)) else [res]) if t.dim() > 1])
+            self.out.loss_copy = max([self.out.loss_copy] + [t.numel() * t.element_size() for t in outs if t.dim() > 1])
         if name not in _MATMULS:
             ins = {a.untyped_storage()._cdata for a in _tensors(args) + _tensors((kwargs or {}).values())}
-            new = sum(t.numel() * t.element_size() for t in _tensors(res if isinstance(res, (tuple, list)) else [res])
-                      if t.untyped_storage()._cdata not in ins)
+            new = sum(t.numel() * t.element_size() for t in outs if t.untyped_storage()._cdata not in ins)
             self.out.ew_bytes[region] = self.out.ew_bytes.get(region, 0) + new
         return res
 

@@ -31,7 +31,11 @@ prediction before 2026-11-26. Since 2026-11-27 the torchtitan rows are priced wi
 row's compile as torchtitan applies it, to each block only (``compile_blocks``): both read from
 PyTorch's and torchtitan's code (analysis/plan_features.py), as for the held-out torchtitan rows;
 and with torchtitan's optimizer (``foreach_adamw``: torch.optim.AdamW with foreach and
-clip_grad_norm_, one pass per foreach op), read from its code in the same way.
+clip_grad_norm_, one pass per foreach op), read from its code in the same way. Since 2026-11-27 (second
+session) the Megatron-LM rows store their weights in 16 bits (``half_params``: Megatron-LM's
+Float16Module converts the model with ``module.half()`` / ``module.bfloat16()`` and its optimizer keeps
+fp32 main weights), so no per-micro-batch weight copies are saved or moved, as for the two held-out
+Megatron-LM rows.
 """
 from __future__ import annotations
 
@@ -120,7 +124,8 @@ def rows():
         out.append((label, f"{gpus} H100", "tok/s/GPU", got, pub, pr.mfu, note, pr.breakdown, layout_label(cfg)))
     for name, h, heads, layers, tp, pp, gpus, batch, pub in MEGATRON:
         cfg = megatron_cfg(h, heads, layers, tp, pp, gpus, batch)
-        pr = predict(cfg, "a100", per_rank=False)
+        # Megatron-LM keeps the model in 16 bits (Float16Module) with fp32 main weights in its optimizer
+        pr = predict(cfg, "a100", per_rank=False, features=("half_params",))
         tflops = megatron_flops(batch, 2048, layers, h) / pr.step_time_s / gpus / 1e12
         out.append((f"Megatron-LM GPT {name} tp{tp} pp{pp}", f"{gpus} A100", "TFLOP/s/GPU", tflops, pub, pr.mfu,
                     "recompute counted", pr.breakdown, layout_label(cfg)))

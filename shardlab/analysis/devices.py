@@ -93,7 +93,7 @@ DEVICES = {
                    "NVLink 3 (300 GB/s per direction), 200 Gb/s HDR InfiniBand per GPU", attn_curve=FA2_A100, hbm_eff=HBM_EFF),
 }
 
-FITTED_EFFICIENCY = 1.065
+FITTED_EFFICIENCY = 0.980
 """Not a device constant: the one global efficiency fitted to the fit set of published runs (never
 the held-out set) by ``benchmarks/planner_validation.py``; used only by ``shardlab plan
 --efficiency fitted`` (docs/planner.md)."""

@@ -1,6 +1,6 @@
 """Features of published runs the planner models beyond shardlab's own engine (float8, async_tp,
 selective_layer_ac, compile, compile_blocks, dualpipe_overlap, torch_cp, fsdp2, foreach_adamw,
-megatron_tp_overlap), each priced from its mechanism, none fitted to a
+megatron_tp_overlap, half_params), each priced from its mechanism, none fitted to a
 published run; any other name is refused (plan_layout.refused). docs/planner.md, "Features"."""
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ MODELLED = {
                            "the weight gradient (megatron_tp_backward)",
     "foreach_adamw": "torch.optim.AdamW(foreach=True) and clip_grad_norm_ (torchtitan's optimizer): one pass per "
                      "foreach op over the fp32 state instead of fused AdamW's one (adamw_bytes)",
+    "half_params": "the model's weights stored in the compute dtype (Megatron-LM's Float16Module: module.bfloat16() "
+                   "or .half(); fp32 main parameters, main gradients and Adam moments in its optimizer): no "
+                   "per-micro-batch weight copies made, saved or moved (predict.with_half_params)",
 }
 """Features the planner prices, by the name a published run's ``features`` uses."""
 
@@ -267,6 +270,10 @@ def check_features(cfg, dev, features) -> None:
     if "fsdp2" in features and (dev.op_s > 0 or cfg.parallel.zero_stage != 3):
         raise ConfigError("--fsdp2", "FSDP2's copies are priced for a ZeRO-3 layout on a GPU kind: use an fsdpN "
                                      "part and a GPU, or leave --fsdp2 out")
+    if "half_params" in features and (dev.op_s > 0 or cfg.train.precision not in ("bf16", "fp16")):
+        raise ConfigError("--half-params", "16-bit weight storage is priced for bf16/fp16 training on a GPU kind "
+                                           "(shardlab's CPU engine keeps fp32 weights); pick a GPU or leave "
+                                           "--half-params out")
     if "async_tp" in features and dev.op_s > 0:
         raise ConfigError("--async-tp", "asynchronous TP is priced on GPUs (the CPU model overlaps nothing); "
                                         "pick a GPU kind or leave --async-tp out")

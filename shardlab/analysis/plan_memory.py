@@ -125,7 +125,11 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
         return _stage_sharded(cfg, train, frozen, el, out)
     if p.pp > 1 or p.zero_stage == 0:
         gel = LOW.get(t.reduce_dtype, el) if (p.pp == 1 and p.dp * p.cp > 1 and p.tp == 1) else el
-        out.update(params=frozen + psi_t * el, grads=psi_t * gel, optim=2 * psi_t * el, opt_elems=float(psi_t),
+        # predict.with_half_params without ZeRO (Megatron-LM's Float16Module): 16-bit weights, fp32
+        # main gradients, and an fp32 main copy of the weights beside the moments in the optimizer
+        half = LOW[t.param_dtype] if p.zero_stage == 0 and t.param_dtype in ("bf16", "fp16") else None
+        out.update(params=frozen + psi_t * (half or el), grads=psi_t * gel,
+                   optim=(3 if half else 2) * psi_t * el, opt_elems=float(psi_t),
                    opt_transient=step_transient(psi_t * el, max((q.numel() for _, q in train), default=0) * el))
         if p.dp * p.cp == 1 or p.pp > 1:  # p.grad kept as autograd made it: kv heads copied over tp
             out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x

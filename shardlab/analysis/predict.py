@@ -124,6 +124,20 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 
+def with_half_params(cfg):
+    """``cfg`` with its weights stored in the compute dtype (plan_features "half_params",
+    Megatron-LM's Float16Module): ``train.param_dtype`` set to the precision's 16-bit dtype where it
+    is empty. The trace then runs 16-bit weights (autograd saves no cast copies of them,
+    plan_activations.trace_mode); without ZeRO the model state is Megatron's: 16-bit weights, fp32
+    main gradients, and fp32 main weights and moments in the optimizer (plan_memory)."""
+    import copy
+    if cfg.train.param_dtype:
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.train.param_dtype = out.train.precision
+    return out
+
+
 def scaled_step(breakdown: dict, efficiency: float) -> float:
     """Step seconds with its compute-bound part (all but exposed communication, the optimizer and
     ZeRO-3's copies: compute and the bubble it stretches) divided by ``efficiency`` (docs/planner.md,
@@ -148,6 +162,8 @@ def predict(cfg, device: str = "cpu", probe=None, gpus_per_node: int | None = No
     dev = with_nodes(get_device(device, probe), gpus_per_node)
     features = tuple(sorted(set(features) - {"compile"}))
     check_features(cfg, dev, features)
+    if "half_params" in features:
+        cfg = with_half_params(cfg)
     if "selective_layer_ac" in features:
         return _layer_ac(cfg, device, probe, gpus_per_node, per_rank, efficiency, features)
     topo = Topology.from_config(p)

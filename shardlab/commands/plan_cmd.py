@@ -54,6 +54,9 @@ def configure(p):
                    "and clip_grad_norm_ step it (torchtitan's default): one pass per foreach op (GPUs)")
     p.add_argument("--megatron-tp-overlap", action="store_true", help="Megatron-LM's backward TP collectives of the "
                    "column-parallel linears behind their GEMMs (tpN layouts, GPUs)")
+    p.add_argument("--half-params", action="store_true", help="the weights stored in bf16/fp16 as Megatron-LM's "
+                   "Float16Module keeps them, fp32 main weights in the optimizer: no per-micro-batch weight copies "
+                   "(GPUs)")
     p.add_argument("--compile-blocks", action="store_true", help="with --compile: only the blocks compiled, as "
                    "torchtitan does; the embedding, head and loss priced eager")
     p.add_argument("--compare", default="", help="after the search, also evaluate this layout (e.g. a published "
@@ -117,7 +120,8 @@ def main(args) -> int:
     if args.ac:
         fixed["ac"] = args.ac
     features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks",
-                                       "foreach_adamw", "megatron_tp_overlap") if getattr(args, name, False))
+                                       "foreach_adamw", "megatron_tp_overlap", "half_params")
+                     if getattr(args, name, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):

@@ -1,7 +1,8 @@
 """The planner's price of Megatron-LM's backward TP overlap (``megatron_tp_overlap``,
 analysis/plan_features.py ``megatron_tp_backward``): the collectives each column-parallel
 linear's backward runs behind its GEMMs, computed here from the ring formulas of the model's
-activation bytes, not from the planner's helpers."""
+activation bytes, not from the planner's helpers; and of its 16-bit weights (``half_params``),
+from the model's parameter counts."""
 import math
 
 import pytest
@@ -52,3 +53,50 @@ def test_megatron_overlap_is_refused_without_tp(capsys):
     assert err.startswith("config error: --megatron-tp-overlap") and "\n" not in err, err
     assert applicable(_cfg("fsdp32 mb1x1 ac-full"), ("megatron_tp_overlap",)) == ()
     assert applicable(_cfg("fsdp4 tp8 mb1x1 ac-full"), ("megatron_tp_overlap",)) == ("megatron_tp_overlap",)
+
+
+def _llama_dims(m):
+    """(elements of one block's linear weights, of the output head) of a Llama config."""
+    d, hd, kv = m.d_model, m.d_model // m.n_heads, m.n_kv_heads or m.n_heads
+    return 2 * d * d + 2 * d * kv * hd + 3 * d * m.ffn_hidden, m.vocab_size * m.d_model
+
+
+def test_half_params_keeps_no_weight_copies_and_megatrons_model_state():
+    """``half_params`` (Megatron-LM's Float16Module): Llama 3 8B, DDP 8, bf16, one micro-batch, no
+    recomputation. fp32 weights under autocast save a bf16 copy of every linear weight and of the
+    head per micro-batch (2 bytes an element, whatever the sequence); 16-bit weights save none,
+    and their residual stream is 16-bit too (a per-token difference). The part of the saved-bytes
+    difference that does not grow with the sequence is exactly the copies; the model state is
+    2 + 4 + 12 bytes a parameter (weights, fp32 main gradients, fp32 main weights and moments)
+    against the fp32 engine's 4 + 4 + 8; elementwise time drops by the eager 12 passes over the
+    bytes no longer saved, at the H100's HBM rate; matmul and attention time do not move."""
+    from shardlab.analysis.devices import HBM_EFF
+    from test_planner_features import _cfg as layout_cfg
+    diff = {}
+    for seq in (2048, 4096):
+        cfg = layout_cfg("ddp8 mb1x1 ac-none", 8, seq=seq)
+        plain = predict(cfg, "h100", per_rank=False)
+        half = predict(cfg, "h100", per_rank=False, features=("half_params",))
+        diff[seq] = plain.peak.activations - half.peak.activations
+    m = cfg.model
+    block, head = _llama_dims(m)
+    psi = m.n_layers * (block + 2 * m.d_model) + 2 * head + m.d_model  # untied embedding and head
+    copies = 2 * diff[2048] - diff[4096]  # diff = copies + k x seq
+    assert copies == 2 * (m.n_layers * block + head)
+    assert diff[2048] > copies  # the 16-bit residual stream saves fewer bytes as well
+    assert (plain.peak.params, plain.peak.grads, plain.peak.optim) == (4 * psi, 4 * psi, 8 * psi)
+    assert (half.peak.params, half.peak.grads, half.peak.optim) == (2 * psi, 4 * psi, 12 * psi)
+    a, b = plain.breakdown, half.breakdown
+    assert (a["matmul"], a["attention"]) == (b["matmul"], b["attention"])
+    assert a["elementwise"] - b["elementwise"] == pytest.approx(12 * diff[4096] / (3.35e12 * HBM_EFF), rel=1e-9)
+
+
+def test_half_params_is_refused_on_the_cpu_and_runs_from_the_command_line(capsys):
+    from shardlab.cli import main
+    assert main(["plan", "llama-8b", "--gpus", "2", "--gpu", "cpu", "--layout", "ddp2 mb1x1", "--half-params"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: --half-params") and "\n" not in err, err
+    assert main(["plan", "llama-8b", "--gpus", "8", "--gpu", "a100", "--seq", "2048", "--global-batch", "8",
+                 "--layout", "tp8 mb1x8 ac-full", "--half-params"]) == 0
+    out = capsys.readouterr().out
+    assert "tp8 mb1x8 ac-full" in out

@@ -23,7 +23,8 @@ MODELLED = {
     "megatron_tp_overlap": "Megatron-LM's backward TP collectives of the column-parallel linears behind their "
                            "GEMMs: the input gradient's all-reduce behind the weight gradient; with sequence "
                            "parallel the input's re-gather behind the input gradient and its reduce-scatter behind "
-                           "the weight gradient (megatron_tp_backward)",
+                           "the weight gradient (megatron_tp_backward); its activations are sequence-first "
+                           "([s, b, h]), so its sequence-parallel collectives copy nothing (sp_copy_bytes)",
     "foreach_adamw": "torch.optim.AdamW(foreach=True) and clip_grad_norm_ (torchtitan's optimizer): one pass per "
                      "foreach op over the fp32 state instead of fused AdamW's one (adamw_bytes)",
     "half_params": "the model's weights stored in the compute dtype (Megatron-LM's Float16Module: module.bfloat16() "
@@ -189,6 +190,24 @@ def torch_cp_costs(r: int, elements: float, t_attn_block: float, ag_s: float, dk
     return {"fwd_exposed": max(0.0, ag_s - fwd_step),
             "bwd_exposed": max(0.0, ag_s - bwd_step) + (r - 1) * max(0.0, dkv_s - bwd_step),
             "fwd_traffic": torch_cp_fwd_bytes(r) * elements / hbm, "bwd_traffic": torch_cp_bwd_bytes(r) * elements / hbm}
+
+
+def sp_copy_bytes(full: float, el: int, layers: float, recomputed: bool, ag_el: int) -> tuple:
+    """HBM bytes (forward, recomputed forward, backward; one micro-batch) of the copies beside
+    sequence-parallel TP collectives on the sequence dim of (batch, sequence, hidden) activations:
+    NCCL gathers and scatters along dim 0, so an all-gather on dim 1 is followed by a chunk + cat
+    of its output and a reduce-scatter on dim 1 is preceded by one of its input (PyTorch's
+    functional collectives under DTensor's Shard(1), torchtitan's sequence parallel; shardlab's
+    collectives.all_gather / reduce_scatter on its SEQ_DIM = 1), each reading and writing the
+    gathered tensor (``full`` elements). Per block two sites (attention, MLP), each one all-gather
+    and one reduce-scatter, in the forward, again in a recomputed forward, and their mirror images
+    in the backward; the embedding's reduce-scatter and the final norm's all-gather once each way.
+    ``ag_el``: bytes per gathered element in the forward (1 when Float8 gathers in fp8).
+    Megatron-LM's activations are sequence-first ([s, b, h]) and asynchronous TP consumes the
+    shards where they land: neither copies (plan_time prices none for them)."""
+    site_fwd, site = 2 * full * (ag_el + el), 4 * full * el
+    fwd = 2 * layers * site_fwd + site
+    return fwd, (2 * layers * site_fwd if recomputed else 0.0), 2 * layers * site + site
 
 
 def column_share(weights, d_model: int) -> float:

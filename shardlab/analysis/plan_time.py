@@ -190,7 +190,7 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
     # tensor parallel: 2 all-reduces (or all-gather + reduce-scatter) per block forward, 2 backward
     layers = m.n_layers / p.pp
     act_bytes = b * (s // p.cp) * m.d_model * el
-    tp_comm = tp_exposed = 0.0
+    tp_comm = tp_exposed = sp_copies = 0.0
     if p.tp > 1:
         bw, al = link(topo, "tp", dev)
         t_ag, t_rs, t_ar = (collective(kind, act_bytes, p.tp, bw, al) for kind in ("all_gather", "reduce_scatter",
@@ -204,6 +204,12 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
         # target logit per token
         rest = 2 * one + 3 * collective("all_reduce", 4 * b * (s // p.cp), p.tp, bw, al)
         tp_comm = tp_exposed = blocks + rest
+        if p.sequence_parallel and dev.op_s == 0 and not {"async_tp", "megatron_tp_overlap"} & set(features):
+            from .plan_features import sp_copy_bytes  # the chunk + cat beside each collective on the sequence dim
+            fp8_ag = "float8" in features
+            f_b, r_b, b_b = sp_copy_bytes(act_bytes / el, el, layers, ac in ("full", "op"), 1 if fp8_ag else el)
+            fwd, recompute, bwd = fwd + f_b / hbm, recompute + r_b / hbm, bwd + b_b / hbm
+            sp_copies = (f_b + r_b + b_b) / hbm
         if "async_tp" in features and dev.op_s == 0:  # the blocks' collectives behind their linears' matmuls
             from .plan_features import async_tp_exposed
             tp_exposed = async_tp_exposed(blocks, t_mm * share * (4 / 3 if ac == "full" else 1), p.tp) + rest
@@ -354,4 +360,4 @@ def step_time(cfg, dev, mem, spec_flops: float, traced: dict, features=()) -> di
             "ep_exposed": ep_comm * mbs, "ep_tiers": ep_tiers,
             "matmul": mbs * t_mm, "attention": mbs * t_attn, "elementwise": mbs * t_elem, "recompute": mbs * recompute,
             "fp8_casts": mbs * t_cast, "tp_exposed": tp_exposed * mbs, "cp_traffic": mbs * cp_traffic,
-            "copies": copies, "pp_p2p": pp_p2p}
+            "copies": copies, "pp_p2p": pp_p2p, "sp_copies": mbs * sp_copies}

@@ -349,3 +349,24 @@ def test_pipeline_boundary_sends_what_the_engine_sends(layout):
     sent = math.prod(activation_shape(cfg)) * 2  # bf16
     b = predict(cfg, "h100", per_rank=False).breakdown
     assert b["pp_p2p"] == pytest.approx(4 * 2 * (10e-6 + sent / 360e9), rel=1e-9)
+
+
+def test_sequence_parallel_copies_beside_the_collectives():
+    """Llama 3 8B, FSDP 2 x TP 4 with sequence parallel, 2 sequences of 8k a micro-batch, full
+    recomputation, on H100s: each block's two sites (an all-gather and a reduce-scatter each) copy
+    the gathered bf16 tensor, read and written once (the chunk + cat of a collective on the
+    sequence dim), in the forward, the recomputed forward and the backward, and the embedding's and
+    head's pair once each way; at the H100's HBM rate x the measured share. Float8 gathers fp8 in
+    the (recomputed) forward; asynchronous TP, Megatron-LM's sequence-first layout
+    (megatron_tp_overlap) and TP without sequence parallel copy nothing."""
+    cfg = _cfg("fsdp2 tp4sp mb2x1 ac-full", 8)
+    m, hbm = cfg.model, 3.35e12 * HBM_EFF
+    full = 2 * 8192 * m.d_model
+    collectives = m.n_layers * 2 * 2 * 3 + 2 * 2
+    assert predict(cfg, "h100", per_rank=False).breakdown["sp_copies"] == pytest.approx(
+        collectives * 2 * full * 2 / hbm, rel=1e-9)
+    fp8 = predict(cfg, "h100", per_rank=False, features=("float8",)).breakdown["sp_copies"]
+    assert fp8 == pytest.approx((collectives * 4 * full - m.n_layers * 2 * 2 * 2 * full) / hbm, rel=1e-9)
+    for layout, feats in (("fsdp2 tp4sp mb2x1 ac-full", ("async_tp",)),
+                          ("fsdp2 tp4sp mb2x1 ac-full", ("megatron_tp_overlap",)), ("fsdp2 tp4 mb2x1 ac-full", ())):
+        assert predict(_cfg(layout, 8), "h100", per_rank=False, features=feats).breakdown["sp_copies"] == 0

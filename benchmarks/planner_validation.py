@@ -31,8 +31,8 @@ prediction before 2026-11-26. Since 2026-11-27 the torchtitan rows are priced wi
 row's compile as torchtitan applies it, to each block only (``compile_blocks``): both read from
 PyTorch's and torchtitan's code (analysis/plan_features.py), as for the held-out torchtitan rows;
 and with torchtitan's optimizer (``foreach_adamw``: torch.optim.AdamW with foreach and
-clip_grad_norm_, one pass per foreach op), read from its code in the same way. Since 2026-11-27 (second
-session) the Megatron-LM rows store their weights in 16 bits (``half_params``: Megatron-LM's
+clip_grad_norm_, one pass per foreach op), read from its code in the same way. Since 6354896 (2026-11-27)
+the Megatron-LM rows store their weights in 16 bits (``half_params``: Megatron-LM's
 Float16Module converts the model with ``module.half()`` / ``module.bfloat16()`` and its optimizer keeps
 fp32 main weights), so no per-micro-batch weight copies are saved or moved, as for the two held-out
 Megatron-LM rows.

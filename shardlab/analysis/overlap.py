@@ -81,8 +81,19 @@ def _launched(spans, events) -> tuple[set, list]:
     return ids, idle
 
 
+def _unrecorded_launches(events) -> set:
+    """The correlation ids of GPU work launched from threads with no recorded operator: a thread
+    started before the profiler (``parallel.comm_thread``'s) is not profiled by torch < 2.5 or
+    without ``profile_all_threads``, yet CUPTI still records its launches. In shardlab that thread
+    only runs collectives, so its GPU work is communication."""
+    seen = {e.get("tid") for e in events if e.get("cat") in ("cpu_op", "user_annotation")}
+    return {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+            and e.get("tid") not in seen and "correlation" in e.get("args", {})}
+
+
 def overlap(trace) -> dict:
-    """{comm_us, overlapped_us, fraction, device} of a Chrome trace (a path or the loaded dict)."""
+    """{comm_us, overlapped_us, exposed_us, fraction, device} of a Chrome trace (a path or the
+    loaded dict); exposed = communication with nothing computing beside it."""
     if not isinstance(trace, dict):
         trace = json.loads(Path(trace).read_text())
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
@@ -98,6 +109,7 @@ def overlap(trace) -> dict:
               and not e["name"].startswith("shm:"))]
     if kernels:  # host-side collectives (gloo) run on the same clock as the kernels
         ids, idle = _launched(inline, events)
+        ids |= _unrecorded_launches(events)
         gpu = [e for e in events if e.get("cat") in GPU_WORK]
         shm = [e for e in gpu if e.get("args", {}).get("correlation") in ids]
         comm = other + idle + shm + [e for e in kernels if _is_comm(e["name"])]
@@ -110,19 +122,22 @@ def overlap(trace) -> dict:
         device = "cpu"
     c = merge((e["ts"], e["ts"] + e["dur"]) for e in comm)
     k = merge((e["ts"], e["ts"] + e["dur"]) for e in compute)
-    # the shared transport's copies and reductions (inside its shm: spans) are its communication
-    k = subtract(k, merge((e["ts"], e["ts"] + e["dur"]) for e in inline))
+    # the shared transport's copies and reductions inside its shm: spans on the loop's thread are
+    # its communication (on the comm thread they are not the loop's operators anyway)
+    k = subtract(k, merge((e["ts"], e["ts"] + e["dur"]) for e in inline if device == "gpu" or e.get("tid") == tid))
     comm_us = sum(b - a for a, b in c)
     both = intersect(c, k)
-    return {"comm_us": comm_us, "overlapped_us": both, "fraction": both / comm_us if comm_us else 0.0,
-            "device": device}
+    return {"comm_us": comm_us, "overlapped_us": both, "exposed_us": comm_us - both,
+            "fraction": both / comm_us if comm_us else 0.0, "device": device}
 
 
-def report(profile_dir) -> str:
-    """One line per rank trace in ``profile_dir``: communication time and the share that overlapped compute."""
+def report(profile_dir, steps: int = 0) -> str:
+    """One line per rank trace in ``profile_dir``: communication time, the share that overlapped
+    compute, and (given the profiled ``steps``) the exposed communication per step."""
     rows = []
     for path in sorted(Path(profile_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:] or 0)):
         o = overlap(path)
+        per = f", {o['exposed_us'] / 1e3 / steps:.1f} ms exposed per step" if steps else ""
         rows.append(f"{path.stem}: {o['comm_us'] / 1e3:.1f} ms communicating, "
-                    f"{100 * o['fraction']:.0f}% of it overlapped with compute")
+                    f"{100 * o['fraction']:.0f}% of it overlapped with compute{per}")
     return "; ".join(rows)

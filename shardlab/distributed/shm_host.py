@@ -193,8 +193,8 @@ def modes_off(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with _disable_current_modes():
-            if not torch.autograd._profiler_enabled():
-                return fn(*args, **kwargs)
+            if not (torch.autograd._profiler_enabled() or getattr(torch.autograd.profiler, "_is_profiler_enabled", False)):
+                return fn(*args, **kwargs)  # the second: a profiler of all threads, off on this one's flag
             with torch.profiler.record_function(span):
                 return fn(*args, **kwargs)
     return wrapper

@@ -369,12 +369,24 @@ def _draw_memtrace(rec, run_dir: Path, rank: int):
     draw([rec.trace], str(out / f"memory-rank{rank}.png"), f"rank {rank}: memory over the profiled steps")
 
 
+def _all_threads():
+    """Kineto's option to record every thread's operators, so the collectives of a thread started
+    before the profiler (``parallel.comm_thread``'s) appear in the trace; None where this torch
+    lacks it (docs/training.md, "Overlap")."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
+
+
 def _profiler(steps: int, run_dir: Path, rank: int, device: torch.device):
     from torch.profiler import ProfilerActivity, profile, schedule
     out = run_dir / "profile"
     out.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof = profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                   experimental_config=_all_threads(),
                    on_trace_ready=lambda p: p.export_chrome_trace(str(out / f"rank{rank}.json")))
     prof.start()
     return prof

@@ -122,22 +122,24 @@ def test_cli_train_writes_metrics_plot_profile(tmp_path, capsys):
     assert cli_main(["plot", str(tmp_path / "nothing")]) == 2
 
 
-@pytest.mark.parametrize("transport", ["process_group", "shared"])
+@pytest.mark.parametrize("transport", ["process_group", "shared", "shared+thread"])
 def test_profile_reports_gradient_all_reduce_overlapping_backward(tmp_path, capsys, transport):
     """DDP with small buckets on 2 ranks: on gloo the Chrome traces show its all-reduces running
     while the loop thread computes backward (analysis/overlap.py), and the run's summary says how
     much; the shared-memory transport (the CPU default) runs them inline: communication, none of it
-    overlapped. The model is configs/tiny.toml's shape (a backward long enough to hide the buckets)."""
+    overlapped; with ``parallel.comm_thread`` they run on that thread, which the profiler records
+    (``profile_all_threads``: the lease of 2026-11-27 saw 0 ms without it), beside the loop's
+    backward. The model is configs/tiny.toml's shape (a backward long enough to hide the buckets)."""
     from shardlab.analysis.overlap import overlap
     run = tmp_path / "run"
     shape = ["--model.d_model=128", "--model.n_layers=4", "--model.max_seq_len=64", "--train.seq_len=64",
              "--train.global_batch=16"]
     args = ["train", "--nproc", "2", *TINY, *shape, f"--data.cache_dir={tmp_path}/cache", f"--logging.run_dir={run}",
             "--train.steps=5", "--profile", "2", "--checkpoint.save=false", "--parallel.bucket_cap_mb=0.05",
-            f"--parallel.comm_transport={transport}"]
+            f"--parallel.comm_transport={transport.split('+')[0]}", f"--parallel.comm_thread={'+' in transport}"]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
-    assert "overlapped with compute" in out and str(run / "profile") in out
+    assert "overlapped with compute" in out and "exposed per step" in out and str(run / "profile") in out
     for r in (0, 1):
         o = overlap(run / "profile" / f"rank{r}.json")
-        assert o["comm_us"] > 0 and (o["fraction"] > 0.3 if transport == "process_group" else o["fraction"] == 0), (r, o)
+        assert o["comm_us"] > 0 and (o["fraction"] == 0 if transport == "shared" else o["fraction"] > 0.1), (r, o)

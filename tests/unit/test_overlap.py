@@ -86,3 +86,20 @@ def test_gpu_trace_shared_transport_on_its_stream():
               gpu("sm90_xmma_gemm", 40, 40, 7)]
     o = overlap({"traceEvents": events})
     assert o["device"] == "gpu" and o["comm_us"] == 40 and o["overlapped_us"] == 30
+
+
+def test_gpu_trace_comm_thread_the_profiler_did_not_record():
+    """The H100 trace of 2026-11-27 with ``parallel.comm_thread``: torch's profiler recorded no
+    operator of the comm thread (started before it), only that thread's CUDA launches (tid 99:
+    correlations 5 and 6, a copy 50-70 and an add 70-90 on the comm stream). The loop thread
+    (tid 1, operators) launches a GEMM (7) running 40-80. Communication is the comm thread's GPU
+    work, 40 us, of which the GEMM covers 30; exposed 10. Before the fix it read 0 us."""
+    def call(ts, corr, tid):
+        return {**_x("cudaLaunchKernel", ts, 1, "cuda_runtime", tid=tid), "args": {"correlation": corr}}
+
+    def gpu(name, ts, dur, corr, cat="kernel"):
+        return {**_x(name, ts, dur, cat, tid=20), "args": {"correlation": corr}}
+    events = [_x("aten::mm", 19, 3, "cpu_op", tid=1), call(20, 7, 1), call(2, 5, 99), call(6, 6, 99),
+              gpu("Memcpy DtoD", 50, 20, 5, "gpu_memcpy"), gpu("elementwise_add", 70, 20, 6), gpu("sm90_xmma_gemm", 40, 40, 7)]
+    o = overlap({"traceEvents": events})
+    assert (o["device"], o["comm_us"], o["overlapped_us"], o["exposed_us"]) == ("gpu", 40, 30, 10)

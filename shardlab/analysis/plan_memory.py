@@ -171,12 +171,14 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             unit_bytes += shard * n * (compute or el)
         gathered.append(unit_bytes)
     root, rest = gathered[0], sorted(gathered[1:], reverse=True)
-    # the unit computing and the one prefetched; none is on the shared-memory transport, whose
-    # all-gathers complete when issued (fsdp.FSDPEngine.background)
-    in_flight = 2 if p.prefetch and not inline_transport(cfg) else 1
-    out["buffers"] = root + sum(rest[:in_flight])
+    # the unit computing and the one prefetched; none is prefetched on the CPU's shared-memory
+    # transport, whose all-gathers complete when issued (fsdp.FSDPEngine.background):
+    # "buffers_inline", which predict uses for CPU ranks only (on a GPU every transport is
+    # asynchronous: NCCL, and the same-GPU transport on its comm stream)
+    out["buffers"] = root + sum(rest[:2 if p.prefetch else 1])
+    out["buffers_inline"] = root + sum(rest[:1])
     if not p.reshard_after_forward:  # every unit stays gathered from its forward to its backward
-        out["buffers"] = float(sum(gathered))
+        out["buffers"] = out["buffers_inline"] = float(sum(gathered))
     # A unit's backward: its flat gradient (fsdp._Piece writes each parameter's into it as autograd
     # makes it: the unit's largest parameter gradient exists twice for a moment), its cast when
     # reduce_dtype differs, and on an asynchronous transport the previous unit's flat gradient,

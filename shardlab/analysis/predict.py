@@ -121,6 +121,8 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
         ms["opt_transient"] = ms["opt_transient"] + shared if ms["opt_transient"] else 0.0
         if inline_transport(cfg) and "bwd_transient_inline" in ms:  # its reduce-scatters finish at once
             ms["bwd_transient"] = ms["bwd_transient_inline"]
+        if inline_transport(cfg) and "buffers_inline" in ms:  # and its all-gathers: nothing prefetched
+            ms["buffers"] = ms["buffers_inline"] + shared
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 

@@ -52,6 +52,34 @@ def test_model_state_bytes_equal_hand_formulas(n):
     assert (z3["params"], z3["grads"], z3["optim"]) == (4 * shard3, 4 * shard3, 8 * shard3)
 
 
+@pytest.mark.parametrize("transport", ["auto", "shared", "process_group"])
+def test_zero3_gpu_prediction_holds_the_prefetched_unit_whatever_the_planning_host(transport):
+    """On a GPU every FSDP all-gather is asynchronous (NCCL, or the same-GPU transport on its comm
+    stream), so a prefetching rank holds the unit computing and the next one: the largest two
+    blocks' gathered bytes (4 bytes x N x the rank's padded shard each) plus the root. Only CPU
+    ranks on the inline shared-memory transport hold one. Before the fix the GPU figure followed
+    the planning machine's CPU (x86 + comm_transport auto = inline = one unit): the H100 lease of
+    2026-11-27 measured three gathered blocks at the ZeRO-3 peak against the planner's one."""
+    from shardlab.analysis.predict import stage_memory
+    n = 2
+    cfg = _tiny(dp_shard=n, zero_stage=3, comm_transport=transport)
+    model = meta_model(cfg.model)
+    blocks = [4 * n * sum(math.ceil(g / n) for g in (sum(p.numel() for p in b.parameters() if p.ndim >= 2),
+                                                     sum(p.numel() for p in b.parameters() if p.ndim < 2)) if g)
+              for b in model.layers.values()]
+    root = [p for name, p in model.named_parameters() if not name.startswith("layers.")]
+    root_bytes = 4 * n * sum(math.ceil(g / n) for g in (sum(p.numel() for p in root if p.ndim >= 2),
+                                                        sum(p.numel() for p in root if p.ndim < 2)) if g)
+    gpu = stage_memory(cfg, 0, "h100")
+    assert gpu["buffers"] == root_bytes + sum(sorted(blocks)[-2:])
+    from shardlab.analysis.plan_memory import inline_transport, transport_bytes
+    cpu = stage_memory(cfg, 0, "cpu")
+    if inline_transport(cfg):  # CPU ranks on the shared-memory transport: one unit and its pages
+        assert cpu["buffers"] == root_bytes + max(blocks) + transport_bytes(cfg, 0)
+    else:  # gloo: asynchronous, as on a GPU
+        assert cpu["buffers"] == gpu["buffers"]
+
+
 def test_tensor_parallel_shrinks_llama_8b_per_rank_params():
     """The issue's bug: llama-8b at tp=8 must hold about 1/8 of tp=1's parameters per rank."""
     from shardlab.config import load

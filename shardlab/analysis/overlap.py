@@ -83,8 +83,9 @@ def _launched(spans, events) -> tuple[set, list]:
 
 def _unrecorded_launches(events) -> set:
     """The correlation ids of GPU work launched from threads with no recorded operator: a thread
-    started before the profiler (``parallel.comm_thread``'s) is not profiled by torch < 2.5 or
-    without ``profile_all_threads``, yet CUPTI still records its launches. In shardlab that thread
+    started before the profiler (``parallel.comm_thread``'s) has no operators in the trace unless
+    the profiler ran with ``profile_all_threads`` (train/loop.py asks for it where torch has it),
+    yet CUPTI still records its launches. In shardlab that thread
     only runs collectives, so its GPU work is communication."""
     seen = {e.get("tid") for e in events if e.get("cat") in ("cpu_op", "user_annotation")}
     return {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")

@@ -1,6 +1,8 @@
 """The kernel rates behind the planner's device constants, measured on the device at hand
 (docs/planner.md, Time model; docs/gpu.md): bf16 matrix products at a Llama's shapes forward and
-backward (the planner's ``mm_eff``), causal attention forward and backward through
+backward (the planner's ``mm_eff``), the same products in fp8 through ``torch._scaled_mm`` (what
+the planner's ``float8`` feature assumes: the fp8 peak at the same ``mm_eff``), causal attention
+forward and backward through
 ``scaled_dot_product_attention`` at long sequences (``attn_eff``, in the planner's own FLOP
 convention), and an elementwise add (the HBM rate the elementwise terms use). Each rate is
 printed beside the stated constant of the device kind (analysis/devices.py, ``gpu_kind``).
@@ -70,6 +72,37 @@ def gemm_rows(shapes, device, dtype, timed, warmup, reps) -> list[dict]:
     return rows
 
 
+def fp8_gemm_rows(shapes, device, timed, warmup, reps) -> list[dict]:
+    """The three products of a Float8 linear through ``torch._scaled_mm`` (tensorwise scales, bf16
+    out): forward x(e4m3) W^T, input gradient dY(e5m2) W, weight gradient dY^T x; each operand
+    already cast and laid out as the kernel takes it (the first row-major, the second
+    column-major), so only the products are timed (the casts are the planner's fp8_casts term).
+    Empty where this torch or device has no fp8 products (before sm89 on CUDA)."""
+    if not hasattr(torch, "_scaled_mm") or (device == "cuda" and torch.cuda.get_device_capability() < (8, 9)):
+        return []
+    e4, e5, rows = torch.float8_e4m3fn, torch.float8_e5m2, []
+    one = torch.tensor(1.0, device=device)
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device=device).to(e4)
+        w = torch.randn(n, k, device=device).to(e4)
+        dy = torch.randn(m, n, device=device).to(e5)
+        w_t, dy_t, x_t = w.t().contiguous(), dy.t().contiguous(), x.t().contiguous()
+
+        def step():
+            torch._scaled_mm(x, w.t(), one, one, out_dtype=torch.bfloat16)       # forward
+            torch._scaled_mm(dy, w_t.t(), one, one, out_dtype=torch.bfloat16)    # input gradient
+            torch._scaled_mm(dy_t, x_t.t(), one, one, out_dtype=torch.bfloat16)  # weight gradient
+        try:
+            s = timed(step, warmup, reps)
+        except RuntimeError as e:  # this build / device refuses a layout or dtype pair
+            rows.append({"kind": "matmul-fp8", "shape": f"{m}x{k}->{n}", "backend": "_scaled_mm",
+                         "error": str(e).splitlines()[0][:80]})
+            continue
+        rows.append({"kind": "matmul-fp8", "shape": f"{m}x{k}->{n}", "backend": "_scaled_mm",
+                     "flops": 3 * 2 * m * k * n, "seconds": s})
+    return rows
+
+
 def attention_rows(seqs, tokens, heads, head_dim, device, dtype, timed, warmup, reps, backends) -> list[dict]:
     rows = []
     for s in seqs:
@@ -136,8 +169,8 @@ def _rate(x: float) -> str:
 
 
 def table(rows: list[dict], dev) -> list[str]:
-    """The markdown table: each rate, and its share of the stated device's peak beside the stated
-    efficiency (``n/a`` without a known device)."""
+    """The markdown table: each rate, and its share of the stated device's peak (the fp8 peak for
+    the fp8 products) beside the stated efficiency (``n/a`` without a known device)."""
     out = ["| kernel | shape | backend | seconds | rate | of stated peak | stated |", "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
@@ -149,8 +182,9 @@ def table(rows: list[dict], dev) -> list[str]:
             out.append(f"| elementwise | {r['shape']} | | {r['seconds']:.2e} | {rate / 1e9:,.1f} GB/s | {share} | {stated} |")
             continue
         rate = r["flops"] / r["seconds"]
-        share = f"{rate / dev.peak_flops:.3f}" if dev else "n/a"
-        stated = (f"{dev.mm_eff:.2f}" if r["kind"] == "matmul" else f"{dev.attn_eff:.2f}") if dev else ""
+        peak = (dev.peak_fp8 if r["kind"] == "matmul-fp8" else dev.peak_flops) if dev else 0.0
+        share = f"{rate / peak:.3f}" if peak else "n/a"
+        stated = (f"{dev.attn_eff:.2f}" if r["kind"] == "attention" else f"{dev.mm_eff:.2f}") if dev else ""
         extra = ""
         if r["kind"] == "attention":
             extra = f" (fwd {_rate(r['fwd_flops'] / r['fwd_s'])}, bwd {_rate(r['bwd_flops'] / r['bwd_s'])})"
@@ -183,6 +217,7 @@ def main(argv=None) -> int:
         shapes, seqs, tokens, heads, n_ew = ((64, 32, 48), (64, 48, 32)), [32, 64], 128, 2, 2**12
     kind, dev = _stated(a.device)
     rows = gemm_rows(shapes, a.device, dtype, timed, a.warmup, a.reps)
+    rows += fp8_gemm_rows(shapes, a.device, timed, a.warmup, a.reps)
     rows += attention_rows(seqs, tokens, heads, a.head_dim if not a.quick else 16, a.device, dtype, timed,
                            a.warmup, a.reps, backends)
     rows.append(elementwise_row(n_ew, a.device, dtype, timed, a.warmup, a.reps))

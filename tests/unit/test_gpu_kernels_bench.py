@@ -20,6 +20,10 @@ def test_the_kernel_benchmark_counts_flops_as_the_planner_prices_them(tmp_path, 
     rows = json.loads(out.read_text())["rows"]
     mm = [r for r in rows if r["kind"] == "matmul"]
     assert [r["flops"] for r in mm] == [3 * 2 * 64 * 32 * 48, 3 * 2 * 64 * 48 * 32]
+    fp8 = [r for r in rows if r["kind"] == "matmul-fp8"]  # torch._scaled_mm runs on this CPU build too
+    assert [(r["shape"], r.get("flops"), "error" in r) for r in fp8] == \
+        [("64x32->48", 3 * 2 * 64 * 32 * 48, False), ("64x48->32", 3 * 2 * 64 * 48 * 32, False)]
+    assert all(r["seconds"] > 0 for r in fp8)
     att = [r for r in rows if r["kind"] == "attention"]
     assert [r["shape"] for r in att] == ["b4 h2 s32 d16", "b2 h2 s64 d16"]
     for r, (b, s) in zip(att, ((4, 32), (2, 64))):
@@ -29,7 +33,8 @@ def test_the_kernel_benchmark_counts_flops_as_the_planner_prices_them(tmp_path, 
         assert r["seconds"] > 0 and r["fwd_s"] > 0
     ew = [r for r in rows if r["kind"] == "elementwise"]
     assert ew[0]["bytes"] == 3 * 4096 * 4  # two fp32 reads, one write
-    assert "| attention | b4 h2 s32 d16 | default |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| attention | b4 h2 s32 d16 | default |" in printed and "| matmul-fp8 | 64x32->48 | _scaled_mm |" in printed
 
 
 def test_the_kernel_benchmark_refuses_cuda_without_a_gpu(capsys):

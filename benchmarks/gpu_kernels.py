@@ -92,14 +92,12 @@ def fp8_gemm_rows(shapes, device, timed, warmup, reps) -> list[dict]:
             torch._scaled_mm(x, w.t(), one, one, out_dtype=torch.bfloat16)       # forward
             torch._scaled_mm(dy, w_t.t(), one, one, out_dtype=torch.bfloat16)    # input gradient
             torch._scaled_mm(dy_t, x_t.t(), one, one, out_dtype=torch.bfloat16)  # weight gradient
+        row = {"kind": "matmul-fp8", "shape": f"{m}x{k}->{n}", "backend": "_scaled_mm"}
         try:
-            s = timed(step, warmup, reps)
+            row.update(flops=3 * 2 * m * k * n, seconds=timed(step, warmup, reps))
         except RuntimeError as e:  # this build / device refuses a layout or dtype pair
-            rows.append({"kind": "matmul-fp8", "shape": f"{m}x{k}->{n}", "backend": "_scaled_mm",
-                         "error": str(e).splitlines()[0][:80]})
-            continue
-        rows.append({"kind": "matmul-fp8", "shape": f"{m}x{k}->{n}", "backend": "_scaled_mm",
-                     "flops": 3 * 2 * m * k * n, "seconds": s})
+            row = {**row, "error": str(e).splitlines()[0][:80]}
+        rows.append(row)
     return rows
 
 

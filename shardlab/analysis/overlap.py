@@ -63,6 +63,8 @@ def _is_comm(name: str) -> bool:
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 """Trace categories of work on the GPU."""
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+"""Trace categories of the host calls that queue it (their ``correlation`` names the work)."""
 
 
 def _launched(spans, events) -> tuple[set, list]:
@@ -70,7 +72,7 @@ def _launched(spans, events) -> tuple[set, list]:
     inside ``spans`` on their own thread, and the spans that launched nothing. The shared
     transport on CUDA queues its copies and reductions on a stream of its own (shm_cuda.py): its
     communication is that GPU work, not the host span that queued it."""
-    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    calls = [e for e in events if e.get("cat") in LAUNCHES]
     ids, idle = set(), []
     for s in spans:
         inside = [c["args"]["correlation"] for c in calls if c.get("tid") == s.get("tid") and "correlation" in
@@ -88,13 +90,14 @@ def _unrecorded_launches(events) -> set:
     yet CUPTI still records its launches. In shardlab that thread
     only runs collectives, so its GPU work is communication."""
     seen = {e.get("tid") for e in events if e.get("cat") in ("cpu_op", "user_annotation")}
-    return {e["args"]["correlation"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+    return {e["args"]["correlation"] for e in events if e.get("cat") in LAUNCHES
             and e.get("tid") not in seen and "correlation" in e.get("args", {})}
 
 
 def overlap(trace) -> dict:
-    """{comm_us, overlapped_us, exposed_us, fraction, device} of a Chrome trace (a path or the
-    loaded dict); exposed = communication with nothing computing beside it."""
+    """{comm_us, overlapped_us, exposed_us, fraction, device, steps} of a Chrome trace (a path or
+    the loaded dict); exposed = communication with nothing computing beside it; steps = the
+    profiled steps the trace holds (its ``ProfilerStep#`` spans)."""
     if not isinstance(trace, dict):
         trace = json.loads(Path(trace).read_text())
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
@@ -128,17 +131,18 @@ def overlap(trace) -> dict:
     k = subtract(k, merge((e["ts"], e["ts"] + e["dur"]) for e in inline if device == "gpu" or e.get("tid") == tid))
     comm_us = sum(b - a for a, b in c)
     both = intersect(c, k)
+    steps = sum(1 for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
     return {"comm_us": comm_us, "overlapped_us": both, "exposed_us": comm_us - both,
-            "fraction": both / comm_us if comm_us else 0.0, "device": device}
+            "fraction": both / comm_us if comm_us else 0.0, "device": device, "steps": steps}
 
 
-def report(profile_dir, steps: int = 0) -> str:
+def report(profile_dir) -> str:
     """One line per rank trace in ``profile_dir``: communication time, the share that overlapped
-    compute, and (given the profiled ``steps``) the exposed communication per step."""
+    compute, and the exposed communication per profiled step."""
     rows = []
     for path in sorted(Path(profile_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:] or 0)):
         o = overlap(path)
-        per = f", {o['exposed_us'] / 1e3 / steps:.1f} ms exposed per step" if steps else ""
+        per = f", {o['exposed_us'] / 1e3 / o['steps']:.1f} ms exposed per step" if o["steps"] else ""
         rows.append(f"{path.stem}: {o['comm_us'] / 1e3:.1f} ms communicating, "
                     f"{100 * o['fraction']:.0f}% of it overlapped with compute{per}")
     return "; ".join(rows)

@@ -116,13 +116,13 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     ms["fixed"] = float(EMPTY_RANK_CPU) if device == "cpu" else 0.0
     if device == "cpu":  # the shared-memory transport's arenas and rings a CPU rank touches
         from .plan_memory import inline_transport, transport_bytes
+        inline = inline_transport(cfg)  # its all-gathers complete when issued: nothing prefetched
+        base = ms["buffers_inline"] if inline and "buffers_inline" in ms else ms["buffers"]
         shared = transport_bytes(cfg, pp_rank)  # resident from the first long message on, so
-        ms["buffers"] = ms["buffers"] + shared  # beside the backward's peak and the step's alike
+        ms["buffers"] = base + shared  # beside the backward's peak and the step's alike
         ms["opt_transient"] = ms["opt_transient"] + shared if ms["opt_transient"] else 0.0
-        if inline_transport(cfg) and "bwd_transient_inline" in ms:  # its reduce-scatters finish at once
+        if inline and "bwd_transient_inline" in ms:  # its reduce-scatters finish at once
             ms["bwd_transient"] = ms["bwd_transient_inline"]
-        if inline_transport(cfg) and "buffers_inline" in ms:  # and its all-gathers: nothing prefetched
-            ms["buffers"] = ms["buffers_inline"] + shared
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 

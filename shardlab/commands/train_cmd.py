@@ -262,8 +262,7 @@ def _report(cfg, s) -> None:
     ]
     if cfg.logging.profile_steps and (run_dir / "profile").is_dir():
         from ..analysis.overlap import report
-        active = max(0, min(cfg.logging.profile_steps, cfg.train.steps - 2))  # after 1 wait + 1 warm-up step
-        lines.append(f"  profile:     {run_dir / 'profile'} (Chrome traces; {report(run_dir / 'profile', active)})")
+        lines.append(f"  profile:     {run_dir / 'profile'} (Chrome traces; {report(run_dir / 'profile')})")
     if s.get("resumed_from"):
         lines.append(f"  resumed from {s['resumed_from']}")
     print("\n".join(lines))

@@ -33,10 +33,13 @@ def test_cpu_trace_gloo_thread_against_the_loop_thread(tmp_path):
               _x("gloo:all_reduce", 200, 20, "user_annotation", tid=9), _x("aten::add", 300, 5, "cpu_op")]
     o = overlap({"traceEvents": events})
     assert o["device"] == "cpu" and o["comm_us"] == 120 and o["overlapped_us"] == 30
-    (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    # one profiled step (its ProfilerStep span): 90 us exposed in it; rank1's trace has no step
+    (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events + [
+        _x("ProfilerStep#2", 0, 400, "user_annotation")]}))
     (tmp_path / "rank1.json").write_text(json.dumps({"traceEvents": []}))
     line = report(tmp_path)
-    assert "rank0: 0.1 ms communicating, 25% of it overlapped" in line and "rank1: 0.0 ms" in line
+    assert "rank0: 0.1 ms communicating, 25% of it overlapped with compute, 0.1 ms exposed per step;" in line
+    assert line.endswith("rank1: 0.0 ms communicating, 0% of it overlapped with compute")
 
 
 def test_cpu_trace_shared_transport_spans_are_communication_never_overlapped():

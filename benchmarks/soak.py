@@ -86,7 +86,7 @@ def _children() -> list[int]:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == me:
                 cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-                if b"resource_tracker" not in cmd:
+                if b"resource_tracker" not in cmd and b"multiprocessing.forkserver" not in cmd:  # this process's own helpers
                     out.append(int(d))
     return out
 

@@ -115,25 +115,57 @@ def _set_pdeathsig() -> bool:
         return False
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
     """In a rank process, first thing: never outlive the launcher ``parent_pid`` (docs/faults.md,
     "A killed launcher leaves no ranks behind"). Returns the mechanism used (pdeathsig, watchdog)."""
+    # The parent is the launcher, or under a forkserver (_rank_context) the server, which exits when
+    # the launcher does (its pipe from the launcher closes): dying with it is dying with the launcher.
+    parent = os.getppid()
+    if parent != parent_pid and not _alive(parent_pid):
+        os._exit(1)
     if _set_pdeathsig():
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent:
             os._exit(1)
         return "pdeathsig"
 
     def watch():
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent:
             time.sleep(poll_s)
         os._exit(1)
-    if os.getppid() != parent_pid:
+    if os.getppid() != parent:
         os._exit(1)
     threading.Thread(target=watch, name="shardlab-parent-watchdog", daemon=True).start()
     return "watchdog"
 
 
-def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None, plan=None):
+def _let_forkserver_exit() -> None:
+    """In a forkserver's child: close its copy of the server's "alive" pipe, which the server waits
+    on to exit. Then the server exits as soon as the launcher does, and this rank, whose parent it
+    is, dies with it (die_with_parent) instead of keeping the server, and so itself, alive."""
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None, plan=None,
+            env=None):
+    if env is not None:  # a forkserver's child starts with the server's environment: take the launcher's
+        os.environ.clear()
+        os.environ.update(env)
+        _let_forkserver_exit()
     if parent_pid is not None:
         die_with_parent(parent_pid)
 
@@ -197,7 +229,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
             dist.destroy_process_group()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context(device)
     results = ctx.Queue()
     fd, store = tempfile.mkstemp(prefix="shardlab-store-")
     os.close(fd)
@@ -207,7 +239,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here at the end
     procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, nproc, init_method, device, timeout_s, threads, flight.wrap(fn, dump_dir),
-                               args, results, os.getpid(), plan))
+                               args, results, os.getpid(), plan, dict(os.environ)))
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -241,6 +273,23 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         if ok:
             import shutil
             shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+# What a forkserver imports once, so that each CPU rank starts as a fork of it instead of a fresh
+# interpreter importing torch (about 2 s of CPU per rank on a 2-core host; docs/training.md, "Launcher").
+_PRELOAD = ["torch", "torch.distributed", "shardlab.launch", "shardlab.train.checks", "shardlab.train.loop"]
+
+
+def _rank_context(device: str):
+    """CPU ranks: a forkserver with torch and shardlab preloaded (it imports but never computes, so
+    no thread pool is forked); CUDA ranks: "spawn", a fresh interpreter each (a CUDA context never
+    crosses a fork)."""
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not cpu or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 _SECONDARY = ("Connection closed by peer", "remote worker", "Connection reset", "Timed out", "timed out")

@@ -34,7 +34,7 @@ def _child(method: str, nproc: int, launches: int) -> None:
 
     from shardlab import launch
     if method == "spawn":
-        launch._rank_context = lambda device: mp.get_context("spawn")
+        launch.rank_context = lambda device: mp.get_context("spawn")
     times = []
     for _ in range(launches):
         t0 = time.perf_counter()

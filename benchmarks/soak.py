@@ -77,17 +77,29 @@ class Injector:
 
 
 def _children() -> list[int]:
-    me, out = os.getpid(), []
+    """Processes descended from this one, less its own multiprocessing helpers (the resource
+    tracker and the forkserver, whose children, the ranks it forked, do count)."""
+    parent, cmd = {}, {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 stat = Path(f"/proc/{d}/stat").read_text()
+                cmd[int(d)] = Path(f"/proc/{d}/cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-                cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-                if b"resource_tracker" not in cmd and b"multiprocessing.forkserver" not in cmd:  # this process's own helpers
-                    out.append(int(d))
+            parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    server = b"multiprocessing.forkserver import main"  # a forked rank keeps its server's command line
+
+    def helper(pid):
+        return b"resource_tracker" in cmd[pid] or (server in cmd[pid] and server not in cmd.get(parent[pid], b""))
+    out, todo = [], [os.getpid()]
+    while todo:
+        me = todo.pop()
+        for pid, pp in parent.items():
+            if pp == me:
+                todo.append(pid)
+                if not helper(pid):
+                    out.append(pid)
     return out
 
 

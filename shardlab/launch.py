@@ -1,4 +1,4 @@
-"""Starting ranks: local spawn (CPU gloo, N ranks sharing one GPU, NCCL one rank per GPU) and the
+"""Starting ranks: local ranks (CPU gloo, N ranks sharing one GPU, NCCL one rank per GPU) and the
 torchrun contract; with cli.py, the only module that reads environment variables. ``run(fn, nproc,
 *args, plan=...)`` calls ``fn(ctx, *args)`` on every rank with a :class:`RankContext` (``ctx.plan``:
 the run plan, train/plan.py) and returns the results in rank order; a rank that raises or dies
@@ -6,7 +6,6 @@ stops the others at once (:class:`WorkerError`, never a hang). Under torchrun it
 Docs: docs/training.md, "Launcher"."""
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import pickle
@@ -14,15 +13,14 @@ import queue as queue_mod
 import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .distributed.heap import set_mmap_threshold
+from .launch_procs import die_with_parent, enter_rank, rank_context, set_pdeathsig  # noqa: F401 (launch's API)
 from .launch_report import report_to
 from .train.plan import RunPlan
 
@@ -101,73 +99,9 @@ def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, 
     return RankContext(rank, world, local_rank, dev, backend, plan)
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _set_pdeathsig() -> bool:
-    """Linux: ask the kernel to SIGKILL this process when its parent dies. False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
-    """In a rank process, first thing: never outlive the launcher ``parent_pid`` (docs/faults.md,
-    "A killed launcher leaves no ranks behind"). Returns the mechanism used (pdeathsig, watchdog)."""
-    # The parent is the launcher, or under a forkserver (_rank_context) the server, which exits when
-    # the launcher does (its pipe from the launcher closes): dying with it is dying with the launcher.
-    parent = os.getppid()
-    if parent != parent_pid and not _alive(parent_pid):
-        os._exit(1)
-    if _set_pdeathsig():
-        if os.getppid() != parent:
-            os._exit(1)
-        return "pdeathsig"
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-    if os.getppid() != parent:
-        os._exit(1)
-    threading.Thread(target=watch, name="shardlab-parent-watchdog", daemon=True).start()
-    return "watchdog"
-
-
-def _let_forkserver_exit() -> None:
-    """In a forkserver's child: close its copy of the server's "alive" pipe, which the server waits
-    on to exit. Then the server exits as soon as the launcher does, and this rank, whose parent it
-    is, dies with it (die_with_parent) instead of keeping the server, and so itself, alive."""
-    from multiprocessing import forkserver
-    server = getattr(forkserver, "_forkserver", None)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None:
-        os.close(fd)
-        server._forkserver_alive_fd = None
-
-
 def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None, plan=None,
             env=None):
-    if env is not None:  # a forkserver's child starts with the server's environment: take the launcher's
-        os.environ.clear()
-        os.environ.update(env)
-        _let_forkserver_exit()
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
+    enter_rank(parent_pid, env)
 
     def body():
         _arm_test_hooks(rank, plan.test_hooks if plan else {})
@@ -229,7 +163,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
             dist.destroy_process_group()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    ctx = _rank_context(device)
+    ctx = rank_context(device)
     results = ctx.Queue()
     fd, store = tempfile.mkstemp(prefix="shardlab-store-")
     os.close(fd)
@@ -273,23 +207,6 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         if ok:
             import shutil
             shutil.rmtree(dump_dir, ignore_errors=True)
-
-
-# What a forkserver imports once, so that each CPU rank starts as a fork of it instead of a fresh
-# interpreter importing torch (about 2 s of CPU per rank on a 2-core host; docs/training.md, "Launcher").
-_PRELOAD = ["torch", "torch.distributed", "shardlab.launch", "shardlab.train.checks", "shardlab.train.loop"]
-
-
-def _rank_context(device: str):
-    """CPU ranks: a forkserver with torch and shardlab preloaded (it imports but never computes, so
-    no thread pool is forked); CUDA ranks: "spawn", a fresh interpreter each (a CUDA context never
-    crosses a fork)."""
-    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if not cpu or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
 
 
 _SECONDARY = ("Connection closed by peer", "remote worker", "Connection reset", "Timed out", "timed out")
@@ -397,7 +314,7 @@ def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None,
     parent = os.getpid()
 
     def child_setup():  # in each rank between fork and exec: die with this launcher (Linux)
-        if _set_pdeathsig() and os.getppid() != parent:
+        if set_pdeathsig() and os.getppid() != parent:
             os._exit(1)
     setup = child_setup if sys.platform.startswith("linux") else None
     elastic_env = dict(TORCHELASTIC_RESTART_COUNT=str(restart_count), TORCHELASTIC_MAX_RESTARTS=str(max_restarts))

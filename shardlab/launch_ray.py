@@ -289,7 +289,7 @@ def run_script(ctx, argv: list[str], cwd: str | None = None) -> int:
     host, port = addr[0]
     env = launch.torchrun_env(ctx.rank, ctx.world_size, port)
     env.update(MASTER_ADDR=host, LOCAL_RANK=str(ctx.local_rank))
-    setup = launch._set_pdeathsig if sys.platform.startswith("linux") else None
+    setup = launch.set_pdeathsig if sys.platform.startswith("linux") else None
     code = subprocess.call([sys.executable, *argv], env=env, preexec_fn=setup,
                            cwd=cwd if cwd and os.path.isdir(cwd) else None)
     if code != 0:

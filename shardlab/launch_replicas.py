@@ -21,7 +21,6 @@ import traceback
 from dataclasses import replace
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from . import launch
 from .distributed.quorum import Lighthouse
@@ -47,12 +46,12 @@ def _ready_path(run_dir: str, pid: int) -> str:
     return os.path.join(run_dir, f"ready-{pid}")
 
 
-def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads, plan):
+def _spare(inbox, run_dir, parent_pid, fn, args, device, timeout_s, threads, plan, env=None):
     """A hot spare (one rank of a spare group): joins its group's world, ``prepared = fn(ctx, *args)``
     (the engine, the data), waits for its assignment ``(replica, gen, ft)``, reports
     ``prepared.run(ft)`` ("ok" or "error") in its result file and ``os._exit``s (no exit handler
     can hang on a peer that is gone)."""
-    launch.die_with_parent(parent_pid)
+    launch.enter_rank(parent_pid, env)
     signal.signal(signal.SIGUSR1, _raise_on_usr1)
     group = inbox.get()
     if group is None:
@@ -101,7 +100,7 @@ class _Pool:
             for i in range(self.K):
                 inbox = self.mpctx.Queue()
                 p = self.mpctx.Process(target=_spare, args=(inbox, self.run_dir, os.getpid(), *self.spec),
-                                       daemon=False)
+                                       kwargs={"env": dict(os.environ)}, daemon=False)
                 p.start()
                 inbox.put((i, self.K, init))
                 group.append((p, inbox))
@@ -148,7 +147,7 @@ def run(fn, n_replicas: int, n_local: int, *args, device: str = "cpu", timeout_s
     plan = replace(plan, transport="process_group") if plan else None
     say = say or (lambda msg: print(msg, flush=True))
     start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
-    mpctx = mp.get_context("spawn")
+    mpctx = launch.rank_context(device)
     run_dir = tempfile.mkdtemp(prefix="shardlab-ft-")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ft_store = dist.PrefixStore("ft/", store)

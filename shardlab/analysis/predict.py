@@ -85,10 +85,12 @@ def reserved(total: float, device: str) -> float:
     return total if device == "cpu" else total * RESERVED_PER_ALLOCATED
 
 
-EMPTY_RANK_CPU = 385 * 2**20
+EMPTY_RANK_CPU = 265 * 2**20
 """Resident bytes of an empty CPU rank (torch 2.13 imported, gloo process groups up, 1 thread, one
 step of a 0.1M-parameter model run), measured on this project's 2-core machines with
-``shardlab memory configs/tiny.toml --nproc 2 --parallel.zero_stage=3`` (384.6-384.7 MiB); that
+``shardlab memory configs/tiny.toml --nproc 2 --parallel.zero_stage=3``: 264.9-265.0 MiB for a
+rank forked from the launcher's forkserver (2026-11-28; the shared libraries' pages count once
+touched); a spawned rank measured 312.6 MiB on the same host, 384.6-384.7 on earlier ones. That
 command measures it again on every run and prints the prediction with the measured value."""
 
 

@@ -134,6 +134,30 @@ def test_short_soak(tmp_path):
             assert f["how"].startswith("sigstop") and float(f["how"].split(":")[1]) < args.timeout, f
 
 
+def _sleep_forever():
+    import time
+    time.sleep(600)
+
+
+def test_soak_counts_a_rank_left_by_the_forkserver():
+    """The soak's orphan count sees a rank the launcher's forkserver forked (a grandchild of this
+    process whose command line is the server's), and not the server itself."""
+    import sys
+    from shardlab import launch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import soak
+    p = launch.rank_context("cpu").Process(target=_sleep_forever, daemon=True)
+    p.start()
+    try:
+        left = soak._children()
+        assert p.pid in left
+        assert not [q for q in left if q != p.pid and b"forkserver" in Path(f"/proc/{q}/cmdline").read_bytes()]
+    finally:
+        p.kill()
+        p.join()
+    assert p.pid not in soak._children()
+
+
 def _reference(ctx, cfg, data_dir, members_by_step):
     """One process, no quorum: step s trains on the samples of the replicas that were live at s
     (their shards of the global batch), the mean over those samples; AdamW, clipping, LR as usual."""

@@ -52,6 +52,8 @@ class Trace:
     """CUDA: max_memory_reserved (0 on CPU)."""
     split: dict = field(default_factory=dict)
     """CPU: RssAnon / RssFile / RssShmem at the end."""
+    baseline_split: dict = field(default_factory=dict)
+    """CPU: RssAnon / RssFile / RssShmem of the empty rank (with ``baseline``)."""
     categories: dict = field(default_factory=dict)
     """With profiling: bytes per torch.profiler category at the last step's allocation peak."""
 
@@ -66,6 +68,9 @@ class Recorder:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.trace.baseline = current_bytes(self.device)
+        if self.device.type == "cpu":
+            st = proc_status()
+            self.trace.baseline_split = {k: st.get(k, 0) for k in ("RssAnon", "RssFile", "RssShmem")}
 
     def _run(self):
         while not self._stop.is_set():

@@ -135,6 +135,10 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["grads"] += _copied_grad_extra(train, el)  # (tp > n_kv_heads) are views of n_slots x
         if p.pp > 1:
             out["buffers"] = _recv_bytes(cfg)
+            if p.microbatches > 1 and not half:  # from the second micro-batch on, autograd's
+                # AccumulateGrad adds each new gradient into p.grad: one parameter's gradient exists
+                # twice for a moment (Megatron-LM's fused accumulation into main_grad makes none)
+                out["bwd_transient"] = float(max((q.numel() for _, q in train), default=0) * el)
         return out
     topo = Topology.from_config(p)
     if p.zero_stage in (1, 2):  # the engine's buffers (zero.flat_groups) and slices (zero.shard_size)

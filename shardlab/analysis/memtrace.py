@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+SPLIT = ("RssAnon", "RssFile", "RssShmem")
+"""The resident set's parts in /proc/self/status: heap (anonymous), libraries (file-backed), shared memory."""
 
 
 def proc_status() -> dict[str, int]:
@@ -70,7 +72,7 @@ class Recorder:
         self.trace.baseline = current_bytes(self.device)
         if self.device.type == "cpu":
             st = proc_status()
-            self.trace.baseline_split = {k: st.get(k, 0) for k in ("RssAnon", "RssFile", "RssShmem")}
+            self.trace.baseline_split = {k: st.get(k, 0) for k in SPLIT}
 
     def _run(self):
         while not self._stop.is_set():
@@ -105,7 +107,7 @@ class Recorder:
             st = proc_status()
             # the kernel's counters lag a little (per-thread batching): the larger of both
             self.trace.peak = max([st.get("VmHWM", 0)] + [b for _, b in self.trace.samples])
-            self.trace.split = {k: st.get(k, 0) for k in ("RssAnon", "RssFile", "RssShmem")}
+            self.trace.split = {k: st.get(k, 0) for k in SPLIT}
         return False
 
 

@@ -8,6 +8,7 @@ import argparse
 from ..analysis.measured_memory import STAGES, formula, measure_run
 
 
+
 def configure(p: argparse.ArgumentParser):
     p.add_argument("config", nargs="?", help="TOML/JSON config (DeepSpeed JSON accepted)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (if the config sets no degrees)")
@@ -101,6 +102,7 @@ def main(args) -> int:
               f"{want.optim / mib:.3f} = {want.model_state / mib:.3f}, ratio {got.total / want.model_state:.3f})")
     kind = "peak RSS (VmHWM)" if results[0][1].device == "cpu" else "max_memory_allocated"
     print(f"peak per rank: predicted (with the measured empty rank) vs measured {kind}, MiB:")
+    from ..analysis.memtrace import SPLIT
     from ..analysis.predict import RESERVED_PER_ALLOCATED, reserved
     peaks = []
     for r, (_, trace) in enumerate(results):
@@ -108,8 +110,10 @@ def main(args) -> int:
         peaks.append(want)
         extra = (f"  reserved {trace.reserved / mib:,.1f} (stated {reserved(want, trace.device) / mib:,.1f}: "
                  f"{RESERVED_PER_ALLOCATED:.2f}x predicted, docs/planner.md)" if trace.reserved else
-                 "  (heap {:,.0f}, libraries {:,.0f}, shared arena {:,.0f})".format(
-                     *(trace.split.get(k, 0) / mib for k in ("RssAnon", "RssFile", "RssShmem"))))
+                 "  (heap {:,.0f}, libraries {:,.0f}, shared arena {:,.0f}; since the empty rank "
+                 "{:+,.1f} / {:+,.1f} / {:+,.1f})".format(
+                     *(trace.split.get(k, 0) / mib for k in SPLIT),
+                     *((trace.split.get(k, 0) - trace.baseline_split.get(k, 0)) / mib for k in SPLIT)))
         print(f"  rank {r}: predicted {want / mib:,.1f}  measured {trace.peak / mib:,.1f}  ratio "
               f"{trace.peak / want:.3f}  empty rank {trace.baseline / mib:,.1f}{extra}")
     if args.categories:

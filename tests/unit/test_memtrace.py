@@ -73,3 +73,16 @@ def test_memory_command_states_reserved_beside_the_cuda_measurement(monkeypatch,
     predicted = float(lines[0].split("predicted ")[1].split()[0].replace(",", ""))
     stated = float(lines[0].split("(stated ")[1].split(":")[0].replace(",", ""))
     assert stated == pytest.approx(predicted * RESERVED_PER_ALLOCATED, abs=0.06)
+
+
+def test_the_empty_rank_is_split_into_heap_libraries_and_shared_memory():
+    """The baseline's parts (what `shardlab memory` subtracts from the end's to say where a run's
+    growth went) add up to the baseline: the kernel's VmRSS is RssAnon + RssFile + RssShmem."""
+    import sys
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/status")
+    from shardlab.analysis.memtrace import SPLIT, Recorder
+    rec = Recorder("cpu")
+    parts = rec.trace.baseline_split
+    assert set(parts) == set(SPLIT) and parts["RssAnon"] > 0 and parts["RssFile"] > 0
+    assert abs(sum(parts.values()) - rec.trace.baseline) <= 1 << 20  # read a moment apart

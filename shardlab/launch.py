@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed.heap import set_mmap_threshold
-from .launch_procs import die_with_parent, enter_rank, rank_context, set_pdeathsig  # noqa: F401 (launch's API)
+from .launch_procs import die_with_parent, let_forkserver_exit, rank_context, set_pdeathsig  # noqa: F401 (launch's API)
 from .launch_report import report_to
 from .train.plan import RunPlan
 
@@ -99,6 +99,22 @@ def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, 
     return RankContext(rank, world, local_rank, dev, backend, plan)
 
 
+def launcher_env() -> dict:
+    """The launcher's environment as it is now, handed to each rank it starts (:func:`enter_rank`)."""
+    return dict(os.environ)
+
+
+def enter_rank(parent_pid: int | None, env: dict | None) -> None:
+    """First thing in a rank process started from :func:`rank_context`: the launcher's environment
+    ``env`` (a forkserver's child starts with the server's), and never outliving the launcher."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+        let_forkserver_exit()
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+
+
 def _worker(rank, world, init_method, device, timeout_s, threads, fn, args, results, parent_pid=None, plan=None,
             env=None):
     enter_rank(parent_pid, env)
@@ -173,7 +189,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here at the end
     procs = [ctx.Process(target=_worker, daemon=False,
                          args=(r, nproc, init_method, device, timeout_s, threads, flight.wrap(fn, dump_dir),
-                               args, results, os.getpid(), plan, dict(os.environ)))
+                               args, results, os.getpid(), plan, launcher_env()))
              for r in range(nproc)]
     for p in procs:
         p.start()

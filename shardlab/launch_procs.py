@@ -1,7 +1,7 @@
 """Rank processes of the local launchers (launch.run, launch_replicas): how they start (a
-forkserver with torch and shardlab preloaded for CPU ranks, a fresh interpreter for CUDA ranks),
-take the launcher's environment, and never outlive the launcher. Docs: docs/training.md,
-"Launcher"; docs/faults.md, "A killed launcher leaves no ranks behind"."""
+forkserver with torch and shardlab preloaded for CPU ranks, a fresh interpreter for CUDA ranks)
+and never outlive the launcher (the environment they take is launch.py's: launch.enter_rank).
+Docs: docs/training.md, "Launcher"; docs/faults.md, "A killed launcher leaves no ranks behind"."""
 from __future__ import annotations
 
 import ctypes
@@ -21,7 +21,7 @@ _PRELOAD = ["torch", "torch.distributed", "shardlab.launch", "shardlab.train.che
 
 def rank_context(device: str):
     """The multiprocessing context rank processes start from (their target calls
-    :func:`enter_rank` with the launcher's pid and environment first). CPU ranks: a forkserver
+    ``launch.enter_rank`` with the launcher's pid and environment first). CPU ranks: a forkserver
     with torch and shardlab preloaded (it imports but never computes, so no thread pool is
     forked); CUDA ranks: "spawn", a fresh interpreter each (a CUDA context never crosses a fork)."""
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -79,7 +79,7 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> str:
     return "watchdog"
 
 
-def _let_forkserver_exit() -> None:
+def let_forkserver_exit() -> None:
     """In a forkserver's child: close its copy of the server's "alive" pipe, which the server waits
     on to exit. Then the server exits as soon as the launcher does, and this rank, whose parent it
     is, dies with it (die_with_parent) instead of keeping the server, and so itself, alive."""
@@ -89,14 +89,3 @@ def _let_forkserver_exit() -> None:
     if fd is not None:
         os.close(fd)
         server._forkserver_alive_fd = None
-
-
-def enter_rank(parent_pid: int | None, env: dict | None) -> None:
-    """First thing in a rank process started from :func:`rank_context`: the launcher's environment
-    ``env`` (a forkserver's child starts with the server's), and never outliving the launcher."""
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-        _let_forkserver_exit()
-    if parent_pid is not None:
-        die_with_parent(parent_pid)

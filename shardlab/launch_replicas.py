@@ -100,7 +100,7 @@ class _Pool:
             for i in range(self.K):
                 inbox = self.mpctx.Queue()
                 p = self.mpctx.Process(target=_spare, args=(inbox, self.run_dir, os.getpid(), *self.spec),
-                                       kwargs={"env": dict(os.environ)}, daemon=False)
+                                       kwargs={"env": launch.launcher_env()}, daemon=False)
                 p.start()
                 inbox.put((i, self.K, init))
                 group.append((p, inbox))

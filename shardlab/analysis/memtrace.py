@@ -69,10 +69,12 @@ class Recorder:
         self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self.trace.baseline = current_bytes(self.device)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # one read: the baseline and its parts at the same moment
             st = proc_status()
+            self.trace.baseline = st.get("VmRSS", 0)
             self.trace.baseline_split = {k: st.get(k, 0) for k in SPLIT}
+        else:
+            self.trace.baseline = current_bytes(self.device)
 
     def _run(self):
         while not self._stop.is_set():

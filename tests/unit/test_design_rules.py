@@ -24,8 +24,7 @@ MODELS_MAY_IMPORT = {
     # function of names and shapes, with no process group (parallel/materialize.py)
     ("models/pretrained.py", "parallel.materialize"),
 }
-ENV_READERS = ("cli.py", "launch.py", "launch_ray.py", "launch_replicas.py", "launch_restart.py", "launch_report.py",
-               "launch_procs.py")
+ENV_READERS = ("cli.py", "launch.py", "launch_ray.py", "launch_replicas.py", "launch_restart.py", "launch_report.py")
 
 
 def _from_module(node: ast.ImportFrom, package: list[str]) -> str:

@@ -75,9 +75,9 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
     ops_block = sum(tr.ops.get(b, 0) for b in blocks) / max(1, len(blocks))
     ew_block = sum(tr.ew_bytes.get(b, 0) for b in blocks) / max(1, len(blocks))
     full_block = max((tr.regions[b] for b in blocks), default=0)
+    from ..parallel.pipeline.stage import holds_ends
     from .shadow import stage_ranges
     ranges = stage_ranges(cfg)
-    end = max(r.stop for r in ranges)
     if p.pp > 1:
         from .plan_pipeline import layout
         owner = layout(cfg).rank_of
@@ -90,7 +90,7 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
         n = len(rng)
         b, w, o, e = n * per_block, n * stash_block, n * ops_block, n * ew_block
         ends[s] = 0
-        for region, here in (("first", rng.start == 0), ("last", rng.stop == end)):
+        for region, here in zip(("first", "last"), holds_ends(ranges, s)):
             if here:
                 ends[s] += tr.regions.get(region, 0)
                 w += tr.wgrad.get(region, 0)
@@ -98,7 +98,7 @@ def compute_chunk_activations(cfg, pp_rank: int = 0, device: str = "cpu") -> dic
                 e += tr.ew_bytes.get(region, 0)
         out[s], stash[s], ops[s], ew[s] = b + ends[s], w, o, e
     out["stash"], out["graph_kept"], out["ops"], out["ew"], out["ends"] = stash, tr.graph_kept, ops, ew, ends
-    owns_loss = any(owner(s) == pp_rank and rng.stop == end for s, rng in enumerate(ranges))
+    owns_loss = any(owner(s) == pp_rank and holds_ends(ranges, s)[1] for s in range(len(ranges)))
     out["recompute"] = full_block if mode in ("full", "op") else 0
     out["logits"] = loss_transient(cfg, tr) if owns_loss else 0  # the stage with the head and loss only
     return {**out, **tr.op_shares(cfg.model.n_layers)}  # the op policy's recomputation (plan_time.py)

@@ -10,6 +10,7 @@ from ..errors import ConfigError
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1", "dualpipev", "dualpipe", "interleaved")
 AC_MODES = ("none", "selective", "op", "full")
+SPLITS = ("balanced", "ends")
 _DP = re.compile(r"^(fsdp|ddp|zero1-|zero2-)(\d+)$")
 _PARTS = [
     (re.compile(r"^rep(\d+)$"), "rep"),
@@ -18,11 +19,13 @@ _PARTS = [
     (re.compile(r"^ep(\d+)(?:-(hier|exact|padded))?$"), "ep"),
     (re.compile(r"^pp(\d+)(?::([a-z0-9-]+?)(?:v(\d+))?)?$"), "pp"),
     (re.compile(r"^(1f1b|gpipe|zb-h1|dualpipev|dualpipe|interleaved)(?::(\d+))?$"), "schedule"),
+    (re.compile(r"^split-([a-z]+)$"), "split"),
     (re.compile(r"^mb(\d+)x(\d+)$"), "mb"),
     (re.compile(r"^ac-([a-z]+)$"), "ac"),
 ]
 HELP = ("write it as shardlab plan prints layouts, e.g. \"fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full\" "
-        "(parts: fsdpN ddpN zero1-N zero2-N repN tpN[sp] cpN[-ulysses] epN[-hier] ppN SCHEDULE[:V] mbBxM ac-MODE)")
+        "(parts: fsdpN ddpN zero1-N zero2-N repN tpN[sp] cpN[-ulysses] epN[-hier] ppN SCHEDULE[:V] split-ends "
+        "mbBxM ac-MODE)")
 
 
 def _bad(part: str, fix: str) -> ConfigError:
@@ -88,6 +91,11 @@ def _set(out: dict, kind: str, m, part: str) -> None:
             _schedule(out, m.group(2), m.group(3), part)
     elif kind == "schedule":
         _schedule(out, m.group(1), m.group(2), part)
+    elif kind == "split":
+        _once(out, "split", part)
+        if m.group(1) not in SPLITS:
+            raise _bad(part, f"the pipeline split is one of {', '.join('split-' + s for s in SPLITS)}")
+        out["split"] = m.group(1)
     elif kind == "mb":
         _once(out, "mb", part)
         out["mb"], out["micro"] = _positive(m.group(1), part), _positive(m.group(2), part)
@@ -138,6 +146,7 @@ def apply_layout(base, spec: dict, gpus: int, compile_: bool = False, batch_give
     if p.pp == 1 and sched != "1f1b":
         raise _bad(sched, "a schedule needs a ppN part (pipeline stages >= 2)")
     p.pp_schedule, p.pp_virtual = sched, spec.get("virtual", 1)
+    p.pp_split = spec.get("split", "balanced")
     if "mb" in spec:
         gb = spec["mb"] * spec["micro"] * p.dp
         if t.global_batch != gb and batch_given:

@@ -14,6 +14,7 @@ import torch
 from ..distributed.topology import Topology
 from ..parallel.fsdp import FSDPEngine, unit_params, wrap_policy
 from ..parallel.pipeline.sharded import shard_group
+from ..parallel.pipeline.stage import holds_ends
 from ..parallel.zero import ZeroEngine, decay_groups, flat_groups, shard_size
 
 ELEM = {"fp64": 8}
@@ -76,11 +77,10 @@ def local_model_for(cfg, pp_rank: int):
     cfg_json = _canonical(flat)
     model, spec = _local_inventory(cfg_json, cfg_json, 0)
     ranges, owner = stage_ranges(cfg), layout(cfg).rank_of
-    end = max(r.stop for r in ranges)
-    mine = [r for s, r in enumerate(ranges) if owner(s) == pp_rank]
-    layers = {f"layers.{i}." for r in mine for i in r}
-    ends = (tuple(spec.pp_first or ()) if any(r.start == 0 for r in mine) else ()) \
-        + (tuple(spec.pp_last) if any(r.stop == end for r in mine) else ())
+    mine = [s for s in range(len(ranges)) if owner(s) == pp_rank]
+    layers = {f"layers.{i}." for s in mine for i in ranges[s]}
+    ends = (tuple(spec.pp_first or ()) if any(holds_ends(ranges, s)[0] for s in mine) else ()) \
+        + (tuple(spec.pp_last) if any(holds_ends(ranges, s)[1] for s in mine) else ())
     ends = tuple(f"{n}." for n in ends)
     kept = [(n, q) for n, q in model.named_parameters()
             if (n.startswith("layers.") and n[:n.index(".", 7) + 1] in layers) or n.startswith(ends)]

@@ -41,6 +41,8 @@ def layout_label(cfg) -> str:
                          + ("-hier" if name == "ep" and p.ep_dispatch == "hierarchical" else ""))
     if p.pp > 1:
         parts.append(f"pp{p.pp}:{p.pp_schedule}" + (f"v{p.pp_virtual}" if p.pp_virtual > 1 else ""))
+        if p.pp_split != "balanced":
+            parts.append(f"split-{p.pp_split}")
     mb = cfg.train.global_batch // p.dp // p.microbatches
     parts.append(f"mb{mb}x{p.microbatches}")
     if p.activation_checkpointing != "none":

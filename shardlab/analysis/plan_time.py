@@ -46,11 +46,11 @@ def busiest_share(cfg) -> float:
         return 1.0
     head = 6.0 * m.vocab_size * m.d_model
     block = (spec.flops_per_token(m, cfg.train.seq_len) - head) / m.n_layers
+    from ..parallel.pipeline.stage import holds_ends
     ranges, own = stage_ranges(cfg), layout(cfg).rank_of
-    end = max(r.stop for r in ranges)
     load: dict = {}
     for stage, r in enumerate(ranges):
-        load[own(stage)] = load.get(own(stage), 0.0) + len(r) * block + (head if r.stop == end else 0.0)
+        load[own(stage)] = load.get(own(stage), 0.0) + len(r) * block + (head if holds_ends(ranges, stage)[1] else 0.0)
     return max(load.values()) * cfg.parallel.pp / sum(load.values())
 
 

@@ -248,16 +248,16 @@ def _stages(cfg, device: str, which=None) -> dict:
     if p.pp == 1:
         return {0: stage_memory(cfg, 0, device)}
     from ..models.spec import get_spec
+    from ..parallel.pipeline.stage import holds_ends
     from .plan_activations import activations
     from .plan_pipeline import layout
     ranges = stage_ranges(cfg)
-    end = max(r.stop for r in ranges)
     owner = layout(cfg).rank_of
     every = cfg.model.moe_every if cfg.model.n_experts else 1
     lm = get_spec(cfg.model).task == "lm"
     done, out = {}, {}
     for r in (range(p.pp) if which is None else which):
-        sig = tuple((len(ranges[s]), ranges[s].start == 0, ranges[s].stop == end,
+        sig = tuple((len(ranges[s]), *holds_ends(ranges, s),
                      tuple(i % every for i in ranges[s])) for s in range(len(ranges)) if owner(s) == r)
         if sig not in done:
             done[sig] = stage_memory(cfg, r, device)

@@ -90,7 +90,7 @@ def local_model(cfg, rank: int = 0, dtype=torch.float32) -> nn.Module:
         from .plan_pipeline import layout
         sched = layout(cfg)
         model, _, _ = split_model(model, spec, mesh.local_rank("pp"), p.pp, sched.v, owner=sched.rank_of,
-                                  dual=sched.layout == "dual")
+                                  dual=sched.layout == "dual", split=p.pp_split)
     return model
 
 
@@ -101,17 +101,17 @@ def stage_ranges(cfg) -> list[range]:
     if p.pp == 1:
         return [range(cfg.model.n_layers)]
     from .plan_pipeline import layout, n_parts
-    ranges = list(_ranges(tuple(sorted(vars(cfg.model).items())), n_parts(cfg)))
+    ranges = list(_ranges(tuple(sorted(vars(cfg.model).items())), n_parts(cfg), p.pp_split))
     return ranges + ranges if layout(cfg).layout == "dual" else ranges
 
 
 @functools.lru_cache(maxsize=64)
-def _ranges(model_items: tuple, n_stages: int) -> tuple:
+def _ranges(model_items: tuple, n_stages: int, split: str = "balanced") -> tuple:
     from ..config import ModelConfig
     from ..models.spec import get_spec, meta_model
     from ..parallel.pipeline.stage import model_partition
     mc = ModelConfig(**dict(model_items))
-    return tuple(model_partition(meta_model(mc), get_spec(mc), n_stages))
+    return tuple(model_partition(meta_model(mc), get_spec(mc), n_stages, split))
 
 
 # -- what autograd saves -------------------------------------------------------------------------

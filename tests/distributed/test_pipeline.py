@@ -58,7 +58,7 @@ def pipeline_step(mesh, cfg, dp, dp_rank):
     return engine, loss, grads, norm
 
 
-def _worker(ctx, topo_list, combos, n_layers):
+def _worker(ctx, topo_list, combos, n_layers, split="balanced"):
     out = []
     for topo_kw in topo_list:
         topo = Topology(**topo_kw)
@@ -70,6 +70,7 @@ def _worker(ctx, topo_list, combos, n_layers):
             cfg = tiny_cfg(n_layers)
             p = cfg.parallel
             p.pp, p.dp_shard, p.pp_schedule, p.microbatches, p.pp_virtual = topo.pp, dp, sched, m, v
+            p.pp_split = split
             cfg.train.global_batch = m * dp
             cfg.validate(ctx.world_size)
             ref_loss, ref_grads, ref_norm = reference(cfg, cfg.train.global_batch)
@@ -78,6 +79,7 @@ def _worker(ctx, topo_list, combos, n_layers):
             out.append(dict(topo=topo.describe(), sched=sched, m=m, v=v, names=sorted(grads),
                             loss_err=abs(loss - ref_loss), grad_err=err, norm_err=abs(norm - ref_norm),
                             sent=mesh.ledger.total_sent("pp", "send"),
+                            ranges=[(r.start, r.stop) for r in engine.ranges],
                             timeline=[len(tl) for tl in engine.gather_timeline()]))
             mesh.ledger.reset()
     return out
@@ -167,6 +169,53 @@ def _worker_two(ctx, combos, pp2dp2):
     cp = _worker_3d(ctx, [("1f1b", 2, 1, False), ("zb-h1", 2, 1, False)], dict(pp=2, cp=2))
     return (_worker(ctx, [dict(pp=4)], combos, 8) + _worker(ctx, [dict(pp=2, dp_shard=2)], pp2dp2, 8)
             + [dict(r, topo="pp2cp2") for r in cp])
+
+
+def test_pipeline_parity_ends_split():
+    """Llama 3's split (parallel.pp_split = ends): the first stage holds only the embedding, the
+    last only the norm, head and loss; loss and every gradient equal the single process's, the
+    stages together hold every parameter, and the extra boundaries carry their activations."""
+    pp2 = [("interleaved", 2, 2), ("interleaved", 4, 2)]
+    pp4 = [("1f1b", 4, 1), ("zb-h1", 8, 1), ("interleaved", 4, 2)]
+    results = run(_worker_ends, 4, pp2, pp4, timeout_s=240)
+    by_combo = _check(results, 8)
+    assert len(by_combo) == 5
+    for r in results[0]:  # the ends hold no layer; the 8 layers fill the stages between
+        stages = r["ranges"]
+        assert stages[0] == (0, 0) and stages[-1] == (8, 8), r
+        assert [a for a, _ in stages[1:-1]] == [0] + [b for _, b in stages[1:-2]] and stages[-2][1] == 8, r
+    # bytes: every micro-batch crosses each of the pp*v - 1 boundaries once each way (the ends'
+    # boundaries included), in each of the data-parallel replicas
+    act = 1 * 16 * 32 * 8  # micro-batch x seq x d_model x float64, as test_pipeline_parity_pp2
+    sent = {}
+    for rank in results:
+        for r in rank:
+            sent[(r["topo"], r["sched"], r["m"], r["v"])] = sent.get((r["topo"], r["sched"], r["m"], r["v"]), 0) + r["sent"]
+    for (topo, sched, m, v), total in sent.items():
+        pp, replicas = (2, 2) if "dp_shard=2" in topo else (4, 1)
+        assert total == act * m * (pp * v - 1) * 2 * replicas, (topo, sched, m, total)
+
+
+def _worker_ends(ctx, pp2, pp4):
+    """pp 2 x dp 2 (interleaved: 4 stages, 2 of them the ends) and pp 4 on the same 4 ranks."""
+    return (_worker(ctx, [dict(pp=2, dp_shard=2)], pp2, 8, split="ends")
+            + _worker(ctx, [dict(pp=4)], pp4, 8, split="ends"))
+
+
+def test_ends_split_refused_where_it_cannot_cut():
+    from shardlab.errors import ConfigError
+    cfg = tiny_cfg(4)
+    cfg.parallel.pp, cfg.parallel.microbatches, cfg.parallel.pp_split = 2, 2, "ends"
+    with pytest.raises(ConfigError, match="pp_split.*pp\\*pp_virtual >= 3"):
+        cfg.validate(2)
+    cfg = tiny_cfg(1)
+    cfg.parallel.pp, cfg.parallel.microbatches, cfg.parallel.pp_split = 4, 4, "ends"
+    with pytest.raises(ConfigError, match="1 layers cannot fill the 2 stages between the ends"):
+        cfg.validate(4)
+    cfg = tiny_cfg(4)
+    cfg.parallel.pp_split = "ends"
+    with pytest.raises(ConfigError, match="use it with pp > 1"):
+        cfg.validate(1)
 
 
 def test_schedule_refused_before_running():

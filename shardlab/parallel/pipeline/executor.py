@@ -323,7 +323,7 @@ def apply(model: nn.Module, mesh, cfg, spec, materialize=None, make_engine=None)
     check_p2p_order(engine_sched)
     dual = engine_sched.layout == "dual"
     model, chunks, ranges = split_model(model, spec, mesh.local_rank("pp"), p.pp, engine_sched.v,
-                                        owner=engine_sched.rank_of, dual=dual)
+                                        owner=engine_sched.rank_of, dual=dual, split=p.pp_split)
     mark_pipeline_placements(model)
     if materialize is not None:
         materialize(model)

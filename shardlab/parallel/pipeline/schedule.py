@@ -101,10 +101,21 @@ def check_config(cfg) -> None:
             "virtual stages > 1 need pp_schedule = 'interleaved'")
     require(not p.pp_overlap or (p.pp > 1 and p.pp_schedule in LAYOUT), "parallel.pp_overlap",
             "the F&B overlap pairs DualPipe's forwards and backwards; use pp > 1 with pp_schedule = dualpipe or dualpipev")
+    require(p.pp > 1 or p.pp_split == "balanced", "parallel.pp_split",
+            "ends cuts the model into pipeline stages; use it with pp > 1 or leave pp_split = 'balanced'")
     if p.pp == 1:
         return
-    require(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",
-            f"{m.n_layers} layers cannot fill pp*pp_virtual={p.pp * p.pp_virtual} stages; lower pp or add layers")
+    if p.pp_split == "ends":
+        require(p.pp_schedule not in LAYOUT, "parallel.pp_split",
+                f"{p.pp_schedule} runs each part of the model twice; use pp_split = 'balanced' with it")
+        require(p.pp * p.pp_virtual >= 3, "parallel.pp_split",
+                "ends gives the embedding and the head stages of their own and needs pp*pp_virtual >= 3 stages")
+        require(m.n_layers >= p.pp * p.pp_virtual - 2, "parallel.pp",
+                f"{m.n_layers} layers cannot fill the {p.pp * p.pp_virtual - 2} stages between the ends; "
+                "lower pp or pp_virtual, or add layers")
+    else:
+        require(m.n_layers >= p.pp * p.pp_virtual, "parallel.pp",
+                f"{m.n_layers} layers cannot fill pp*pp_virtual={p.pp * p.pp_virtual} stages; lower pp or add layers")
     require(p.microbatches >= p.pp, "parallel.microbatches",
             f"{p.microbatches} micro-batches for pp={p.pp} stages leaves stages idle; use >= {p.pp}")
     if p.pp_schedule == "interleaved":

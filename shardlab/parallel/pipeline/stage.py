@@ -3,7 +3,8 @@
 Partition. ``pp * v`` stages, each a contiguous run of layers (at least one), chosen to
 minimise the largest stage parameter count (exact dynamic programme); stage 0 also counts the
 embedding, the last stage the final norm and the output head (and computes the loss). Uneven
-layer counts are allowed. Stage ``s`` lives on pipeline rank ``s % pp`` (round-robin chunks
+layer counts are allowed. With ``parallel.pp_split = ends`` (Llama 3's layout) the first stage
+holds only the embedding and the last only the head, and the layers fill the stages between. Stage ``s`` lives on pipeline rank ``s % pp`` (round-robin chunks
 for the interleaved schedule).
 
 The rank keeps ONE model module holding all its layers under their global names
@@ -65,12 +66,29 @@ def _numel(mod) -> int:
     return sum(p.numel() for p in mod.parameters()) if mod is not None else 0
 
 
-def model_partition(model: nn.Module, spec, n_stages: int) -> list[range]:
-    """Layer ranges of every stage of ``model`` (balanced by parameter count)."""
+def model_partition(model: nn.Module, spec, n_stages: int, split: str = "balanced") -> list[range]:
+    """Layer ranges of every stage of ``model``: balanced by parameter count, or (``split`` ends,
+    Llama 3's) an empty first stage holding only the embedding, an empty last one holding only
+    the head, and the layers balanced over the stages between (``holds_ends``)."""
     sizes = [_numel(model.layers[str(i)]) for i in range(len(model.layers))]
+    if split == "ends":
+        n = len(sizes)
+        return [range(0, 0)] + partition(sizes, n_stages - 2) + [range(n, n)]
     first = sum(_numel(getattr(model, n)) for n in spec.pp_first)
     last = sum(_numel(getattr(model, n)) for n in spec.pp_last)
     return partition(sizes, n_stages, first, last)
+
+
+def holds_ends(ranges: list[range], stage: int) -> tuple[bool, bool]:
+    """(embedding, head): whether ``stage`` holds the model's first modules and its last ones.
+    The stage starting at layer 0 holds the embedding, the one ending at the last layer the head;
+    where the split gives them stages of their own (empty ranges at either end), only those."""
+    end = max(r.stop for r in ranges)
+    r = ranges[stage]
+    own_first = any(x.start == x.stop == 0 for x in ranges)
+    own_last = any(x.start == x.stop == end for x in ranges)
+    return (r.start == 0 and (r.stop == 0 or not own_first),
+            r.stop == end and (r.start == end or not own_last))
 
 
 def _view(model: nn.Module, spec, layers: range, first: bool, last: bool) -> nn.Module:
@@ -94,18 +112,19 @@ def stage_views(model: nn.Module, spec, ranges: list[range], stages: list[int]) 
     """{stage: view} over ``model``'s current modules (call again after wrapping blocks). A stage
     starting at layer 0 holds the embedding, one ending at the last layer the head (dualpipe:
     two stage ids per range)."""
-    end = max(r.stop for r in ranges)
-    return {s: _view(model, spec, ranges[s], ranges[s].start == 0, ranges[s].stop == end) for s in stages}
+    return {s: _view(model, spec, ranges[s], *holds_ends(ranges, s)) for s in stages}
 
 
-def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1, owner=None, dual: bool = False):
+def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1, owner=None, dual: bool = False,
+                split: str = "balanced"):
     """Keep only this rank's parts of ``model`` (in place). Returns (the rank's module with
     global names, {stage: chunk view}, the layer ranges of all stages). ``owner(stage)``: the
     rank of a stage (default round-robin ``stage % pp``; DualPipeV's V: schedule.rank_of).
     ``dual`` (DualPipe): the model is cut into ``pp`` parts and stage ids ``pp + k`` run part
-    ``k`` again (the second direction), so ranks r and pp-1-r both hold parts r and pp-1-r."""
+    ``k`` again (the second direction), so ranks r and pp-1-r both hold parts r and pp-1-r.
+    ``split``: model_partition's."""
     n_stages = pp * v
-    ranges = model_partition(model, spec, pp if dual else n_stages)
+    ranges = model_partition(model, spec, pp if dual else n_stages, split)
     if dual:
         ranges = ranges + ranges
     owner = owner or (lambda s: s % pp)
@@ -114,8 +133,8 @@ def split_model(model: nn.Module, spec, pp_rank: int, pp: int, v: int = 1, owner
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
-    owns_first = any(ranges[s].start == 0 for s in mine)
-    owns_last = any(ranges[s].stop == ranges[-1].stop for s in mine)
+    owns_first = any(holds_ends(ranges, s)[0] for s in mine)
+    owns_last = any(holds_ends(ranges, s)[1] for s in mine)
     chunks = stage_views(model, spec, ranges, mine)
     for name in (() if owns_first else spec.pp_first) + (() if owns_last else spec.pp_last):
         setattr(model, name, None)

@@ -96,6 +96,7 @@ def enumerate_layouts(base, gpus: int, gpus_per_node: int, fixed: dict | None = 
                                 p.cp_ulysses = 2 if cp_impl == "unified" else 1
                                 p.dp_replicate, p.dp_shard = rep, dp // rep
                                 p.pp_schedule, p.pp_virtual, p.microbatches = sched, v, micro
+                                p.pp_split = fixed.get("pp_split", "balanced") if pp > 1 else "balanced"
                                 p.activation_checkpointing = ac
                                 p.sequence_parallel = tp > 1 and t.seq_len % tp == 0 and not m.n_experts
                                 try:

@@ -36,6 +36,9 @@ def configure(p):
     p.add_argument("--zero", type=int, default=-1, help="fix parallel.zero_stage (0-3)")
     p.add_argument("--schedule", default="", help="fix parallel.pp_schedule")
     p.add_argument("--ac", default="", help="fix parallel.activation_checkpointing (none, selective, op, full)")
+    p.add_argument("--pp-split", default="", choices=("", "balanced", "ends"),
+                   help="the pipeline layouts' split (parallel.pp_split): balanced (the search's default) or ends "
+                        "(Llama 3's: the embedding and the head in stages of their own)")
     p.add_argument("--layout", default="", help="evaluate one pinned layout instead of searching, written as the "
                    "table prints it: \"fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full\" (analysis/plan_layout.py)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (fused elementwise work)")
@@ -119,6 +122,8 @@ def main(args) -> int:
         fixed["schedule"] = args.schedule
     if args.ac:
         fixed["ac"] = args.ac
+    if args.pp_split:
+        fixed["pp_split"] = args.pp_split
     features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks",
                                        "foreach_adamw", "megatron_tp_overlap", "half_params")
                      if getattr(args, name, False))
@@ -126,7 +131,7 @@ def main(args) -> int:
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):
         if fixed:
-            raise ConfigError("--layout", f"give {', '.join('--' + k for k in fixed)} inside --layout, not beside it")
+            raise ConfigError("--layout", f"give {', '.join('--' + k.replace('_', '-') for k in fixed)} inside --layout, not beside it")
         if getattr(args, "compare", ""):
             raise ConfigError("--compare", "goes with a search, not with --layout; drop one of them")
         return _pinned(base, args, dev, eta, t0, features)

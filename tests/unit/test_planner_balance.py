@@ -64,3 +64,24 @@ def test_the_step_runs_at_the_busiest_rank(monkeypatch):
     assert real["bubble"] == pytest.approx(even["bubble"] + (share - 1) * span, rel=1e-9)
     assert real["step_s"] - even["step_s"] == pytest.approx((share - 1) * span, rel=1e-9)
     assert span > even["compute"]  # its exposed TP communication and stage-boundary sends count too
+
+
+def test_llama3_split_gives_the_ends_stages_of_their_own():
+    """Llama 3's split (split-ends) on 16 ranks x 8 virtual stages: the 126 layers one a chunk, the
+    first chunk only the embedding, the last only the head; rank 15 carries 7 blocks and the head,
+    ranks 1-14 eight blocks, which bound the pipeline."""
+    cfg = _cfg("fsdp64 tp8sp pp16 interleaved:8 split-ends mb1x32", 8192)
+    ranges = stage_ranges(cfg)
+    assert len(ranges) == 128 and (ranges[0].start, ranges[0].stop) == (0, 0)
+    assert (ranges[-1].start, ranges[-1].stop) == (126, 126) and all(len(r) == 1 for r in ranges[1:-1])
+    block, head = _flops(cfg.model, 8192)
+    mean = (126 * block + head) / 16
+    assert busiest_share(cfg) == pytest.approx(8 * block / mean, rel=1e-9)
+    from shardlab.analysis.predict import _stages
+    st = _stages(cfg, "h100", [0, 7, 15])  # the embedding's rank, a middle one, the head's
+    m = cfg.model
+    layer = 2 * m.d_model ** 2 + 2 * m.d_model * m.n_kv_heads * (m.d_model // m.n_heads) + 3 * m.d_model * m.ffn_hidden
+    emb = m.vocab_size * m.d_model  # the head's matrix is as large; the norms are d_model each
+    per = st[7]["params"] / (8 * layer + 8 * 2 * m.d_model)  # bytes of model state a parameter, from rank 7
+    assert st[0]["params"] == pytest.approx(per * (7 * layer + 7 * 2 * m.d_model + emb), rel=1e-4)  # shard rounding
+    assert st[15]["params"] == pytest.approx(per * (7 * layer + 7 * 2 * m.d_model + emb + m.d_model), rel=1e-4)

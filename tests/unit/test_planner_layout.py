@@ -39,6 +39,7 @@ def test_parse_the_issue_layout():
     "rep4 fsdp8 tp8sp mb1x2",
     "zero1-16 tp8sp pp8:zb-h1 mb1x16 ac-selective",
     "ddp64 tp8 cp2-ulysses mb1x1",
+    "fsdp64 tp8sp pp16:interleavedv8 split-ends mb1x32",
 ])
 def test_printed_labels_parse_back_to_the_same_layout(label):
     """Every label the search prints is a valid --layout (the 405B on 8,192 GPUs, 126 layers:
@@ -60,6 +61,9 @@ def test_printed_labels_parse_back_to_the_same_layout(label):
     ("fsdp8 ac-sometimes", 8, "ac-none, ac-selective, ac-op, ac-full"),
     ("fsdp8 tp3", 24, "parallel.tp"),
     ("fsdp8 tp0", 8, "'tp0'"),
+    ("fsdp4 pp2 split-middle mb1x2", 8, "split-balanced, split-ends"),
+    ("fsdp4 pp2 split-ends mb1x2", 8, "pp*pp_virtual >= 3"),
+    ("fsdp8 split-ends", 8, "use it with pp > 1"),
 ])
 def test_bad_layouts_are_one_line_naming_the_part_exit_2(capsys, layout, gpus, part):
     assert main(["plan", "llama-405b", "--gpus", str(gpus), "--layout", layout]) == 2
@@ -97,6 +101,19 @@ def test_search_offers_uneven_interleaved_splits():
                                                         "zero": 3, "ac": "full"})}
     assert {v for v, _ in found} == {2, 4} and 126 % (8 * 2) and 126 % (8 * 4)
     assert {m for _, m in found} == {8, 16, 32}  # micro-batches of 4, 2 and 1 sequence (8 would leave 4 < pp)
+
+
+def test_search_keeps_the_split_it_is_given():
+    """--pp-split ends: every pipelined layout the search offers has the embedding and the head in
+    stages of their own (pp x v >= 3; pp 2 with 1F1B cannot, and is not offered); unfixed, none."""
+    base = _base()
+    base.train.global_batch = 256
+    fixed = {"tp": 8, "cp": 1, "zero": 3, "ac": "full", "mb": 1}
+    ends = [c.parallel for c in enumerate_layouts(base, 512, 8, {**fixed, "pp_split": "ends"}) if c.parallel.pp > 1]
+    plain = [c.parallel for c in enumerate_layouts(base, 512, 8, fixed) if c.parallel.pp > 1]
+    assert ends and all(p.pp_split == "ends" and p.pp * p.pp_virtual >= 3 for p in ends)
+    assert {(p.pp, p.pp_schedule) for p in plain} >= {(2, "1f1b")} and not any(p.pp == 2 and p.pp_virtual == 1 for p in ends)
+    assert all(p.pp_split == "balanced" for p in plain)
 
 
 def test_every_heldout_run_is_expressible():

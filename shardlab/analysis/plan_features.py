@@ -181,14 +181,16 @@ def torch_cp_elements(cfg) -> float:
 def torch_cp_costs(r: int, elements: float, t_attn_block: float, ag_s: float, dkv_s: float, hbm: float) -> dict:
     """Per block and micro-batch of PyTorch's ring over ``r`` ranks: the seconds its all-gather of
     K/V (``ag_s``, issued with the first chunk's kernel and waited before the second) and its
-    per-step fp32 dK/dV exchange (``dkv_s``, behind the next step's kernel) leave exposed in one
-    forward and in the backward, and the seconds of its eager traffic (:data:`TORCH_CP_BYTES` per
+    per-step fp32 dK/dV exchange (``dkv_s``: the r - 1 sent before a later step's kernel are behind
+    it; the last, sent after the last kernel to bring each rank's dK/dV home, is waited after the
+    loop with no kernel behind it, so exposed whole) leave exposed in one forward and in the
+    backward, and the seconds of its eager traffic (:data:`TORCH_CP_BYTES` per
     query element, :func:`torch_cp_elements`) at ``hbm`` bytes/s. ``t_attn_block``: the block's
     attention forward + backward seconds (the backward 2.5 x the forward); each of the ``r`` steps
     computes 1/r of it (load-balanced)."""
     fwd_step, bwd_step = t_attn_block / 3.5 / r, t_attn_block * 2.5 / 3.5 / r
     return {"fwd_exposed": max(0.0, ag_s - fwd_step),
-            "bwd_exposed": max(0.0, ag_s - bwd_step) + (r - 1) * max(0.0, dkv_s - bwd_step),
+            "bwd_exposed": max(0.0, ag_s - bwd_step) + (r - 1) * max(0.0, dkv_s - bwd_step) + dkv_s,
             "fwd_traffic": torch_cp_fwd_bytes(r) * elements / hbm, "bwd_traffic": torch_cp_bwd_bytes(r) * elements / hbm}
 
 

@@ -3,7 +3,8 @@
 backward from torch.distributed.tensor.experimental run on r gloo ranks (load-balanced, fp32
 merges, K/V gathered with the default all-gather rotation) with a stand-in attention kernel, every
 other aten operator counted by the bytes it reads and writes (views 0, in-place ops their
-operands). The planner prices the ring's last rank, whose every step is a full merge."""
+operands). The planner prices the ring's last rank, whose every step is a full merge. The order of
+the backward's kernels and exchanges shows which exchange has no kernel behind it."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,10 +21,12 @@ class _Bytes(TorchDispatchMode):
 
     def __init__(self, inside):
         super().__init__()
-        self.inside, self.bytes = inside, 0
+        self.inside, self.bytes, self.events = inside, 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional":
+            self.events.append(func.overloadpacket.__name__)
         if self.inside["kernel"] or func.namespace == "_c10d_functional":
             return out
         name = func.overloadpacket.__name__
@@ -53,6 +56,7 @@ def _worker(ctx, tokens: int, heads: int, head_dim: int):
         return out
 
     def kernel_backward(query, key, value, out, logsumexp, is_causal=None, **_):
+        bwd.events.append("kernel")
         inside["kernel"] = True
         grads = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         inside["kernel"] = False
@@ -60,18 +64,32 @@ def _worker(ctx, tokens: int, heads: int, head_dim: int):
 
     with _Bytes(inside) as fwd:
         out, lse = ring._templated_ring_attention(dist.group.WORLD, 2, kernel, q, k, v, is_causal=True)
-    with _Bytes(inside) as bwd:
+    bwd = _Bytes(inside)
+    with bwd:
         ring._templated_ring_attention_backward(dist.group.WORLD, 2, kernel_backward, grad_out=grad_out,
                                                 grad_out_name="grad_out", query=q, key=k, value=v, out=out,
                                                 logsumexp=lse, is_causal=True)
-    return fwd.bytes / q.numel(), bwd.bytes / q.numel()
+    return fwd.bytes / q.numel(), bwd.bytes / q.numel(), bwd.events
 
 
 @pytest.mark.parametrize("r", [2, 4])
 def test_torch_ring_moves_the_priced_bytes(r):
     got = run(_worker, r, 64, 4, 128, timeout_s=180)
-    fwd, bwd = got[-1]
+    fwd, bwd, events = got[-1]
     # the log-sum-exp's own traffic (one value per 128 head elements) is not priced: within 2%
     assert fwd == pytest.approx(torch_cp_fwd_bytes(r), rel=0.02), (fwd, torch_cp_fwd_bytes(r))
     assert bwd == pytest.approx(torch_cp_bwd_bytes(r), rel=0.02), (bwd, torch_cp_bwd_bytes(r))
-    assert all(f <= fwd + 1e-9 for f, _ in got)  # the last rank is the busiest (others merge half blocks)
+    assert all(f <= fwd + 1e-9 for f, _, _ in got)  # the last rank is the busiest (others merge half blocks)
+    # the backward: r kernels; the dK/dV exchange (all_to_all_single) sent after each; each of the first
+    # r - 1 waited after the next kernel, the last (home to its owner) waited with no kernel behind it
+    # (plan_features.torch_cp_costs prices that one exposed)
+    order = [e for e in events if e in ("all_gather_into_tensor", "kernel", "all_to_all_single", "wait_tensor")]
+    assert order[0] == "all_gather_into_tensor" and order[1] == "kernel", order  # K/V gathered behind kernel 0
+    first_wait = order.index("wait_tensor")
+    assert order[1:first_wait].count("kernel") == 1, order
+    rest = order[1:first_wait] + order[first_wait + 1:]  # the dK/dV exchanges' waits come in their order
+    sends = [i for i, e in enumerate(rest) if e == "all_to_all_single"]
+    waits = [i for i, e in enumerate(rest) if e == "wait_tensor"]
+    assert rest.count("kernel") == r and len(sends) == len(waits) == r, order
+    behind = [rest[s:w].count("kernel") for s, w in zip(sends, waits)]
+    assert behind == [1] * (r - 1) + [0], (behind, order)

@@ -52,6 +52,8 @@ LAYOUTS: dict[str, tuple[dict, dict, str]] = {
     "pp2-1f1b": ({"pp": 2, "pp_schedule": "1f1b", "microbatches": 4}, UNTIED, "dp_replicate"),
     "pp2-interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2, "microbatches": 4}, UNTIED,
                         "dp_replicate"),
+    "pp2-interleaved-ends": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2, "pp_split": "ends",
+                              "microbatches": 4}, UNTIED, "dp_replicate"),
     "pp2-zb": ({"pp": 2, "pp_schedule": "zb-h1", "microbatches": 4}, UNTIED, "dp_replicate"),
     "pp2-fsdp": ({"pp": 2, "zero_stage": 3, "microbatches": 4}, UNTIED, "dp_shard"),
     "pp2-fsdp-zb": ({"pp": 2, "zero_stage": 3, "pp_schedule": "zb-h1", "microbatches": 4}, UNTIED, "dp_shard"),
@@ -146,7 +148,8 @@ def describe(cfg: C.Config) -> str:
     p = cfg.parallel
     extra = [f"zero{p.zero_stage}" if p.zero_stage else "", "sp" if p.sequence_parallel else "",
              f"ac-{p.activation_checkpointing}" if p.activation_checkpointing != "none" else "",
-             p.pp_schedule if p.pp > 1 else "", f"m{p.microbatches}" if p.microbatches > 1 else "",
+             p.pp_schedule if p.pp > 1 else "", "split-ends" if p.pp > 1 and p.pp_split == "ends" else "",
+             f"m{p.microbatches}" if p.microbatches > 1 else "",
              f"E{cfg.model.n_experts}" if cfg.model.n_experts else "",
              p.ep_dispatch if p.ep > 1 and p.ep_dispatch == "hierarchical" else "",
              "overlap" if p.ep > 1 and p.ep_overlap else "", "F&B lanes" if p.pp > 1 and p.pp_overlap else "",

@@ -173,11 +173,13 @@ def _print_rows(cands, device: str = "") -> None:
     from ..analysis.predict import RESERVED_PER_ALLOCATED, reserved
     gpu = device not in ("", "cpu")
     print(MEMORY_NOTE + (RESERVED_NOTE.format(ratio=RESERVED_PER_ALLOCATED) if gpu else ""))
-    print(f"{'#':>2} {'layout':<44}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'W':>6}{'buf':>6}{'trans':>7}"
+    labels = [getattr(c, "shown", "") or c.label() for c in cands]
+    w = max([44] + [len(x) + 1 for x in labels])  # the longest label and a space
+    print(f"{'#':>2} {'layout':<{w}}{'params':>8}{'grads':>7}{'optim':>7}{'act':>7}{'W':>6}{'buf':>6}{'trans':>7}"
           f"{'total GiB':>10}" + (f"{'reserved':>9}" if gpu else "") + f"{'tok/s/GPU':>11}{'MFU':>7}")
-    for i, c in enumerate(cands, 1):
+    for i, (c, label) in enumerate(zip(cands, labels), 1):
         m = c.memory
-        print(f"{i:>2} {getattr(c, 'shown', '') or c.label():<44}" + "".join(f"{m[k] / GiB:>{w}.1f}" for k, w in
+        print(f"{i:>2} {label:<{w}}" + "".join(f"{m[k] / GiB:>{n}.1f}" for k, n in
               (("params", 8), ("grads", 7), ("optim", 7), ("activations", 7), ("wgrad", 6), ("buffers", 6),
                ("transient", 7)))
               + f"{c.peak_bytes / GiB:>10.1f}" + (f"{reserved(c.peak_bytes, device) / GiB:>9.1f}" if gpu else "")

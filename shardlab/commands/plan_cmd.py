@@ -36,7 +36,7 @@ def configure(p):
     p.add_argument("--zero", type=int, default=-1, help="fix parallel.zero_stage (0-3)")
     p.add_argument("--schedule", default="", help="fix parallel.pp_schedule")
     p.add_argument("--ac", default="", help="fix parallel.activation_checkpointing (none, selective, op, full)")
-    p.add_argument("--pp-split", default="", choices=("", "balanced", "ends"),
+    p.add_argument("--pp-split", default=None, choices=("balanced", "ends"),
                    help="the pipeline layouts' split (parallel.pp_split): balanced (the search's default) or ends "
                         "(Llama 3's: the embedding and the head in stages of their own)")
     p.add_argument("--layout", default="", help="evaluate one pinned layout instead of searching, written as the "

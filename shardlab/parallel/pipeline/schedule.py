@@ -109,7 +109,8 @@ def check_config(cfg) -> None:
         require(p.pp_schedule not in LAYOUT, "parallel.pp_split",
                 f"{p.pp_schedule} runs each part of the model twice; use pp_split = 'balanced' with it")
         require(p.pp * p.pp_virtual >= 3, "parallel.pp_split",
-                "ends gives the embedding and the head stages of their own and needs pp*pp_virtual >= 3 stages")
+                "ends gives the embedding and the head stages of their own and needs pp*pp_virtual >= 3 stages; "
+                "raise pp or pp_virtual, or use pp_split = 'balanced'")
         require(m.n_layers >= p.pp * p.pp_virtual - 2, "parallel.pp",
                 f"{m.n_layers} layers cannot fill the {p.pp * p.pp_virtual - 2} stages between the ends; "
                 "lower pp or pp_virtual, or add layers")

@@ -4,8 +4,9 @@ Partition. ``pp * v`` stages, each a contiguous run of layers (at least one), ch
 minimise the largest stage parameter count (exact dynamic programme); stage 0 also counts the
 embedding, the last stage the final norm and the output head (and computes the loss). Uneven
 layer counts are allowed. With ``parallel.pp_split = ends`` (Llama 3's layout) the first stage
-holds only the embedding and the last only the head, and the layers fill the stages between. Stage ``s`` lives on pipeline rank ``s % pp`` (round-robin chunks
-for the interleaved schedule).
+holds only the embedding and the last only the head (no layer: ``holds_ends``), and the layers
+fill the stages between. Stage ``s`` lives on pipeline rank ``s % pp`` (round-robin chunks for
+the interleaved schedule).
 
 The rank keeps ONE model module holding all its layers under their global names
 (``layers.<i>``), with the modules of the spec's ``pp_first`` (e.g. the embedding) and
@@ -110,8 +111,8 @@ def _view(model: nn.Module, spec, layers: range, first: bool, last: bool) -> nn.
 
 def stage_views(model: nn.Module, spec, ranges: list[range], stages: list[int]) -> dict[int, nn.Module]:
     """{stage: view} over ``model``'s current modules (call again after wrapping blocks). A stage
-    starting at layer 0 holds the embedding, one ending at the last layer the head (dualpipe:
-    two stage ids per range)."""
+    starting at layer 0 holds the embedding, one ending at the last layer the head, or the empty
+    end stages of the ends split (``holds_ends``; dualpipe: two stage ids per range)."""
     return {s: _view(model, spec, ranges[s], *holds_ends(ranges, s)) for s in stages}
 
 

@@ -8,7 +8,6 @@ import argparse
 from ..analysis.measured_memory import STAGES, formula, measure_run
 
 
-
 def configure(p: argparse.ArgumentParser):
     p.add_argument("config", nargs="?", help="TOML/JSON config (DeepSpeed JSON accepted)")
     p.add_argument("--nproc", type=int, default=2, help="data-parallel ranks (if the config sets no degrees)")

@@ -124,6 +124,10 @@ CASES = [  # (name, scheduler, gradient_clipping)
         "warmup_num_steps": 3, "total_num_steps": 12, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.2}}, None),
 ]
 STEPS = 10
+DS_CASES = [(stage, CASES[i]) for stage in range(4) for i in (stage % 4, (stage + 2) % 4)]
+"""The cases run through DeepSpeed itself (each deepspeed.initialize takes seconds on CPU): every
+stage with two of them, one of them clipping (cases 1 and 2 alternate over the stages), and every
+schedule at two stages, ZeRO-3 among them for two. The plain-torch reference runs them all."""
 
 
 def _shardlab_worker(ctx):
@@ -207,26 +211,28 @@ def _deepspeed_worker(ctx):
     os.environ["LOCAL_RANK"] = str(ctx.rank)
     import deepspeed
     out = {}
-    for stage in range(4):
-        for name, sch, clip in CASES:
-            ds = ds_config(stage, sch, clip)
-            engine, *_ = deepspeed.initialize(model=make(torch.float32), config=ds,
-                                              model_parameters=None)
-            run_steps(engine, ctx.rank, STEPS, torch.float32)
-            mine = shardlab.initialize(make(torch.float32), ds)
-            run_steps(mine, ctx.rank, STEPS, torch.float32)
-            if stage == 3:
-                with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-                    theirs = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-            else:
+    for stage, (name, sch, clip) in DS_CASES:
+        ds = ds_config(stage, sch, clip)
+        engine, *_ = deepspeed.initialize(model=make(torch.float32), config=ds,
+                                          model_parameters=None)
+        run_steps(engine, ctx.rank, STEPS, torch.float32)
+        mine = shardlab.initialize(make(torch.float32), ds)
+        run_steps(mine, ctx.rank, STEPS, torch.float32)
+        if stage == 3:
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
                 theirs = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-            out[(stage, name)] = (theirs, mine.full_state_dict(everywhere=True))
+        else:
+            theirs = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        out[(stage, name)] = (theirs, mine.full_state_dict(everywhere=True))
     return out
 
 
 def test_same_json_through_deepspeed_and_shardlab():
     pytest.importorskip("deepspeed")
+    assert {st for st, _ in DS_CASES} == set(range(4)) and {c[0] for _, c in DS_CASES} == {c[0] for c in CASES}
+    assert all({1, 2} & {CASES.index(c) for st, c in DS_CASES if st == stage} for stage in range(4))
     got = launch.run(_deepspeed_worker, 2, timeout_s=300)[0]
+    assert len(got) == len(DS_CASES) == 8
     for (stage, name), (theirs, mine) in got.items():
         for k, v in theirs.items():
             assert (mine[k] - v).abs().max() <= 2e-6, (stage, name, k, float((mine[k] - v).abs().max()))

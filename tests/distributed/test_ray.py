@@ -65,10 +65,17 @@ def local_ddp(tmp_path_factory, cache):
     return run
 
 
-def test_2d_layout_bit_equal_to_local(ray_cluster, cache, tmp_path):
+def test_2d_layout_bit_equal_to_local_with_relative_paths(ray_cluster, cache, tmp_path, monkeypatch):
+    """TP 2 x 2 replicas on 4 Ray workers: every step's loss bit-equal to the local launcher's. The
+    Ray run is started as the README's ``--launcher ray`` example is typed, with a relative data
+    directory and run directory (that example once failed in every worker: Ray workers start in
+    their own directories; the driver now resolves every config path once, before they start)."""
     layout = ["--parallel.tp=2", "--parallel.dp_replicate=2", "--train.steps=2", "--checkpoint.save=false"]
     assert _train(tmp_path / "local", cache, 4, *layout) == 0
-    assert _train(tmp_path / "ray", cache, 4, *layout, "--launcher", "ray", "--ray-strategy", "SPREAD") == 0
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--nproc", "4", *TINY, "--data.cache_dir=rel-cache", "--logging.run_dir=ray", *layout,
+                     "--launcher", "ray", "--ray-strategy", "SPREAD"]) == 0
+    assert (tmp_path / "rel-cache").is_dir() and (tmp_path / "ray" / "metrics.jsonl").exists()
     assert _losses(tmp_path / "ray") == _losses(tmp_path / "local") and len(_losses(tmp_path / "local")) == 2
 
 
@@ -93,36 +100,21 @@ def test_ddp_bit_equal_and_killed_worker_restarts(ray_cluster, local_ddp, cache,
     assert reported[-2:] == ["step_00000004", "step_00000006"], reported
 
 
-def test_launch_script_on_ray(ray_cluster, tmp_path, capsys):
-    script = tmp_path / "allreduce.py"
-    script.write_text(
-        "import os, sys, torch, torch.distributed as dist\n"
+def test_launch_script_on_ray_from_a_relative_path(ray_cluster, tmp_path, monkeypatch):
+    """``shardlab launch --launcher ray`` as a user types it: a relative script path whose script
+    all-reduces over the ranks' process group and writes a relative file. Ray workers start in their
+    own directories; the script runs where ``shardlab launch`` was started, with the torchrun env."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "allreduce.py").write_text(
+        "import os, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
         "t = torch.tensor([float(dist.get_rank() + 1)])\n"
         "dist.all_reduce(t)\n"
-        "open(os.path.join(sys.argv[1], f'rank{dist.get_rank()}'), 'w').write(f\"{os.environ['WORLD_SIZE']} {t.item()}\")\n"
+        "open(f'rank{dist.get_rank()}', 'w').write(f\"{os.environ['WORLD_SIZE']} {t.item()} {os.getcwd()}\")\n"
         "dist.destroy_process_group()\n")
-    assert cli_main(["launch", "--nproc", "2", "--launcher", "ray", str(script), str(tmp_path)]) == 0
-    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2 3.0", "2 3.0"]
-
-
-def test_launch_on_ray_with_relative_paths(ray_cluster, tmp_path, monkeypatch):
-    """As a user types it: a relative script path whose script writes a relative file. Ray workers
-    start in their own directories; the script runs where ``shardlab launch`` was started."""
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "where.py").write_text("import os\nopen('where_' + os.environ['RANK'], 'w').write(os.getcwd())\n")
     monkeypatch.chdir(tmp_path)
-    assert cli_main(["launch", "--nproc", "2", "--launcher", "ray", "sub/where.py"]) == 0
-    assert [(tmp_path / f"where_{r}").read_text() for r in range(2)] == [str(tmp_path)] * 2
-
-
-def test_train_on_ray_with_a_relative_cache_and_run_dir(ray_cluster, tmp_path, monkeypatch):
-    """The README's ``--launcher ray`` example failed in every worker: the data directory was
-    relative. The driver now resolves every config path once, before the workers start."""
-    monkeypatch.chdir(tmp_path)
-    assert cli_main(["train", "--nproc", "2", *TINY, "--data.cache_dir=cache", "--logging.run_dir=run",
-                     "--train.steps=2", "--launcher", "ray"]) == 0
-    assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "cache").is_dir()
+    assert cli_main(["launch", "--nproc", "2", "--launcher", "ray", "sub/allreduce.py"]) == 0
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [f"2 3.0 {tmp_path}"] * 2
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import io
 import itertools
 
 import pytest
+import torch
 
 from shardlab import cli
 from shardlab.analysis.devices import get_device, with_nodes
@@ -20,23 +21,20 @@ from shardlab.parallel.pipeline.dualpipe import _rank_order, dualpipe, dualpipev
 
 def _routes(E, k, N, G=0, M=0):
     """Every routing a token can take with equal probability: the k-subsets of its allowed experts
-    (node-limited: each M-subset of the G groups, then the k-subsets of their experts), as lists
+    (node-limited: each M-subset of the G groups, then the k-subsets of their experts), as rows
     of expert ids. Experts in contiguous blocks per node and per group."""
     if not G or not M:
-        return [list(c) for c in itertools.combinations(range(E), k)]
+        return torch.combinations(torch.arange(E), k)
     e = E // G
-    out = []
-    for gs in itertools.combinations(range(G), M):
-        pool = [g * e + i for g in gs for i in range(e)]
-        out += [list(c) for c in itertools.combinations(pool, k)]
-    return out
+    return torch.cat([torch.combinations(torch.tensor([g * e + i for g in gs for i in range(e)]), k)
+                      for gs in itertools.combinations(range(G), M)])
 
 
 @pytest.mark.parametrize("E,k,N,G,M", [(8, 2, 4, 0, 0), (16, 4, 4, 0, 0), (16, 4, 4, 4, 2), (16, 3, 2, 4, 2),
                                        (12, 3, 3, 6, 2)])
 def test_nodes_hit_equals_the_enumeration(E, k, N, G, M):
     routes = _routes(E, k, N, G, M)  # equally likely: each M-subset has as many k-subsets
-    mean = sum(len({x // (E // N) for x in r}) for r in routes) / len(routes)
+    mean = sum(len(set((r // (E // N)).tolist())) for r in routes) / len(routes)
     assert nodes_hit(E, k, N, G, M) == pytest.approx(mean, rel=1e-12)
 
 
@@ -63,16 +61,15 @@ def test_tier_bytes_equal_the_counted_rows(dispatch, M):
     N, L = ep_nodes(topo, dev)
     assert (N, L) == (8, 8)
     per_rank, per_node = m.n_experts // 64, m.n_experts // 8
-    slow = fast = 0.0
-    routes = _routes(m.n_experts, m.moe_top_k, N, m.moe_node_groups if M else 0, M)
-    for r in routes:
-        nodes = {x // per_node for x in r}
-        if dispatch == "exact":
-            slow += sum(x // per_node != 0 for x in r)
-            fast += sum(x // per_node == 0 and x // per_rank != 0 for x in r)
-        else:
-            slow += len(nodes - {0}) * (1 + m.moe_top_k / m.d_model)  # 2k columns in 2 of 4 passes
-            fast += sum((x % per_node) // per_rank != 0 for x in r)
+    routes = _routes(m.n_experts, m.moe_top_k, N, m.moe_node_groups if M else 0, M)  # (routings, k)
+    node = routes // per_node
+    if dispatch == "exact":
+        slow = float((node != 0).sum())
+        fast = float(((node == 0) & (routes // per_rank != 0)).sum())
+    else:
+        used = torch.zeros(len(routes), N, dtype=torch.bool).scatter_(1, node, True)  # the nodes each routing uses
+        slow = float(used[:, 1:].sum()) * (1 + m.moe_top_k / m.d_model)  # 2k columns in 2 of 4 passes
+        fast = float(((routes % per_node) // per_rank != 0).sum())
     tokens, el, row = 4096, 2, m.d_model * 2
     _, got = a2a_seconds(cfg, topo, dev, tokens, el)
     assert got["slow"] == pytest.approx(tokens * row * slow / len(routes), rel=1e-9)

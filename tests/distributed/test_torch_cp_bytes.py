@@ -3,7 +3,8 @@
 backward from torch.distributed.tensor.experimental run on r gloo ranks (load-balanced, fp32
 merges, K/V gathered with the default all-gather rotation) with a stand-in attention kernel, every
 other aten operator counted by the bytes it reads and writes (views 0, in-place ops their
-operands). The planner prices the ring's last rank, whose every step is a full merge. The order of
+operands). The planner prices the ring's last rank, whose every step is a full merge. Each rank's
+kernels do r causal-block units of work, 1/r per step (the load balance the planner assumes). The order of
 the backward's kernels and exchanges shows which exchange has no kernel behind it."""
 import pytest
 import torch
@@ -49,7 +50,10 @@ def _worker(ctx, tokens: int, heads: int, head_dim: int):
     k, v, grad_out = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
     inside = {"kernel": False}
 
+    shapes = []  # (pass, query tokens, key tokens, causal) of each kernel call
+
     def kernel(q, k, v, is_causal=None, **_):  # stands in for the flash kernel: outputs of its shapes
+        shapes.append(("fwd", q.shape[2], k.shape[2], bool(is_causal)))
         inside["kernel"] = True
         out = torch.zeros(q.shape, dtype=q.dtype), torch.zeros(q.shape[:-1], dtype=torch.float32)
         inside["kernel"] = False
@@ -57,6 +61,7 @@ def _worker(ctx, tokens: int, heads: int, head_dim: int):
 
     def kernel_backward(query, key, value, out, logsumexp, is_causal=None, **_):
         bwd.events.append("kernel")
+        shapes.append(("bwd", query.shape[2], key.shape[2], bool(is_causal)))
         inside["kernel"] = True
         grads = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         inside["kernel"] = False
@@ -69,17 +74,25 @@ def _worker(ctx, tokens: int, heads: int, head_dim: int):
         ring._templated_ring_attention_backward(dist.group.WORLD, 2, kernel_backward, grad_out=grad_out,
                                                 grad_out_name="grad_out", query=q, key=k, value=v, out=out,
                                                 logsumexp=lse, is_causal=True)
-    return fwd.bytes / q.numel(), bwd.bytes / q.numel(), bwd.events
+    return fwd.bytes / q.numel(), bwd.bytes / q.numel(), bwd.events, shapes
 
 
 @pytest.mark.parametrize("r", [2, 4])
 def test_torch_ring_moves_the_priced_bytes(r):
     got = run(_worker, r, 64, 4, 128, timeout_s=180)
-    fwd, bwd, events = got[-1]
+    fwd, bwd, events, _ = got[-1]
+    # every rank's attention work, in units of one causal block of its 64 tokens (64 x 64 / 2 pairs):
+    # a causal block on its own tokens, then r - 1 unmasked half blocks (32 x 64 or 64 x 32), so r units
+    # on each rank, 1/r of them per step, as plan_features.torch_cp_costs prices the load-balanced ring
+    for rank, (*_, shapes) in enumerate(got):
+        for p in ("fwd", "bwd"):
+            calls = [(q, k, c) for s, q, k, c in shapes if s == p]
+            assert calls[0] == (64, 64, True) and len(calls) == r, (rank, p, calls)
+            assert all(not c and q * k == 64 * 64 / 2 for q, k, c in calls[1:]), (rank, p, calls)
     # the log-sum-exp's own traffic (one value per 128 head elements) is not priced: within 2%
     assert fwd == pytest.approx(torch_cp_fwd_bytes(r), rel=0.02), (fwd, torch_cp_fwd_bytes(r))
     assert bwd == pytest.approx(torch_cp_bwd_bytes(r), rel=0.02), (bwd, torch_cp_bwd_bytes(r))
-    assert all(f <= fwd + 1e-9 for f, _, _ in got)  # the last rank is the busiest (others merge half blocks)
+    assert all(f <= fwd + 1e-9 for f, *_ in got)  # the last rank is the busiest (others merge half blocks)
     # the backward: r kernels; the dK/dV exchange (all_to_all_single) sent after each; each of the first
     # r - 1 waited after the next kernel, the last (home to its owner) waited with no kernel behind it
     # (plan_features.torch_cp_costs prices that one exposed)

@@ -364,14 +364,17 @@ def test_transport_choice(transport, places, want):
         assert mesh._shared("dp") is want
 
 
-def _late_peer_worker(ctx):
+def _late_peer_worker(ctx, done):
     """Rank 1 sets the arena up with rank 0, then skips a collective and a message: rank 0's waits
     must end at the group's timeout (run's timeout_s, 3 s), naming what is missing."""
+    import os
     import time
     sh = SharedComm("g", dist.group.WORLD, [0, 1], ctx.rank, Ledger())
     sh.all_reduce(torch.ones(4))
-    if ctx.rank == 1:
-        time.sleep(12)  # alive, but never arrives
+    if ctx.rank == 1:  # alive, but never arrives, until rank 0 is done (at most 20 s)
+        t0 = time.monotonic()
+        while not os.path.exists(done) and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
         return None
     out = {"timeout_s": sh.timeout_s}
     for what, call in (("barrier", lambda: sh.all_reduce(torch.ones(4))),
@@ -382,11 +385,12 @@ def _late_peer_worker(ctx):
             out[what] = ("returned", time.monotonic() - t0)
         except RuntimeError as e:
             out[what] = (str(e), time.monotonic() - t0)
+    open(done, "w").close()
     return out
 
 
-def test_shared_waits_end_at_the_group_timeout():
-    out = run(_late_peer_worker, 2, timeout_s=3)[0]
+def test_shared_waits_end_at_the_group_timeout(tmp_path):
+    out = run(_late_peer_worker, 2, str(tmp_path / "done"), timeout_s=3)[0]
     assert out["timeout_s"] == 3.0
     msg, took = out["barrier"]
     assert "group ranks [1] did not arrive in 3 s" in msg and 3 <= took < 6, out

@@ -101,8 +101,11 @@ def test_a_rank_whose_lighthouse_is_gone_fails_within_its_wait(monkeypatch):
         with pytest.raises(quorum.QuorumTimeout, match="no answer from the lighthouse on a quorum within 1.3 s"):
             member.quorum(0, 5)  # nobody answers
         assert time.monotonic() - t0 < 5
+        member.timeout_s = 0.01  # a decision's wait is DECISION_WAIT timeouts: about 1.6 s here, not 11
+        t0 = time.monotonic()
         with pytest.raises(quorum.QuorumTimeout, match="decision on step"):
             member.vote({"id": 1}, "step", True)
+        assert time.monotonic() - t0 < 5
     finally:
         member.close()
 

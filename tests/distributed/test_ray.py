@@ -102,18 +102,18 @@ def test_ddp_bit_equal_and_killed_worker_restarts(ray_cluster, local_ddp, cache,
 
 def test_launch_script_on_ray_from_a_relative_path(ray_cluster, tmp_path, monkeypatch):
     """``shardlab launch --launcher ray`` as a user types it: a relative script path whose script
-    all-reduces over the ranks' process group and writes a relative file. Ray workers start in their
+    all-reduces over the ranks' process group and writes a relative file named by its argument. Ray workers start in their
     own directories; the script runs where ``shardlab launch`` was started, with the torchrun env."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "allreduce.py").write_text(
-        "import os, torch, torch.distributed as dist\n"
+        "import os, sys, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
         "t = torch.tensor([float(dist.get_rank() + 1)])\n"
         "dist.all_reduce(t)\n"
-        "open(f'rank{dist.get_rank()}', 'w').write(f\"{os.environ['WORLD_SIZE']} {t.item()} {os.getcwd()}\")\n"
+        "open(f'{sys.argv[1]}{dist.get_rank()}', 'w').write(f\"{os.environ['WORLD_SIZE']} {t.item()} {os.getcwd()}\")\n"
         "dist.destroy_process_group()\n")
     monkeypatch.chdir(tmp_path)
-    assert cli_main(["launch", "--nproc", "2", "--launcher", "ray", "sub/allreduce.py"]) == 0
+    assert cli_main(["launch", "--nproc", "2", "--launcher", "ray", "sub/allreduce.py", "rank"]) == 0  # its argument too
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [f"2 3.0 {tmp_path}"] * 2
 
 

@@ -124,7 +124,7 @@ CASES = [  # (name, scheduler, gradient_clipping)
         "warmup_num_steps": 3, "total_num_steps": 12, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.2}}, None),
 ]
 STEPS = 10
-DS_CASES = [(stage, CASES[i]) for stage in range(4) for i in (stage % 4, (stage + 2) % 4)]
+DS_CASES = [(stage, CASES[i]) for stage in range(4) for i in (stage, (stage + 2) % 4)]
 """The cases run through DeepSpeed itself (each deepspeed.initialize takes seconds on CPU): every
 stage with two of them, one of them clipping (cases 1 and 2 alternate over the stages), and every
 schedule at two stages, ZeRO-3 among them for two. The plain-torch reference runs them all."""

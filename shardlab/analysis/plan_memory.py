@@ -155,6 +155,7 @@ def compute_model_state(cfg, pp_rank: int = 0) -> dict:
             out["opt_elems"] += shard
         if p.zero_stage == 2:
             out["buffers"] = 2 * biggest * fel  # the bucket being filled and the one reduce-scattering
+        out["largest_bucket"] = float(biggest * fel)
         out["opt_transient"] = step_transient(out["optim"] / (3 if low else 2), largest_shard * el)
         return out
     units = wrap_policy(model, p.wrap_policy, spec)

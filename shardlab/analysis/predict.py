@@ -125,6 +125,11 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
         ms["opt_transient"] = ms["opt_transient"] + shared if ms["opt_transient"] else 0.0
         if inline and "bwd_transient_inline" in ms:  # its reduce-scatters finish at once
             ms["bwd_transient"] = ms["bwd_transient_inline"]
+        if not inline and cfg.parallel.zero_stage == 1 and cfg.parallel.pp == 1:
+            # gloo copies a bucket it reduce-scatters at the call and holds the copy until the work
+            # is collected; ZeRO-1 keeps two in flight (zero.ZeroEngine._launch) beside its
+            # persistent gradient buffers (ZeRO-2's and ZeRO-3's copies replace the buffer they drop)
+            ms["buffers"] += 2 * ms.get("largest_bucket", 0.0)
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 

@@ -274,9 +274,11 @@ class FSDPEngine(ShardedEngine):
         u = f.unit
         self._drain(keep=u)
         grad, f.grad_flat, f.token.grad = f.grad_flat, None, None
-        f.in_flight = grad.to(self.reduce_dtype or f.shard.dtype)  # default: fp32 reduction
+        # default: an fp32 reduction. No reference to the input is kept: the collective holds what
+        # it still reads (gloo copies it at the call, NCCL's work and the comm stream keep it), so
+        # on gloo the unit's gradient is not held twice while its reduce-scatter runs
+        f.reduce = f.comm.reduce_scatter_async(grad.to(self.reduce_dtype or f.shard.dtype))
         del grad
-        f.reduce = f.comm.reduce_scatter_async(f.in_flight)
         self._reducing.append(f)
         if f.reduce.work is None:  # done already (the shared-memory transport runs it inline): free now
             self._drain()
@@ -295,7 +297,7 @@ class FSDPEngine(ShardedEngine):
                 rest.append(f)
                 continue
             f.shard.grad.add_(f.reduce.wait().to(self.home))
-            f.reduce = f.in_flight = None
+            f.reduce = None
         self._reducing = rest
 
     @torch.no_grad()

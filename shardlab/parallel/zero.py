@@ -249,6 +249,7 @@ class ZeroEngine(ShardedEngine):
             f.ready, f.pending = 0, None
             self.flats.append(f)
         self._sync, self._next = True, 0
+        self.peak_in_flight = 0  # the most reduce-scatters in flight at once (tests)
         self.ensure_grads()
 
     def grad_shard(self, f: FlatParam) -> torch.Tensor:
@@ -285,15 +286,20 @@ class ZeroEngine(ShardedEngine):
                 break
             if f.grad_full is None:  # ZeRO-2 bucket that received no gradient
                 f.grad_full = torch.zeros(f.padded, dtype=f.full.dtype, device=f.full.device)
-            if self.stage == 2:  # one staging bucket in flight: collect the previous one first
-                self._collect(self._next - 1)
+            # ZeRO-2: one staging bucket in flight (collect the previous one first). ZeRO-1: two
+            # (gloo copies each bucket it reduce-scatters at the call and holds the copy until the
+            # work is collected: with every bucket in flight that was the whole gradient again)
+            self._collect(self._next - (1 if self.stage == 2 else 2))
             f.pending = f.comm.reduce_scatter_async(f.grad_full)
+            if self.stage == 2:  # the collective holds what it still reads (gloo: its own copy)
+                f.grad_full = None
             self._next += 1
+            self.peak_in_flight = max(self.peak_in_flight, sum(g.pending is not None for g in self.flats))
 
     def _collect(self, i: int):
-        """Wait for bucket ``i``'s reduce-scatter (if pending) and take this rank's part; ZeRO-2
-        frees the bucket's staging buffer then, so only one full bucket lives at a time (they all
-        lived until the end of backward: the whole model's gradient)."""
+        """Wait for bucket ``i``'s reduce-scatter (if pending) and take this rank's part. ZeRO-2's
+        staging buffer was dropped at the launch, so only the bucket being filled and the one in
+        flight live at a time (they all lived until the end of backward: the whole model's gradient)."""
         f = self.flats[i] if i >= 0 else None
         if f is None or f.pending is None:
             return
@@ -302,7 +308,6 @@ class ZeroEngine(ShardedEngine):
             f.own(f.grad_full).copy_(part)
         else:
             f.gshard.add_(part)
-            f.grad_full = None
         f.pending, f.ready = None, 0
 
     @torch.no_grad()

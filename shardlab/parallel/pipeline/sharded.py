@@ -166,6 +166,7 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
                         g.copy_(p.grad)
                 p.grad = None
             works.append(self.comm.reduce_scatter_async(f.grad_full))
+            f.grad_full = f.grad_views = None  # the collective holds what it reads (gloo: a copy)
         parts = [w.wait() for w in works]
         if self.replicate_group:
             rep = self.mesh.comm(self.replicate_group)
@@ -173,7 +174,6 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
                 w.wait()
         for f, part in zip(self.flats, parts):
             f.shard.grad.add_(part.to(f.shard.dtype).div_(self.dp_size()))
-            f.grad_full = f.grad_views = None
         if self.stage == 3:
             self._free()
 

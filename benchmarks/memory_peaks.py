@@ -10,6 +10,7 @@ gathered with its gradient + activations + the empty rank.
     PYTHONPATH=. python benchmarks/memory_peaks.py                  # N=4 layouts and N=8 rows
     PYTHONPATH=. python benchmarks/memory_peaks.py --only zero3 --n 2 4 8
     PYTHONPATH=. python benchmarks/memory_peaks.py --malloc jemalloc   # LD_PRELOAD for the ranks
+    PYTHONPATH=. python benchmarks/memory_peaks.py --transport process_group   # gloo, as off x86-64
 """
 from __future__ import annotations
 
@@ -59,13 +60,14 @@ def _degrees(over: list[str], n: int) -> list[str]:
     return over + [f"--parallel.dp_shard={rest}"]
 
 
-def row(name: str, n: int, device: str, model: list[str]) -> dict:
+def row(name: str, n: int, device: str, model: list[str], transport: str = "auto") -> dict:
     from shardlab.analysis.measured_memory import measure_run
     from shardlab.analysis.predict import memory_per_rank
     from shardlab.config import load
     import shardlab.train.checks  # noqa: F401  (registers every config check validate runs)
     over, _ = LAYOUTS[name]
-    cfg = load(None, model + _degrees(over, n) + [f"--train.device={device}"]).validate(world_size=n)
+    cfg = load(None, model + _degrees(over, n) + [f"--train.device={device}",
+                                                  f"--parallel.comm_transport={transport}"]).validate(world_size=n)
     pred = memory_per_rank(cfg, "cpu" if device == "cpu" else "h100")
     t0 = time.time()
     results = measure_run(cfg, n)
@@ -95,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", nargs="*", type=int, help="world sizes (default each layout's own: 4, and 8 for some)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--malloc", default="glibc", choices=sorted(MALLOC), help="the ranks' allocator (LD_PRELOAD)")
+    ap.add_argument("--transport", default="auto", choices=("auto", "shared", "process_group"),
+                    help="parallel.comm_transport (process_group: gloo on CPU, the default off x86-64)")
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args(argv)
@@ -113,7 +117,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.only or LAYOUTS:
         for n in args.n or LAYOUTS[name][1]:
-            r = row(name, n, args.device, model)
+            r = row(name, n, args.device, model, args.transport)
             bound = f"{r['bound'] / mib:,.0f} ({r['measured'] / r['bound']:.2f})" if "bound" in r else "-"
             split = " / ".join(f"{r['split'].get(k, 0) / mib:,.0f}" for k in ("RssAnon", "RssFile", "RssShmem")) \
                 if r["split"] else ""

@@ -249,7 +249,7 @@ class ZeroEngine(ShardedEngine):
             f.ready, f.pending = 0, None
             self.flats.append(f)
         self._sync, self._next = True, 0
-        self.peak_in_flight = 0  # the most reduce-scatters in flight at once (tests)
+        self.in_flight = self.peak_in_flight = 0  # reduce-scatters in flight now / at most (tests)
         self.ensure_grads()
 
     def grad_shard(self, f: FlatParam) -> torch.Tensor:
@@ -294,7 +294,8 @@ class ZeroEngine(ShardedEngine):
             if self.stage == 2:  # the collective holds what it still reads (gloo: its own copy)
                 f.grad_full = None
             self._next += 1
-            self.peak_in_flight = max(self.peak_in_flight, sum(g.pending is not None for g in self.flats))
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def _collect(self, i: int):
         """Wait for bucket ``i``'s reduce-scatter (if pending) and take this rank's part. ZeRO-2's
@@ -309,6 +310,7 @@ class ZeroEngine(ShardedEngine):
         else:
             f.gshard.add_(part)
         f.pending, f.ready = None, 0
+        self.in_flight -= 1
 
     @torch.no_grad()
     def _finish(self):

@@ -262,12 +262,49 @@ def applicable(cfg, features) -> tuple:
                  and (f != "fsdp2" or p.zero_stage == 3) and (f != "megatron_tp_overlap" or p.tp > 1))
 
 
+# Features priced only on a GPU kind: option -> the refusal. Refused for ``--gpu cpu`` before the
+# CPU probe runs (refuse_on_cpu), and for any layout that lacks their part (check_features).
+GPU_ONLY = {
+    "torch_cp": ("--torch-cp", "PyTorch's context_parallel is priced for a ring CP layout on a GPU kind: use a "
+                               "cpN part (ring, N >= 2) and a GPU, or leave --torch-cp out"),
+    "megatron_tp_overlap": ("--megatron-tp-overlap", "Megatron-LM's TP overlap is priced for a tpN part (N >= 2) "
+                                                     "on a GPU kind; add one or leave --megatron-tp-overlap out"),
+    "foreach_adamw": ("--foreach-adamw", "torch's foreach AdamW is priced on a GPU kind (shardlab's CPU engine "
+                                         "already steps foreach); pick a GPU or leave --foreach-adamw out"),
+    "fsdp2": ("--fsdp2", "FSDP2's copies are priced for a ZeRO-3 layout on a GPU kind: use an fsdpN part and a "
+                         "GPU, or leave --fsdp2 out"),
+    "half_params": ("--half-params", "16-bit weight storage is priced for bf16/fp16 training on a GPU kind "
+                                     "(shardlab's CPU engine keeps fp32 weights); pick a GPU or leave "
+                                     "--half-params out"),
+    "async_tp": ("--async-tp", "asynchronous TP is priced on GPUs (the CPU model overlaps nothing); pick a GPU "
+                               "kind or leave --async-tp out"),
+    "float8": ("--float8", "the CPU has no fp8 tensor cores (no fp8 peak in the device table); leave --float8 "
+                           "out or pick an H100/H200"),
+}
+
+
+def _refuse(feature: str):
+    from ..errors import ConfigError
+    return ConfigError(*GPU_ONLY[feature])
+
+
+def refuse_on_cpu(features) -> None:
+    """Refuse the GPU-only ``features`` for the CPU, naming the first: callers run it before the
+    CPU device is built, so a refusal never waits for the probe (devices.probe_cpu)."""
+    for f in features:
+        if f in GPU_ONLY:
+            raise _refuse(f)
+
+
 def check_features(cfg, dev, features) -> None:
     """Refuse, naming the feature, what cannot be priced for this layout and device."""
     from ..errors import ConfigError
     for f in features:
         if f not in MODELLED:
             raise ConfigError("features", f"{f!r} is not modelled by the planner; modelled: {', '.join(MODELLED)}")
+    if dev.op_s > 0:  # a CPU device (the probe's per-op cost)
+        refuse_on_cpu(features)
+    p = cfg.parallel
     if "float8" in features:
         if not dev.peak_fp8:
             raise ConfigError("--float8", f"{dev.name} has no fp8 tensor cores (no fp8 peak in the device table); "
@@ -275,28 +312,12 @@ def check_features(cfg, dev, features) -> None:
         if cfg.model.n_experts:
             raise ConfigError("--float8", "Float8 linears are modelled for dense models only (MoE experts are not "
                                           "nn.Linear); leave --float8 out")
-    if "dualpipe_overlap" in features and not (cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in DUAL
-                                               and cfg.model.n_experts and cfg.parallel.ep > 1):
+    if "dualpipe_overlap" in features and not (p.pp > 1 and p.pp_schedule in DUAL and cfg.model.n_experts and p.ep > 1):
         raise ConfigError("--dualpipe-overlap", "DualPipe's overlap hides expert all-to-alls in its F&B pairs: "
                                                 "use an epN part and ppN dualpipe (or dualpipev)")
-    if "torch_cp" in features and (dev.op_s > 0 or cfg.parallel.cp < 2 or cfg.parallel.cp_impl != "ring"):
-        raise ConfigError("--torch-cp", "PyTorch's context_parallel is priced for a ring CP layout on a GPU kind: "
-                                        "use a cpN part (ring, N >= 2) and a GPU, or leave --torch-cp out")
-    if "megatron_tp_overlap" in features and (dev.op_s > 0 or cfg.parallel.tp < 2):
-        raise ConfigError("--megatron-tp-overlap", "Megatron-LM's TP overlap is priced for a tpN part (N >= 2) on a "
-                                                   "GPU kind; add one or leave --megatron-tp-overlap out")
-    if "foreach_adamw" in features and dev.op_s > 0:
-        raise ConfigError("--foreach-adamw", "torch's foreach AdamW is priced on a GPU kind (shardlab's CPU engine "
-                                             "already steps foreach); pick a GPU or leave --foreach-adamw out")
-    if "fsdp2" in features and (dev.op_s > 0 or cfg.parallel.zero_stage != 3):
-        raise ConfigError("--fsdp2", "FSDP2's copies are priced for a ZeRO-3 layout on a GPU kind: use an fsdpN "
-                                     "part and a GPU, or leave --fsdp2 out")
-    if "half_params" in features and (dev.op_s > 0 or cfg.train.precision not in ("bf16", "fp16")):
-        raise ConfigError("--half-params", "16-bit weight storage is priced for bf16/fp16 training on a GPU kind "
-                                           "(shardlab's CPU engine keeps fp32 weights); pick a GPU or leave "
-                                           "--half-params out")
-    if "async_tp" in features and dev.op_s > 0:
-        raise ConfigError("--async-tp", "asynchronous TP is priced on GPUs (the CPU model overlaps nothing); "
-                                        "pick a GPU kind or leave --async-tp out")
+    for f, bad in (("torch_cp", p.cp < 2 or p.cp_impl != "ring"), ("megatron_tp_overlap", p.tp < 2),
+                   ("fsdp2", p.zero_stage != 3), ("half_params", cfg.train.precision not in ("bf16", "fp16"))):
+        if f in features and bad:
+            raise _refuse(f)
     if "async_tp" in features and not (cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel):
         raise ConfigError("--async-tp", "asynchronous TP overlaps the sequence-parallel collectives: use a tpNsp part")

@@ -107,6 +107,12 @@ def main(args) -> int:
     base = load_model(args.model)
     if args.gpus < 1:
         raise ConfigError("--gpus", "must be >= 1")
+    features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks",
+                                       "foreach_adamw", "megatron_tp_overlap", "half_params")
+                     if getattr(args, name, False))
+    if args.gpu == "cpu":  # before the CPU's probe (a minute on a fresh machine) is measured
+        from ..analysis.plan_features import refuse_on_cpu
+        refuse_on_cpu(features)
     dev = get_device(args.gpu)  # unknown kinds refused, never guessed
     t = base.train
     t.precision = "bf16" if t.precision in ("fp32", "fp64") else t.precision
@@ -124,9 +130,6 @@ def main(args) -> int:
         fixed["ac"] = args.ac
     if args.pp_split:
         fixed["pp_split"] = args.pp_split
-    features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks",
-                                       "foreach_adamw", "megatron_tp_overlap", "half_params")
-                     if getattr(args, name, False))
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
     if getattr(args, "layout", ""):

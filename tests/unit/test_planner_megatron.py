@@ -94,8 +94,13 @@ def test_half_params_keeps_no_weight_copies_and_megatrons_model_state():
     assert a["elementwise"] - b["elementwise"] == pytest.approx(12 * diff[4096] / (3.35e12 * HBM_EFF), rel=1e-9)
 
 
-def test_half_params_is_refused_on_the_cpu_and_runs_from_the_command_line(capsys):
+def test_half_params_is_refused_on_the_cpu_and_runs_from_the_command_line(capsys, monkeypatch):
+    from shardlab.analysis import devices
     from shardlab.cli import main
+
+    def no_probe(*a, **k):  # the refusal comes before the CPU's probe (a minute on a fresh machine)
+        raise AssertionError("the CPU probe ran before a GPU-only option was refused")
+    monkeypatch.setattr(devices, "probe_cpu", no_probe)
     assert main(["plan", "llama-8b", "--gpus", "2", "--gpu", "cpu", "--layout", "ddp2 mb1x1", "--half-params"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: --half-params") and "\n" not in err, err

@@ -15,7 +15,7 @@ from ..distributed.topology import Topology
 from ..parallel.fsdp import FSDPEngine, unit_params, wrap_policy
 from ..parallel.pipeline.sharded import shard_group
 from ..parallel.pipeline.stage import holds_ends
-from ..parallel.zero import ZeroEngine, decay_groups, flat_groups, shard_size
+from ..parallel.zero import ZeroEngine, flat_groups, shard_size
 
 ELEM = {"fp64": 8}
 LOW = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -214,13 +214,12 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
     master slices then, its gradient accumulated over the micro-batches in ``train.reduce_dtype``
     (a bytes; none: el), as the engine's ``compute_dtype`` / ``acc_dtype``."""
     p, t = cfg.parallel, cfg.train
-    n = Topology.from_config(p).size(shard_group(p.zero_stage))
     c, a = LOW.get(t.param_dtype) or el, LOW.get(t.reduce_dtype) or el
     out["params"] = frozen
-    padded_total = largest_shard = 0
-    for group, _ in decay_groups(train, t.weight_decay):
-        shard = shard_size(sum(q.numel() for _, q in group), n)
-        largest_shard = max(largest_shard, shard)
+    padded_total = largest_shard = biggest = 0
+    for n, shard in _flats(train, shard_group(p.zero_stage), Topology.from_config(p), t.weight_decay,
+                           p.bucket_cap_mb * 2**20):  # the engine's buckets (pipeline/sharded.py)
+        largest_shard, biggest = max(largest_shard, shard), max(biggest, shard * n)
         padded_total += shard * n
         if c != el:  # a low-precision stage: the master slice is the optimizer's (measured as optim)
             out["params"] += 0 if p.zero_stage == 3 else shard * n * c
@@ -239,6 +238,7 @@ def _stage_sharded(cfg, train, frozen: float, el: int, out: dict) -> dict:
     # are gone. So the peak after backward is the larger of that and the optimizer's temporary.
     sync = out["buffers"] - recv + out["grads"]
     out["opt_transient"] = max(sync, step_transient(out["grads"], largest_shard * el))
+    out["sync_peak"], out["largest_bucket"] = float(sync), float(biggest * a)  # (predict: gloo's copy)
     out["gathered_total"], out["reduce_total"] = float(padded_total * c), float(padded_total * a)
     return out
 

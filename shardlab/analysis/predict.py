@@ -130,6 +130,11 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
             # is collected; ZeRO-1 keeps two in flight (zero.ZeroEngine._launch) beside its
             # persistent gradient buffers (ZeRO-2's and ZeRO-3's copies replace the buffer they drop)
             ms["buffers"] += 2 * ms.get("largest_bucket", 0.0)
+        if not inline and cfg.parallel.zero_stage and cfg.parallel.pp > 1:
+            # inside pipeline stages the flat gradients are dropped as their reduce-scatters start
+            # (pipeline/sharded.sync_grads, two in flight): at a call gloo's copy of that bucket
+            # stands beside every flat gradient still there
+            ms["opt_transient"] = max(ms["opt_transient"], ms["sync_peak"] + ms["largest_bucket"])
     return {**ms, "activations": act, "transient": transient, "wgrad": stash}
 
 

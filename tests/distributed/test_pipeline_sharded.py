@@ -85,7 +85,7 @@ def _worker(ctx, cases):
     out = []
     for topo_kw, par, moe, steps in cases:
         topo = Topology(**topo_kw)
-        mesh = Mesh.build(topo)
+        mesh = Mesh.build(topo, transport=par.get("comm_transport", "auto"))
         cfg = tiny_cfg(moe)
         dp = topo.dp_replicate * topo.dp_shard
         m = par.get("microbatches", 4)
@@ -113,6 +113,8 @@ def _worker(ctx, cases):
         state = engine.full_state(opt, everywhere=True)
         row["param_err"] = max((state[f"model.{n}"] - v).abs().max().item() for n, v in ref_params.items())
         row["n_names"] = len(ref_params)
+        if hasattr(engine, "peak_in_flight"):  # reduce-scatters in flight at most, and the flats
+            row["in_flight"] = (engine.peak_in_flight, len(engine.flats))
         if p.zero_stage:  # the shards (parameters and Adam states) reload into a fresh engine
             again = parallelize(meta_model(cfg.model, torch.float64), mesh, cfg, init=False)
             opt2 = again.make_optimizer(lambda groups: torch.optim.AdamW(groups, lr=1e-2))
@@ -132,16 +134,26 @@ def _check(results):
             assert r["param_err"] <= ATOL, r  # AdamW steps on the shards equal the reference's
             assert r.get("reload_err", 0.0) == 0.0 and not r.get("reload_keys"), r
         assert len(names) == rows[0]["n_names"], (rows[0]["case"], sorted(names))  # every parameter checked
+        for r in rows:  # at most two buckets' reduce-scatters in flight (gloo copies each one)
+            if "in_flight" in r:
+                peak, flats = r["in_flight"]
+                assert peak == min(2, flats), r
 
 
 def test_fsdp_and_zero_inside_pipeline_stages():
     """pp=2 x dp_shard=2: ZeRO-3 under 1f1b (two optimizer steps) and zb-h1 (split backward),
-    ZeRO-1 under gpipe."""
+    ZeRO-1 under gpipe; ZeRO-1 and ZeRO-2 over gloo with 8 KiB buckets (a flat per parameter: the
+    reduce-scatters two at a time)."""
     pp2dp2 = dict(pp=2, dp_shard=2)
+    small = dict(comm_transport="process_group", bucket_cap_mb=8 / 1024)
     cases = [(pp2dp2, dict(zero_stage=3, pp_schedule="1f1b"), False, 2),
              (pp2dp2, dict(zero_stage=3, pp_schedule="zb-h1"), False, 1),
-             (pp2dp2, dict(zero_stage=1, pp_schedule="gpipe", microbatches=2), False, 1)]
-    _check(run(_worker, 4, cases, timeout_s=180))
+             (pp2dp2, dict(zero_stage=1, pp_schedule="gpipe", microbatches=2), False, 1),
+             (pp2dp2, dict(zero_stage=1, pp_schedule="1f1b", **small), False, 2),
+             (pp2dp2, dict(zero_stage=2, pp_schedule="1f1b", **small), False, 1)]
+    results = run(_worker, 4, cases, timeout_s=180)
+    _check(results)
+    assert all(r["in_flight"][1] > 2 for r in results[0][3:]), [r["in_flight"] for r in results[0]]
 
 
 def test_moe_inside_pipeline_stages():

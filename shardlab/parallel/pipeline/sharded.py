@@ -1,7 +1,7 @@
 """ZeRO-1/2/3 inside pipeline stages: each pipeline rank packs its own stages' parameters into flat
-buffers (one per weight-decay group) sharded over its data-parallel group (:func:`shard_group`);
-ZeRO-3 gathers them once per step, the gradients are reduce-scattered once, after the last
-micro-batch. The step, and why the parameters stay gathered for it: docs/pipeline.md, "Sharding
+buffers (one per weight-decay group and ``parallel.bucket_cap_mb`` bucket, as ZeRO-1/2's engine
+does) sharded over its data-parallel group (:func:`shard_group`); ZeRO-3 gathers them once per
+step, the gradients are reduce-scattered once, after the last micro-batch, two buckets in flight. The step, and why the parameters stay gathered for it: docs/pipeline.md, "Sharding
 inside stages".
 
 Mixed precision (``train.param_dtype`` / ``train.reduce_dtype``, FSDP2's MixedPrecisionPolicy as
@@ -20,7 +20,7 @@ from ...config import register_check
 from ...distributed.placement import get_placement, set_placement
 from ..fsdp import mixed_precision_dtypes
 from ..materialize import init_flat_range
-from ..zero import FlatParam, ShardedEngine, decay_groups
+from ..zero import FlatParam, ShardedEngine, flat_groups
 from .executor import PipelineEngine, _param_dtype
 
 
@@ -60,8 +60,11 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         # masters' (an empty param_dtype gathers the masters' dtype, also under autocast)
         self.compute_dtype, self.reduce_dtype = mixed_precision_dtypes(cfg.train, autocast_default=False)
         self.peak_buffer_bytes = 0  # the last step's gathered stage + flat gradients (docs, tests)
+        self.in_flight = self.peak_in_flight = 0  # reduce-scatters in flight now / at most (tests)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.flats = [self._make_flat(g, wd, init_fn) for g, wd in decay_groups(named, cfg.train.weight_decay)]
+        cap = cfg.parallel.bucket_cap_mb * 2**20  # buckets bound what gloo copies at each reduce-scatter
+        self.flats = [self._make_flat(g, wd, init_fn)
+                      for _, g, wd in flat_groups(named, self.shard_group, cfg.train.weight_decay, cap)]
         self.link.dtype = _param_dtype(model)  # what crosses the stage boundaries: the compute dtype
         if self.stage == 3:
             self._free()
@@ -154,10 +157,12 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
     def sync_grads(self):
         """After the last micro-batch: one reduce-scatter per flat buffer in its dtype (sum over the
         shard group), sum over replicas (hybrid), cast to the masters' dtype, average, add into the
-        gradient shards; free."""
-        works = []
+        gradient shards; free. Two buckets in flight: gloo copies what it reduce-scatters at the
+        call and keeps the copy until the work is collected (one flat for the whole stage held its
+        gradient twice at the call: docs/data-parallel.md, Where the memory goes)."""
+        works = {}  # flat index -> its reduce-scatter in flight
         self.peak_buffer_bytes = self.buffer_bytes()
-        for f in self.flats:
+        for k, f in enumerate(self.flats):
             for p, g in zip(f.params, f.grad_views):
                 if p.grad is not None and p.grad.data_ptr() != g.data_ptr():  # autograd replaced it
                     if f.fold:
@@ -165,17 +170,25 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
                     else:
                         g.copy_(p.grad)
                 p.grad = None
-            works.append(self.comm.reduce_scatter_async(f.grad_full))
+            if k >= 2:
+                self._collect(k - 2, works.pop(k - 2))
+            works[k] = self.comm.reduce_scatter_async(f.grad_full)
             f.grad_full = f.grad_views = None  # the collective holds what it reads (gloo: a copy)
-        parts = [w.wait() for w in works]
-        if self.replicate_group:
-            rep = self.mesh.comm(self.replicate_group)
-            for w in [rep.all_reduce_async(part) for part in parts]:
-                w.wait()
-        for f, part in zip(self.flats, parts):
-            f.shard.grad.add_(part.to(f.shard.dtype).div_(self.dp_size()))
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        for k in sorted(works):
+            self._collect(k, works.pop(k))
         if self.stage == 3:
             self._free()
+
+    def _collect(self, k: int, work) -> None:
+        """Flat ``k``'s reduce-scattered part: summed over replicas (hybrid), cast, averaged, added
+        into its gradient shard; the work (and gloo's copy with it) dropped."""
+        part = work.wait()
+        if self.replicate_group:
+            self.mesh.comm(self.replicate_group).all_reduce_async(part).wait()
+        self.flats[k].shard.grad.add_(part.to(self.flats[k].shard.dtype).div_(self.dp_size()))
+        self.in_flight -= 1
 
     def buffer_bytes(self) -> int:
         """Bytes the rank's flat buffers hold now: the gathered stage and the flat gradients."""

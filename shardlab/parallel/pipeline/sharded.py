@@ -1,8 +1,9 @@
 """ZeRO-1/2/3 inside pipeline stages: each pipeline rank packs its own stages' parameters into flat
 buffers (one per weight-decay group and ``parallel.bucket_cap_mb`` bucket, as ZeRO-1/2's engine
 does) sharded over its data-parallel group (:func:`shard_group`); ZeRO-3 gathers them once per
-step, the gradients are reduce-scattered once, after the last micro-batch, two buckets in flight. The step, and why the parameters stay gathered for it: docs/pipeline.md, "Sharding
-inside stages".
+step, the gradients are reduce-scattered once, after the last micro-batch, two buckets in flight.
+The step, and why the parameters stay gathered for it: docs/pipeline.md, "Sharding inside
+stages".
 
 Mixed precision (``train.param_dtype`` / ``train.reduce_dtype``, FSDP2's MixedPrecisionPolicy as
 torch.distributed.pipelining drives it): the gathered stage, hence its compute and the activations
@@ -159,7 +160,7 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
         shard group), sum over replicas (hybrid), cast to the masters' dtype, average, add into the
         gradient shards; free. Two buckets in flight: gloo copies what it reduce-scatters at the
         call and keeps the copy until the work is collected (one flat for the whole stage held its
-        gradient twice at the call: docs/data-parallel.md, Where the memory goes)."""
+        gradient twice at the call: docs/data-parallel.md, Where the memory goes, item 11)."""
         works = {}  # flat index -> its reduce-scatter in flight
         self.peak_buffer_bytes = self.buffer_bytes()
         for k, f in enumerate(self.flats):

@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
 # pytest-xdist workers for `make test`, one test file each at a time (--dist loadfile keeps each
-# file's module-scoped fixtures, e.g. the one Ray instance, in one worker). 1: in this process.
+# file's module-scoped fixtures, e.g. the one Ray instance, in one worker), the longest files first
+# (tests/conftest.py SLOW_FIRST; --no-loadscope-reorder keeps that order). 1: in this process.
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast test-gpu bench finetune clean
@@ -33,7 +34,7 @@ demo: venv
 	$(BIN)/shardlab train configs/tiny.toml --nproc $(NPROC)
 
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-fast: venv
 	$(BIN)/python -m pytest -q tests/unit

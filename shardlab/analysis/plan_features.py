@@ -319,5 +319,5 @@ def check_features(cfg, dev, features) -> None:
                    ("fsdp2", p.zero_stage != 3), ("half_params", cfg.train.precision not in ("bf16", "fp16"))):
         if f in features and bad:
             raise _refuse(f)
-    if "async_tp" in features and not (cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel):
+    if "async_tp" in features and not (p.tp > 1 and p.sequence_parallel):
         raise ConfigError("--async-tp", "asynchronous TP overlaps the sequence-parallel collectives: use a tpNsp part")

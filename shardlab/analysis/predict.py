@@ -127,9 +127,10 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
             ms["bwd_transient"] = ms["bwd_transient_inline"]
         if not inline and cfg.parallel.zero_stage == 1 and cfg.parallel.pp == 1:
             # gloo copies a bucket it reduce-scatters at the call and holds the copy until the work
-            # is collected; ZeRO-1 keeps two in flight (zero.ZeroEngine._launch) beside its
+            # is collected; ZeRO-1 keeps RS_IN_FLIGHT in flight (zero.ZeroEngine._launch) beside its
             # persistent gradient buffers (ZeRO-2's and ZeRO-3's copies replace the buffer they drop)
-            ms["buffers"] += 2 * ms.get("largest_bucket", 0.0)
+            from ..parallel.zero import RS_IN_FLIGHT
+            ms["buffers"] += RS_IN_FLIGHT * ms.get("largest_bucket", 0.0)
         if not inline and cfg.parallel.zero_stage and cfg.parallel.pp > 1:
             # inside pipeline stages the flat gradients are dropped as their reduce-scatters start
             # (pipeline/sharded.sync_grads, two in flight): at a call gloo's copy of that bucket

@@ -16,6 +16,10 @@ from .engine import Engine
 from .ddp import make_buckets
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Reduce-scatters of gradient buckets in flight at most (ZeRO-1 here, ZeRO inside pipeline stages):
+# gloo copies a bucket at the call and holds the copy until the work is collected, so this many
+# copies stand beside the gradients (the planner prices them: analysis/predict.stage_memory).
+RS_IN_FLIGHT = 2
 
 
 @register_check
@@ -289,7 +293,7 @@ class ZeroEngine(ShardedEngine):
             # ZeRO-2: one staging bucket in flight (collect the previous one first). ZeRO-1: two
             # (gloo copies each bucket it reduce-scatters at the call and holds the copy until the
             # work is collected: with every bucket in flight that was the whole gradient again)
-            self._collect(self._next - (1 if self.stage == 2 else 2))
+            self._collect(self._next - (1 if self.stage == 2 else RS_IN_FLIGHT))
             f.pending = f.comm.reduce_scatter_async(f.grad_full)
             if self.stage == 2:  # the collective holds what it still reads (gloo: its own copy)
                 f.grad_full = None

@@ -21,7 +21,7 @@ from ...config import register_check
 from ...distributed.placement import get_placement, set_placement
 from ..fsdp import mixed_precision_dtypes
 from ..materialize import init_flat_range
-from ..zero import FlatParam, ShardedEngine, flat_groups
+from ..zero import RS_IN_FLIGHT, FlatParam, ShardedEngine, flat_groups
 from .executor import PipelineEngine, _param_dtype
 
 
@@ -171,8 +171,8 @@ class ShardedPipelineEngine(PipelineEngine, ShardedEngine):
                     else:
                         g.copy_(p.grad)
                 p.grad = None
-            if k >= 2:
-                self._collect(k - 2, works.pop(k - 2))
+            if k >= RS_IN_FLIGHT:
+                self._collect(k - RS_IN_FLIGHT, works.pop(k - RS_IN_FLIGHT))
             works[k] = self.comm.reduce_scatter_async(f.grad_full)
             f.grad_full = f.grad_views = None  # the collective holds what it reads (gloo: a copy)
             self.in_flight += 1

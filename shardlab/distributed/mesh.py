@@ -12,6 +12,7 @@ simulated slow tier a bandwidth or latency.
 """
 from __future__ import annotations
 
+import datetime
 import socket
 from dataclasses import dataclass, field, replace
 
@@ -22,10 +23,31 @@ from .collectives import Comm
 from .flight import Recorder
 from .ledger import Ledger
 from .shm import X86 as _X86, SharedComm
+from .shm_host import collective_timeout
 from .tiers import Link, tiered
 from .topology import DERIVED, GROUPS, Topology
 
 ALL_GROUPS = tuple(GROUPS) + DERIVED
+
+CONNECT_S = 60.0
+"""Seconds a new process group may take to connect its ranks (gloo's full mesh of sockets, on a
+loaded host), whatever the collective timeout: the group is created under the longer of the two
+and then given the collective timeout (``launch._init``, :func:`subgroup`)."""
+
+
+def subgroup(ranks: list[int]):
+    """``dist.new_group(ranks)`` under the default group's collective timeout. torch gives a new
+    group its backend's own default otherwise (30 minutes for gloo), so a hang inside a subgroup
+    (the tp or dp group of a 2-D layout) went unreported for 30 minutes, not ``parallel.timeout_s``
+    (tests/distributed/test_diagnosis.py). Connected under at least :data:`CONNECT_S`."""
+    timeout = collective_timeout(dist.group.WORLD)
+    if timeout is None:
+        return dist.new_group(ranks)
+    connect = max(timeout, datetime.timedelta(seconds=CONNECT_S))
+    group = dist.new_group(ranks, timeout=connect)
+    if connect > timeout and isinstance(group, dist.ProcessGroup):  # not this rank's: a sentinel
+        group.set_timeout(timeout)
+    return group
 
 
 def _host_id() -> str:
@@ -88,7 +110,7 @@ class Mesh:
             for ranks in topology.groups(name):
                 key = tuple(ranks)
                 if key not in seen:  # identical rank sets share one communicator
-                    seen[key] = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+                    seen[key] = subgroup(list(ranks)) if len(ranks) < world else dist.group.WORLD
                 if rank in ranks:
                     mesh.groups[name] = seen[key]
                     mesh.members[name] = list(ranks)

@@ -37,16 +37,27 @@ def spin_seconds(size: int) -> float:
     return SPIN_S if cores >= 2 * size else 0.0
 
 
-def group_timeout(group) -> float:
-    """Seconds a collective of ``group`` may wait: the process group's own timeout (what
-    ``init_process_group(timeout=...)`` set: ``train.timeout_s`` under the launcher), so a rank
-    that never arrives stops the job as soon on this transport as on gloo. 600 s where the
-    backend does not say."""
+def collective_timeout(group):
+    """The timeout (a timedelta) ``group``'s collectives run under: what ``init_process_group(timeout=...)``
+    or ``set_timeout`` gave it (``train.timeout_s`` under the launcher; the Mesh's subgroups take the
+    default group's, mesh.subgroup). None where the backend does not say (a private attribute)."""
     import torch
-    try:
-        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
-    except Exception:  # another backend, or a private attribute renamed: keep the default
-        return DEFAULT_TIMEOUT_S
+    for kind in getattr(group, "_device_types", ()) or (torch.device("cpu"),):
+        try:
+            timeout = group._get_backend(torch.device(kind)).options._timeout
+        except Exception:  # another backend, or the attribute renamed
+            continue
+        if timeout is not None:
+            return timeout
+    return None
+
+
+def group_timeout(group) -> float:
+    """Seconds a collective of ``group`` may wait on this transport: the process group's own
+    timeout (:func:`collective_timeout`), so a rank that never arrives stops the job as soon on
+    this transport as on gloo. 600 s where the backend does not say."""
+    timeout = collective_timeout(group)
+    return DEFAULT_TIMEOUT_S if timeout is None else float(timeout.total_seconds())
 
 
 def wait(done, timeout_s: float, late, progress=None, spin_s: float = 0.0) -> None:

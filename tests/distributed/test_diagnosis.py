@@ -179,6 +179,32 @@ def test_shared_transport_names_a_mismatch_at_once(runs, name):
     assert "did not arrive" not in text and "timed out" not in text.lower(), text  # not the timeout
 
 
+def _subgroup_hang(ctx):
+    """tp 2 x dp 2 on gloo: the tp groups are subgroups of the world, created by the Mesh."""
+    from shardlab.distributed.shm_host import collective_timeout
+    mesh = Mesh.build(Topology(tp=2, dp_replicate=2), "cpu", transport="process_group")
+    tp = mesh.comm("tp")
+    assert collective_timeout(mesh.group("tp")).total_seconds() == TIMEOUT  # torch's own default: 1800
+    tp.all_reduce(torch.ones(2))
+    if ctx.rank == 0:
+        tp.all_reduce(torch.ones(4))
+    else:
+        tp.barrier()
+
+
+def test_hang_inside_a_subgroup_is_reported_at_the_timeout():
+    """A hang in a group smaller than the world (the tp group of tp 2 x dp 2): torch gives a new
+    group its backend's default timeout (30 minutes for gloo), so this run once waited 30 minutes;
+    the Mesh's groups take the launcher's collective timeout (mesh.subgroup)."""
+    t0 = time.perf_counter()
+    with pytest.raises(launch.WorkerError) as info:
+        launch.run(_subgroup_hang, 4, timeout_s=TIMEOUT)
+    text = str(info.value)
+    assert "group tp: ranks disagree at seq 2: rank 0 all_reduce(float32[4], sum)" in text, text
+    assert "rank 1 barrier()" in text and "full dumps: " in text, text
+    assert time.perf_counter() - t0 < 75
+
+
 def test_report_of_dumps(tmp_path):
     """diagnose() on hand-made dumps: a rank behind in a group, a disagreement, a lost message."""
     def op(seq, g, o, t, done=True, **kw):

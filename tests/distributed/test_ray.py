@@ -147,8 +147,11 @@ def test_heterogeneous_example_smoke(ray_cluster, examples, capsys):
 
 def _seeded_desync(ctx):
     """Rank 0 all_reduce, rank 1 barrier at the same sequence number (after one agreed all_reduce)."""
+    import torch.distributed as dist
     from shardlab.distributed.mesh import Mesh
+    from shardlab.distributed.shm_host import collective_timeout
     from shardlab.distributed.topology import Topology
+    assert collective_timeout(dist.group.WORLD).total_seconds() == 5.0  # Ray Train connected under 60
     mesh = Mesh.build(Topology(tp=2), "cpu", transport="process_group")
     tp = mesh.comm("tp")
     tp.all_reduce(torch.ones(2))   # seq 1: agreed

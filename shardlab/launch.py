@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from .distributed.heap import set_mmap_threshold
-from .distributed.mesh import CONNECT_S
 from .launch_procs import die_with_parent, let_forkserver_exit, rank_context, set_pdeathsig  # noqa: F401 (launch's API)
 from .launch_report import report_to
 from .train.plan import RunPlan
@@ -90,17 +89,13 @@ def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, 
     dev = _rank_device(kind, local_rank)
     if kind == "cuda":
         torch.cuda.set_device(dev)
-    # connected under at least CONNECT_S: a short collective timeout (a hang test's 3 s) once also
-    # bounded gloo's connection of the ranks, which a loaded host can take longer than
-    connect = max(timeout_s, CONNECT_S)
-    kwargs = dict(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=connect))
+    kwargs = dict(backend=backend, rank=rank, world_size=world,
+                  timeout=datetime.timedelta(seconds=timeout_s))
     if init_method:
         kwargs["init_method"] = init_method
     if backend == "nccl":
         kwargs["device_id"] = dev
     dist.init_process_group(**kwargs)
-    if connect > timeout_s:
-        dist.group.WORLD.set_timeout(datetime.timedelta(seconds=timeout_s))
     return RankContext(rank, world, local_rank, dev, backend, plan)
 
 

@@ -15,7 +15,6 @@ import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 
 from .errors import ConfigError
@@ -102,7 +101,6 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     started = ensure_ray(opts, nproc)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from .distributed.mesh import CONNECT_S
     from .launch import choose_backend, default_threads
     use_gpu = choose_backend(device, 1)[1] == "cuda" if device != "auto" else _cluster_has_gpus()
     backend = "nccl" if use_gpu else "gloo"
@@ -113,12 +111,11 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     dump_dir = flight.new_dump_dir()  # each rank dumps its flight recorder here (as under launch.run)
     mailbox = ray.remote(num_cpus=0)(_Mailbox).remote()  # rank 0's return value comes back through it
     loop_config = {"mailbox": mailbox, "fn": flight.wrap(fn, dump_dir), "args": args, "threads": threads or default_threads(nproc), "use_gpu": use_gpu,
-                   "plan": plan, "timeout_s": timeout_s, "report": report_checkpoints,
+                   "plan": plan, "report": report_checkpoints,
                    "run_storage": str(Path(storage).resolve() / name)}
     trainer = TorchTrainer(
         _worker, train_loop_config=loop_config,
-        # Ray Train connects the ranks under this; each worker then sets timeout_s (launch._init's rule)
-        torch_config=TorchConfig(backend=backend, timeout_s=int(max(timeout_s, CONNECT_S))),
+        torch_config=TorchConfig(backend=backend, timeout_s=int(timeout_s)),
         scaling_config=ScalingConfig(num_workers=nproc, use_gpu=use_gpu, placement_strategy=opts.strategy,
                                      resources_per_worker={"CPU": opts.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
         run_config=RunConfig(name=name, storage_path=str(Path(storage).resolve()),
@@ -169,14 +166,11 @@ def _worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
     from . import launch
-    from .distributed.mesh import CONNECT_S
     tc = ray.train.get_context()
     rank, world, local_rank = tc.get_world_rank(), tc.get_world_size(), tc.get_local_rank()
     plan = config["plan"]
     launch._arm_test_hooks(rank, plan.test_hooks if plan else {})
     torch.set_num_threads(config["threads"])
-    if config["timeout_s"] < CONNECT_S:  # connected under CONNECT_S; collectives time out at timeout_s
-        dist.group.WORLD.set_timeout(timedelta(seconds=config["timeout_s"]))
     if config["use_gpu"]:
         import ray.train.torch
         device = ray.train.torch.get_device()

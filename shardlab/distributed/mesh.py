@@ -12,7 +12,6 @@ simulated slow tier a bandwidth or latency.
 """
 from __future__ import annotations
 
-import datetime
 import socket
 from dataclasses import dataclass, field, replace
 
@@ -29,25 +28,15 @@ from .topology import DERIVED, GROUPS, Topology
 
 ALL_GROUPS = tuple(GROUPS) + DERIVED
 
-CONNECT_S = 60.0
-"""Seconds a new process group may take to connect its ranks (gloo's full mesh of sockets, on a
-loaded host), whatever the collective timeout: the group is created under the longer of the two
-and then given the collective timeout (``launch._init``, :func:`subgroup`)."""
-
-
 def subgroup(ranks: list[int]):
-    """``dist.new_group(ranks)`` under the default group's collective timeout. torch gives a new
-    group its backend's own default otherwise (30 minutes for gloo), so a hang inside a subgroup
-    (the tp or dp group of a 2-D layout) went unreported for 30 minutes, not ``parallel.timeout_s``
-    (tests/distributed/test_diagnosis.py). Connected under at least :data:`CONNECT_S`."""
+    """``dist.new_group(ranks)`` under the default group's timeout. torch gives a new group its
+    backend's own default otherwise (30 minutes for gloo), so a hang inside a subgroup (the tp or
+    dp group of a 2-D layout, a pipeline's pp group) went unreported for 30 minutes, not
+    ``train.timeout_s`` (tests/distributed/test_diagnosis.py). The timeout is the one the group is
+    created with: gloo's point-to-point waits keep the timeout its connection was made under
+    (``ProcessGroup.set_timeout`` changes the collectives' only), so it is not set afterwards."""
     timeout = collective_timeout(dist.group.WORLD)
-    if timeout is None:
-        return dist.new_group(ranks)
-    connect = max(timeout, datetime.timedelta(seconds=CONNECT_S))
-    group = dist.new_group(ranks, timeout=connect)
-    if connect > timeout and isinstance(group, dist.ProcessGroup):  # not this rank's: a sentinel
-        group.set_timeout(timeout)
-    return group
+    return dist.new_group(ranks) if timeout is None else dist.new_group(ranks, timeout=timeout)
 
 
 def _host_id() -> str:

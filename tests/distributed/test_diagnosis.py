@@ -205,6 +205,30 @@ def test_hang_inside_a_subgroup_is_reported_at_the_timeout():
     assert time.perf_counter() - t0 < 75
 
 
+def _pipeline_recv_hang(ctx):
+    """pp 2 x dp 2 on gloo: each pp group's second rank waits for a send that never comes."""
+    mesh = Mesh.build(Topology(pp=2, dp_replicate=2), "cpu", transport="process_group")
+    pp = mesh.comm("pp")
+    pp.barrier()
+    if mesh.members["pp"].index(ctx.rank) == 1:
+        pp.irecv(torch.empty(4), 0).wait()
+    else:
+        time.sleep(300)  # alive, never sending: only the receive's timeout ends the run
+
+
+def test_pipeline_receive_hang_in_a_subgroup_is_reported_at_the_timeout():
+    """A point-to-point hang inside the pp groups (subgroups of the world): gloo's receive waits
+    under the timeout its group was created with (30 minutes before mesh.subgroup)."""
+    t0 = time.perf_counter()
+    with pytest.raises(launch.WorkerError) as info:
+        launch.run(_pipeline_recv_hang, 4, timeout_s=TIMEOUT)
+    text = str(info.value)
+    assert "Timed out waiting 3000ms for recv" in text, text  # the group's timeout, not 30 minutes
+    assert "rank 2: last op pp recv(float32[4]) from rank 0 seq 1" in text, text
+    assert "rank 3: last op pp recv(float32[4]) from rank 1 seq 1" in text, text
+    assert time.perf_counter() - t0 < 75
+
+
 def test_report_of_dumps(tmp_path):
     """diagnose() on hand-made dumps: a rank behind in a group, a disagreement, a lost message."""
     def op(seq, g, o, t, done=True, **kw):

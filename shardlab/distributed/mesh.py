@@ -28,6 +28,7 @@ from .topology import DERIVED, GROUPS, Topology
 
 ALL_GROUPS = tuple(GROUPS) + DERIVED
 
+
 def subgroup(ranks: list[int]):
     """``dist.new_group(ranks)`` under the default group's timeout. torch gives a new group its
     backend's own default otherwise (30 minutes for gloo), so a hang inside a subgroup (the tp or

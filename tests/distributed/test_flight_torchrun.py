@@ -1,8 +1,8 @@
 """The flight recorder's hang report without shardlab's launcher: a seeded desync under torchrun
 (CPU, gloo, 2 ranks, 10 s timeout: 3 s once ran out while gloo connected the two ranks on a
-loaded host, `Gloo connectFullMesh failed ... timed out connecting`). Each rank's Comm call fails at the timeout, dumps
-its recorder into the run's flight directory, and the failing rank prints the report the local
-launcher prints, naming the ranks and the operations (distributed/flight_here.py)."""
+loaded host, ``Gloo connectFullMesh failed ... timed out connecting``). Each rank's Comm call fails
+at the timeout, dumps its recorder into the run's flight directory, and the failing rank prints the
+report the local launcher prints, naming the ranks and the operations (distributed/flight_here.py)."""
 import shutil
 import subprocess
 import sys
@@ -46,4 +46,3 @@ def test_seeded_hang_under_torchrun_is_named_by_rank_and_op(tmp_path):
     assert "rank 1 barrier()" in out and "rank 0: last op tp all_reduce(float32[4], sum) seq 2" in out, out[-3000:]
     assert {p.name for p in (tmp_path / "flight").glob("rank*.json")} == {"rank0.json", "rank1.json"}
     assert time.perf_counter() - t0 < 90
-

@@ -36,8 +36,7 @@ def subgroup(ranks: list[int]):
     ``train.timeout_s`` (tests/distributed/test_diagnosis.py). The timeout is the one the group is
     created with: gloo's point-to-point waits keep the timeout its connection was made under
     (``ProcessGroup.set_timeout`` changes the collectives' only), so it is not set afterwards."""
-    timeout = collective_timeout(dist.group.WORLD)
-    return dist.new_group(ranks) if timeout is None else dist.new_group(ranks, timeout=timeout)
+    return dist.new_group(ranks, timeout=collective_timeout(dist.group.WORLD))  # None: torch's default
 
 
 def _host_id() -> str:

@@ -57,4 +57,9 @@ def report(path: str, top: int = 15) -> None:
 
 
 if __name__ == "__main__":
-    report(sys.argv[1] if len(sys.argv) > 1 else "suite_cpu.jsonl")
+    path = sys.argv[1] if len(sys.argv) > 1 else "suite_cpu.jsonl"
+    if not os.path.isfile(path):
+        print(f"suite_cpu: {path} does not exist; record one first: "
+              "PYTHONPATH=benchmarks python -m pytest -q -p suite_cpu tests", file=sys.stderr)
+        sys.exit(2)
+    report(path)

@@ -53,6 +53,8 @@ def resolve(args) -> tuple[C.Config, int, object]:
         cfg.train.device = args.device
     if args.run_dir:
         cfg.logging.run_dir = args.run_dir
+    if args.nproc is not None and args.nproc < 1:
+        raise C.ConfigError("--nproc", f"must be >= 1, got {args.nproc}; omit it for the product of the parallel degrees")
     nproc = launch.torchrun_world_size() or args.nproc or cfg.parallel.world_size
     if nproc != cfg.parallel.world_size and cfg.parallel.world_size == 1:
         # degrees not given: data parallel over all ranks, on the sharded axis under ZeRO (else

@@ -62,6 +62,14 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
     assert "lr = 0.5  # Peak learning rate." in out
 
 
+@pytest.mark.parametrize("nproc", ["0", "-1"])
+def test_train_refuses_fewer_than_one_rank(nproc, capsys):
+    """--nproc 0 used to fall back to the degrees' product (0 read as unset); now one line, exit 2."""
+    assert cli_main(["train", "configs/tiny.toml", "--nproc", nproc, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("config error: --nproc: must be >= 1")
+
+
 def test_presets_validate():
     from pathlib import Path
     presets = sorted(Path(__file__).parents[2].glob("configs/*.toml"))

@@ -24,15 +24,15 @@ def configure(p):
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     p.add_argument("--gpu", default="h100", help="device kind: h100, h100-gt, h200, h800, a100")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain)")
-    p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's)")
-    p.add_argument("--seq", type=int, default=0, help="sequence length (default: the config's)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the config's)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's)")
     p.add_argument("--top", type=int, default=5, help="layouts to print")
     p.add_argument("--efficiency", choices=("stated", "fitted"), default="stated",
                    help="stated: the device constants only (default); fitted: compute-bound time also divided by "
                         "the one global efficiency fitted to published runs (devices.FITTED_EFFICIENCY, docs/planner.md)")
     p.add_argument("--plot", default="", help="save a memory-breakdown bar chart of the top layouts here (PNG)")
     for name in ("tp", "pp", "cp"):
-        p.add_argument(f"--{name}", type=int, default=0, help=f"fix parallel.{name}")
+        p.add_argument(f"--{name}", type=int, default=None, help=f"fix parallel.{name}")
     p.add_argument("--zero", type=int, default=-1, help="fix parallel.zero_stage (0-3)")
     p.add_argument("--schedule", default="", help="fix parallel.pp_schedule")
     p.add_argument("--ac", default="", help="fix parallel.activation_checkpointing (none, selective, op, full)")
@@ -105,8 +105,7 @@ def main(args) -> int:
     from ..analysis.plan_search import HEADROOM, search, smallest_cluster, why
     t0 = time.perf_counter()
     base = load_model(args.model)
-    if args.gpus < 1:
-        raise ConfigError("--gpus", "must be >= 1")
+    _check_counts(args)
     features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks",
                                        "foreach_adamw", "megatron_tp_overlap", "half_params")
                      if getattr(args, name, False))
@@ -116,12 +115,12 @@ def main(args) -> int:
     dev = get_device(args.gpu)  # unknown kinds refused, never guessed
     t = base.train
     t.precision = "bf16" if t.precision in ("fp32", "fp64") else t.precision
-    if args.seq:
+    if args.seq is not None:
         t.seq_len = args.seq
     base.model.max_seq_len = max(base.model.max_seq_len, t.seq_len)
-    if args.global_batch:
+    if args.global_batch is not None:
         t.global_batch = args.global_batch
-    fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp") if getattr(args, k)}
+    fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp") if getattr(args, k) is not None}
     if args.zero >= 0:
         fixed["zero"] = args.zero
     if args.schedule:
@@ -248,6 +247,17 @@ def _pinned(base, args, dev, eta: float, t0: float, features=()) -> int:
         print(tier_line(c.breakdown))
     print("\n" + _verdict(c, dev).replace("its peak rank", f"its peak rank (pipeline stage {pred.peak.stage})"))
     return 1 if c.peak_bytes > HEADROOM * dev.memory else 0
+
+
+def _check_counts(args) -> None:
+    """Every count the command takes is at least 1 (``--zero`` 0-3, ``--top`` at least 1): one line
+    naming the flag, exit 2, before anything is loaded or searched."""
+    for flag in ("gpus", "gpus_per_node", "global_batch", "seq", "tp", "pp", "cp", "top"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ConfigError("--" + flag.replace("_", "-"), f"must be >= 1, got {value}")
+    if not -1 <= getattr(args, "zero", -1) <= 3:
+        raise ConfigError("--zero", f"must be 0, 1, 2 or 3 (parallel.zero_stage), got {args.zero}")
 
 
 def _check_fixed(base, gpus: int, fixed: dict) -> None:

@@ -41,6 +41,9 @@ def overrides(args) -> dict:
 
 
 def main(args) -> int:
+    for flag in ("nproc", "steps"):
+        if getattr(args, flag) < 1:
+            raise C.ConfigError(f"--{flag}", f"must be >= 1, got {getattr(args, flag)}")
     extra = overrides(args)
     arch = args.arch
     if get_spec(arch).task != "lm":
@@ -56,6 +59,10 @@ def main(args) -> int:
         C.from_dict(_merge(base, extra)).validate(1)
     fitting = [n for n in names if layout_config(n, args.nproc, args.steps, arch, extra) is not None]
     skipped = [n for n in names if n not in fitting]
+    if not fitting:  # a parity matrix that ran nothing must not read "0 failed"
+        sizes = [n for n in (1, 2, 4, 8) if any(layout_config(x, n, args.steps, arch, extra) for x in names)]
+        raise C.ConfigError("--nproc", f"none of the {len(names)} layouts asked for fits {args.nproc} ranks; "
+                                       f"use --nproc {' or '.join(map(str, sizes)) or '4 with other --layouts'}")
     first = layout_config(fitting[0], args.nproc, arch=arch, extra=extra) if fitting else None
     data_dir = str(prepare(first.data if first else C.Config().data))
     shown = " ".join(f"--{s}.{k}={v}" for s, kv in extra.items() for k, v in kv.items())

@@ -225,3 +225,22 @@ def test_verify_honours_model_overrides(capsys):
     assert cli_main(["verify", "--nproc", "1", "--layouts", "dp", "--model.d_model=-3"]) == 2
     assert cli_main(["verify", "--nproc", "2", "--parallel.tp=2"]) == 2
     assert "each layout sets its own parallel degrees" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["verify", "--nproc", "0"], "--nproc"), (["verify", "--steps", "0"], "--steps"),
+    (["verify", "--nproc", "3", "--layouts", "tp2,cp2"], "--nproc"),  # nothing fits: not "0 passed, 0 failed"
+    (["memory", "configs/tiny.toml", "--nproc", "0"], "--nproc"),
+    (["plan", "llama-8b", "--gpus", "8", "--seq", "0"], "--seq"),
+    (["plan", "llama-8b", "--gpus", "8", "--global-batch", "-4"], "--global-batch"),
+    (["plan", "llama-8b", "--gpus", "8", "--tp", "0"], "--tp"),
+    (["plan", "llama-8b", "--gpus", "8", "--zero", "5"], "--zero"),
+    (["plan", "llama-8b", "--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node"),
+])
+def test_counts_below_one_are_refused_in_one_line(argv, flag, capsys):
+    """A zero or negative count is refused naming its flag (exit 2), where it used to mean the default
+    (plan's --seq 0, --tp 0), an empty run (verify's "0 passed, 0 failed", exit 0) or a search of
+    nothing (plan's --global-batch -4, exit 1)."""
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"config error: {flag}:"), err

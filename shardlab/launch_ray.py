@@ -70,6 +70,8 @@ def check_options(opts: RayOptions, nproc: int) -> None:
         raise ConfigError("--ray-strategy", f"must be one of {', '.join(STRATEGIES)}, got {opts.strategy!r}")
     if opts.cpus_per_worker <= 0:
         raise ConfigError("--ray-cpus-per-worker", f"must be > 0, got {opts.cpus_per_worker}")
+    if opts.num_cpus < 0:
+        raise ConfigError("--ray-num-cpus", f"must be >= 1 (or 0 for the default), got {opts.num_cpus}")
     if opts.max_failures < 0:
         raise ConfigError("--max-restarts", f"must be >= 0, got {opts.max_failures}")
     if nproc < 1:
@@ -265,6 +267,7 @@ def options(args, max_failures: int, storage_path: str | None) -> RayOptions | N
     require_ray()
     opts = RayOptions(address=args.ray_address, num_cpus=args.ray_num_cpus, cpus_per_worker=args.ray_cpus_per_worker,
                       strategy=args.ray_strategy, max_failures=max_failures, storage_path=storage_path)
+    check_options(opts, 1)  # the ranks' count is checked again at the launch
     check_address(opts.address)
     return opts
 

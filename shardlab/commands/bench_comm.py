@@ -128,6 +128,8 @@ def _settings(args) -> dict:
         raise ValueError("--nproc: collectives need at least 2 ranks")
     if args.nodes < 1 or args.nproc % args.nodes:
         raise ValueError(f"--nodes: {args.nodes} must be >= 1 and divide --nproc {args.nproc}")
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError(f"--iters / --warmup: need iters >= 1 and warmup >= 0, got {args.iters} / {args.warmup}")
     if not 1 <= args.burst <= 16:
         raise ValueError(f"--burst: {args.burst} must be 1 to 16 (repeated in-place reductions grow the values)")
     if args.inter_gbps < 0 or args.inter_latency_us < 0:

@@ -86,8 +86,9 @@ def main(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or args.top_k < 0:
-        raise ConfigError("--temperature", "temperature and top-k must be >= 0")
+    for flag, value, zero in (("--temperature", args.temperature, "greedy"), ("--top-k", args.top_k, "all tokens")):
+        if value < 0:
+            raise ConfigError(flag, f"must be >= 0 (0: {zero}), got {value}")
     src = open_source(args.source)
     check_tp(src.cfg, args.tp)  # before any process starts
     tok = src.tokenizer()

@@ -16,7 +16,7 @@ def configure(parser):
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    parser.add_argument("--virtual", "-v", type=int, default=0,
+    parser.add_argument("--virtual", "-v", type=int, default=None,
                         help="virtual stages per rank (interleaved; default 2 there, 1 elsewhere)")
     parser.add_argument("--cost", default="1,1,1", help="F,B,W cost per stage (default 1,1,1); B = input "
                         "gradient only, the full backward costs B+W")
@@ -45,7 +45,7 @@ def summary(name: str, p: int, m: int, v: int, f: float = 1.0, b: float = 1.0, w
 
 
 def main(args) -> int:
-    v = args.virtual or (2 if args.schedule == "interleaved" else 1)
+    v = args.virtual if args.virtual is not None else (2 if args.schedule == "interleaved" else 1)
     try:
         f, b, w = (float(x) for x in args.cost.split(","))
     except ValueError:

@@ -48,6 +48,9 @@ def test_table_with_tiers_shows_slow_tier_bytes():
     (["bench", "comm", "--nproc", "4", "--nodes", "3"], "--nodes"),
     (["bench", "comm", "--nodes", "2", "--inter-gbps", "-1"], "--inter-gbps"),
     (["bench", "comm", "--burst", "0"], "--burst"),
+    (["bench", "comm", "--iters", "0"], "--iters"),  # was silently 3
+    (["bench", "comm", "--warmup", "-1"], "--warmup"),
+    (["schedule", "--pp", "2", "--microbatches", "4", "--virtual", "0"], "virtual=0"),  # was the default
 ])
 def test_bad_arguments_fail_before_spawning(argv, msg, capsys):
     assert cli.main(argv) == 2

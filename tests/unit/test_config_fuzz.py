@@ -236,6 +236,10 @@ def test_verify_honours_model_overrides(capsys):
     (["plan", "llama-8b", "--gpus", "8", "--tp", "0"], "--tp"),
     (["plan", "llama-8b", "--gpus", "8", "--zero", "5"], "--zero"),
     (["plan", "llama-8b", "--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (["generate", "smollm2", "--prompt", "hi", "--top-k", "-1"], "--top-k"),  # was named --temperature
+    (["train", "configs/tiny.toml", "--launcher", "ray", "--ray-num-cpus", "-1", "--dry-run"], "--ray-num-cpus"),
+    (["train", "configs/tiny.toml", "--launcher", "ray", "--ray-cpus-per-worker", "-1", "--dry-run"],
+     "--ray-cpus-per-worker"),  # dry runs passed both; the launch refused them later
 ])
 def test_counts_below_one_are_refused_in_one_line(argv, flag, capsys):
     """A zero or negative count is refused naming its flag (exit 2), where it used to mean the default

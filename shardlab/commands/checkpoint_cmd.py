@@ -160,7 +160,19 @@ def _open(args):
     return merged_reader(reader) if args.merge_lora else reader
 
 
+def _refuse_unused(args) -> None:
+    """A flag the action would ignore is refused, naming it (inspect and verify only read)."""
+    applies = {"--to": ("export", "import"), "--force": ("export", "import"), "--format": ("export",),
+               "--merge-lora": ("export",), "--chunk-mib": ("export",)}
+    given = {"--to": args.to is not None, "--force": args.force, "--format": args.format != "safetensors",
+             "--merge-lora": args.merge_lora, "--chunk-mib": args.chunk_mib != 64.0}
+    for flag, actions in applies.items():
+        if given[flag] and args.action not in actions:
+            raise ConfigError(flag, f"applies to {' and '.join(actions)}, not to {args.action}; drop it")
+
+
 def main(args) -> int:
+    _refuse_unused(args)
     out = Path(args.to) if args.to else None
     if args.action == "import":
         if out is None:
@@ -175,8 +187,11 @@ def main(args) -> int:
     if args.action == "export" and args.format == "hf":
         if out is None:
             raise ConfigError("--to", "export --format hf needs an output directory, e.g. --to hf_model")
-        if (out / "model.safetensors").exists() and not args.force:
-            raise ConfigError("--to", f"{out}/model.safetensors exists; pass --force to overwrite it")
+        if out.is_dir() and any(out.iterdir()) and not args.force:  # its config.json, tokenizer files, ...
+            raise ConfigError("--to", f"{out} is not empty; export into a new directory, or pass --force to "
+                                      "overwrite the files of the same names")
+        if out.exists() and not out.is_dir():
+            raise ConfigError("--to", f"{out} is a file; --format hf writes a directory")
         from ..models.hf import export_hf
         from ..models.pretrained import checkpoint_model_config
         reader = _open(args)

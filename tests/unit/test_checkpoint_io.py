@@ -354,3 +354,17 @@ def test_cli_refuses_bad_checkpoints(tmp_path, capsys):
     _assert_refused(_main(capsys, "export", path, "--to", out), "exists; pass --force")
     _assert_refused(_main(capsys, "verify", tmp_path / "nope"), "does not exist")
     assert out.read_bytes() == b"keep me"
+
+
+def test_cli_export_hf_keeps_a_directory_it_was_not_given_empty(tmp_path, capsys):
+    """--format hf into a directory holding anything (a user's config.json, ...) is refused before
+    a byte is written; a flag the action would ignore is refused by name."""
+    path = save(tmp_path / "ck", 4, {"model.w": torch.randn(6, 4)}, row_split("model.w", (6, 4), 2))
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("mine")
+    _assert_refused(_main(capsys, "export", path, "--to", out, "--format", "hf"), "is not empty", "--force")
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "mine"
+    _assert_refused(_main(capsys, "export", path, "--to", out / "config.json", "--format", "hf"), "is a file")
+    _assert_refused(_main(capsys, "inspect", path, "--to", out), "--to", "not to inspect")
+    _assert_refused(_main(capsys, "verify", path, "--merge-lora"), "--merge-lora", "not to verify")

@@ -206,10 +206,22 @@ def _groups_worker(ctx):
 
 # -- against DeepSpeed itself ---------------------------------------------------------------------
 
-def _deepspeed_worker(ctx):
+def _import_deepspeed(rank):
+    """deepspeed on its CPU accelerator, with its compiled ops marked unavailable. On the CPU its
+    communication backend JIT-builds a C++ shared-memory op at the first ``initialize`` (about 60 s
+    and 110 CPU-seconds on the 2-core host, every fresh clone: the build cache is keyed by the
+    venv's paths), used only by ``inference_all_reduce``; training's collectives are
+    torch.distributed's either way (deepspeed/comm/torch.py), so the engine's arithmetic is the same."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed reads its launch contract from the env
-    os.environ["LOCAL_RANK"] = str(ctx.rank)
+    os.environ["LOCAL_RANK"] = str(rank)
     import deepspeed
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__ = {}  # what its probe would have cached: every op is then skipped
+    return deepspeed
+
+
+def _deepspeed_worker(ctx):
+    deepspeed = _import_deepspeed(ctx.rank)
     out = {}
     for stage, (name, sch, clip) in DS_CASES:
         ds = ds_config(stage, sch, clip)
@@ -244,9 +256,7 @@ GROUP_CASES = [("two groups, clip 0.05", None, 0.05), CASES[3]]  # WarmupCosineL
 def _deepspeed_groups_worker(ctx):
     """Two param groups with their own weight decay and lr, through deepspeed.initialize and
     shardlab.initialize (model_parameters=...), the same JSON, ZeRO 0-3, 10 steps, fp32."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ["LOCAL_RANK"] = str(ctx.rank)
-    import deepspeed
+    deepspeed = _import_deepspeed(ctx.rank)
     out = {}
     for stage in range(4):
         for name, sch, clip in GROUP_CASES:

@@ -94,7 +94,7 @@ def _main(argv: list[str] | None) -> int:
         if sys.stderr.isatty():  # a rank's progress bar may hold the line: start the message on a clean one
             sys.stderr.write("\r\033[K")
         if first.startswith(BAD_INPUT):  # bad input found by a rank
-            print(f"shardlab: rank {e.rank}: {first.split(': ', 1)[1]}", file=sys.stderr)
+            print(f"shardlab: {e.who}: {first.split(': ', 1)[1]}", file=sys.stderr)
             return 2
         print(f"shardlab: {e}", file=sys.stderr)
         return 1

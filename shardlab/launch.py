@@ -26,11 +26,13 @@ from .train.plan import RunPlan
 
 
 class WorkerError(RuntimeError):
-    """A rank failed; ``rank`` is the first failing rank and ``str(err)`` holds its error."""
+    """A rank failed; ``rank`` is the first failing rank and ``str(err)`` holds its error. ``rank``
+    None: no rank failed, the launcher itself did (Ray's driver), and the message says so."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int | None, message: str):
         self.rank = rank
-        super().__init__(f"rank {rank} failed:\n{message}")
+        self.who = f"rank {rank}" if rank is not None else "the launcher"
+        super().__init__(f"{self.who} failed{'' if rank is not None else ' (no rank did)'}:\n{message}")
 
 
 @dataclass

@@ -149,11 +149,12 @@ def _cluster_has_gpus() -> bool:
 
 def _as_worker_error(e: Exception):
     """Ray's TrainingFailedError -> launch.WorkerError of the first failing rank, its root error
-    first (``ConfigError: ...`` stays one line through the CLI)."""
+    first (``ConfigError: ...`` stays one line through the CLI). An error with no worker's failure
+    in it (the driver's own: Ray's storage, a signal in ``fit``) is the launcher's, not rank 0's."""
     from .launch import WorkerError
     failures = getattr(e, "worker_failures", None)
     if not failures:
-        return WorkerError(0, f"{type(e).__name__}: {e}")
+        return WorkerError(None, f"{type(e).__name__}: {e}")
     rank = min(failures)
     err = failures[rank]
     cause = getattr(err, "cause", None) or err

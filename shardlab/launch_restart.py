@@ -102,7 +102,7 @@ def run_with_restarts(plan: RunPlan, nproc: int, start, max_restarts: int,
                     raise
                 nxt, n = replace(nxt, config=smaller[0]), smaller[1]
             reason = str(err).splitlines()[1] if len(str(err).splitlines()) > 1 else str(err)
-            say(f"shardlab: restart {nxt.restarts}/{max_restarts}: rank {err.rank} failed ({reason.strip()[:160]}); "
+            say(f"shardlab: restart {nxt.restarts}/{max_restarts}: {err.who} failed ({reason.strip()[:160]}); "
                 f"resuming from {path if path else 'the start (no checkpoint yet)'} at step {step} on {n} "
                 f"rank(s), {lost} step(s) to redo")
             writer = MetricsWriter(plan.run_dir, cfg.logging.tensorboard)

@@ -44,3 +44,16 @@ def test_ray_flags_need_the_ray_launcher(capsys, tmp_path):
     assert "--ray-strategy" in _one_line(capsys)
     assert cli_main([*ARGS, f"--logging.run_dir={tmp_path}", "--launcher", "ray", "--checkpoint.async_save=true"]) == 2
     assert "checkpoint.async_save" in _one_line(capsys)
+
+
+def test_a_driver_error_is_the_launchers_not_rank_0s():
+    """An exception from Ray's driver with no worker failure in it (a signal inside ``fit``, Ray's
+    storage) used to read "rank 0 failed"; a worker's failure still names its rank."""
+    from types import SimpleNamespace
+
+    from shardlab.launch_ray import _as_worker_error
+    err = _as_worker_error(SystemError("alarm in the driver"))
+    assert err.rank is None and str(err).startswith("the launcher failed (no rank did):\nSystemError: alarm")
+    failed = SimpleNamespace(worker_failures={3: ValueError("bad"), 1: RuntimeError("boom")})
+    err = _as_worker_error(failed)
+    assert err.rank == 1 and str(err) == "rank 1 failed:\nRuntimeError: boom"

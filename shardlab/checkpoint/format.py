@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+import sys
 import zlib
 from pathlib import Path
 
@@ -118,9 +119,12 @@ def plan_cover(offsets, sizes, boxes):
 
 class SafetensorsWriter:
     """Stream a safetensors file: the header (names, dtypes, shapes) first, then each tensor's
-    bytes in the declared order via ``write(name, tensor)``, possibly in dim-0 chunks."""
+    bytes in the declared order via ``write(name, tensor)``, possibly in dim-0 chunks. ``progress``:
+    a label for a bar of the bytes written on stderr, shown when stderr is a terminal (the exports;
+    the ranks' checkpoint files show none)."""
 
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple]], metadata: dict | None = None):
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple]], metadata: dict | None = None,
+                 progress: str = ""):
         header, pos = {}, 0
         for name, dtype, shape in specs:
             if dtype not in _ST_DTYPES:
@@ -138,6 +142,11 @@ class SafetensorsWriter:
         self._fh = open(path, "wb")
         self._fh.write(struct.pack("<Q", len(raw)) + raw)
         self._crc = 0
+        self._bar = None
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=pos, unit="B", unit_scale=True, unit_divisor=1024, desc=progress,
+                             dynamic_ncols=True, leave=False)
 
     def write(self, name: str, tensor: torch.Tensor, last: bool = True) -> int | None:
         """Append (part of) tensor ``name``; returns the crc32 of its bytes when ``last``."""
@@ -146,6 +155,8 @@ class SafetensorsWriter:
         data = tensor_bytes(tensor.detach().cpu())
         self._fh.write(data)
         self._crc = zlib.crc32(data, self._crc)
+        if self._bar is not None:
+            self._bar.update(len(data))
         if not last:
             return None
         if self._fh.tell() != self._start + self._ends[name][1]:
@@ -161,10 +172,17 @@ class SafetensorsWriter:
         os.fsync(self._fh.fileno())
         size = self._fh.tell()
         self._fh.close()
+        self._close_bar()
         return size
 
     def abort(self) -> None:
         self._fh.close()
+        self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def read_header(path: Path) -> dict:

@@ -122,11 +122,13 @@ class Deferred(NamedTuple):
     """Returns the tensor (``shape``, ``dtype``)."""
 
 
-def write_rank(staging: Path, rank: int, pieces: list[Piece], extra: dict[str, torch.Tensor]) -> None:
+def write_rank(staging: Path, rank: int, pieces: list[Piece], extra: dict[str, torch.Tensor],
+               progress: str = "") -> None:
     """Every rank: write ``rank_NNNNN.safetensors`` (pieces + extra tensors) and ``rank_NNNNN.json``
     (written after the data is fsynced, so its presence means this rank finished). Tensors may
     be on any device; they are copied to the host one at a time. A piece's tensor may be a
-    :class:`Deferred`, loaded when written. No collective."""
+    :class:`Deferred`, loaded when written. No collective. ``progress``: a label for a bar on a
+    terminal's stderr (``shardlab checkpoint import``; SafetensorsWriter)."""
     staging = Path(staging)
     specs, entries = [], []
     for i, p in enumerate(pieces):
@@ -146,7 +148,7 @@ def write_rank(staging: Path, rank: int, pieces: list[Piece], extra: dict[str, t
         dtype_name(t.dtype)
         specs.append((name, t.dtype, tuple(t.shape)))
     path = staging / rank_file(rank, "safetensors")
-    writer = SafetensorsWriter(path, specs, {"format": FORMAT, "rank": rank})
+    writer = SafetensorsWriter(path, specs, {"format": FORMAT, "rank": rank}, progress)
     try:
         for p, e in zip(pieces, entries):
             t = p.tensor.load() if isinstance(p.tensor, Deferred) else p.tensor

@@ -86,7 +86,7 @@ def _export(reader: ckpt.Reader, out: Path, chunk_bytes: int) -> tuple[int, int]
         raise ckpt.CheckpointError(f"{reader.path}: no model.* tensors to export")
     specs = [(k[len("model."):], reader.dtype(k), reader.global_shape(k)) for k in keys]
     tmp = out.with_name(f".{out.name}.part")
-    writer = SafetensorsWriter(tmp, specs, {"source": str(reader.path), "step": reader.step})
+    writer = SafetensorsWriter(tmp, specs, {"source": str(reader.path), "step": reader.step}, progress="export")
     try:
         for key, (name, dtype, shape) in zip(keys, specs):
             if not shape:
@@ -120,7 +120,7 @@ def _import(source: str, out: Path) -> tuple[Path, object]:
         pieces.append(ckpt.Piece(key, shape, (0,) * len(shape),
                                  ckpt.Deferred(shape, reader.dtype(key), lambda k=key: reader.read(k))))
     staging = ckpt.prepare(out, 0)
-    ckpt.write_rank(staging, 0, pieces, {})
+    ckpt.write_rank(staging, 0, pieces, {}, progress="import")
     meta = {"layout": "imported", "world_size": 1, "source": src.ref(),
             "config": {"model": model_config_dict(src.cfg)}}
     if src.kind == "gguf" or (src.path / "tokenizer.json").exists():

@@ -201,7 +201,7 @@ def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".model.safetensors.part"
-    writer = SafetensorsWriter(tmp, layout, {"format": "pt"})
+    writer = SafetensorsWriter(tmp, layout, {"format": "pt"}, progress="export")
     try:
         for hf_key, members in groups.items():
             full = torch.empty(members[0][1].hf_shape, dtype=dt[hf_key])

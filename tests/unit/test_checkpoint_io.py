@@ -368,3 +368,30 @@ def test_cli_export_hf_keeps_a_directory_it_was_not_given_empty(tmp_path, capsys
     _assert_refused(_main(capsys, "export", path, "--to", out / "config.json", "--format", "hf"), "is a file")
     _assert_refused(_main(capsys, "inspect", path, "--to", out), "--to", "not to inspect")
     _assert_refused(_main(capsys, "verify", path, "--merge-lora"), "--merge-lora", "not to verify")
+
+
+def test_export_progress_bar_only_on_a_terminal(tmp_path, monkeypatch):
+    """The exports' writer draws a bar of the bytes written when stderr is a terminal, nothing when
+    it is not (logs, pipes), and never for a rank's checkpoint file (no label)."""
+    import io
+    import sys
+
+    from shardlab.checkpoint.format import SafetensorsWriter
+
+    class Terminal(io.StringIO):
+        def __init__(self, tty):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    for tty, label, shown in ((True, "export", True), (False, "export", False), (True, "", False)):
+        err = Terminal(tty)
+        monkeypatch.setattr(sys, "stderr", err)
+        w = SafetensorsWriter(tmp_path / "x.safetensors", [("w", torch.float32, (256, 4))], progress=label)
+        w.write("w", torch.ones(128, 4), last=False)
+        w.write("w", torch.ones(128, 4))
+        w.close()
+        out = err.getvalue()
+        assert ("export:" in out and "/4.00k" in out) == shown and (out == "") != shown, (tty, label, out)

@@ -234,7 +234,7 @@ class LoggingConfig:
     run_dir: str = f("runs/default", "Directory for metrics.jsonl, TensorBoard events, plots and checkpoints.", nonempty=True)
     log_every: int = f(10, "Log metrics every N steps.", ge=1, le=10**12)
     tensorboard: bool = f(True, "Write TensorBoard event files.")
-    progress: bool = f(True, "Show a progress bar on rank 0.")
+    progress: bool = f(True, "Rank 0 shows a progress bar on a terminal; in a log or a pipe, a line per logged step.")
     profile_steps: int = f(0, "Profile this many steps with torch.profiler (Chrome trace per rank).", ge=0, le=10**6)
     peak_flops: float = f(0.0, "Override the peak FLOP/s used for MFU (0 = from the device table / CPU probe).", ge=0)
 

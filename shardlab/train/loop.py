@@ -5,6 +5,7 @@ reads the run plan in ``ctx.plan`` (train/plan.py). The loop step by step: docs/
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -233,10 +234,11 @@ class _Run:
         self.recompute_fpt = recompute_flops_per_token(cfg) if is_main else None  # hardware FLOPs added
         self.total_peak, self.peak_label = _peak(cfg, mesh)
         self.val_batches = self.tr.loader.val_batches(t.eval_batches)
-        self.bar = None
-        if is_main and log.progress:
+        self.bar, self.lines = None, False  # lines: a log or a pipe gets a line per record, not a bar redrawn
+        if is_main and log.progress and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=t.steps, initial=self.tr.step, desc="train", dynamic_ncols=True, leave=True)
+        self.lines = is_main and log.progress and self.bar is None
         self.profiler = _profiler(log.profile_steps, self.run_dir, mesh.rank, mesh.device) if log.profile_steps else None
         self.memtrace = None  # profiled steps: memory per rank over them (analysis/memtrace.py)
         if log.profile_steps:
@@ -307,6 +309,8 @@ class _Run:
             self.writer.write(rec)
         if self.bar:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+        elif self.lines:
+            print(f"train: step {tr.step}/{self.cfg.train.steps} loss {loss:.3f} tok/s {tps:,.0f}", file=sys.stderr, flush=True)
 
     def evaluate(self) -> None:
         self.last["val_loss"], self.last["accuracy"] = self.tr.evaluate(self.val_batches), self.tr.accuracy()

@@ -143,3 +143,23 @@ def test_profile_reports_gradient_all_reduce_overlapping_backward(tmp_path, caps
     for r in (0, 1):
         o = overlap(run / "profile" / f"rank{r}.json")
         assert o["comm_us"] > 0 and (o["fraction"] == 0 if transport == "shared" else o["fraction"] > 0.1), (r, o)
+
+
+def test_progress_in_a_log_is_a_line_per_logged_step(tmp_path):
+    """stderr not a terminal (a log file, a pipe, Ray's worker logs): rank 0 writes one line per
+    logged step, not a tqdm bar redrawn with carriage returns; the lines hold the logged losses.
+    A fresh process: ranks forked from an earlier test's forkserver write to that one's stderr."""
+    import subprocess
+    import sys
+    args = [a for a in TINY if not a.startswith("--logging.progress")]
+    run = subprocess.run([sys.executable, "-m", "shardlab.cli", "train", "--nproc", "2", *args, "--train.steps=4",
+                          "--logging.log_every=2", f"--data.cache_dir={tmp_path}/cache",
+                          f"--logging.run_dir={tmp_path}/run"], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("train: step")]
+    assert [line.split()[2] for line in lines] == ["2/4", "4/4"], run.stderr
+    assert "\r" not in run.stderr and "%|" not in run.stderr, run.stderr
+    logged = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [f"{r['loss']:.3f}" for r in logged if r.get("kind") == "train"]
+    assert [line.split()[4] for line in lines] == losses

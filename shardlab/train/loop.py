@@ -234,11 +234,11 @@ class _Run:
         self.recompute_fpt = recompute_flops_per_token(cfg) if is_main else None  # hardware FLOPs added
         self.total_peak, self.peak_label = _peak(cfg, mesh)
         self.val_batches = self.tr.loader.val_batches(t.eval_batches)
-        self.bar, self.lines = None, False  # lines: a log or a pipe gets a line per record, not a bar redrawn
+        self.bar = None
         if is_main and log.progress and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=t.steps, initial=self.tr.step, desc="train", dynamic_ncols=True, leave=True)
-        self.lines = is_main and log.progress and self.bar is None
+        self.lines = is_main and log.progress and self.bar is None  # a log or a pipe: a line per record
         self.profiler = _profiler(log.profile_steps, self.run_dir, mesh.rank, mesh.device) if log.profile_steps else None
         self.memtrace = None  # profiled steps: memory per rank over them (analysis/memtrace.py)
         if log.profile_steps:

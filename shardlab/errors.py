@@ -22,6 +22,13 @@ def require(cond: bool, field_name: str, message: str) -> None:
         raise ConfigError(field_name, message)
 
 
+def at_least(value, low, field_name: str, hint: str = "") -> None:
+    """ConfigError(field_name, "must be >= low, got value[; hint]") when ``value < low``: the
+    commands' counts (--nproc, --steps, --seq, ...; docs/configuration.md, Command-line counts)."""
+    if value < low:
+        raise ConfigError(field_name, f"must be >= {low}, got {value}" + (f"; {hint}" if hint else ""))
+
+
 def did_you_mean(name: str, options) -> str:
     import difflib
     close = difflib.get_close_matches(name, list(options), n=1)

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, at_least
 
 INSTALL = "--launcher ray needs Ray, an optional extra: pip install 'shardlab[ray]'"
 
@@ -72,10 +72,8 @@ def check_options(opts: RayOptions, nproc: int) -> None:
         raise ConfigError("--ray-cpus-per-worker", f"must be > 0, got {opts.cpus_per_worker}")
     if opts.num_cpus < 0:
         raise ConfigError("--ray-num-cpus", f"must be >= 1 (or 0 for the default), got {opts.num_cpus}")
-    if opts.max_failures < 0:
-        raise ConfigError("--max-restarts", f"must be >= 0, got {opts.max_failures}")
-    if nproc < 1:
-        raise ConfigError("--nproc", f"must be >= 1, got {nproc}")
+    at_least(opts.max_failures, 0, "--max-restarts")
+    at_least(nproc, 1, "--nproc")
 
 
 def ensure_ray(opts: RayOptions, nproc: int) -> bool:

@@ -43,6 +43,10 @@ def _resolve(path: str) -> Path:
     return found
 
 
+CHUNK_MIB = 64.0
+"""``--chunk-mib``'s default: MiB per slice an export reads and writes."""
+
+
 def configure(parser):
     parser.add_argument("action", choices=["inspect", "verify", "export", "import"])
     parser.add_argument("dir", help="a checkpoint (step_XXXXXXXX) or a directory of checkpoints; "
@@ -56,7 +60,7 @@ def configure(parser):
     parser.add_argument("--merge-lora", action="store_true",
                         help="export: fold LoRA adapters into their weights (W + alpha/r B A); required to "
                              "export a LoRA checkpoint in Hugging Face format")
-    parser.add_argument("--chunk-mib", type=float, default=64.0,
+    parser.add_argument("--chunk-mib", type=float, default=CHUNK_MIB,
                         help="export: read and write each tensor in slices of at most this many MiB")
 
 
@@ -162,12 +166,12 @@ def _open(args):
 
 def _refuse_unused(args) -> None:
     """A flag the action would ignore is refused, naming it (inspect and verify only read)."""
-    applies = {"--to": ("export", "import"), "--force": ("export", "import"), "--format": ("export",),
-               "--merge-lora": ("export",), "--chunk-mib": ("export",)}
-    given = {"--to": args.to is not None, "--force": args.force, "--format": args.format != "safetensors",
-             "--merge-lora": args.merge_lora, "--chunk-mib": args.chunk_mib != 64.0}
-    for flag, actions in applies.items():
-        if given[flag] and args.action not in actions:
+    for flag, given, actions in (("--to", args.to is not None, ("export", "import")),
+                                 ("--force", args.force, ("export", "import")),
+                                 ("--format", args.format != "safetensors", ("export",)),
+                                 ("--merge-lora", args.merge_lora, ("export",)),
+                                 ("--chunk-mib", args.chunk_mib != CHUNK_MIB, ("export",))):
+        if given and args.action not in actions:
             raise ConfigError(flag, f"applies to {' and '.join(actions)}, not to {args.action}; drop it")
 
 

@@ -281,9 +281,8 @@ def render(checks: list[Check]) -> str:
 
 
 def main(args) -> int:
-    if args.nproc < 1:
-        from ..errors import ConfigError
-        raise ConfigError("nproc", f"must be >= 1, got {args.nproc}")
+    from ..errors import at_least
+    at_least(args.nproc, 1, "nproc")
     checks = collect(args.nproc, not args.no_ranks, args.timeout)
     print(json.dumps(as_dict(checks), indent=2) if args.json else render(checks))
     return 1 if overall(checks) == "fail" else 0

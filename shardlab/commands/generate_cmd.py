@@ -31,10 +31,9 @@ def configure(p: argparse.ArgumentParser):
 
 def check_tp(cfg, tp: int) -> None:
     """ConfigError naming ``--tp`` when the model cannot be split over ``tp`` ranks."""
-    from ..errors import ConfigError
+    from ..errors import ConfigError, at_least
     from ..parallel import tensor
-    if tp < 1:
-        raise ConfigError("--tp", f"must be >= 1, got {tp}")
+    at_least(tp, 1, "--tp")
     if tp == 1:
         return
     try:
@@ -80,12 +79,11 @@ def main(args) -> int:
     import torch
 
     from .. import launch
-    from ..errors import ConfigError
+    from ..errors import ConfigError, at_least
     from ..models.generate import generate
     from ..models.pretrained import load_model, open_source
 
-    if args.max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    at_least(args.max_new_tokens, 1, "--max-new-tokens")
     for flag, value, zero in (("--temperature", args.temperature, "greedy"), ("--top-k", args.top_k, "all tokens")):
         if value < 0:
             raise ConfigError(flag, f"must be >= 0 (0: {zero}), got {value}")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .. import launch, launch_ray
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 
 
 def configure(parser):
@@ -29,12 +29,10 @@ def configure(parser):
 
 
 def main(args) -> int:
-    if args.nproc < 1:
-        raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}")
+    at_least(args.nproc, 1, "--nproc")
     if not Path(args.script).is_file():
         raise ConfigError("script", f"{args.script} is not a file; write shardlab launch --nproc N script.py [args]")
-    if args.max_restarts < 0:
-        raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    at_least(args.max_restarts, 0, "--max-restarts")
     argv = [args.script, *args.script_args, *args.overrides]
     opts = launch_ray.options(args, args.max_restarts, None)
     if opts:  # Ray Train workers, each running the script; restarts are Ray's FailureConfig

@@ -28,10 +28,10 @@ def configure(p: argparse.ArgumentParser):
 
 
 def resolve(config_path, overrides, nproc: int):
-    from ..config import ConfigError, load
+    from ..config import load
+    from ..errors import at_least
     from ..train import checks  # noqa: F401  (registers every config check validate runs)
-    if nproc < 1:
-        raise ConfigError("--nproc", f"must be >= 1, got {nproc}")
+    at_least(nproc, 1, "--nproc")
     cfg = load(config_path, overrides)
     if cfg.parallel.world_size == 1 and nproc > 1:  # a single-process config: shard over N ranks
         cfg.parallel.dp_shard = nproc

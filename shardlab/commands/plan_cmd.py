@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, at_least
 
 GiB = 2**30
 
@@ -253,9 +253,8 @@ def _check_counts(args) -> None:
     """Every count the command takes is at least 1 (``--zero`` 0-3, ``--top`` at least 1): one line
     naming the flag, exit 2, before anything is loaded or searched."""
     for flag in ("gpus", "gpus_per_node", "global_batch", "seq", "tp", "pp", "cp", "top"):
-        value = getattr(args, flag, None)
-        if value is not None and value < 1:
-            raise ConfigError("--" + flag.replace("_", "-"), f"must be >= 1, got {value}")
+        if getattr(args, flag, None) is not None:
+            at_least(getattr(args, flag), 1, "--" + flag.replace("_", "-"))
     if not -1 <= getattr(args, "zero", -1) <= 3:
         raise ConfigError("--zero", f"must be 0, 1, 2 or 3 (parallel.zero_stage), got {args.zero}")
 

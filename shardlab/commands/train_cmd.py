@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import config as C
 from .. import launch, launch_ray
+from ..errors import at_least
 from ..models.spec import get_spec
 from ..train import checks, finetune, images  # noqa: F401  (checks: registers every config check)
 from .. import launch_restart as restart
@@ -53,8 +54,8 @@ def resolve(args) -> tuple[C.Config, int, object]:
         cfg.train.device = args.device
     if args.run_dir:
         cfg.logging.run_dir = args.run_dir
-    if args.nproc is not None and args.nproc < 1:
-        raise C.ConfigError("--nproc", f"must be >= 1, got {args.nproc}; omit it for the product of the parallel degrees")
+    if args.nproc is not None:
+        at_least(args.nproc, 1, "--nproc", "omit it for the product of the parallel degrees")
     nproc = launch.torchrun_world_size() or args.nproc or cfg.parallel.world_size
     if nproc != cfg.parallel.world_size and cfg.parallel.world_size == 1:
         # degrees not given: data parallel over all ranks, on the sharded axis under ZeRO (else
@@ -196,8 +197,7 @@ def main(args) -> int:
 
 def _restart_args(args, cfg, nproc) -> tuple[int, tuple[int, int] | None]:
     """(--max-restarts, --elastic range or None), checked before anything starts."""
-    if args.max_restarts < 0:
-        raise C.ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    at_least(args.max_restarts, 0, "--max-restarts")
     elastic = restart.parse_elastic(args.elastic) if args.elastic else None
     if (args.max_restarts or elastic) and launch.under_torchrun():
         raise C.ConfigError("--max-restarts", "under torchrun, restarts are torchrun's (--max-restarts there)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .. import config as C
+from ..errors import at_least
 from ..analysis.verify import BASE, DEFAULT_ARCH, _merge, LAYOUTS, TOL, layout_config, layouts, run_layout
 from ..models.spec import get_spec, specs
 from ..train.data import prepare
@@ -41,9 +42,8 @@ def overrides(args) -> dict:
 
 
 def main(args) -> int:
-    for flag in ("nproc", "steps"):
-        if getattr(args, flag) < 1:
-            raise C.ConfigError(f"--{flag}", f"must be >= 1, got {getattr(args, flag)}")
+    at_least(args.nproc, 1, "--nproc")
+    at_least(args.steps, 1, "--steps")
     extra = overrides(args)
     arch = args.arch
     if get_spec(arch).task != "lm":

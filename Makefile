@@ -30,8 +30,9 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# --overwrite: a second `make demo` starts over in runs/tiny (a plain rerun into a run directory is refused)
 demo: venv
-	$(BIN)/shardlab train configs/tiny.toml --nproc $(NPROC)
+	$(BIN)/shardlab train configs/tiny.toml --nproc $(NPROC) --overwrite
 
 test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
@@ -49,7 +50,7 @@ PROMPT ?= KING RICHARD:
 finetune: venv
 	@echo "--- before (the base model) ---"
 	$(BIN)/shardlab generate smollm2 --prompt "$(PROMPT)" --max-new-tokens 48 --threads 2
-	$(BIN)/shardlab train configs/smollm2-lora.toml --nproc $(NPROC)
+	$(BIN)/shardlab train configs/smollm2-lora.toml --nproc $(NPROC) --overwrite
 	@echo "--- after (base + LoRA adapters) ---"
 	$(BIN)/shardlab generate runs/smollm2-lora/checkpoints --prompt "$(PROMPT)" --max-new-tokens 48 --threads 2
 

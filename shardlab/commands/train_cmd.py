@@ -27,6 +27,9 @@ def configure(parser):
     parser.add_argument("--nproc", type=int, default=None,
                         help="local ranks to spawn (default: the product of the parallel degrees)")
     parser.add_argument("--resume", action="store_true", help="resume from the newest valid checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over where an earlier run lives: its metrics, plots and checkpoints are removed "
+                             "first (without it, a run directory holding a run is refused)")
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="write a torch.profiler Chrome trace per rank for N steps")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="override train.device")
@@ -119,6 +122,51 @@ def check_resume(plan: RunPlan) -> None:
                                         "remove the damaged checkpoints, or run without --resume")
 
 
+# What a run writes into logging.run_dir, beside its checkpoints (--overwrite removes these only).
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "tensorboard", "flight", "profile", "ray")
+
+
+def earlier_run(plan: RunPlan) -> tuple[str, Path, str] | None:
+    """(field, directory, what) of an earlier run where this one would write: checkpoints in the
+    checkpoint directory, else a metrics.jsonl in the run directory; None when there is none."""
+    from ..checkpoint.save import list_checkpoints
+    found = list_checkpoints(plan.checkpoint_dir)
+    if found:
+        field = "checkpoint.dir" if plan.config.checkpoint.dir else "logging.run_dir"
+        return field, plan.checkpoint_dir, f"checkpoints up to {found[-1].name}"
+    if (plan.run_dir / "metrics.jsonl").exists():
+        return "logging.run_dir", plan.run_dir, "metrics.jsonl, no checkpoint"
+    return None
+
+
+def check_fresh_start(plan: RunPlan, overwrite: bool) -> None:
+    """Without --resume, refuses (exit 2) to start over where an earlier run lives: its checkpoints
+    would be overwritten or pruned and its metrics mixed with this run's. --overwrite allows it."""
+    if overwrite and plan.config.checkpoint.resume:
+        raise C.ConfigError("--overwrite", "starts over, --resume (checkpoint.resume) continues the run; pass one")
+    found = None if plan.config.checkpoint.resume or overwrite else earlier_run(plan)
+    if found:
+        field, where, what = found
+        resume = "--resume to continue it, " if what.startswith("checkpoints") else ""
+        new = "--run-dir DIR" if field == "logging.run_dir" else "--checkpoint.dir=DIR"
+        raise C.ConfigError(field, f"{where} holds an earlier run ({what}); pass {resume}--overwrite to replace "
+                                   f"it, or {new} for a new run")
+
+
+def start_over(plan: RunPlan) -> None:
+    """--overwrite (rank 0, before training): remove the earlier run's outputs (RUN_OUTPUTS,
+    ``replica_*``) and checkpoints, with one line saying so; other files stay."""
+    import shutil
+    from ..checkpoint.save import list_checkpoints
+    found = earlier_run(plan)
+    gone = [p for p in (*(plan.run_dir / n for n in RUN_OUTPUTS), *plan.run_dir.glob("replica_*"),
+                        *list_checkpoints(plan.checkpoint_dir)) if p.exists()]
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if found:
+        print(f"shardlab: --overwrite: removed the earlier run in {found[1]} ({found[2]})", file=sys.stderr)
+
+
 def clean_interrupted(directory: Path) -> None:
     """Before training (rank 0): remove what interrupted saves left in the checkpoint directory,
     with one line saying so (checkpoint/save.remove_interrupted)."""
@@ -152,6 +200,7 @@ def main(args) -> int:
     plan = make_plan(cfg, test_hooks=launch.test_env(), warn=print if main_rank and not args.dry_run else lambda *_: None)
     if main_rank or args.dry_run:
         check_resume(plan)
+        check_fresh_start(plan, args.overwrite)
     if args.dry_run:
         resuming = f", resuming from {plan.resume_from}" if plan.resume_from else ""
         print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), layout "
@@ -160,6 +209,8 @@ def main(args) -> int:
         return 0
     if _finished(plan, quiet=not main_rank):
         return 0
+    if args.overwrite and main_rank:
+        start_over(plan)
     absolute_paths(cfg)  # messages above name the paths as written; what starts below gets them absolute
     plan = replace(plan, resume_from=plan.resume_from and plan.resume_from.resolve())
     if get_spec(cfg.model).task == "classify":

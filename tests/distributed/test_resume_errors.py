@@ -61,3 +61,54 @@ def test_resume_refuses_damaged_checkpoint(saved, tmp_path, how, capsys):
     assert len(err) == 1 and not any("Traceback" in x for x in lines), lines
     assert (bad.name if how != "index" else "index.json") in err[0] or str(bad.parent) in err[0], err
     assert _digest(run / "checkpoints") == before
+
+
+def _copy_run(saved: Path, tmp_path: Path, checkpoints: bool = True) -> Path:
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(saved / "run", run, ignore=None if checkpoints else shutil.ignore_patterns("checkpoints"))
+    return run
+
+
+@pytest.mark.parametrize("case", ["checkpoints", "metrics-only", "checkpoint.dir", "dry-run"])
+def test_a_second_run_where_one_lives_is_refused_and_nothing_changes(saved, tmp_path, case, capsys):
+    """Without --resume, a run into a directory holding an earlier run is refused in one line
+    naming the field and the three ways on (the docs/training.md transcript), before anything
+    starts; the earlier run's files are byte-for-byte unchanged."""
+    run = _copy_run(saved, tmp_path, checkpoints=case != "metrics-only")
+    extra = {"checkpoint.dir": [f"--logging.run_dir={tmp_path}/new", f"--checkpoint.dir={run}/checkpoints"],
+             "dry-run": [f"--logging.run_dir={run}", "--dry-run"]}.get(case, [f"--logging.run_dir={run}"])
+    before = _digest(run)
+    code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", "--train.steps=4", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    want = {"checkpoints": f"config error: logging.run_dir: {run}/checkpoints holds an earlier run (checkpoints up "
+                           "to step_00000002); pass --resume to continue it, --overwrite to replace it, or "
+                           "--run-dir DIR for a new run",
+            "metrics-only": f"config error: logging.run_dir: {run} holds an earlier run (metrics.jsonl, no checkpoint); "
+                            "pass --overwrite to replace it, or --run-dir DIR for a new run",
+            "checkpoint.dir": f"config error: checkpoint.dir: {run}/checkpoints holds an earlier run (checkpoints up to "
+                              "step_00000002); pass --resume to continue it, --overwrite to replace it, or "
+                              "--checkpoint.dir=DIR for a new run"}
+    assert err[0] == want.get(case, want["checkpoints"]), err
+    assert _digest(run) == before and not (tmp_path / "new").exists()
+
+
+def test_overwrite_replaces_the_earlier_run_and_keeps_other_files(saved, tmp_path, capsys):
+    """--overwrite removes what the earlier run wrote (its metrics and checkpoints), leaves the
+    user's own file, and the directory then holds one run: one start record, its checkpoints only.
+    With --resume it is refused (they contradict)."""
+    run = _copy_run(saved, tmp_path)
+    (run / "notes.txt").write_text("mine")
+    args = ["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
+            "--train.steps=1", "--overwrite"]
+    assert cli_main([*args, "--resume"]) == 2
+    assert capsys.readouterr().err.strip() == ("config error: --overwrite: starts over, --resume (checkpoint.resume) "
+                                               "continues the run; pass one")
+    assert (run / "checkpoints" / "step_00000002").is_dir()  # the refusal removed nothing
+    assert cli_main(args) == 0
+    assert f"shardlab: --overwrite: removed the earlier run in {run}/checkpoints (checkpoints up to step_00000002)" \
+        in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]
+    starts = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "start"]
+    assert len(starts) == 1 and (run / "notes.txt").read_text() == "mine"

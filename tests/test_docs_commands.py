@@ -73,6 +73,8 @@ DRY_BECAUSE = {  # a shardlab train that gets --dry-run here although it is quic
         "Ray from a relative cache and run dir: tests/distributed/test_ray.py runs it (Ray takes ~25 s to start)",
 }
 NEEDS_STATE = {  # transcripts whose output depends on what the page did before
+    "shardlab train configs/tiny.toml --nproc 2 --resume --model.d_model=64":
+        "resumes the demo's run with another model (tests/distributed/test_resume_errors.py)",
     "shardlab train configs/tiny.toml --nproc 2 --train.lr=1e-3":
         "a second run into the demo's run directory (tests/distributed/test_resume_errors.py)",
     "shardlab train configs/tiny.toml --nproc 2 --logging.run_dir=runs/t --train.steps=4 --resume":

@@ -85,6 +85,24 @@ def _check(reader, key: str, global_shape) -> None:
                            "(a different model shape?)")
 
 
+def model_mismatch(reader, model_cfg) -> str | None:
+    """Why the checkpoint of ``reader`` cannot load into a model of ``model_cfg``, found in the
+    parent before any rank starts (else a rank fails inside ``load_param_pieces``): another
+    architecture, or the first parameter both have whose global shapes differ, with the model
+    fields whose saved values differ. None when they agree."""
+    from ..models.spec import meta_model
+    saved = (reader.meta.get("config") or {}).get("model") or {}
+    differ = ", ".join(f"{k}={v!r}" for k, v in saved.items() if getattr(model_cfg, k, v) != v)
+    if saved.get("arch", model_cfg.arch) != model_cfg.arch:
+        return f"it holds a {saved['arch']} model, this config a {model_cfg.arch} ({differ})"
+    for name, p in meta_model(model_cfg).named_parameters():
+        key = f"model.{name}"
+        if reader.has(key) and tuple(reader.global_shape(key)) != tuple(p.shape):
+            return (f"{key} is {tuple(reader.global_shape(key))} there, {tuple(p.shape)} in this model"
+                    + (f"; it was saved with {differ}" if differ else ""))
+    return None
+
+
 def optim_keys(reader, name: str) -> list[str]:
     """The optimizer-state names saved for global parameter ``name`` (e.g. exp_avg, step)."""
     prefix = f"optim.{name}."

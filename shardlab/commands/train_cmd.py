@@ -100,6 +100,24 @@ def absolute_paths(cfg: C.Config) -> None:
             setattr(getattr(cfg, section), key, str(Path(value).resolve()))
 
 
+def check_device(device: str) -> None:
+    """``train.device = cuda`` on a machine without a visible GPU: refused here, before any rank
+    starts (the ranks used to fail at their process group with a traceback each)."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        raise C.ConfigError("train.device", "cuda, but no CUDA device is visible here; use --device cpu (or auto)")
+
+
+def check_dataset(cfg: C.Config) -> None:
+    """--dry-run: the corpus or image files exist (a real start checks them when it prepares the
+    data, which a dry run skips: tokenising takes a while)."""
+    if get_spec(cfg.model).task == "classify":
+        images.prepare(cfg.data)
+    else:
+        from ..train.data import corpus_files
+        corpus_files(cfg.data.dataset)
+
+
 def check_resume(plan: RunPlan) -> None:
     """With ``--resume``, refuses (exit 2) instead of silently starting over: when the checkpoint
     directory does not exist (a mistyped path), or checkpoints exist but none is usable (the
@@ -112,6 +130,16 @@ def check_resume(plan: RunPlan) -> None:
         raise C.ConfigError("--resume", f"checkpoint directory {directory} does not exist (check "
                                         "checkpoint.dir / logging.run_dir); drop --resume for a fresh start")
     found = list_checkpoints(directory)
+    if plan.resume_from is not None:
+        from ..checkpoint.pieces import model_mismatch
+        reader = Reader(plan.resume_from)
+        try:
+            why = model_mismatch(reader, plan.config.model)
+        finally:
+            reader.close()
+        if why:
+            raise C.ConfigError("--resume", f"{plan.resume_from} is of another model: {why}; resume with the model "
+                                            "section it was saved with, or start a new run with --run-dir DIR")
     if found and plan.resume_from is None:
         try:
             Reader(found[-1]).close()
@@ -201,7 +229,9 @@ def main(args) -> int:
     if main_rank or args.dry_run:
         check_resume(plan)
         check_fresh_start(plan, args.overwrite)
+    check_device(cfg.train.device)
     if args.dry_run:
+        check_dataset(cfg)
         resuming = f", resuming from {plan.resume_from}" if plan.resume_from else ""
         print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), layout "
               f"{_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher{resuming}; run dir "

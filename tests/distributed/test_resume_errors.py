@@ -112,3 +112,23 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_other_files(saved, tmp_pat
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"]
     starts = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "start"]
     assert len(starts) == 1 and (run / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("change", ["--model.d_model=64", "--model.arch=gpt2"])
+def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_path, change, capsys):
+    """--resume with a model section the checkpoint was not saved with: one line naming the first
+    parameter whose shape differs (or the architectures) and the saved fields, exit 2; a rank used
+    to fail inside the load with a traceback. The run directory is unchanged."""
+    run = _copy_run(saved, tmp_path)
+    before = _digest(run)
+    extra = [change] + (["--model.n_kv_heads=0"] if "gpt2" in change else [])
+    code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
+                     "--train.steps=4", "--resume", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    head = f"config error: --resume: {run}/checkpoints/step_00000002 is of another model: "
+    want = ("model.tok_embeddings.weight is (256, 32) there, (256, 64) in this model; it was saved with d_model=32"
+            if "d_model" in change else "it holds a llama model, this config a gpt2 (arch='llama', n_kv_heads=2)")
+    assert err[0] == head + want + "; resume with the model section it was saved with, or start a new run with " \
+                                   "--run-dir DIR", err
+    assert _digest(run) == before

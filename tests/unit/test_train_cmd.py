@@ -40,3 +40,26 @@ def test_paths_handed_to_ranks_are_absolute(tmp_path, monkeypatch):
     absolute_paths(cfg)
     assert (cfg.data.dataset, cfg.checkpoint.base) == ("shakespeare", "smollm2")
     assert all(Path(p).is_absolute() for p in (cfg.data.cache_dir, cfg.logging.run_dir))
+
+
+def test_cuda_without_a_gpu_and_a_missing_corpus_are_refused_before_a_launch(monkeypatch, tmp_path, capsys):
+    """train.device=cuda where no GPU is visible, and (in a --dry-run, which prepares no data) a
+    corpus file that does not exist: one line naming the field, exit 2, nothing started or
+    written. The device check used to fail inside every rank with a traceback; the dry run used
+    to pass with a missing corpus."""
+    from shardlab.cli import main as cli_main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    base = ["train", str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"),
+            "--nproc", "2", "--run-dir", "run"]
+    cases = [(["--device", "cuda"], "config error: train.device: cuda, but no CUDA device is visible here; use "
+                                    "--device cpu (or auto)"),
+             (["--train.device=cuda", "--dry-run"], None),
+             (["--data.dataset=missing.txt", "--dry-run"],
+              "config error: data.dataset: 'missing.txt' is neither 'shakespeare' nor an existing text file")]
+    for extra, want in cases:
+        assert cli_main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err == (want or cases[0][1]), err
+    assert not (tmp_path / "run").exists()
+    assert cli_main([*base, "--dry-run"]) == 0 and "nothing started" in capsys.readouterr().out

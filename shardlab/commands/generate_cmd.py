@@ -115,7 +115,8 @@ def main(args) -> int:
     print(tok.decode(out.tokens))
     if not args.quiet:
         n = len(out.tokens)
-        print(f"[{len(ids)} prompt tokens, {n} new{' (stopped at end of turn)' if out.stopped else ''}; "
+        print(f"[{len(ids)} prompt tokens, {n} new{' (stopped at end of turn)' if out.stopped else ''}"
+              f"{f' (stopped: the model has {len(ids) + n} positions)' if out.full else ''}; "
               f"prompt {1000 * out.prefill_seconds:.0f} ms, {out.ms_per_token:.1f} ms/token after it "
               f"(tp={args.tp}, {threads} CPU threads{' per rank' if args.tp > 1 else ''}), "
               f"{'KV cache' if not args.no_cache else 'no cache'}]", file=sys.stderr)

@@ -49,6 +49,9 @@ class Generation:
     """Wall time of the decode loop (prompt included)."""
     prefill_seconds: float = 0.0
     stopped: bool = False
+    """A ``stop_ids`` token ended the run."""
+    full: bool = False
+    """The model's positions (``max_len``) ran out before ``max_new_tokens``."""
     per_token: list = field(default_factory=list)
     logits: list = field(default_factory=list)
     """With ``keep_logits``: the full (V,) logits each token was picked from (tests compare them)."""
@@ -91,6 +94,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     (module doc); every rank of the group must call this with the same arguments."""
     if not prompt_ids:
         raise ConfigError("--prompt", "the prompt encodes to no tokens")
+    if max_len is not None and len(prompt_ids) >= max_len:
+        raise ConfigError("--prompt", f"{len(prompt_ids)} tokens fill the model's {max_len} positions "
+                                      "(model.max_seq_len), leaving none to generate; shorten the prompt")
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     seq = list(prompt_ids)
@@ -100,6 +106,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     feed = seq
     for _ in range(max_new_tokens):
         if max_len is not None and len(seq) >= max_len:
+            out.full = True
             break
         t0 = time.perf_counter()
         x = torch.tensor([feed], dtype=torch.long, device=device)

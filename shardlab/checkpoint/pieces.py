@@ -85,17 +85,23 @@ def _check(reader, key: str, global_shape) -> None:
                            "(a different model shape?)")
 
 
-def model_mismatch(reader, model_cfg) -> str | None:
-    """Why the checkpoint of ``reader`` cannot load into a model of ``model_cfg``, found in the
-    parent before any rank starts (else a rank fails inside ``load_param_pieces``): another
-    architecture, or the first parameter both have whose global shapes differ, with the model
-    fields whose saved values differ. None when they agree."""
-    from ..models.spec import meta_model
-    saved = (reader.meta.get("config") or {}).get("model") or {}
-    differ = ", ".join(f"{k}={v!r}" for k, v in saved.items() if getattr(model_cfg, k, v) != v)
-    if saved.get("arch", model_cfg.arch) != model_cfg.arch:
-        return f"it holds a {saved['arch']} model, this config a {model_cfg.arch} ({differ})"
-    for name, p in meta_model(model_cfg).named_parameters():
+def model_mismatch(reader, cfg) -> str | None:
+    """Why the checkpoint of ``reader`` cannot load into the model of config ``cfg`` (its LoRA
+    adapters included), found in the parent before any rank starts (else a rank fails inside
+    ``load_param_pieces``): another architecture, or the first parameter both have whose global
+    shapes differ, with the saved fields that differ. None when they agree."""
+    from ..models.spec import add_adapters, meta_model
+    saved = reader.meta.get("config") or {}
+    differ = ", ".join([f"{k}={v!r}" for k, v in (saved.get("model") or {}).items() if getattr(cfg.model, k, v) != v]
+                       + [f"train.{k}={v!r}" for k, v in (saved.get("train") or {}).items()
+                          if k.startswith("lora_") and getattr(cfg.train, k, v) != v])
+    arch = (saved.get("model") or {}).get("arch", cfg.model.arch)
+    if arch != cfg.model.arch:
+        return f"it holds a {arch} model, this config a {cfg.model.arch} ({differ})"
+    model = meta_model(cfg.model)
+    if cfg.train.lora_rank:
+        add_adapters(model, cfg.train)
+    for name, p in model.named_parameters():
         key = f"model.{name}"
         if reader.has(key) and tuple(reader.global_shape(key)) != tuple(p.shape):
             return (f"{key} is {tuple(reader.global_shape(key))} there, {tuple(p.shape)} in this model"

@@ -134,12 +134,12 @@ def check_resume(plan: RunPlan) -> None:
         from ..checkpoint.pieces import model_mismatch
         reader = Reader(plan.resume_from)
         try:
-            why = model_mismatch(reader, plan.config.model)
+            why = model_mismatch(reader, plan.config)
         finally:
             reader.close()
         if why:
-            raise C.ConfigError("--resume", f"{plan.resume_from} is of another model: {why}; resume with the model "
-                                            "section it was saved with, or start a new run with --run-dir DIR")
+            raise C.ConfigError("--resume", f"{plan.resume_from} is of another model: {why}; resume with the settings it "
+                                            "was saved with, or start a new run with --run-dir DIR")
     if found and plan.resume_from is None:
         try:
             Reader(found[-1]).close()

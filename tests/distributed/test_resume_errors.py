@@ -114,12 +114,18 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_other_files(saved, tmp_pat
     assert len(starts) == 1 and (run / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("change", ["--model.d_model=64", "--model.arch=gpt2"])
+@pytest.mark.parametrize("change", ["--model.d_model=64", "--model.arch=gpt2", "--train.lora_rank=4"])
 def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_path, change, capsys):
     """--resume with a model section the checkpoint was not saved with: one line naming the first
     parameter whose shape differs (or the architectures) and the saved fields, exit 2; a rank used
     to fail inside the load with a traceback. The run directory is unchanged."""
-    run = _copy_run(saved, tmp_path)
+    if "lora" in change:  # a LoRA run at rank 8 first; its adapters are (8, 32)
+        run = tmp_path / "run"
+        assert cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
+                         "--train.steps=2", "--train.lora_rank=8"]) == 0
+        capsys.readouterr()
+    else:
+        run = _copy_run(saved, tmp_path)
     before = _digest(run)
     extra = [change] + (["--model.n_kv_heads=0"] if "gpt2" in change else [])
     code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
@@ -127,8 +133,11 @@ def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     head = f"config error: --resume: {run}/checkpoints/step_00000002 is of another model: "
-    want = ("model.tok_embeddings.weight is (256, 32) there, (256, 64) in this model; it was saved with d_model=32"
-            if "d_model" in change else "it holds a llama model, this config a gpt2 (arch='llama', n_kv_heads=2)")
-    assert err[0] == head + want + "; resume with the model section it was saved with, or start a new run with " \
+    want = {"--model.d_model=64": "model.tok_embeddings.weight is (256, 32) there, (256, 64) in this model; it was "
+                                  "saved with d_model=32",
+            "--model.arch=gpt2": "it holds a llama model, this config a gpt2 (arch='llama', n_kv_heads=2)",
+            "--train.lora_rank=4": "model.layers.0.attention.wq.lora_A is (8, 32) there, (4, 32) in this model; it "
+                                   "was saved with train.lora_rank=8"}[change]
+    assert err[0] == head + want + "; resume with the settings it was saved with, or start a new run with " \
                                    "--run-dir DIR", err
     assert _digest(run) == before

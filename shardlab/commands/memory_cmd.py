@@ -93,6 +93,7 @@ def main(args) -> int:
         print(f"activations: no estimate for model.arch={cfg.model.arch} (the trace covers token models)")
     if args.no_run:
         return 0
+    check_measurable(cfg, pred)
     print(f"measured over {args.steps} AdamW steps with {args.nproc} ranks ({STAGES[stage]}, precision "
           f"{cfg.train.precision}, param_dtype {cfg.train.param_dtype or 'fp32'}):")
     results = measure_run(cfg, args.nproc, args.steps, args.cuda_snapshot, args.categories)
@@ -124,6 +125,22 @@ def main(args) -> int:
         draw([t for _, t in results], args.timeline, f"{layout}, {STAGES[stage]}: memory per rank", peaks)
         print(f"timeline: {args.timeline}")
     return 0
+
+
+def check_measurable(cfg, pred) -> None:
+    """Before the measured run: refuse (exit 2; the prediction above stands) what would fail in its
+    ranks: train.device = cuda without a visible GPU, or CPU ranks whose predicted peaks together
+    exceed this machine's available memory (they would be OOM-killed mid-step)."""
+    from ..errors import ConfigError
+    from .doctor_cmd import meminfo
+    from .train_cmd import check_device
+    check_device(cfg.train.device, "--train.device=cpu (--device sets the predicted activations' kind)")
+    avail = meminfo().get("MemAvailable", 0)
+    need = sum(r.total for r in pred)
+    if cfg.train.device in ("auto", "cpu") and avail and need > avail:
+        raise ConfigError("measured run", f"{len(pred)} CPU ranks need about {need / 2**30:,.1f} GiB together (the "
+                                          f"predicted peaks above), more than the {avail / 2**30:,.1f} GiB available "
+                                          "here; the prediction stands: pass --no-run, or measure a smaller config")
 
 
 def _print_categories(results):

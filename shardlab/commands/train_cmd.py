@@ -100,12 +100,12 @@ def absolute_paths(cfg: C.Config) -> None:
             setattr(getattr(cfg, section), key, str(Path(value).resolve()))
 
 
-def check_device(device: str) -> None:
+def check_device(device: str, fix: str = "--device cpu (or auto)") -> None:
     """``train.device = cuda`` on a machine without a visible GPU: refused here, before any rank
     starts (the ranks used to fail at their process group with a traceback each)."""
     import torch
     if device == "cuda" and not torch.cuda.is_available():
-        raise C.ConfigError("train.device", "cuda, but no CUDA device is visible here; use --device cpu (or auto)")
+        raise C.ConfigError("train.device", f"cuda, but no CUDA device is visible here; use {fix}")
 
 
 def check_dataset(cfg: C.Config) -> None:

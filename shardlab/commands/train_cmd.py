@@ -108,6 +108,32 @@ def check_device(device: str, fix: str = "--device cpu (or auto)") -> None:
         raise C.ConfigError("train.device", f"cuda, but no CUDA device is visible here; use {fix}")
 
 
+def memory_warning(cfg: C.Config, nproc: int) -> str:
+    """CPU ranks of a language model on this machine: one line when their model state alone
+    (parameters, gradients, optimizer states: the ZeRO formula over the data-parallel ranks, split
+    over tp x pp) exceeds the memory available here; '' otherwise. The parameters counted are the
+    matmuls' (``matmul_params_per_token`` with 2 MLP matrices; MoE: the active experts only), so it
+    is a lower bound of the peak and never cries wolf; and it is arithmetic (no model is built).
+    The whole peak: ``shardlab memory CONFIG --no-run``."""
+    import torch
+    from ..analysis.measured_memory import formula
+    from ..models.decoder import matmul_params_per_token
+    from .doctor_cmd import meminfo
+    if (cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+            or get_spec(cfg.model).task != "lm"):
+        return ""
+    p, psi = cfg.parallel, matmul_params_per_token(cfg.model, ffn_matrices=2)
+    prec = "fp64" if cfg.train.precision == "fp64" else "mixed" if cfg.train.param_dtype else "fp32"
+    n = p.dp_shard * p.cp if p.zero_stage == 3 else p.dp * p.cp
+    need = nproc * formula(psi, n, p.zero_stage, prec, 0 if cfg.train.lora_rank else psi).total / (p.tp * p.pp)
+    avail = meminfo().get("MemAvailable", 0)
+    if not avail or need <= avail:
+        return ""
+    return (f"shardlab: warning: the {nproc} ranks' model state alone is at least {need / 2**30:,.1f} GiB, more than "
+            f"the {avail / 2**30:,.1f} GiB available here: expect them to be killed for memory (signal 9); the "
+            f"whole peak per rank: shardlab memory CONFIG --no-run --nproc {nproc}")
+
+
 def check_dataset(cfg: C.Config) -> None:
     """--dry-run: the corpus or image files exist (a real start checks them when it prepares the
     data, which a dry run skips: tokenising takes a while)."""
@@ -251,6 +277,8 @@ def main(args) -> int:
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)
         if not ray_opts and (note := backend_note(cfg.train.device, nproc)):
+            print(note, file=sys.stderr)
+        if not ray_opts and (note := memory_warning(cfg, nproc)):
             print(note, file=sys.stderr)
 
     def start(p, n):

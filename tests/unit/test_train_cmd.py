@@ -63,3 +63,24 @@ def test_cuda_without_a_gpu_and_a_missing_corpus_are_refused_before_a_launch(mon
         assert err == (want or cases[0][1]), err
     assert not (tmp_path / "run").exists()
     assert cli_main([*base, "--dry-run"]) == 0 and "nothing started" in capsys.readouterr().out
+
+
+def test_model_state_beyond_the_available_memory_is_warned_before_a_start(monkeypatch):
+    """CPU ranks whose model state alone (a lower bound: the matmuls' parameters, fp32 params +
+    grads + Adam's two states = 16 bytes each, over the data-parallel ranks) exceeds MemAvailable:
+    one warning line before the launch, instead of ranks killed by signal 9 minutes later."""
+    from shardlab.commands import doctor_cmd
+    from shardlab.commands.train_cmd import memory_warning
+    from shardlab.config import load
+    from shardlab.models.decoder import matmul_params_per_token
+    cfg = load(str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"), ["--parallel.dp_replicate=2"])
+    cfg.validate(world_size=2)
+    need = 2 * 16 * matmul_params_per_token(cfg.model, ffn_matrices=2)  # 2 DDP ranks, each the whole state
+    monkeypatch.setattr(doctor_cmd, "meminfo", lambda: {"MemAvailable": need + 1})
+    assert memory_warning(cfg, 2) == ""
+    monkeypatch.setattr(doctor_cmd, "meminfo", lambda: {"MemAvailable": need - 1})
+    line = memory_warning(cfg, 2)
+    assert line.startswith(f"shardlab: warning: the 2 ranks' model state alone is at least {need / 2**30:,.1f} GiB")
+    assert line.endswith("shardlab memory CONFIG --no-run --nproc 2") and "\n" not in line
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero_stage = 1, 2, 3  # ZeRO-3: half each
+    assert memory_warning(cfg, 2) == ""

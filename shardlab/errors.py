@@ -29,6 +29,22 @@ def at_least(value, low, field_name: str, hint: str = "") -> None:
         raise ConfigError(field_name, f"must be >= {low}, got {value}" + (f"; {hint}" if hint else ""))
 
 
+def output_file(path, field_name: str, suffix: str = ".png") -> None:
+    """A file a command writes at its end, checked before its work starts (a bad path used to end
+    a finished run in a traceback, its result unwritten): not a directory, in an existing folder,
+    named with ``suffix``."""
+    import os
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(field_name, f"{path} is a directory; give a file, e.g. {os.path.join(path, 'out' + suffix)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(field_name, f"{path}: the folder {folder} does not exist; create it or write elsewhere")
+    if not str(path).lower().endswith(suffix):
+        raise ConfigError(field_name, f"{path}: give a {suffix} file")
+
+
 def did_you_mean(name: str, options) -> str:
     import difflib
     close = difflib.get_close_matches(name, list(options), n=1)

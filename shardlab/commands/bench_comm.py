@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from ..errors import output_file
+
 TRANSPORTS = ("process_group", "shared", "shared_2phase", "shared_naps", "shared_sync")
 """--transport values: the backend (the --algorithms columns), the shared-memory transport, the
 same with its all-reduce always in two phases (reduce-scatter, all-gather; groups of 2, and of up
@@ -339,6 +341,8 @@ def main(args) -> int:
     except ValueError as e:
         print(f"shardlab bench comm: {e}", file=sys.stderr)
         return 2
+    output_file(args.json, "--json", ".json")
+    output_file(args.plot, "--plot")
     t0 = time.perf_counter()
     rows = run(_worker, args.nproc, s, device=args.device, timeout_s=600)[0]
     print(table(rows, args.nproc, args.nodes))

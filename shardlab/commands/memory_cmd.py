@@ -45,11 +45,8 @@ def main(args) -> int:
     from ..models.spec import add_adapters, get_spec
 
     if args.timeline:
-        import os
-        from ..errors import ConfigError
-        folder = os.path.dirname(os.path.abspath(args.timeline))
-        if not os.path.isdir(folder) or not args.timeline.lower().endswith(".png"):
-            raise ConfigError("--timeline", f"{args.timeline}: give a .png path in an existing folder")
+        from ..errors import ConfigError, output_file
+        output_file(args.timeline, "--timeline")
         if args.no_run:
             raise ConfigError("--timeline", "the timeline is drawn from a measured run; drop --no-run")
     if args.steps < 1:

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, at_least
+from ..errors import ConfigError, at_least, output_file
 
 GiB = 2**30
 
@@ -106,6 +106,7 @@ def main(args) -> int:
     t0 = time.perf_counter()
     base = load_model(args.model)
     _check_counts(args)
+    output_file(args.plot, "--plot")
     features = tuple(name for name in ("float8", "async_tp", "dualpipe_overlap", "torch_cp", "fsdp2", "compile_blocks",
                                        "foreach_adamw", "megatron_tp_overlap", "half_params")
                      if getattr(args, name, False))

@@ -16,5 +16,7 @@ def main(args) -> int:
     if not (Path(args.run_dir) / "metrics.jsonl").exists():
         raise ConfigError("RUN_DIR", f"{args.run_dir}/metrics.jsonl not found; pass a directory written by "
                                      "`shardlab train` (logging.run_dir)")
+    from ..errors import output_file
+    output_file(args.out, "--out")
     print(plot_run(args.run_dir, args.out))
     return 0

@@ -45,6 +45,8 @@ def summary(name: str, p: int, m: int, v: int, f: float = 1.0, b: float = 1.0, w
 
 
 def main(args) -> int:
+    from ..errors import output_file
+    output_file(args.out, "--out")
     v = args.virtual if args.virtual is not None else (2 if args.schedule == "interleaved" else 1)
     try:
         f, b, w = (float(x) for x in args.cost.split(","))

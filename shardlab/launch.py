@@ -55,13 +55,20 @@ class RankContext:
         injected_fault_point(step)
 
 
+def check_device(device: str, fix: str = "--device cpu (or auto)") -> None:
+    """``cuda`` where no GPU is visible: a ConfigError naming ``fix``. ``run`` checks it in the
+    parent before any rank starts; commands call it before their own work (a dry run starts none)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        from .errors import ConfigError
+        raise ConfigError("train.device", f"cuda, but no CUDA device is visible here; use {fix}")
+
+
 def choose_backend(device: str, nproc_local: int) -> tuple[str, str]:
     """-> (backend, device kind). NCCL needs one GPU per rank; N ranks on one GPU use gloo."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device = cuda but no CUDA device is visible; use --train.device=cpu")
+        check_device(device)
         return ("nccl" if torch.cuda.device_count() >= nproc_local else "gloo"), "cuda"
     return "gloo", "cpu"
 
@@ -181,6 +188,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
             dist.destroy_process_group()
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    check_device(device)  # here, not in every rank (a traceback each)
     ctx = rank_context(device)
     results = ctx.Queue()
     fd, store = tempfile.mkstemp(prefix="shardlab-store-")

@@ -130,7 +130,7 @@ def check_measurable(cfg, pred) -> None:
     exceed this machine's available memory (they would be OOM-killed mid-step)."""
     from ..errors import ConfigError
     from .doctor_cmd import meminfo
-    from .train_cmd import check_device
+    from ..launch import check_device
     check_device(cfg.train.device, "--train.device=cpu (--device sets the predicted activations' kind)")
     avail = meminfo().get("MemAvailable", 0)
     need = sum(r.total for r in pred)

@@ -100,14 +100,6 @@ def absolute_paths(cfg: C.Config) -> None:
             setattr(getattr(cfg, section), key, str(Path(value).resolve()))
 
 
-def check_device(device: str, fix: str = "--device cpu (or auto)") -> None:
-    """``train.device = cuda`` on a machine without a visible GPU: refused here, before any rank
-    starts (the ranks used to fail at their process group with a traceback each)."""
-    import torch
-    if device == "cuda" and not torch.cuda.is_available():
-        raise C.ConfigError("train.device", f"cuda, but no CUDA device is visible here; use {fix}")
-
-
 def memory_warning(cfg: C.Config, nproc: int) -> str:
     """CPU ranks of a language model on this machine: one line when their model state alone
     (parameters, gradients, optimizer states: the ZeRO formula over the data-parallel ranks, split
@@ -255,7 +247,7 @@ def main(args) -> int:
     if main_rank or args.dry_run:
         check_resume(plan)
         check_fresh_start(plan, args.overwrite)
-    check_device(cfg.train.device)
+    launch.check_device(cfg.train.device)  # before a dry run's plan too
     if args.dry_run:
         check_dataset(cfg)
         resuming = f", resuming from {plan.resume_from}" if plan.resume_from else ""

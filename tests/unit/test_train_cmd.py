@@ -84,3 +84,16 @@ def test_model_state_beyond_the_available_memory_is_warned_before_a_start(monkey
     assert line.endswith("shardlab memory CONFIG --no-run --nproc 2") and "\n" not in line
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero_stage = 1, 2, 3  # ZeRO-3: half each
     assert memory_warning(cfg, 2) == ""
+
+
+def test_the_launcher_refuses_cuda_without_a_gpu_before_any_rank(monkeypatch):
+    """launch.run checks the device in the parent, for every command that starts ranks (generate
+    --tp, bench comm, memory, launch): a ConfigError, where each rank used to raise a traceback."""
+    import pytest
+    from shardlab import launch
+    from shardlab.config import ConfigError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(launch, "rank_context", lambda *a: pytest.fail("a rank was started"))
+    with pytest.raises(ConfigError) as e:
+        launch.run(print, 2, device="cuda")
+    assert str(e.value) == "config error: train.device: cuda, but no CUDA device is visible here; use --device cpu (or auto)"

@@ -42,9 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _options=p._option_string_actions)
         importlib.import_module(module).configure(p)
     return parser
+
+
+def check_unknown_options(command: str, extra: list[str], options) -> None:
+    """An argument argparse did not know that is no ``--section.key=value`` override (no dot in its
+    name: a mistyped option such as ``--nprocs`` or ``doctor --jsn``) is named with the command's
+    closest option, rather than taken for a malformed override."""
+    from .config import ConfigError
+    from .errors import did_you_mean
+    for arg in extra:
+        name = arg.split("=")[0]
+        if name.startswith("--") and "." not in name:
+            known = sorted(o for o in options if o.startswith("--") and o != "--help")
+            hint = did_you_mean(name, known) or f"; its options: {' '.join(known)}"
+            tail = "; config overrides are written --section.key=value" if command in TAKES_OVERRIDES else ""
+            raise ConfigError(name, f"unknown option of shardlab {command}{hint}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +94,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     args.overrides = extra
     try:
+        check_unknown_options(args.command, extra, args._options)
         parse_overrides(extra)  # whatever argparse did not know must be a --section.key=value override
         if extra and args.command not in TAKES_OVERRIDES:  # never silently ignored
             raise ConfigError(extra[0].split("=")[0], f"shardlab {args.command} takes no --section.key=value "

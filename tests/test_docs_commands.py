@@ -237,7 +237,11 @@ def _small(argv: list[str]) -> list[str]:
 def kind(c: Cmd) -> str:
     if not c.text.startswith("shardlab"):
         return "FILE"
-    if any(c.text.startswith(p) for p in NEEDS_STATE) or any(c.text.startswith(p) for p in PARSE_ONLY) or _synopsis(c.text):
+    if any(c.text.startswith(p) for p in NEEDS_STATE) or _synopsis(c.text):
+        return "PARSE"
+    if c.expect and c.expect[0].startswith("config error:"):  # refused before any work: run it
+        return "DRY"
+    if any(c.text.startswith(p) for p in PARSE_ONLY):
         return "PARSE"
     if c.text in RUN:
         return "RUN"

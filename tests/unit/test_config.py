@@ -89,6 +89,22 @@ def test_commands_without_a_config_refuse_overrides(argv, capsys):
     assert "\n" not in err and argv[-1].split("=")[0] in err and "takes no" in err
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["doctor", "--jsn"], "config error: --jsn: unknown option of shardlab doctor (did you mean '--json'?)"),
+    (["train", "configs/tiny.toml", "--nprocs", "2", "--dry-run"],
+     "config error: --nprocs: unknown option of shardlab train (did you mean '--nproc'?); "
+     "config overrides are written --section.key=value"),
+    (["plan", "llama-8b", "--gpus", "8", "--globalbatch=8"],
+     "config error: --globalbatch: unknown option of shardlab plan (did you mean '--global-batch'?)"),
+    (["doctor", "--zzzzzzzz"], "config error: --zzzzzzzz: unknown option of shardlab doctor; its options: "
+     "--json --no-ranks --nproc --timeout")])
+def test_a_mistyped_option_is_named_with_the_closest_one(argv, expected, capsys):
+    """An unknown option without a dot used to be called a malformed override ("overrides are
+    written --section.key=value"), also on commands that take none (doctor, plan)."""
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err.strip() == expected
+
+
 def test_initialize_checks_the_declared_ranges():
     """shardlab.initialize's config path refuses out-of-range fields like validate() does."""
     from shardlab.api import resolve_config

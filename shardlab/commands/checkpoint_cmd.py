@@ -137,17 +137,19 @@ def _import(source: str, out: Path) -> tuple[Path, object]:
 
 def _export_tokenizer(reader, out: Path) -> bool:
     """tokenizer.json + tokenizer_config.json of the checkpoint's tokenizer (its base's or the one
-    its data was tokenised with), so ``AutoTokenizer`` loads the exported directory; False if none."""
+    its data was tokenised with; bytes as a BPE without merges over the 256 byte characters), so
+    ``AutoTokenizer`` loads the exported directory; False if none."""
     from ..models.pretrained import open_source
-    origin = reader.meta.get("tokenizer_source") or reader.meta.get("base")
-    tok = open_source(origin["source"]).tokenizer() if origin else None
-    if tok is None or tok.tokenizer is None:  # none, or bytes (no tokenizer.json: docs/pretrained.md)
+    from ..models.tokenizer import ByteTokenizer, byte_level_tokenizer
+    tok = open_source(str(reader.path)).tokenizer()
+    backend = byte_level_tokenizer() if isinstance(tok, ByteTokenizer) else getattr(tok, "tokenizer", None)
+    if backend is None:
         return False
-    tok.tokenizer.save(str(out / "tokenizer.json"))
+    backend.save(str(out / "tokenizer.json"))
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
         if i is not None:
-            conf[name] = tok.tokenizer.id_to_token(i)
+            conf[name] = backend.id_to_token(i)
     if tok.chat_template:
         conf["chat_template"] = tok.chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")

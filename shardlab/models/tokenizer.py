@@ -114,7 +114,7 @@ class ByteTokenizer:
 
     bos_id = eos_id = chat_template = None
     stop_ids: set = set()
-    tokenizer = None  # nothing to save as tokenizer.json
+    tokenizer = None  # no tokenizers.Tokenizer behind it (export writes byte_level_tokenizer())
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -124,3 +124,32 @@ class ByteTokenizer:
 
     def chat(self, user: str, system: str | None = None) -> str:
         raise ConfigError("--chat", "a byte-level model has no chat template; drop --chat")
+
+
+def byte_codepoints() -> list[str]:
+    """The printable character standing for each byte in byte-level BPE vocabularies (GPT-2's
+    table, which ``tokenizers``' ByteLevel pre-tokenizer and decoder use): printable Latin-1 bytes
+    stand for themselves, the other 68 for the code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    out, extra = {b: chr(b) for b in keep}, 256
+    for b in range(256):
+        if b not in out:
+            out[b], extra = chr(extra), extra + 1
+    return [out[b] for b in range(256)]
+
+
+def byte_level_tokenizer():
+    """A ``tokenizers.Tokenizer`` that encodes as :class:`ByteTokenizer` does (token id = UTF-8
+    byte) for a byte-level run's Hugging Face export, so ``AutoTokenizer`` and ``shardlab
+    generate`` load the exported directory: a BPE model without merges over the 256 byte
+    characters, ByteLevel pre-tokenizer (no prefix space, no regex split) and decoder. None without
+    the ``tokenizers`` package (``pip install 'shardlab[hf]'``)."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        return None
+    vocab = {ch: b for b, ch in enumerate(byte_codepoints())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok

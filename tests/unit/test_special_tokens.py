@@ -83,6 +83,19 @@ def test_a_byte_level_run_generates_with_its_byte_tokenizer(tmp_path, capsys):
     assert cli_main(["checkpoint", "export", str(tmp_path / "checkpoints"), "--format", "hf",
                      "--to", str(tmp_path / "o")]) == 0
     assert _ids(tmp_path / "o")[0] == (None, None, None)  # bytes have no special tokens
+    # Its tokenizer is exported too (it used to be left out: the export could not generate, and
+    # transformers had nothing to load): AutoTokenizer encodes every text as its UTF-8 bytes.
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "o", local_files_only=True)
+    text = "To be, or not\tto be: \u00e9t\u00e9 \u65e5\u672c \U0001f600\n\x00 ~\x7f"
+    assert tok.encode(text, add_special_tokens=False) == list(text.encode("utf-8"))
+    assert tok.decode(list(text.encode("utf-8"))) == text
+    assert sorted(tok.get_vocab().values()) == list(range(256))
+    outs, _ = [], capsys.readouterr()
+    for source in (tmp_path / "checkpoints", tmp_path / "o"):
+        assert cli_main(["generate", str(source), "--prompt", "To be \u00e9", "--max-new-tokens", "8",
+                         "--temperature", "0", "--quiet"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]  # the same model and the same ids either way: the same greedy text
 
 
 def test_exported_smollm2_ends_the_chat_turn_in_transformers(tmp_path):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import config as C
-from .config.deepspeed import _TOP_KEYS, resolve_batch, translate, uniform_peak
+from .config.deepspeed import is_deepspeed, resolve_batch, translate, uniform_peak
 from .errors import ConfigError
 from .distributed.mesh import Mesh
 from .distributed.regions import Piece
@@ -49,11 +49,11 @@ def _read(config):
                 data = json.loads(p.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(str(p), f"cannot parse: {e}") from None
-            if isinstance(data, dict) and not set(data) & set(C.SECTIONS):
+            if isinstance(data, dict) and is_deepspeed(data, C.SECTIONS):
                 return "deepspeed", data
         return "shardlab", C.load(p)
     if isinstance(config, dict):
-        if config and not set(config) & set(C.SECTIONS) and set(config) & _TOP_KEYS:
+        if is_deepspeed(config, C.SECTIONS):
             return "deepspeed", dict(config)
         return "shardlab", C.from_dict(copy.deepcopy(config))
     raise ConfigError("config", f"expected a dict, a path or a shardlab Config, got {type(config).__name__}")

@@ -1,5 +1,6 @@
 """``shardlab config show CONFIG [--nproc N] [--section.key=value ...]``: the resolved config,
-each field with its docstring; validated (against --nproc when given)."""
+each field with its docstring; validated (against --nproc when given, with a config that
+gives no degrees spread over the ranks as ``shardlab train --nproc`` runs it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,10 @@ def configure(parser):
 
 def main(args) -> int:
     from ..train import checks  # noqa: F401  (registers every config check validate runs)
-    cfg = C.load(args.config, args.overrides)
+    from ..errors import at_least
+    if args.nproc is not None:
+        at_least(args.nproc, 1, "--nproc")
+    cfg = C.spread_over(C.load(args.config, args.overrides), args.nproc)  # as shardlab train --nproc runs it
     cfg.validate(args.nproc)
     print(describe(cfg))
     return 0

@@ -28,14 +28,11 @@ def configure(p: argparse.ArgumentParser):
 
 
 def resolve(config_path, overrides, nproc: int):
-    from ..config import load
+    from ..config import load, spread_over
     from ..errors import at_least
     from ..train import checks  # noqa: F401  (registers every config check validate runs)
     at_least(nproc, 1, "--nproc")
-    cfg = load(config_path, overrides)
-    if cfg.parallel.world_size == 1 and nproc > 1:  # a single-process config: shard over N ranks
-        cfg.parallel.dp_shard = nproc
-    return cfg.validate(world_size=nproc)
+    return spread_over(load(config_path, overrides), nproc).validate(world_size=nproc)  # as train runs it
 
 
 def main(args) -> int:

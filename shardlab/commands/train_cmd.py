@@ -60,11 +60,7 @@ def resolve(args) -> tuple[C.Config, int, object]:
     if args.nproc is not None:
         at_least(args.nproc, 1, "--nproc", "omit it for the product of the parallel degrees")
     nproc = launch.torchrun_world_size() or args.nproc or cfg.parallel.world_size
-    if nproc != cfg.parallel.world_size and cfg.parallel.world_size == 1:
-        # degrees not given: data parallel over all ranks, on the sharded axis under ZeRO (else
-        # --parallel.zero_stage=3 would shard over groups of one rank: no memory saved)
-        setattr(cfg.parallel, "dp_shard" if cfg.parallel.zero_stage else "dp_replicate", nproc)
-    cfg.validate(world_size=nproc)
+    C.spread_over(cfg, nproc).validate(world_size=nproc)  # degrees not given: data parallel over the ranks
     return cfg, nproc, base
 
 

@@ -4,4 +4,4 @@ from ..errors import ConfigError  # noqa: F401
 from .checks import allowed, check_ranges  # noqa: F401
 from .schema import (SECTIONS, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,  # noqa: F401
                      ParallelConfig, TrainConfig, f, from_dict, load, parse_overrides)
-from .validation import register_check, validate, whole_graph  # noqa: F401
+from .validation import register_check, spread_over, validate, whole_graph  # noqa: F401

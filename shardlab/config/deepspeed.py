@@ -14,6 +14,16 @@ _TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
              "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "gradient_clipping",
              "activation_checkpointing", "steps_per_print", "autotp_size", "model"}
 AUTO = "auto"
+_BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def is_deepspeed(data: dict, sections) -> bool:
+    """Whether a JSON object is a DeepSpeed config: some DeepSpeed key (``bf16``, ``optimizer``,
+    ``zero_optimization``, a batch key, ...; ``model`` alone is both) and no shardlab section other
+    than ``model`` among ``sections``. One rule for ``shardlab train`` / ``config`` / ``memory`` and
+    ``shardlab.initialize``."""
+    keys = set(data)
+    return bool(keys & (_TOP_KEYS - {"model"})) and not keys & (set(sections) - {"model"})
 
 
 def _positive_int(ds: dict, key: str, name: str | None = None):
@@ -237,7 +247,7 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
     """DeepSpeed's rule when ``gradient_accumulation_steps`` is absent: train_batch_size /
     (train_micro_batch_size_per_gpu * world size). Returns a copy with the three numbers consistent
     with ``world_size`` (for ``shardlab.initialize``, where the world size is known)."""
-    ds = _top(ds)
+    raw, ds = ds, _top(ds)
     world_size = world_size // (_positive_int(ds, "autotp_size") or 1)  # the data-parallel ranks
     tbs = _positive_int(ds, "train_batch_size")
     mb = _positive_int(ds, "train_micro_batch_size_per_gpu")
@@ -255,19 +265,24 @@ def resolve_batch(ds: dict, world_size: int) -> dict:
                               f"{ga or 1} * {world_size} * k; use a multiple of {(ga or 1) * world_size}")
         ds["train_micro_batch_size_per_gpu"] = tbs // ((ga or 1) * world_size)
         ds["gradient_accumulation_steps"] = ga or 1
-    return ds
+    return {**{k: AUTO for k in _BATCH if raw.get(k) == AUTO}, **ds}  # "auto" left where not derived
 
 
 def _top(ds) -> dict:
     """The top-level object with its "auto" batch keys dropped (derived as if absent)."""
     if not isinstance(ds, dict):
         raise ConfigError("DeepSpeed config", f"the top level must be a JSON object, got {json.dumps(ds)[:40]}")
-    batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    return {k: v for k, v in ds.items() if not (k in batch and v == AUTO)}
+    return {k: v for k, v in ds.items() if not (k in _BATCH and v == AUTO)}
 
 
 def translate(ds: dict) -> dict:
-    """A DeepSpeed config dict -> shardlab config sections (``config.from_dict`` input)."""
+    """A DeepSpeed config dict -> shardlab config sections (``config.from_dict`` input). As in
+    DeepSpeed, it must give ``train_batch_size`` or ``train_micro_batch_size_per_gpu`` (``"auto"``
+    counts: shardlab's own value)."""
+    if isinstance(ds, dict) and not set(ds) & set(_BATCH[:2]):
+        raise ConfigError("train_batch_size", "a DeepSpeed config gives train_batch_size or "
+                          "train_micro_batch_size_per_gpu (DeepSpeed refuses one with neither); add e.g. "
+                          "\"train_micro_batch_size_per_gpu\": 8, or \"auto\" for shardlab's own batch")
     ds = _top(ds)
     out: dict = {"train": {}, "parallel": {}, "logging": {}}
     unsupported: list[str] = []

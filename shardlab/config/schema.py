@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError, did_you_mean as _did_you_mean
 from .checks import check_ranges
-from .deepspeed import translate
+from .deepspeed import is_deepspeed, translate
 from .validation import validate
 
 if sys.version_info >= (3, 11):
@@ -355,7 +355,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
         if not p.exists():
             raise ConfigError("CONFIG", f"file {p} does not exist; pass a .toml or .json file (see configs/)")
         data = _read_file(p)
-        if p.suffix == ".json" and _is_deepspeed(data):
+        if p.suffix == ".json" and is_deepspeed(data, SECTIONS):
             data = translate(data)
         cfg = from_dict(data, cfg)
     if overrides:
@@ -384,7 +384,4 @@ def _read_file(p: Path) -> dict:
     return data
 
 
-def _is_deepspeed(data: dict) -> bool:
-    keys = {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization"}
-    return bool(keys & set(data)) and not (set(data) & (set(SECTIONS) - {"model"}))
 

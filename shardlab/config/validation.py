@@ -37,6 +37,18 @@ def validate(cfg, world_size: int | None = None) -> None:
         CHECKS[name](cfg)
 
 
+def spread_over(cfg, world_size: int | None):
+    """``cfg`` with its degrees filled for ``world_size`` ranks when it gives none (all 1, as a
+    single-process config or a DeepSpeed JSON, whose data parallelism is the job's ranks): data
+    parallel over every rank, on the sharded axis under ZeRO (else ``zero_stage = 3`` would shard
+    over groups of one rank: no memory saved). What ``shardlab train``, ``memory`` and ``config
+    show --nproc`` run; degrees that are given are left for ``validate`` to check."""
+    p = cfg.parallel
+    if world_size and world_size != p.world_size and p.world_size == 1:
+        setattr(p, "dp_shard" if p.zero_stage else "dp_replicate", world_size)
+    return cfg
+
+
 def whole_graph(cfg) -> bool:
     """Whether ``parallel.compile`` compiles the whole model as one graph (``compile_scope``):
     only where no parallel module hooks into it (one rank: no tp, cp, pp, data parallel, ZeRO or

@@ -89,6 +89,17 @@ def test_commands_without_a_config_refuse_overrides(argv, capsys):
     assert "\n" not in err and argv[-1].split("=")[0] in err and "takes no" in err
 
 
+@pytest.mark.parametrize("zero, line", [("0", "dp_replicate = 2"), ("3", "dp_shard = 2")])
+def test_config_show_spreads_a_config_without_degrees_over_nproc_as_train_does(zero, line, capsys, tmp_path):
+    """configs/tiny.toml gives no degrees; `shardlab train --nproc 2` runs it data-parallel, while
+    `config show --nproc 2` refused it ("the job has 2 processes")."""
+    argv = ["configs/tiny.toml", "--nproc", "2", f"--parallel.zero_stage={zero}"]
+    assert cli_main(["config", "show", *argv]) == 0
+    assert any(ln.startswith(line + "  #") for ln in capsys.readouterr().out.splitlines())
+    assert cli_main(["train", *argv, "--dry-run", "--run-dir", str(tmp_path / "r")]) == 0
+    assert f"layout {line.replace(' = ', '=')}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["doctor", "--jsn"], "config error: --jsn: unknown option of shardlab doctor (did you mean '--json'?)"),
     (["train", "configs/tiny.toml", "--nprocs", "2", "--dry-run"],

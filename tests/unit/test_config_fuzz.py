@@ -67,7 +67,9 @@ def _set(path: tuple, value):
 
 
 # DeepSpeed mutations: (description, mutation, exit code), the expectation written down per case
-DS_CASES = [(f"delete {k}", (lambda k: lambda ds: ds.pop(k))(k), 0) for k in DS] + [
+DS_CASES = [(f"delete {k}", (lambda k: lambda ds: ds.pop(k))(k),
+             2 if k == "train_micro_batch_size_per_gpu" else 0)  # then no batch key: DeepSpeed refuses it
+            for k in DS] + [
     *[(f"{sec} = {v!r}", _set((sec,), v), 2) for sec in ("optimizer", "scheduler", "bf16", "zero_optimization",
                                                          "fp16", "activation_checkpointing")
       for v in (True, 5, "AdamW", [1])],

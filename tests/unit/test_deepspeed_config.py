@@ -135,3 +135,40 @@ def test_batch_arithmetic_with_the_world_size():
         with pytest.raises(ConfigError) as e:
             resolve_batch(bad, 4)
         assert e.value.field == "train_batch_size"
+
+
+@pytest.mark.parametrize("ds", [{"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}},
+                                {"zero_optimization": {"stage": 2}}, {"gradient_accumulation_steps": 2}])
+def test_a_deepspeed_file_without_a_batch_is_refused_as_deepspeed_refuses_it(tmp_path, ds):
+    """Recognised by any DeepSpeed key (a file of bf16 / optimizer blocks used to read as a shardlab
+    config: "bf16: unknown section"), and, as in DeepSpeed, refused without train_batch_size or
+    train_micro_batch_size_per_gpu (a zero_optimization-only file used to train with shardlab's batch)."""
+    from shardlab import api as shardlab
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    for read in (lambda: load(tmp_path / "ds.json"), lambda: shardlab.resolve_config(tmp_path / "ds.json", 2),
+                 lambda: shardlab.resolve_config(ds, 2)):
+        with pytest.raises(ConfigError, match="DeepSpeed refuses one with neither") as e:
+            read()
+        assert e.value.field == "train_batch_size"
+
+
+def test_an_auto_micro_batch_is_a_batch(tmp_path):
+    """The Hugging Face integration's "auto": shardlab's own batch, through load and initialize alike."""
+    from shardlab import api as shardlab
+    from shardlab.config import Config
+    ds = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    assert load(tmp_path / "ds.json").train.global_batch == Config().train.global_batch
+    cfg = shardlab.resolve_config(ds, 2)
+    assert (cfg.parallel.zero_stage, cfg.parallel.dp_shard, cfg.train.global_batch) == (2, 2, Config().train.global_batch)
+
+
+def test_a_file_with_only_a_model_section_or_unknown_keys_is_shardlab_s(tmp_path):
+    """The same rule for files given to initialize as to shardlab train: no DeepSpeed key, no DeepSpeed."""
+    from shardlab import api as shardlab
+    (tmp_path / "m.json").write_text(json.dumps({"model": {"d_model": 64}}))
+    assert load(tmp_path / "m.json").model.d_model == 64
+    (tmp_path / "x.json").write_text(json.dumps({"foo": 1}))
+    for read in (lambda: load(tmp_path / "x.json"), lambda: shardlab.resolve_config(tmp_path / "x.json", 1)):
+        with pytest.raises(ConfigError, match="unknown section"):
+            read()

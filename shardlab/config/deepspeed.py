@@ -296,7 +296,10 @@ def translate(ds: dict) -> dict:
     _precision(ds, out, unsupported)
     _zero(ds, out, unsupported)
     if ds.get("gradient_clipping", 1.0) != AUTO:  # DeepSpeed's default is 1.0 (runtime/constants.py); 0 = off
-        out["train"]["grad_clip"] = _num(ds.get("gradient_clipping", 1.0), "gradient_clipping")
+        clip = _num(ds.get("gradient_clipping", 1.0), "gradient_clipping")
+        if clip < 0:
+            raise ConfigError("gradient_clipping", f"got {clip:g}; must be >= 0 (0 = no clipping)")
+        out["train"]["grad_clip"] = clip
     out["train"]["weight_decay_params"] = "all"  # DeepSpeed decays every parameter it is given
     ac = _dict(ds, "activation_checkpointing", '{"partition_activations": false}')
     if ac:

@@ -44,6 +44,7 @@ def test_unsupported_keys_are_named_in_a_warning():
     ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "train_batch_size"),
     ({"train_batch_size": 0}, "train_batch_size"),
     ({"train_batch_size": 8, "zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+    ({"train_batch_size": 8, "gradient_clipping": -1}, "gradient_clipping"),  # was named train.grad_clip
 ])
 def test_batch_inconsistencies_are_errors(bad, field):
     with pytest.raises(ConfigError) as e:

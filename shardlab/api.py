@@ -66,12 +66,6 @@ def resolve_config(config, world_size: int) -> C.Config:
     if kind == "deepspeed":
         ds = resolve_batch(data, world_size)
         cfg = C.from_dict(translate(ds))
-        batch = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-        if all(k in ds for k in batch) and cfg.parallel.dp_shard != world_size:
-            mb, ga = ds[batch[1]], ds[batch[2]]
-            raise ConfigError("train_batch_size", f"{ds[batch[0]]} = {mb} (micro batch) * {ga} (accumulation) * "
-                              f"{cfg.parallel.dp_shard} ranks, but the job has {world_size} ranks; use "
-                              f"{mb * ga * world_size} or drop it (DeepSpeed derives it)")
     else:
         cfg = data
     C.check_ranges(cfg)  # every field within its declared range (config/schema.py), as validate() does

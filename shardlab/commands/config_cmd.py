@@ -20,7 +20,7 @@ def main(args) -> int:
     from ..errors import at_least
     if args.nproc is not None:
         at_least(args.nproc, 1, "--nproc")
-    cfg = C.spread_over(C.load(args.config, args.overrides), args.nproc)  # as shardlab train --nproc runs it
+    cfg = C.spread_over(C.load(args.config, args.overrides, args.nproc), args.nproc)  # as train --nproc runs it
     cfg.validate(args.nproc)
     print(describe(cfg))
     return 0

@@ -32,7 +32,7 @@ def resolve(config_path, overrides, nproc: int):
     from ..errors import at_least
     from ..train import checks  # noqa: F401  (registers every config check validate runs)
     at_least(nproc, 1, "--nproc")
-    return spread_over(load(config_path, overrides), nproc).validate(world_size=nproc)  # as train runs it
+    return spread_over(load(config_path, overrides, nproc), nproc).validate(world_size=nproc)  # as train runs it
 
 
 def main(args) -> int:

@@ -47,7 +47,9 @@ def configure(parser):
 
 def resolve(args) -> tuple[C.Config, int, object]:
     """The validated config, the world size and the opened ``checkpoint.base`` (or None)."""
-    cfg = C.load(args.config, args.overrides)
+    if args.nproc is not None:
+        at_least(args.nproc, 1, "--nproc", "omit it for the product of the parallel degrees")
+    cfg = C.load(args.config, args.overrides, world_size=launch.torchrun_world_size() or args.nproc)
     base = finetune.resolve_base(cfg)  # the model section comes from the base
     if args.resume:
         cfg.checkpoint.resume = True
@@ -57,8 +59,6 @@ def resolve(args) -> tuple[C.Config, int, object]:
         cfg.train.device = args.device
     if args.run_dir:
         cfg.logging.run_dir = args.run_dir
-    if args.nproc is not None:
-        at_least(args.nproc, 1, "--nproc", "omit it for the product of the parallel degrees")
     nproc = launch.torchrun_world_size() or args.nproc or cfg.parallel.world_size
     C.spread_over(cfg, nproc).validate(world_size=nproc)  # degrees not given: data parallel over the ranks
     return cfg, nproc, base

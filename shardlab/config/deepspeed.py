@@ -244,21 +244,27 @@ def _zero(ds: dict, out: dict, unsupported: list):
 
 
 def resolve_batch(ds: dict, world_size: int) -> dict:
-    """DeepSpeed's rule when ``gradient_accumulation_steps`` is absent: train_batch_size /
-    (train_micro_batch_size_per_gpu * world size). Returns a copy with the three numbers consistent
-    with ``world_size`` (for ``shardlab.initialize``, where the world size is known)."""
+    """DeepSpeed's batch rule with the job's ``world_size``: train_batch_size =
+    train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel ranks, a missing
+    one derived (accumulation 1 when only the micro batch is given), three inconsistent ones a
+    ConfigError. Returns a copy with the three numbers (``shardlab.initialize``; ``config.load``
+    when the command knows its ranks)."""
     raw, ds = ds, _top(ds)
     world_size = world_size // (_positive_int(ds, "autotp_size") or 1)  # the data-parallel ranks
     tbs = _positive_int(ds, "train_batch_size")
     mb = _positive_int(ds, "train_micro_batch_size_per_gpu")
     ga = _positive_int(ds, "gradient_accumulation_steps")
+    if None not in (tbs, mb, ga) and tbs != mb * ga * world_size:
+        raise ConfigError("train_batch_size", f"{tbs} is not {mb} (micro batch) * {ga} (accumulation) * "
+                          f"{world_size} data-parallel ranks of this job; use {mb * ga * world_size} or drop it "
+                          "(DeepSpeed derives it)")
     if tbs is not None and mb is not None and ga is None:
         if tbs % (mb * world_size):
             raise ConfigError("train_batch_size", f"{tbs} is not train_micro_batch_size_per_gpu * ranks * k = "
                               f"{mb} * {world_size} * k; use a multiple of {mb * world_size}")
         ds["gradient_accumulation_steps"] = tbs // (mb * world_size)
-    elif tbs is None and mb is not None:
-        ds["train_batch_size"] = mb * (ga or 1) * world_size
+    elif tbs is None and mb is not None:  # DeepSpeed: no accumulation unless given
+        ds["train_batch_size"], ds["gradient_accumulation_steps"] = mb * (ga or 1) * world_size, ga or 1
     elif tbs is not None and mb is None:  # DeepSpeed derives the micro batch: it must be whole
         if tbs % ((ga or 1) * world_size):
             raise ConfigError("train_batch_size", f"{tbs} is not gradient_accumulation_steps * ranks * micro batch = "

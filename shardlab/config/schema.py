@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError, did_you_mean as _did_you_mean
 from .checks import check_ranges
-from .deepspeed import is_deepspeed, translate
+from .deepspeed import is_deepspeed, resolve_batch, translate
 from .validation import validate
 
 if sys.version_info >= (3, 11):
@@ -347,8 +347,11 @@ def parse_overrides(args: list[str]) -> dict:
     return out
 
 
-def load(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
-    """Load a TOML or JSON config (a DeepSpeed JSON is recognised and translated), then apply overrides."""
+def load(path: str | Path | None = None, overrides: list[str] | dict | None = None,
+         world_size: int | None = None) -> Config:
+    """Load a TOML or JSON config (a DeepSpeed JSON is recognised and translated: its batch keys
+    resolved with ``world_size`` ranks where given, as DeepSpeed does with the job's world size;
+    without it, as one data-parallel rank), then apply overrides."""
     cfg = Config()
     if path:
         p = Path(path)
@@ -356,7 +359,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict | None = No
             raise ConfigError("CONFIG", f"file {p} does not exist; pass a .toml or .json file (see configs/)")
         data = _read_file(p)
         if p.suffix == ".json" and is_deepspeed(data, SECTIONS):
-            data = translate(data)
+            data = translate(resolve_batch(data, world_size) if world_size else data)
         cfg = from_dict(data, cfg)
     if overrides:
         cfg = from_dict(parse_overrides(overrides) if isinstance(overrides, list) else overrides, cfg)

@@ -173,3 +173,35 @@ def test_a_file_with_only_a_model_section_or_unknown_keys_is_shardlab_s(tmp_path
     for read in (lambda: load(tmp_path / "x.json"), lambda: shardlab.resolve_config(tmp_path / "x.json", 1)):
         with pytest.raises(ConfigError, match="unknown section"):
             read()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_command_line_resolves_the_batch_with_the_job_s_ranks_as_deepspeed(ranks, capsys):
+    """DeepSpeed: train_batch_size = micro batch per GPU x accumulation x data-parallel ranks.
+    examples/ds_config.json gives micro 32 and accumulation 2; `shardlab train ... --nproc 2` used
+    to keep global_batch 64 and spread it over the ranks (16 per micro-batch per rank, half
+    DeepSpeed's). And a micro batch alone used to get accumulation = ranks through initialize."""
+    from shardlab import api
+    from shardlab.cli import main as cli_main
+    ds = json.loads(open("examples/ds_config.json").read())
+    mb, ga = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    assert cli_main(["config", "show", "examples/ds_config.json", "--nproc", str(ranks)]) == 0
+    shown = dict(ln.split("  #")[0].split(" = ") for ln in capsys.readouterr().out.splitlines() if " = " in ln)
+    assert (int(shown["global_batch"]), int(shown["microbatches"]), int(shown["dp_shard"])) == (mb * ga * ranks, ga, ranks)
+    for source in ("examples/ds_config.json", ds):
+        cfg = api.resolve_config(source, ranks)
+        assert (cfg.train.global_batch, cfg.parallel.microbatches) == (mb * ga * ranks, ga)
+    cfg = api.resolve_config({"train_micro_batch_size_per_gpu": 4}, ranks)
+    assert (cfg.train.global_batch, cfg.parallel.microbatches, cfg.parallel.dp_shard) == (4 * ranks, 1, ranks)
+
+
+def test_three_batch_keys_that_do_not_fit_the_job_are_one_line(tmp_path, capsys):
+    from shardlab.cli import main as cli_main
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
+                                                  "gradient_accumulation_steps": 2}))
+    assert cli_main(["config", "show", str(tmp_path / "ds.json"), "--nproc", "4"]) == 0
+    capsys.readouterr()
+    assert cli_main(["train", str(tmp_path / "ds.json"), "--nproc", "2", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == ("config error: train_batch_size: 64 is not 8 (micro batch) * 2 "
+                                               "(accumulation) * 2 data-parallel ranks of this job; use 32 or drop "
+                                               "it (DeepSpeed derives it)")

@@ -117,7 +117,8 @@ def memory_warning(cfg: C.Config, nproc: int) -> str:
     avail = meminfo().get("MemAvailable", 0)
     if not avail or need <= avail:
         return ""
-    return (f"shardlab: warning: the {nproc} ranks' model state alone is at least {need / 2**30:,.1f} GiB, more than "
+    who = "the rank's" if nproc == 1 else f"the {nproc} ranks'"
+    return (f"shardlab: warning: {who} model state alone is at least {need / 2**30:,.1f} GiB, more than "
             f"the {avail / 2**30:,.1f} GiB available here: expect them to be killed for memory (signal 9); the "
             f"whole peak per rank: shardlab memory CONFIG --no-run --nproc {nproc}")
 
@@ -246,6 +247,9 @@ def main(args) -> int:
     launch.check_device(cfg.train.device)  # before a dry run's plan too
     if args.dry_run:
         check_dataset(cfg)
+        for note in ("" if ray_opts else backend_note(cfg.train.device, nproc), memory_warning(cfg, nproc)):
+            if note:  # what a real start would warn of, before it starts
+                print(note, file=sys.stderr)
         resuming = f", resuming from {plan.resume_from}" if plan.resume_from else ""
         print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), layout "
               f"{_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher{resuming}; run dir "

@@ -65,7 +65,7 @@ def test_cuda_without_a_gpu_and_a_missing_corpus_are_refused_before_a_launch(mon
     assert cli_main([*base, "--dry-run"]) == 0 and "nothing started" in capsys.readouterr().out
 
 
-def test_model_state_beyond_the_available_memory_is_warned_before_a_start(monkeypatch):
+def test_model_state_beyond_the_available_memory_is_warned_before_a_start(monkeypatch, tmp_path, capsys):
     """CPU ranks whose model state alone (a lower bound: the matmuls' parameters, fp32 params +
     grads + Adam's two states = 16 bytes each, over the data-parallel ranks) exceeds MemAvailable:
     one warning line before the launch, instead of ranks killed by signal 9 minutes later."""
@@ -82,8 +82,15 @@ def test_model_state_beyond_the_available_memory_is_warned_before_a_start(monkey
     line = memory_warning(cfg, 2)
     assert line.startswith(f"shardlab: warning: the 2 ranks' model state alone is at least {need / 2**30:,.1f} GiB")
     assert line.endswith("shardlab memory CONFIG --no-run --nproc 2") and "\n" not in line
+    # the dry run says it too (it used to stay silent: the warning came only at a real start)
+    from shardlab.cli import main as cli_main
+    assert cli_main(["train", "configs/tiny.toml", "--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "r")]) == 0
+    assert line in capsys.readouterr().err.splitlines()
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.zero_stage = 1, 2, 3  # ZeRO-3: half each
     assert memory_warning(cfg, 2) == ""
+    one = load(str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")).validate(world_size=1)
+    monkeypatch.setattr(doctor_cmd, "meminfo", lambda: {"MemAvailable": need // 2 - 1})
+    assert memory_warning(one, 1).startswith("shardlab: warning: the rank's model state alone")
 
 
 def test_the_launcher_refuses_cuda_without_a_gpu_before_any_rank(monkeypatch):

@@ -16,7 +16,7 @@ from .. import config as C
 from .. import launch, launch_ray
 from ..errors import at_least
 from ..models.spec import get_spec
-from ..train import checks, finetune, images  # noqa: F401  (checks: registers every config check)
+from ..train import checks, data, finetune, images  # noqa: F401  (checks: registers every config check)
 from .. import launch_restart as restart
 from ..train.loop import train_rank
 from ..train.plan import RunPlan, checkpoint_dir, make_plan
@@ -265,6 +265,7 @@ def main(args) -> int:
         data_dir = images.prepare(cfg.data)
     else:
         data_dir = finetune.prepare_tokens(cfg, base)
+        data.check_prepared(data_dir, cfg)  # one batch of windows fits: said here, not by a rank
     if not launch.under_torchrun():
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)

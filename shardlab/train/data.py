@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def prepare(cfg: DataConfig, tokenizer=None, tokenizer_ref: dict | None = None) 
         vocab = vocab_size(tokenizer)
         tokens = _encode(tokenizer, "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files),
                          np.uint16 if vocab <= 2**16 else np.uint32)
+    if len(tokens) < 2:
+        raise ConfigError("data.dataset", f"{cfg.dataset} holds {len(tokens)} tokens; train on a text of at "
+                                          "least a few thousand")
     n_val = max(1, int(len(tokens) * cfg.val_fraction))
     for name, arr in (("train", tokens[:-n_val]), ("val", tokens[-n_val:])):
         tmp = out / f".{name}.bin.{os.getpid()}"
@@ -97,6 +101,35 @@ def _encode(tokenizer, text: str, dtype) -> np.ndarray:
     return np.asarray(ids, dtype=dtype)
 
 
+def check_windows(train_tokens: int, val_tokens: int, seq_len: int, global_batch: int, where: str = "the corpus",
+                  val_fraction: float | None = None) -> None:
+    """One global batch of ``seq_len + 1``-token windows must fit in the training split and in
+    the validation split (evaluated at least at the end); a ConfigError naming what to change.
+    Checked in the parent right after the corpus is prepared, and again by the loader."""
+    windows = max(0, train_tokens - 1) // seq_len
+    if windows < global_batch:
+        raise ConfigError("data.dataset", f"{where} holds {train_tokens:,} training tokens: {windows} window(s) of "
+                          f"train.seq_len {seq_len}, fewer than one global batch ({global_batch}); use a longer "
+                          "text, or lower train.seq_len or train.global_batch")
+    val = max(0, val_tokens - 1) // seq_len
+    if val < global_batch:
+        total, need = train_tokens + val_tokens, global_batch * seq_len + 1
+        share = math.ceil(need / total * 100) / 100  # prepare keeps int(total * share) tokens
+        share += 0.01 if int(total * share) < need else 0.0
+        share = f" (to {share:.2f} or more)" if val_fraction is not None and share < 0.5 else ""
+        raise ConfigError("data.val_fraction", f"the validation split of {where} holds {val_tokens:,} tokens: {val} "
+                          f"window(s) of train.seq_len {seq_len}, fewer than one global batch ({global_batch}); raise "
+                          f"data.val_fraction{share}, or lower train.global_batch or train.seq_len")
+
+
+def check_prepared(directory: str | Path, cfg) -> None:
+    """:func:`check_windows` for a prepared corpus directory and a run's config (``shardlab train``
+    before it starts ranks)."""
+    meta = json.loads((Path(directory) / "meta.json").read_text())
+    check_windows(meta["train_tokens"], meta["val_tokens"], cfg.train.seq_len, cfg.train.global_batch,
+                  cfg.data.dataset, cfg.data.val_fraction)
+
+
 class TokenData:
     """Memory-mapped train/val token arrays of a prepared corpus directory."""
 
@@ -125,8 +158,7 @@ class Loader:
         self.seed, self.device = seed, torch.device(device)
         self.tokens_per_sample = seq_len
         self.windows = (len(data.train) - 1) // seq_len
-        if self.windows < global_batch:
-            raise ConfigError("train.seq_len", f"corpus has only {self.windows} windows of {seq_len} tokens")
+        check_windows(len(data.train), len(data.val), seq_len, global_batch)
         self.cursor = 0  # global samples consumed
         self._perm_epoch, self._perm = -1, None
 
@@ -156,7 +188,7 @@ class Loader:
         n_windows = (len(self.data.val) - 1) // self.seq_len
         total = min(n_batches * self.global_batch, n_windows - n_windows % self.global_batch)
         if total < self.global_batch:
-            raise ConfigError("data.val_fraction", "validation split holds fewer windows than one global batch")
+            check_windows(len(self.data.train), len(self.data.val), self.seq_len, self.global_batch)
         stride = max(1, n_windows // total)
         out, per_rank = [], self.global_batch // self.dp_size
         for b in range(total // self.global_batch):

@@ -37,16 +37,17 @@ def corpus_files(dataset: str) -> list[Path]:
 
 
 def prepare(cfg: DataConfig, tokenizer=None, tokenizer_ref: dict | None = None) -> Path:
-    """Tokenise the corpus once into ``<cache>/<key>/{train,val}.bin``; return that directory.
+    """Tokenise the corpus once into ``<cache>/<key>/{train,val}.bin``; return that directory. The
+    key covers each file's path, size and modification time, the split and the tokenizer.
     ``tokenizer`` (an object with ``encode`` and a ``tokenizers.Tokenizer`` as ``.tokenizer``, e.g.
     models/tokenizer.py) replaces the byte-level default; ``tokenizer_ref`` names it in meta.json
     and in the cache key. Safe to call from several processes: files are written to a temporary
     name and renamed."""
     files = corpus_files(cfg.dataset)
     h = hashlib.sha256()
-    for p in files:
-        h.update(p.name.encode())
-        h.update(str(p.stat().st_size).encode())
+    for p in files:  # where it is, its size and when it last changed (as make does): an edit re-tokenises
+        st = p.stat()
+        h.update(f"{p.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     h.update(f"{cfg.val_fraction}".encode())
     kind = "bytes"
     if tokenizer is not None:

@@ -48,3 +48,23 @@ def test_the_loader_keeps_the_same_rule():
         with pytest.raises(ConfigError) as e:
             check_windows(train, val, 128, 16)
         assert e.value.field == field
+
+
+def test_an_edited_corpus_of_the_same_size_is_tokenised_again(tmp_path):
+    """The cache was keyed by file name and size: a same-size edit trained on the old tokens."""
+    import os
+
+    import numpy as np
+
+    from shardlab.config import DataConfig
+    from shardlab.train.data import prepare
+    corpus = tmp_path / "corpus.txt"
+    cfg = DataConfig(dataset=str(corpus), cache_dir=str(tmp_path / "cache"))
+    corpus.write_bytes(b"To be or not to be. " * 100)
+    first = np.fromfile(prepare(cfg) / "train.bin", dtype=np.uint16)
+    st = corpus.stat()
+    corpus.write_bytes(b"Zo ze zr zot zo ze. " * 100)
+    os.utime(corpus, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a later change, even on a coarse clock
+    second = np.fromfile(prepare(cfg) / "train.bin", dtype=np.uint16)
+    assert bytes(first[:20].astype(np.uint8)) == b"To be or not to be. "
+    assert bytes(second[:20].astype(np.uint8)) == b"Zo ze zr zot zo ze. "

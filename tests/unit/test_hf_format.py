@@ -26,11 +26,19 @@ from shardlab.checkpoint import save as ckpt  # noqa: E402
 TOL = 1e-5  # float32 (the bar of the issue); transformers and shardlab order some reductions differently
 
 
-def _llama(tie: bool):
+def _llama(tie: bool, rope_scaling=None):
     c = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
-                                 tie_word_embeddings=tie, max_position_embeddings=64, rms_norm_eps=1e-5)
+                                 tie_word_embeddings=tie, max_position_embeddings=64, rms_norm_eps=1e-5,
+                                 **({"rope_scaling": rope_scaling} if rope_scaling else {}))
     return transformers.LlamaForCausalLM(c)
+
+
+# Llama 3.1's scaling with a pretrained context of 256 positions and head size 8 (theta 500000): the
+# four frequencies' wavelengths (6.3, 167, 4.4e3, 1.2e5) fall in all three of its regimes: kept
+# (below 256 / 4), on the ramp, divided by the factor (beyond 256 / 1)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256, "rope_theta": 500000.0}
 
 
 def _gpt2(tie: bool = True):
@@ -40,7 +48,8 @@ def _gpt2(tie: bool = True):
 
 
 MODELS = {"llama": lambda: _llama(False), "llama-tied": lambda: _llama(True), "gpt2": _gpt2,
-          "gpt2-untied": lambda: _gpt2(False)}
+          "gpt2-untied": lambda: _gpt2(False), "llama-rope-llama3": lambda: _llama(False, LLAMA3_ROPE),
+          "llama-rope-linear": lambda: _llama(False, {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0})}
 
 
 def _save(name, tmp_path):
@@ -91,7 +100,31 @@ def test_permutation_is_not_identity(tmp_path):
     assert H.rope_rows(torch.arange(8), 8).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-tied", "gpt2"])
+def test_rope_scaling_is_read_and_matters(tmp_path):
+    """Llama 3.1's RoPE scaling (it used to be refused): read into model.rope_*, and the logits with
+    it ignored are far from transformers'; the frequencies against the three regimes by hand."""
+    import math
+
+    from shardlab.models.llama.model import Rope, inv_frequencies
+    hf, d = _save("llama-rope-llama3", tmp_path)
+    ours, cfg = load_model(d)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq, cfg.rope_high_freq, cfg.rope_original_len) == \
+        ("llama3", 8.0, 1.0, 4.0, 256)
+    x = _tokens()
+    plain, _ = load_model(d)
+    for m in plain.modules():
+        if hasattr(m, "rope"):
+            m.rope = Rope(500000.0)  # the scaling ignored
+    with torch.no_grad():
+        assert (plain(x) - _hf_logits(hf, x)).abs().max() > 100 * TOL
+    base = [500000.0 ** (-i / 8) for i in (0, 2, 4, 6)]
+    ramp = (256 / (2 * math.pi / base[1]) - 1) / (4 - 1)
+    assert 0 < ramp < 1
+    want = [base[0], (1 - ramp) * base[1] / 8 + ramp * base[1], base[2] / 8, base[3] / 8]
+    assert torch.allclose(inv_frequencies(Rope.of(cfg), 8), torch.tensor(want, dtype=torch.float64), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "gpt2", "llama-rope-llama3", "llama-rope-linear"])
 def test_import_export_round_trip_via_cli(tmp_path, name):
     """HF -> ``checkpoint import`` -> ``checkpoint export --format hf`` -> from_pretrained: logits equal
     the original's, every tensor bit-equal to the saved one."""

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from shardlab.config import ModelConfig
 from shardlab.models import build_model, count_params, init_tensor
-from shardlab.models.llama.model import Llama, rotary
+from shardlab.models.llama.model import Llama, Rope, rotary
 from shardlab.models.llama import matmul_params_per_token
 from shardlab.train.metrics import flops_per_token
 
@@ -58,12 +58,12 @@ def test_tied_embeddings_and_gqa():
 def test_rotary_is_a_rotation_with_relative_positions():
     x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
     pos = torch.arange(5)
-    r = rotary(x, pos, 10000.0)
+    r = rotary(x, pos, Rope(10000.0))
     assert torch.allclose(r.norm(dim=-1), x.norm(dim=-1))
     # dot products depend only on the position difference
     q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     def rot(v, p):
-        return rotary(v.view(1, 1, 1, 8), torch.tensor([p]), 10000.0).flatten()
+        return rotary(v.view(1, 1, 1, 8), torch.tensor([p]), Rope(10000.0)).flatten()
     assert torch.allclose(rot(q, 3) @ rot(k, 1), rot(q, 7) @ rot(k, 5))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ...errors import ConfigError
 from .. import decoder
 from ..spec import ModelSpec, Sizes, layer_blocks, register
 from . import gguf, hf
@@ -43,6 +44,10 @@ def init_std(name: str, shape, cfg) -> float | None:
 
 def check(cfg) -> None:
     decoder.check_transformer(cfg, rotary=True)
+    m = cfg.model if hasattr(cfg, "model") else cfg
+    if m.rope_scaling == "llama3" and m.rope_high_freq <= m.rope_low_freq:
+        raise ConfigError("model.rope_high_freq", f"{m.rope_high_freq:g} must exceed model.rope_low_freq = "
+                                                  f"{m.rope_low_freq:g} (the llama3 ramp runs between them)")
 
 
 matmul_params_per_token = decoder.matmul_params_per_token

@@ -42,6 +42,11 @@ def model_config(r):
     if rope_dim is not None and int(rope_dim) != d_model // n_heads:
         raise ConfigError("source", f"partial rotary (rope.dimension_count={rope_dim}, head_dim="
                                     f"{d_model // n_heads}) is not supported")
+    scaling = field(r, "llama.rope.scaling.type")
+    if "rope_freqs.weight" in names or scaling not in (None, "none"):  # llama.cpp's per-frequency factors
+        raise ConfigError("source", f"RoPE scaling ({'rope_freqs.weight' if scaling in (None, 'none') else scaling}) "
+                                    "in a GGUF is not supported; import the model's Hugging Face directory, "
+                                    "whose rope_parameters shardlab reads (linear, llama3)")
     return ModelConfig(
         arch="llama", vocab_size=int(vocab), d_model=d_model, n_layers=int(field(r, "llama.block_count")),
         n_heads=n_heads, n_kv_heads=int(field(r, "llama.attention.head_count_kv", n_heads)),

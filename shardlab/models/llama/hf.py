@@ -26,6 +26,17 @@ TOP = {"tok_embeddings.weight": ("model.embed_tokens.weight", "token_embd.weight
 """Llama's name table: Hugging Face's and GGUF's names of each shardlab parameter (gguf.py reads it)."""
 
 
+ROPE_KEYS = {"default": {}, "linear": {"rope_factor": "factor"},
+             "llama3": {"rope_factor": "factor", "rope_low_freq": "low_freq_factor",
+                        "rope_high_freq": "high_freq_factor", "rope_original_len": "original_max_position_embeddings"}}
+"""HF rope_type -> {ModelConfig field: HF rope_parameters key} of the RoPE kinds shardlab computes."""
+
+
+def _rope_to_hf(cfg) -> dict:
+    kind = "default" if cfg.rope_scaling == "none" else cfg.rope_scaling
+    return {"rope_type": kind, **{key: getattr(cfg, name) for name, key in ROPE_KEYS[kind].items()}}
+
+
 def _refuse(key: str, why: str):
     raise ConfigError(f"config.json: {key}", why)
 
@@ -41,13 +52,20 @@ def config_from_hf(hf: dict) -> dict:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             _refuse(flag, "biased projections are not supported by shardlab's Llama; use a bias-free model")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind != "default":
-        _refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not supported; only default RoPE")
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}  # transformers 4.x / 5.x names
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_KEYS:
+        _refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not supported; shardlab's Llama computes "
+                                             f"{', '.join(ROPE_KEYS)}")
+    if rope.get("attention_factor") not in (None, 1.0):
+        _refuse("rope_parameters.attention_factor", f"{rope['attention_factor']} is not supported; only 1.0")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return {"vocab_size": int(hf["vocab_size"]), "d_model": d, "n_layers": int(hf["num_hidden_layers"]),
+    scaling = {"rope_scaling": "none" if kind == "default" else kind}
+    for field_name, key in ROPE_KEYS[kind].items():
+        if key not in rope:
+            _refuse(f"rope_parameters.{key}", f"{kind} RoPE needs it")
+        scaling[field_name] = rope[key]
+    return {**scaling, "vocab_size": int(hf["vocab_size"]), "d_model": d, "n_layers": int(hf["num_hidden_layers"]),
             "n_heads": heads, "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
             "ffn_hidden": int(hf["intermediate_size"]), "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
             "rope_theta": float(theta), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
@@ -64,7 +82,8 @@ def config_to_hf(cfg) -> dict:
             "hidden_size": cfg.d_model, "intermediate_size": ffn_dim(cfg), "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_theta": cfg.rope_theta, "rope_parameters": {**_rope_to_hf(cfg), "rope_theta": cfg.rope_theta},
+            **({"rope_scaling": _rope_to_hf(cfg)} if cfg.rope_scaling != "none" else {}),  # transformers 4.x
             "tie_word_embeddings": bool(cfg.tie_embeddings), "attention_bias": False, "mlp_bias": False,
             "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 

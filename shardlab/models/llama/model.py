@@ -3,6 +3,9 @@ grouped-query attention, optional MoE feed-forwards. Single-device code; its mod
 contract parallel modules use (the TP_PLAN in ``__init__.py``) and the checkpoint keys."""
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,10 +34,43 @@ class RMSNorm(nn.Module):
         return {"weight": (g * self.normed(x)).reshape(-1, g.shape[-1]).sum(0)}
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by angle pos * theta^(-2i/d). x: (B, S, H, D); positions: (S,)."""
+class Rope(NamedTuple):
+    """A model's rotary settings (ModelConfig's rope_* fields)."""
+    theta: float
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq: float = 1.0
+    high_freq: float = 4.0
+    original_len: int = 8192
+
+    @classmethod
+    def of(cls, cfg) -> "Rope":
+        return cls(cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq, cfg.rope_high_freq,
+                   cfg.rope_original_len)
+
+
+def inv_frequencies(rope: Rope, d: int, device=None) -> torch.Tensor:
+    """The rotary frequencies theta^(-2i/d), i < d/2 (float64), scaled by ``rope.scaling``: linear
+    divides each by the factor; llama3 (Llama 3.1) divides those whose wavelength 2 pi / f exceeds
+    original_len / low_freq, keeps those below original_len / high_freq, and between the two blends
+    f / factor and f by s = (original_len / wavelength - low_freq) / (high_freq - low_freq):
+    (1 - s) f / factor + s f. Computed on the tensors' device at each call, as the plain one was."""
+    f = 1.0 / (rope.theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float64) / d))
+    if rope.scaling == "linear":
+        return f / rope.factor
+    if rope.scaling == "llama3":
+        low, high, factor, orig = rope.low_freq, rope.high_freq, rope.factor, rope.original_len
+        wavelength = 2 * math.pi / f
+        s = ((orig / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0 beyond orig / low, 1 below orig / high
+        return (1 - s) * f / factor + s * f
+    return f
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by angle pos * f_i (:func:`inv_frequencies`).
+    x: (B, S, H, D); positions: (S,)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d))
+    inv_freq = inv_frequencies(rope, d, x.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]          # (S, D/2)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = angles.cos().to(dtype)[None, :, None, :], angles.sin().to(dtype)[None, :, None, :]
@@ -47,7 +83,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.head_dim, self.rope = cfg.head_dim, Rope.of(cfg)
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -59,7 +95,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
+        q, k = rotary(q, positions, self.rope), rotary(k, positions, self.rope)
         return self.wo(attend(self.core, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache))
 
 

@@ -224,6 +224,8 @@ class MetricsWriter:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.file = self.path.open("a")
+        if self.file.tell() and not self.path.read_bytes().endswith(b"\n"):  # a record cut off by a kill:
+            self.file.write("\n")  # the next starts on a line of its own (read_metrics skips the fragment)
         self.tb = None
         if tensorboard:
             try:
@@ -247,6 +249,23 @@ class MetricsWriter:
             self.tb.close()
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
+def read_metrics(run_dir: str | Path, skipped: list | None = None) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl``. A line that is no JSON object (the last record of a
+    run killed while writing it) is left out, its line number appended to ``skipped``; a file
+    whose lines are all unreadable is a ConfigError naming it."""
+    from ..config import ConfigError
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out, bad = [], []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            (out.append(rec) if isinstance(rec, dict) else bad.append(i))
+    if bad and not out:
+        raise ConfigError("RUN_DIR", f"{path} holds no metrics records (line {bad[0]} is not a JSON object); pass a "
+                                     "directory written by `shardlab train`")
+    if skipped is not None:
+        skipped += bad
+    return out

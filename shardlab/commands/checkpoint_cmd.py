@@ -214,8 +214,10 @@ def main(args) -> int:
     if args.action == "export":
         if out is None:
             raise ConfigError("--to", "export needs an output path, e.g. --to model.safetensors")
-        if out.exists() and not args.force:
+        if out.exists() and not args.force and not out.is_dir():
             raise ConfigError("--to", f"{out} exists; pass --force to overwrite it")
+        from ..errors import output_file
+        output_file(out, "--to", ".safetensors")  # a safetensors file named .pt or .bin misleads torch.load
         if args.chunk_mib <= 0:
             raise ConfigError("--chunk-mib", "must be > 0, e.g. --chunk-mib 64")
     try:

@@ -16,6 +16,8 @@ COMMANDS = {  # flag, argv before it, the suffix it takes
     "bench comm --json": (["bench", "comm", "--nproc", "2", "--sizes", "1K", "--iters", "1"], "--json", ".json"),
     "bench comm --plot": (["bench", "comm", "--nproc", "2", "--sizes", "1K", "--iters", "1"], "--plot", ".png"),
     "memory --timeline": (["memory", TINY, "--nproc", "2"], "--timeline", ".png"),
+    # a safetensors file written as x.pt or x.bin (it was) fails later in torch.load, far from here
+    "checkpoint export --to": (["checkpoint", "export", "RUN"], "--to", ".safetensors"),
 }
 
 

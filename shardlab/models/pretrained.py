@@ -181,8 +181,10 @@ def open_source(source: str) -> Pretrained:
                                         "a Hugging Face directory or a shardlab checkpoint")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
+            hint = ("; a lone .safetensors file holds weights without their model config: pass the directory it "
+                    "sits in if it has a config.json, or export with --format hf") if path.suffix == ".safetensors" else ""
             raise ConfigError("source", f"{source!r} is a file but not a .gguf; pass smollm2, a .gguf file, "
-                                        "a Hugging Face directory or a shardlab checkpoint")
+                                        f"a Hugging Face directory or a shardlab checkpoint{hint}")
         p = Pretrained(source, "gguf", path, None)
         from .gguf import model_config
         p.cfg = model_config(p._gguf_reader())

@@ -191,6 +191,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert cli_main(["checkpoint", "import", str(tmp_path / "bert"), "--to", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err.strip()
     assert "model_type" in err and "'bert' is not supported" in err and len(err.splitlines()) == 1
+    (tmp_path / "w.safetensors").write_bytes(b"")  # `checkpoint export`'s weights file: no config in it
+    assert cli_main(["generate", str(tmp_path / "w.safetensors"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds weights without their model config" in err and "--format hf" in err and len(err.splitlines()) == 1
 
 
 def test_import_refuses_a_directory_with_checkpoints(tmp_path, capsys):

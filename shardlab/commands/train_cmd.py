@@ -150,8 +150,12 @@ def check_resume(plan: RunPlan) -> None:
         reader = Reader(plan.resume_from)
         try:
             why = model_mismatch(reader, plan.config)
+            seq = reader.meta.get("config", {}).get("train", {}).get("seq_len")  # the data cursor counts its windows
         finally:
             reader.close()
+        if seq and seq != plan.config.train.seq_len:
+            raise C.ConfigError("train.seq_len", f"{plan.resume_from} was written with seq_len={seq}; resume with "
+                                                 f"--train.seq_len={seq}, or start a new run with --run-dir DIR")
         if why:
             raise C.ConfigError("--resume", f"{plan.resume_from} is of another model: {why}; resume with the settings it "
                                             "was saved with, or start a new run with --run-dir DIR")

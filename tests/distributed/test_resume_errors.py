@@ -141,3 +141,17 @@ def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_
     assert err[0] == head + want + "; resume with the settings it was saved with, or start a new run with " \
                                    "--run-dir DIR", err
     assert _digest(run) == before
+
+
+def test_resume_with_another_sequence_length_is_refused_before_any_rank_starts(saved, tmp_path, capsys):
+    """The data cursor counts windows of seq_len tokens: a rank refused a changed seq_len after
+    the launch; the parent says it first (exit 2), the run directory unchanged."""
+    run = _copy_run(saved, tmp_path)
+    before = _digest(run)
+    code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
+                     "--train.steps=4", "--resume", "--train.seq_len=8"])
+    err = capsys.readouterr().err.strip()
+    seq = next(a.split("=")[1] for a in TINY if a.startswith("--train.seq_len="))
+    assert code == 2 and err == (f"config error: train.seq_len: {run}/checkpoints/step_00000002 was written with "
+                                 f"seq_len={seq}; resume with --train.seq_len={seq}, or start a new run with --run-dir DIR")
+    assert _digest(run) == before

@@ -224,8 +224,11 @@ class MetricsWriter:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.file = self.path.open("a")
-        if self.file.tell() and not self.path.read_bytes().endswith(b"\n"):  # a record cut off by a kill:
-            self.file.write("\n")  # the next starts on a line of its own (read_metrics skips the fragment)
+        if self.file.tell():
+            with self.path.open("rb") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":  # a record cut off by a kill: the next starts on a line of its own
+                    self.file.write("\n")  # (read_metrics leaves the fragment out)
         self.tb = None
         if tensorboard:
             try:

@@ -114,7 +114,8 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_other_files(saved, tmp_pat
     assert len(starts) == 1 and (run / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("change", ["--model.d_model=64", "--model.arch=gpt2", "--train.lora_rank=4"])
+@pytest.mark.parametrize("change", ["--model.d_model=64", "--model.arch=gpt2", "--train.lora_rank=4",
+                                    "--train.lora_rank=0"])
 def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_path, change, capsys):
     """--resume with a model section the checkpoint was not saved with: one line naming the first
     parameter whose shape differs (or the architectures) and the saved fields, exit 2; a rank used
@@ -137,7 +138,10 @@ def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_
                                   "saved with d_model=32",
             "--model.arch=gpt2": "it holds a llama model, this config a gpt2 (arch='llama', n_kv_heads=2)",
             "--train.lora_rank=4": "model.layers.0.attention.wq.lora_A is (8, 32) there, (4, 32) in this model; it "
-                                   "was saved with train.lora_rank=8"}[change]
+                                   "was saved with train.lora_rank=8",
+            # a LoRA run resumed as a full one trained the whole model, its adapters silently dropped
+            "--train.lora_rank=0": "it holds LoRA adapters (model.layers.0.attention.wk.lora_A, ...), this run none; "
+                                   "it was saved with train.lora_rank=8"}[change]
     assert err[0] == head + want + "; resume with the settings it was saved with, or start a new run with " \
                                    "--run-dir DIR", err
     assert _digest(run) == before
@@ -155,3 +159,12 @@ def test_resume_with_another_sequence_length_is_refused_before_any_rank_starts(s
     assert code == 2 and err == (f"config error: train.seq_len: {run}/checkpoints/step_00000002 was written with "
                                  f"seq_len={seq}; resume with --train.seq_len={seq}, or start a new run with --run-dir DIR")
     assert _digest(run) == before
+
+
+def test_adapters_on_a_checkpoint_without_them_still_resume(saved, tmp_path, capsys):
+    """The other direction is a documented start (docs/lora.md: adapters on a base checkpoint), not
+    a mismatch: the parent's model check lets it through."""
+    run = _copy_run(saved, tmp_path)
+    assert cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
+                     "--train.steps=4", "--resume", "--train.lora_rank=4", "--dry-run"]) == 0
+    assert "resuming from" in capsys.readouterr().out

@@ -135,13 +135,12 @@ def _import(source: str, out: Path) -> tuple[Path, object]:
     return path, src.cfg
 
 
-def _export_tokenizer(reader, out: Path) -> bool:
-    """tokenizer.json + tokenizer_config.json of the checkpoint's tokenizer (its base's or the one
-    its data was tokenised with; bytes as a BPE without merges over the 256 byte characters), so
-    ``AutoTokenizer`` loads the exported directory; False if none."""
-    from ..models.pretrained import open_source
+def _export_tokenizer(src, out: Path) -> bool:
+    """tokenizer.json + tokenizer_config.json of the checkpoint's tokenizer (``src``, the opened
+    checkpoint: its base's or the one its data was tokenised with; bytes as a BPE without merges
+    over the 256 byte characters), so ``AutoTokenizer`` loads the exported directory; False if none."""
     from ..models.tokenizer import ByteTokenizer, byte_level_tokenizer
-    tok = open_source(str(reader.path)).tokenizer()
+    tok = src.tokenizer()
     backend = byte_level_tokenizer() if isinstance(tok, ByteTokenizer) else getattr(tok, "tokenizer", None)
     if backend is None:
         return False
@@ -205,9 +204,10 @@ def main(args) -> int:
             raise ConfigError("--merge-lora", f"{reader.path} holds LoRA adapters, which a Hugging Face "
                                               "model cannot hold; pass --merge-lora to fold them into the weights")
         from ..models.pretrained import open_source
-        special = open_source(str(reader.path)).special_tokens()  # its meta's, its base's or its tokenizer's
+        src = open_source(str(reader.path))  # opened once: its tokenizer is built once, for both below
+        special = src.special_tokens()  # its meta's, its base's or its tokenizer's
         n, numel = export_hf(reader, checkpoint_model_config(reader), out, special=special)
-        tok = _export_tokenizer(reader, out)
+        tok = _export_tokenizer(src, out)
         print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out} (Hugging Face format"
               f"{', with its tokenizer' if tok else ''})")
         return 0

@@ -123,6 +123,14 @@ def memory_warning(cfg: C.Config, nproc: int) -> str:
             f"whole peak per rank: shardlab memory CONFIG --no-run --nproc {nproc}")
 
 
+def start_notes(cfg: C.Config, nproc: int, ray_opts) -> None:
+    """The warnings of a local start (ranks sharing GPUs, model state beyond this machine's
+    memory) on stderr; none for Ray, whose workers run elsewhere. A dry run prints the same."""
+    for note in (() if ray_opts else (backend_note(cfg.train.device, nproc), memory_warning(cfg, nproc))):
+        if note:
+            print(note, file=sys.stderr)
+
+
 def check_dataset(cfg: C.Config) -> None:
     """--dry-run: the corpus or image files exist (a real start checks them when it prepares the
     data, which a dry run skips: tokenising takes a while)."""
@@ -251,9 +259,7 @@ def main(args) -> int:
     launch.check_device(cfg.train.device)  # before a dry run's plan too
     if args.dry_run:
         check_dataset(cfg)
-        for note in ("" if ray_opts else backend_note(cfg.train.device, nproc), memory_warning(cfg, nproc)):
-            if note:  # what a real start would warn of, before it starts
-                print(note, file=sys.stderr)
+        start_notes(cfg, nproc, ray_opts)  # what a real start would warn of, before it starts
         resuming = f", resuming from {plan.resume_from}" if plan.resume_from else ""
         print(f"shardlab: dry run: {Path(args.config).name if args.config else 'defaults'} on {nproc} rank(s), layout "
               f"{_layout(cfg)}, {cfg.train.steps} steps, {'Ray' if ray_opts else 'local'} launcher{resuming}; run dir "
@@ -273,10 +279,7 @@ def main(args) -> int:
     if not launch.under_torchrun():
         print(f"shardlab: training {Path(args.config).name if args.config else 'defaults'} on {nproc} "
               f"rank(s), layout {cfg.parallel.world_size and _layout(cfg)}", file=sys.stderr)
-        if not ray_opts and (note := backend_note(cfg.train.device, nproc)):
-            print(note, file=sys.stderr)
-        if not ray_opts and (note := memory_warning(cfg, nproc)):
-            print(note, file=sys.stderr)
+        start_notes(cfg, nproc, ray_opts)
 
     def start(p, n):
         t = p.config.train

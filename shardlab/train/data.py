@@ -159,7 +159,7 @@ class Loader:
         self.seed, self.device = seed, torch.device(device)
         self.tokens_per_sample = seq_len
         self.windows = (len(data.train) - 1) // seq_len
-        check_windows(len(data.train), len(data.val), seq_len, global_batch)
+        check_windows(len(data.train), len(data.val), seq_len, global_batch)  # both splits (val_batches too)
         self.cursor = 0  # global samples consumed
         self._perm_epoch, self._perm = -1, None
 
@@ -187,9 +187,7 @@ class Loader:
     def val_batches(self, n_batches: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Fixed validation batches (evenly spaced windows of the held-out split), sharded like training."""
         n_windows = (len(self.data.val) - 1) // self.seq_len
-        total = min(n_batches * self.global_batch, n_windows - n_windows % self.global_batch)
-        if total < self.global_batch:
-            check_windows(len(self.data.train), len(self.data.val), self.seq_len, self.global_batch)
+        total = min(n_batches * self.global_batch, n_windows - n_windows % self.global_batch)  # >= one batch: __init__ checked
         stride = max(1, n_windows // total)
         out, per_rank = [], self.global_batch // self.dp_size
         for b in range(total // self.global_batch):

@@ -16,7 +16,10 @@ import torch.multiprocessing as mp
 
 # What a forkserver imports once, so that each CPU rank starts as a fork of it instead of a fresh
 # interpreter importing torch (about 2 s of CPU per rank on a 2-core host; docs/training.md, "Launcher").
-_PRELOAD = ["torch", "torch.distributed", "shardlab.launch", "shardlab.train.checks", "shardlab.train.loop"]
+# torch._dynamo: a rank's first parameter initialised on the meta device (nn.init -> torch._refs)
+# imports it, about 800 modules (sympy among them) and another 2 CPU-s per rank, on every launch.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "shardlab.launch", "shardlab.train.checks",
+            "shardlab.train.loop"]
 
 
 def rank_context(device: str):

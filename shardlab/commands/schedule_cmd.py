@@ -5,8 +5,6 @@ prints the timeline as text and the theoretical vs simulated bubble, and optiona
 """
 from __future__ import annotations
 
-import sys
-
 from ..parallel.pipeline.schedule import SCHEDULES, ScheduleError, build, theoretical_bubble
 from ..parallel.pipeline.simulate import simulate
 from ..analysis.timeline import plot, render_text
@@ -35,7 +33,7 @@ def summary(name: str, p: int, m: int, v: int, f: float = 1.0, b: float = 1.0, w
              + (" (B and W split)" if sched.split_bw else " (backward = B+W)"),
              render_text(res.timeline, unit=min(f, b, w) / v),
              f"bubble: theoretical {theory:.4f}   simulated {res.bubble:.4f}   "
-             f"(step {res.makespan:g} time units, {p} ranks)",
+             f"(step {res.makespan:g} time units, {p} rank{'s' if p > 1 else ''})",
              "micro-batches held per rank (F done, backward not): "
              + " ".join(f"{x / v:g}" for x in res.peak_inflight)
              + ("   until W: " + " ".join(f"{x / v:g}" for x in res.peak_held) if sched.split_bw else "")
@@ -44,20 +42,32 @@ def summary(name: str, p: int, m: int, v: int, f: float = 1.0, b: float = 1.0, w
     return "\n".join(lines), res
 
 
+def _costs(text: str) -> tuple[float, float, float]:
+    """``--cost F,B,W``: three positive, finite numbers of time units."""
+    from ..config import ConfigError
+    try:
+        f, b, w = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError("--cost", f"{text!r}: give three numbers F,B,W, e.g. 1,1,1") from None
+    if not all(0 < x < float("inf") for x in (f, b, w)):
+        raise ConfigError("--cost", f"{text!r}: each of F, B, W must be a positive number of time units, "
+                                    "e.g. 1,2,1 (a backward twice a forward)")
+    return f, b, w
+
+
 def main(args) -> int:
+    from ..config import ConfigError
     from ..errors import output_file
     output_file(args.out, "--out")
     v = args.virtual if args.virtual is not None else (2 if args.schedule == "interleaved" else 1)
-    try:
-        f, b, w = (float(x) for x in args.cost.split(","))
-    except ValueError:
-        print("shardlab schedule: --cost must be three numbers F,B,W, e.g. 1,1,1", file=sys.stderr)
-        return 2
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--virtual", v)):
+        if value < 1:
+            raise ConfigError(flag, f"{value}: must be at least 1")
+    f, b, w = _costs(args.cost)
     try:
         text, res = summary(args.schedule, args.pp, args.microbatches, v, f, b, w)
     except ScheduleError as e:
-        print(f"shardlab schedule: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError("--schedule", str(e)) from None
     print(text)
     if args.out:
         plot(res.timeline, args.out, f"{args.schedule} pp={args.pp} m={args.microbatches} v={v}: "

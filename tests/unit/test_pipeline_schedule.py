@@ -101,8 +101,9 @@ def test_schedule_command(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "theoretical 0.1111   simulated 0.1111" in text and "rank 3 |" in text
     assert out.stat().st_size > 1000
-    assert schedule_cmd.main(ap.parse_args(["--pp", "4", "-m", "6", "--schedule", "interleaved"])) == 2
-    assert "divisible by pp=4" in capsys.readouterr().err
+    from shardlab import cli
+    assert cli.main(["schedule", "--pp", "4", "-m", "6", "--schedule", "interleaved"]) == 2
+    assert "config error: --schedule: interleaved needs microbatches divisible by pp=4" in capsys.readouterr().err
 
 
 # -- stage partition (pure, single process) -------------------------------------------------------

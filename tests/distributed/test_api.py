@@ -4,6 +4,7 @@ by a fresh engine continues bit-exactly; bad inputs are one-line ConfigErrors; s
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,28 @@ def test_fp16_dynamic_loss_scale_skips_overflowed_steps():
     assert 0 < skipped < 30
     assert any(not torch.equal(before[k], final[k]) for k in before)  # later steps updated weights
     assert all(torch.isfinite(v).all() for v in final.values())
+
+
+def test_load_checkpoint_says_when_nothing_is_loaded(tmp_path):
+    """A mistyped or damaged checkpoint directory used to return None silently, the run starting
+    fresh; as DeepSpeed, it now warns (and still returns None: a fresh start is allowed)."""
+    torch.manual_seed(0)
+    engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3}})
+    with pytest.warns(UserWarning, match="nothing loaded, the directory does not exist"):
+        assert engine.load_checkpoint(tmp_path / "nope") is None
+    engine.backward(engine(torch.randn(3, 4)).sum())
+    engine.step()
+    saved = engine.save_checkpoint(tmp_path / "ckpt")
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with torch.no_grad():
+        engine.module.weight.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an intact checkpoint loads without a word
+        assert engine.load_checkpoint(tmp_path / "ckpt") == saved
+    assert torch.equal(engine.module.weight, weights["weight"])
+    shard = next(Path(saved).glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8])  # a truncated shard: the only checkpoint is damaged
+    with pytest.warns(UserWarning) as record:
+        assert engine.load_checkpoint(tmp_path / "ckpt") is None
+    text = " | ".join(str(w.message) for w in record)
+    assert "skipping damaged checkpoint" in text and "holds no complete checkpoint" in text, text

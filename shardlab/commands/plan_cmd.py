@@ -256,6 +256,11 @@ def _check_counts(args) -> None:
     for flag in ("gpus", "gpus_per_node", "global_batch", "seq", "tp", "pp", "cp", "top"):
         if getattr(args, flag, None) is not None:
             at_least(getattr(args, flag), 1, "--" + flag.replace("_", "-"))
+    gpus, per_node = args.gpus, args.gpus_per_node
+    if gpus > per_node and gpus % per_node:  # a partial node: its links and placement are not modelled
+        raise ConfigError("--gpus-per-node", f"--gpus {gpus} is not a whole number of nodes of {per_node}; "
+                                             f"give --gpus {gpus + per_node - gpus % per_node} or a --gpus-per-node "
+                                             f"that divides {gpus}")
     if not -1 <= getattr(args, "zero", -1) <= 3:
         raise ConfigError("--zero", f"must be 0, 1, 2 or 3 (parallel.zero_stage), got {args.zero}")
 

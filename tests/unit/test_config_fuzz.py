@@ -238,6 +238,7 @@ def test_verify_honours_model_overrides(capsys):
     (["plan", "llama-8b", "--gpus", "8", "--tp", "0"], "--tp"),
     (["plan", "llama-8b", "--gpus", "8", "--zero", "5"], "--zero"),
     (["plan", "llama-8b", "--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (["plan", "llama-8b", "--gpus", "12", "--gpus-per-node", "8"], "--gpus-per-node"),  # 1.5 nodes, was planned
     (["generate", "smollm2", "--prompt", "hi", "--top-k", "-1"], "--top-k"),  # was named --temperature
     (["train", "configs/tiny.toml", "--launcher", "ray", "--ray-num-cpus", "-1", "--dry-run"], "--ray-num-cpus"),
     (["train", "configs/tiny.toml", "--launcher", "ray", "--ray-cpus-per-worker", "-1", "--dry-run"],

@@ -112,5 +112,6 @@ def test_schedule_command(capsys):
     assert "simulated 0.0588" in text and "4.5 4.5 4.5 4.5" in text and "rank 3 |" in text
     assert schedule_cmd.main(ap.parse_args(["--pp", "4", "-m", "8", "--schedule", "dualpipe"])) == 0
     assert "simulated 0.0400" in capsys.readouterr().out
-    assert schedule_cmd.main(ap.parse_args(["--pp", "3", "-m", "6", "--schedule", "dualpipe"])) == 2
-    assert "even pp" in capsys.readouterr().err
+    from shardlab import cli
+    assert cli.main(["schedule", "--pp", "3", "-m", "6", "--schedule", "dualpipe"]) == 2
+    assert "config error: --schedule: dualpipe needs an even pp" in capsys.readouterr().err

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 # What a forkserver imports once, so that each CPU rank starts as a fork of it instead of a fresh
 # interpreter importing torch (about 2 s of CPU per rank on a 2-core host; docs/training.md, "Launcher").
-# torch._dynamo: a rank's first parameter initialised on the meta device (nn.init -> torch._refs)
-# imports it, about 800 modules (sympy among them) and another 2 CPU-s per rank, on every launch.
+# torch._dynamo: every torch optimizer's constructor imports it (torch._compile's _disable_dynamo),
+# about 800 modules (sympy among them) and another 2 CPU-s per rank, on every launch.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "shardlab.launch", "shardlab.train.checks",
             "shardlab.train.loop"]
 

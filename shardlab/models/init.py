@@ -5,12 +5,38 @@ to drawing it at once (why: docs/training.md, "Layout-independent initialisation
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
 import torch
 
 CHUNK = 1 << 20  # elements drawn per chunk
+
+
+class _SkipMetaFills(torch.overrides.TorchFunctionMode):
+    """Random and constant fills of meta tensors return the tensor untouched: a meta tensor has no
+    values to fill, and its fill (``nn.init`` in every module's constructor) runs a Python reference
+    kernel whose first call imports ``torch._dynamo``: about 800 modules and 2 CPU-s in a process
+    that builds a model and no optimizer (``shardlab generate``, ``checkpoint export``; a torch
+    optimizer imports it anyway). :func:`init_box` draws the real values later."""
+    FILLS = {getattr(torch.Tensor, n) for n in ("normal_", "uniform_", "random_", "bernoulli_", "exponential_",
+                                                  "geometric_", "log_normal_", "cauchy_", "fill_", "zero_")}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else kwargs.get("tensor")  # nn.init's functions pass it by keyword
+        in_place_init = getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_")
+        if (func in self.FILLS or in_place_init) and isinstance(t, torch.Tensor) and t.is_meta:
+            return t
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_device():
+    """``torch.device("meta")`` for building a model's shapes, its parameters' initial fills skipped."""
+    with torch.device("meta"), _SkipMetaFills():
+        yield
 
 
 def param_seed(seed: int, name: str) -> int:

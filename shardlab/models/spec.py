@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .init import init_box
+from .init import init_box, meta_device
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class ModelSpec:
     name: str
     """The ``model.arch`` value that selects this spec."""
     build: Callable[..., nn.Module]
-    """``build(model_cfg) -> nn.Module``; called under ``torch.device("meta")``."""
+    """``build(model_cfg) -> nn.Module``; called under ``torch.device("meta")`` (``models.init.meta_device``:
+    fills of meta tensors, ``nn.init`` among them, are skipped; values are drawn per box later)."""
     init_std: Callable[..., float | None]
     """``init_std(name, global_shape, model_cfg)``: std of a parameter's normal init; None = ones, 0.0 = zeros."""
     flops_per_token: Callable[..., float]
@@ -153,7 +154,7 @@ def init_tensor(name: str, shape, cfg, seed: int, dtype=torch.float32, offsets=N
 def meta_model(cfg, dtype=torch.float32) -> nn.Module:
     """The model on the meta device: shapes and names, no storage. ``parallelize`` decides what
     each rank owns, then materialises only that (parallel/materialize.py)."""
-    with torch.device("meta"):
+    with meta_device():
         return get_spec(cfg).build(cfg).to(dtype)
 
 

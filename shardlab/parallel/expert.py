@@ -13,6 +13,7 @@ from ..distributed.autograd import all_to_all, sum_over_ranks
 from ..distributed.lanes import exchange
 from ..errors import ConfigError
 from ..distributed.placement import Placement, set_placement
+from ..models.init import meta_device
 from ..models.moe import MoE, Experts
 from ..models.moe_gemm import padded_slots
 from .expert_hier import Hierarchy, hierarchical_moe
@@ -23,7 +24,7 @@ class ExpertParallelMoE(MoE):
     """An MoE layer whose experts live on the ep ranks. Parameter names are unchanged."""
 
     def __init__(self, moe: MoE, mesh, model_cfg, prefix: str, dispatch: str = "padded", overlap: int = 0):
-        with torch.device("meta"):
+        with meta_device():
             super().__init__(model_cfg)
         self.router = moe.router
         self.ep, self.batch = mesh.comm("ep"), mesh.comm("dp_cp")

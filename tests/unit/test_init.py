@@ -50,3 +50,34 @@ def test_flat_boxes_cover_range_in_order(shape):
 def test_intersect():
     assert intersect(((0, 0), (4, 4)), ((2, 3), (5, 5))) == ((2, 3), (2, 1))
     assert intersect(((0,), (2,)), ((2,), (2,))) is None
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-moe", "gpt2-124m", "cnn-fashion-mnist"])
+def test_meta_device_builds_the_same_shapes_without_the_fills(config):
+    """``meta_device`` skips the fills of meta tensors only: every architecture's parameters and
+    buffers have the names, shapes, dtypes and requires_grad of a plain ``torch.device("meta")``
+    build, and a real (CPU) tensor is still filled inside it."""
+    from shardlab import config as C
+    from shardlab.models.spec import get_spec
+    cfg = C.load(f"configs/{config}.toml", []).model
+    with torch.device("meta"):
+        plain = get_spec(cfg).build(cfg)
+    with I.meta_device():
+        skipped = get_spec(cfg).build(cfg)
+        real = torch.nn.init.normal_(torch.zeros(64, device="cpu"))
+    assert real.std() > 0.5  # not skipped: only meta tensors are left unfilled
+    describe = lambda m: [(n, t.shape, t.dtype, t.requires_grad, t.device.type)  # noqa: E731
+                          for n, t in [*m.named_parameters(), *m.named_buffers()]]
+    assert describe(skipped) == describe(plain) and describe(plain)
+
+
+def test_building_a_model_does_not_import_dynamo():
+    """The fills of meta tensors imported torch._dynamo (about 800 modules, 2 CPU-s) in every process
+    that built a model, ``shardlab generate`` and ``checkpoint export`` among them."""
+    import subprocess
+    import sys
+    code = ("import sys; from shardlab import config as C; from shardlab.models.spec import meta_model; "
+            "m = meta_model(C.load('configs/tiny.toml', []).model); "
+            "print(sum(p.numel() for p in m.parameters()), 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 0 and out[1] == "False", out

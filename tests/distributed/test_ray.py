@@ -11,6 +11,10 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+# Ray's worker starts, health checks and restarts run on wall-clock intervals: beside the other
+# pytest worker's ranks on 2 cores, the restart test took 250 s of the suite's 300 s per test
+# (2026-11-29; 44 s alone), so this file gets twice that. A hang is still stopped.
+pytestmark = pytest.mark.timeout(600)
 
 from shardlab.cli import main as cli_main  # noqa: E402
 

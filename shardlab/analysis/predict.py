@@ -33,6 +33,9 @@ class RankPrediction:
     fixed: float = 0.0
     """The empty rank: torch, its libraries and the process groups, before the model is built
     (CPU: resident bytes, measured; CUDA: 0, allocated bytes exclude the CUDA context)."""
+    data: float = 0.0
+    """CPU: the dataset a rank holds in memory (an image dataset's two splits, train/images.py; a
+    token corpus is memory-mapped, only the pages a step reads). 0 on CUDA (host memory)."""
 
     @property
     def model_state(self) -> float:
@@ -44,7 +47,8 @@ class RankPrediction:
         backward's live set (activations, gathered units, buffers, unsharded gradients) and the
         optimizer step's temporaries."""
         during_backward = self.activations + self.buffers + self.transient + self.wgrad + self.bwd_transient
-        return self.fixed + self.params + self.grads + self.optim + max(during_backward, self.opt_transient)
+        return (self.fixed + self.data + self.params + self.grads + self.optim
+                + max(during_backward, self.opt_transient))
 
 
 @dataclass
@@ -98,7 +102,7 @@ def _rank(rank: int, pp_rank: int, s: dict) -> RankPrediction:
     """A rank's prediction from its pipeline coordinate's :func:`stage_memory` terms."""
     return RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]), s["activations"],
                           float(s["buffers"]), s["transient"], s["wgrad"], s["bwd_transient"], s["opt_transient"],
-                          s["fixed"])
+                          s["fixed"], s.get("data", 0.0))
 
 
 def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
@@ -116,6 +120,9 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     if device != "cpu":  # fused AdamW on CUDA (train/optim.build_adamw) makes no temporaries
         ms["opt_transient"] = 0.0
     ms["fixed"] = float(EMPTY_RANK_CPU) if device == "cpu" else 0.0
+    if device == "cpu" and get_spec(cfg.model).task == "classify":
+        from ..train.images import resident_bytes
+        ms["data"] = float(resident_bytes(cfg.data))
     if device == "cpu":  # the shared-memory transport's arenas and rings a CPU rank touches
         from .plan_memory import inline_transport, transport_bytes
         inline = inline_transport(cfg)  # its all-gathers complete when issued: nothing prefetched

@@ -73,16 +73,21 @@ def main(args) -> int:
     pred = memory_per_rank(cfg, args.device)
     b = max(1, cfg.train.global_batch // p.dp // p.microbatches)
     lm = get_spec(cfg.model).task == "lm"
-    print(f"predicted per rank at the peak of a step (analysis/predict.py; micro-batch {b} x {cfg.train.seq_len // p.cp} tokens, "
+    micro = f"{b} x {cfg.train.seq_len // p.cp} tokens" if lm else f"{b} images"
+    data = any(r.data for r in pred)
+    print(f"predicted per rank at the peak of a step (analysis/predict.py; micro-batch {micro}, "
           f"{p.microbatches} micro-batches{', schedule ' + p.pp_schedule if p.pp > 1 else ''}), MiB:")
     print(f"{'rank':>5}{'stage':>6}{'params':>10}{'grads':>10}{'optim':>10}{'activ.':>10}{'W stash':>10}"
-          f"{'buffers':>10}{'transient':>10}{'bwd grad':>10}{'optim tmp':>10}{'empty':>8}{'peak':>10}")
+          f"{'buffers':>10}{'transient':>10}{'bwd grad':>10}{'optim tmp':>10}{'empty':>8}"
+          + (f"{'data':>8}" if data else "") + f"{'peak':>10}")
     for r in pred:
         print(f"{r.rank:>5}{r.stage:>6}" + "".join(f"{v / mib:>10.1f}" for v in (
             r.params, r.grads, r.optim, r.activations, r.wgrad, r.buffers, r.transient, r.bwd_transient,
-            r.opt_transient)) + f"{r.fixed / mib:>8.0f}{r.total / mib:>10.1f}")
-    print("  peak = empty rank + params + grads + optim + max(activ. + W stash + buffers + transient + bwd grad, "
-          "optim tmp); empty = an empty rank's RSS (CPU; 0 on CUDA: allocated bytes exclude the context)")
+            r.opt_transient)) + f"{r.fixed / mib:>8.0f}" + (f"{r.data / mib:>8.1f}" if data else "")
+            + f"{r.total / mib:>10.1f}")
+    print("  peak = empty rank + " + ("data + " if data else "") + "params + grads + optim + max(activ. + W stash + "
+          "buffers + transient + bwd grad, optim tmp); empty = an empty rank's RSS (CPU; 0 on CUDA: allocated bytes "
+          "exclude the context)" + ("; data = the dataset each rank holds in memory (both splits)" if data else ""))
     if not lm:
         print(f"activations: no estimate for model.arch={cfg.model.arch} (the trace covers token models)")
     if args.no_run:

@@ -22,6 +22,20 @@ _FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
           "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 
 
+SPLITS = {"fashion-mnist": (60_000, 10_000, 28 * 28)}
+"""Images in the training and test splits, and pixels per image (uint8), of each dataset."""
+
+
+def resident_bytes(data_cfg) -> int:
+    """What :class:`ImageData` holds in memory on every rank: both splits' images (uint8) and
+    labels (int64), ``data.limit_train`` / ``limit_test`` applied; from the datasets' sizes, no file
+    read (``shardlab memory`` prices it before any rank starts)."""
+    n_train, n_test, pixels = SPLITS[data_cfg.dataset]
+    n_train = min(n_train, data_cfg.limit_train or n_train)
+    n_test = min(n_test, data_cfg.limit_test or n_test)
+    return (n_train + n_test) * (pixels + 8)
+
+
 def read_idx(path: str | Path, limit: int | None = None) -> np.ndarray:
     """An IDX file (gzip-compressed if the name ends in .gz): magic ``00 00 <type> <ndim>``, ndim
     big-endian uint32 sizes, then the data. ``limit``: read only the first ``limit`` items."""

@@ -1,6 +1,7 @@
 """The CNN (models/cnn) and its data (train/images.py): IDX reader, loader, config refusals."""
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 import struct
@@ -171,3 +172,22 @@ def test_real_fashion_mnist_slice():
     assert xt.shape == (100, 28, 28) and yt.shape == (100,)
     norm = images.normalise(images.fashion_mnist("train", limit=2000)[0])
     assert abs(float(norm.mean())) < 0.05 and abs(float(norm.std()) - 1) < 0.05
+
+
+@pytest.mark.parametrize("limits", [(0, 0), (300, 50)])
+def test_memory_prediction_holds_the_dataset_the_ranks_load(limits):
+    """Every CPU rank holds both splits in memory (``ImageData``); ``shardlab memory`` priced none
+    of it (its measured peak was 1.25-1.27x the prediction). The term equals the bytes of the
+    tensors the loader actually builds."""
+    if not images.DEFAULT_ROOT.is_dir():
+        pytest.skip("Fashion-MNIST absent: install the Debian package dataset-fashion-mnist")
+    from shardlab.analysis.predict import memory_per_rank
+    cfg = cnn_cfg()
+    cfg.data.limit_train, cfg.data.limit_test = limits
+    cfg.parallel.dp_replicate = 2
+    data = images.ImageData(limit_train=limits[0], limit_test=limits[1])
+    held = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
+    assert images.resident_bytes(cfg.data) == held
+    cpu, cuda = memory_per_rank(cfg.validate(2), "cpu"), memory_per_rank(cfg.validate(2), "cuda")
+    assert [r.data for r in cpu] == [held, held] and [r.data for r in cuda] == [0.0, 0.0]
+    assert dataclasses.replace(cpu[0], data=0.0).total == pytest.approx(cpu[0].total - held)  # in the peak

@@ -216,6 +216,7 @@ class ModelEngine:
         self.accumulation = cfg.parallel.microbatches
         self.global_steps = 0   # optimizer steps (skipped fp16 steps included, as DeepSpeed counts)
         self.micro_steps = 0    # backward passes since the last optimizer step
+        self.client_state: dict = {}  # what save_checkpoint(client_state=...) stored, after load_checkpoint
         self.last_overflow = self.last_nonfinite = False
         if self._schedule:
             self._set_lr()
@@ -322,16 +323,24 @@ class ModelEngine:
             out.append(Piece(f"buffer.{k}", tuple(b.shape), (0,) * b.dim(), b))
         return out
 
-    def save_checkpoint(self, directory, keep: int | None = None) -> Path | None:
+    def save_checkpoint(self, directory, keep: int | None = None, client_state: dict | None = None) -> Path | None:
         """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (checkpoint/save.py): every rank
-        writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective."""
+        writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective.
+        ``client_state``: your own JSON values (epoch, data position, ...), as DeepSpeed's; rank
+        0's is saved, and ``engine.client_state`` holds it after :meth:`load_checkpoint`."""
+        try:
+            client = json.loads(json.dumps(client_state or {}))
+        except (TypeError, ValueError) as e:
+            raise ConfigError("client_state", f"must be JSON values (numbers, strings, lists, dicts): {e}; "
+                                              "save tensors as a model buffer or your own file") from None
         if self.micro_steps:
             raise RuntimeError(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
                                f"{self.accumulation} micro-batches): save after engine.step()")
 
         def meta():
             return {"api": {"global_steps": self.global_steps, "scaler": self.scaler.state_dict(),
-                            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
+                            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                            "client_state": client},
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
         from .checkpoint.async_save import saver
@@ -368,6 +377,7 @@ class ModelEngine:
                         b.copy_(reader.read(f"buffer.{k}").to(b.device, b.dtype))
             meta = reader.meta.get("api", {})
             self.global_steps = int(meta.get("global_steps", reader.step))
+            self.client_state = meta.get("client_state") or {}
             if "scaler" in meta:
                 self.scaler.load_state_dict(meta["scaler"])
             if self.lr_scheduler is not None and meta.get("lr_scheduler"):

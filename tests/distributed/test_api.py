@@ -243,3 +243,22 @@ def test_load_checkpoint_says_when_nothing_is_loaded(tmp_path):
         assert engine.load_checkpoint(tmp_path / "ckpt") is None
     text = " | ".join(str(w.message) for w in record)
     assert "skipping damaged checkpoint" in text and "holds no complete checkpoint" in text, text
+
+
+def test_client_state_is_saved_and_restored(tmp_path):
+    """DeepSpeed's ``save_checkpoint(..., client_state=...)``: your own values come back after a
+    load (``engine.client_state``; DeepSpeed returns them beside the path). Values that are not
+    JSON are refused before anything is written."""
+    torch.manual_seed(0)
+    engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3}})
+    engine.backward(engine(torch.randn(3, 4)).sum())
+    engine.step()
+    mine = {"epoch": 3, "cursor": [1, 2], "name": "run-a", "loss": 0.25}
+    with pytest.raises(ConfigError) as e:
+        engine.save_checkpoint(tmp_path / "ckpt", client_state={"weights": torch.ones(2)})
+    assert e.value.field == "client_state" and not (tmp_path / "ckpt").exists()
+    engine.save_checkpoint(tmp_path / "ckpt", client_state=mine)
+    fresh = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3}})
+    assert fresh.client_state == {}
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    assert fresh.client_state == mine and fresh.global_steps == 1

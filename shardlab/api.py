@@ -328,6 +328,8 @@ class ModelEngine:
         writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective.
         ``client_state``: your own JSON values (epoch, data position, ...), as DeepSpeed's; rank
         0's is saved, and ``engine.client_state`` holds it after :meth:`load_checkpoint`."""
+        if client_state is not None and not isinstance(client_state, dict):
+            raise ConfigError("client_state", f"must be a dict, got {type(client_state).__name__}")
         try:
             client = json.loads(json.dumps(client_state or {}))
         except (TypeError, ValueError) as e:

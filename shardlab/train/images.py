@@ -30,6 +30,8 @@ def resident_bytes(data_cfg) -> int:
     """What :class:`ImageData` holds in memory on every rank: both splits' images (uint8) and
     labels (int64), ``data.limit_train`` / ``limit_test`` applied; from the datasets' sizes, no file
     read (``shardlab memory`` prices it before any rank starts)."""
+    if data_cfg.dataset not in SPLITS:  # not an image dataset this module loads: nothing held
+        return 0
     n_train, n_test, pixels = SPLITS[data_cfg.dataset]
     n_train = min(n_train, data_cfg.limit_train or n_train)
     n_test = min(n_test, data_cfg.limit_test or n_test)

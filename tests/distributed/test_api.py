@@ -257,6 +257,8 @@ def test_client_state_is_saved_and_restored(tmp_path):
     with pytest.raises(ConfigError) as e:
         engine.save_checkpoint(tmp_path / "ckpt", client_state={"weights": torch.ones(2)})
     assert e.value.field == "client_state" and not (tmp_path / "ckpt").exists()
+    with pytest.raises(ConfigError, match="must be a dict"):
+        engine.save_checkpoint(tmp_path / "ckpt", client_state=[3])
     engine.save_checkpoint(tmp_path / "ckpt", client_state=mine)
     fresh = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3}})
     assert fresh.client_state == {}

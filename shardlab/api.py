@@ -361,13 +361,14 @@ class ModelEngine:
         with the same world size, this rank's RNG. Returns the path, None when there is none."""
         d, damaged = Path(directory), []
         path = d if (d / ckpt.INDEX).exists() else ckpt.latest_valid(d, warn=damaged.append)
-        if path is None or damaged:  # as DeepSpeed, which warns and starts fresh; rank 0 says it once
-            why = ("the directory does not exist" if not d.exists() else
-                   "it holds no complete checkpoint (a step_NNNNNNNN directory with its index)")
-            for msg in damaged + ([f"load_checkpoint({str(directory)!r}): nothing loaded, {why}; the "
-                                   "engine keeps its current weights (a fresh start)"] if path is None else []):
-                if self.mesh.rank == 0:
-                    warnings.warn(msg, stacklevel=2)
+        if self.mesh.rank == 0:  # as DeepSpeed, which warns and starts fresh; rank 0 says it once
+            if path is None:
+                why = ("the directory does not exist" if not d.exists() else
+                       "it holds no complete checkpoint (a step_NNNNNNNN directory with its index)")
+                damaged.append(f"load_checkpoint({str(directory)!r}): nothing loaded, {why}; the engine keeps "
+                               "its current weights (a fresh start)")
+            for msg in damaged:
+                warnings.warn(msg, stacklevel=2)
         if path is None:
             return None
         with ckpt.Reader(path) as reader:

@@ -102,7 +102,7 @@ def _rank(rank: int, pp_rank: int, s: dict) -> RankPrediction:
     """A rank's prediction from its pipeline coordinate's :func:`stage_memory` terms."""
     return RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]), s["activations"],
                           float(s["buffers"]), s["transient"], s["wgrad"], s["bwd_transient"], s["opt_transient"],
-                          s["fixed"], s.get("data", 0.0))
+                          s["fixed"], s["data"])
 
 
 def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
@@ -112,18 +112,20 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     from .plan_activations import activations
     from .plan_memory import model_state
     ms = model_state(cfg, pp_rank)
+    task = get_spec(cfg.model).task
     act = transient = stash = 0.0  # the trace covers token models (models/spec.py conventions)
-    if get_spec(cfg.model).task == "lm":
+    if task == "lm":
         act, transient, stash = activations(cfg, pp_rank, device)
     ms.setdefault("bwd_transient", 0.0)
     ms.setdefault("opt_transient", 0.0)
     if device != "cpu":  # fused AdamW on CUDA (train/optim.build_adamw) makes no temporaries
         ms["opt_transient"] = 0.0
     ms["fixed"] = float(EMPTY_RANK_CPU) if device == "cpu" else 0.0
-    if device == "cpu" and get_spec(cfg.model).task == "classify":
-        from ..train.images import resident_bytes
-        ms["data"] = float(resident_bytes(cfg.data))
-    if device == "cpu":  # the shared-memory transport's arenas and rings a CPU rank touches
+    ms["data"] = 0.0
+    if device == "cpu":  # the dataset in host memory; the shared-memory transport's arenas and rings
+        if task == "classify":
+            from ..train.images import resident_bytes
+            ms["data"] = float(resident_bytes(cfg.data))
         from .plan_memory import inline_transport, transport_bytes
         inline = inline_transport(cfg)  # its all-gathers complete when issued: nothing prefetched
         base = ms["buffers_inline"] if inline and "buffers_inline" in ms else ms["buffers"]

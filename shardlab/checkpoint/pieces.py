@@ -101,14 +101,15 @@ def model_mismatch(reader, cfg) -> str | None:
     model = meta_model(cfg.model)
     if cfg.train.lora_rank:
         add_adapters(model, cfg.train)
+    params = dict(model.named_parameters())
     adapter = (".lora_A", ".lora_B")
     saved_lora = sorted(k for k in reader.keys() if k.startswith("model.") and k.endswith(adapter))
-    mine_lora = [f"model.{n}" for n, _ in model.named_parameters() if n.endswith(adapter)]
+    mine_lora = [n for n in params if n.endswith(adapter)]
     if saved_lora and not mine_lora:  # a LoRA run resumed as a full one would drop its adapters, silently
         return f"it holds LoRA adapters ({saved_lora[0]}, ...), this run none" + (f"; it was saved with {differ}"
                                                                                    if differ else "")
     # (adapters added to a checkpoint without them is a documented start: docs/lora.md, base checkpoint)
-    for name, p in model.named_parameters():
+    for name, p in params.items():
         key = f"model.{name}"
         if reader.has(key) and tuple(reader.global_shape(key)) != tuple(p.shape):
             return (f"{key} is {tuple(reader.global_shape(key))} there, {tuple(p.shape)} in this model"

@@ -57,12 +57,11 @@ def _costs(text: str) -> tuple[float, float, float]:
 
 def main(args) -> int:
     from ..config import ConfigError
-    from ..errors import output_file
+    from ..errors import at_least, output_file
     output_file(args.out, "--out")
     v = args.virtual if args.virtual is not None else (2 if args.schedule == "interleaved" else 1)
     for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--virtual", v)):
-        if value < 1:
-            raise ConfigError(flag, f"{value}: must be at least 1")
+        at_least(value, 1, flag)
     f, b, w = _costs(args.cost)
     try:
         text, res = summary(args.schedule, args.pp, args.microbatches, v, f, b, w)

@@ -14,16 +14,14 @@ import torch
 from ..errors import ConfigError
 
 DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
-DATASETS = ("fashion-mnist",)
+SPLITS = {"fashion-mnist": (60_000, 10_000, 28 * 28)}
+"""Images in the training and test splits, and pixels per image (uint8), of each dataset."""
+DATASETS = tuple(SPLITS)
 MEAN, STD = 0.2860, 0.3530
 """Fashion-MNIST's training-set pixel mean and std (pixels scaled to [0, 1])."""
 _DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 _FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
           "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
-
-
-SPLITS = {"fashion-mnist": (60_000, 10_000, 28 * 28)}
-"""Images in the training and test splits, and pixels per image (uint8), of each dataset."""
 
 
 def resident_bytes(data_cfg) -> int:

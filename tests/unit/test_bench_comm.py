@@ -50,8 +50,8 @@ def test_table_with_tiers_shows_slow_tier_bytes():
     (["bench", "comm", "--burst", "0"], "--burst"),
     (["bench", "comm", "--iters", "0"], "--iters"),  # was silently 3
     (["bench", "comm", "--warmup", "-1"], "--warmup"),
-    (["schedule", "--pp", "2", "--microbatches", "4", "--virtual", "0"], "--virtual: 0"),  # was the default
-    (["schedule", "--pp", "0", "--microbatches", "4"], "--pp: 0"),
+    (["schedule", "--pp", "2", "--microbatches", "4", "--virtual", "0"], "--virtual: must be >= 1, got 0"),  # was the default
+    (["schedule", "--pp", "0", "--microbatches", "4"], "--pp: must be >= 1, got 0"),
     (["schedule", "--pp", "2", "--microbatches", "4", "--cost", "1,1"], "give three numbers"),
     (["schedule", "--pp", "2", "--microbatches", "4", "--cost", "1,-1,1"], "positive"),  # was simulated
     (["schedule", "--pp", "2", "--microbatches", "4", "--cost", "0,0,0"], "positive"),  # was a traceback

@@ -36,6 +36,10 @@ class RankPrediction:
     data: float = 0.0
     """CPU: the dataset a rank holds in memory (an image dataset's two splits, train/images.py; a
     token corpus is memory-mapped, only the pages a step reads). 0 on CUDA (host memory)."""
+    evaluation: float = 0.0
+    """Image models: the most bytes alive at once in the evaluation pass (a batch of test images
+    and its forward, no gradients; analysis/plan_images.py), which runs every ``train.eval_every``
+    steps and after the last, between steps: not part of :attr:`total`, see :attr:`run_peak`."""
 
     @property
     def model_state(self) -> float:
@@ -49,6 +53,13 @@ class RankPrediction:
         during_backward = self.activations + self.buffers + self.transient + self.wgrad + self.bwd_transient
         return (self.fixed + self.data + self.params + self.grads + self.optim
                 + max(during_backward, self.opt_transient))
+
+    @property
+    def run_peak(self) -> float:
+        """The peak over a whole run: a step's, or the evaluation pass's beside the model state and
+        the persistent buffers, whichever is larger."""
+        evaluating = self.fixed + self.data + self.model_state + self.buffers + self.evaluation
+        return max(self.total, evaluating) if self.evaluation else self.total
 
 
 @dataclass
@@ -102,7 +113,7 @@ def _rank(rank: int, pp_rank: int, s: dict) -> RankPrediction:
     """A rank's prediction from its pipeline coordinate's :func:`stage_memory` terms."""
     return RankPrediction(rank, pp_rank, float(s["params"]), float(s["grads"]), float(s["optim"]), s["activations"],
                           float(s["buffers"]), s["transient"], s["wgrad"], s["bwd_transient"], s["opt_transient"],
-                          s["fixed"], s["data"])
+                          s["fixed"], s["data"], s.get("evaluation", 0.0))
 
 
 def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
@@ -113,9 +124,13 @@ def stage_memory(cfg, pp_rank: int, device: str = "cpu") -> dict:
     from .plan_memory import model_state
     ms = model_state(cfg, pp_rank)
     task = get_spec(cfg.model).task
-    act = transient = stash = 0.0  # the trace covers token models (models/spec.py conventions)
-    if task == "lm":
+    act = transient = stash = 0.0
+    if task == "lm":  # the block-wise trace (models/spec.py conventions)
         act, transient, stash = activations(cfg, pp_rank, device)
+    else:  # a whole micro-batch's forward and backward, and the evaluation pass, on meta
+        from .plan_images import eval_activations, step_activations
+        act, transient = step_activations(cfg, device)
+        ms["evaluation"] = eval_activations(cfg, device)
     ms.setdefault("bwd_transient", 0.0)
     ms.setdefault("opt_transient", 0.0)
     if device != "cpu":  # fused AdamW on CUDA (train/optim.build_adamw) makes no temporaries

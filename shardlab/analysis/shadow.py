@@ -353,7 +353,8 @@ class AutocastTrace(torch.overrides.TorchFunctionMode):
     ``device`` applied to the calls the models make, a weight cast once per forward, float64 never
     cast (docs/planner.md, "Activations under autocast")."""
 
-    LOW = (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm, torch.baddbmm)
+    LOW = (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+           F.conv1d, F.conv2d, F.conv3d)
     """(attention: the trace's fused_attention stands in for SDPA; its inputs are products' outputs)"""
     FP32 = {"cpu": (F.cross_entropy, F.nll_loss),
             "cuda": (F.cross_entropy, F.nll_loss, F.layer_norm, F.softmax, torch.softmax, torch.Tensor.softmax,

@@ -40,6 +40,7 @@ def main(args) -> int:
     from ..distributed.topology import Topology
     from ..models import count_params, meta_model
     from ..models.spec import add_adapters, get_spec
+    from ..train.images import EVAL_BATCH
 
     if args.timeline:
         from ..errors import ConfigError, output_file
@@ -88,8 +89,12 @@ def main(args) -> int:
     print("  peak = empty rank + " + ("data + " if data else "") + "params + grads + optim + max(activ. + W stash + "
           "buffers + transient + bwd grad, optim tmp); empty = an empty rank's RSS (CPU; 0 on CUDA: allocated bytes "
           "exclude the context)" + ("; data = the dataset each rank holds in memory (both splits)" if data else ""))
-    if not lm:
-        print(f"activations: no estimate for model.arch={cfg.model.arch} (the trace covers token models)")
+    if any(r.evaluation for r in pred):
+        r = max(pred, key=lambda r: r.run_peak)
+        print(f"evaluation (every {cfg.train.eval_every} steps and after the last; {EVAL_BATCH}-image batches, no "
+              f"gradients): {r.evaluation / mib:,.1f} MiB alive at once beside the model state and buffers, so a "
+              f"run peaks at {r.run_peak / mib:,.1f} MiB per rank (the measured run below makes steps only)"
+              .replace("every 0 steps and ", ""))
     if args.no_run:
         return 0
     check_measurable(cfg, pred)

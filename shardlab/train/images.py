@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ DEFAULT_ROOT = Path("/usr/share/datasets/fashion-mnist")
 SPLITS = {"fashion-mnist": (60_000, 10_000, 28 * 28)}
 """Images in the training and test splits, and pixels per image (uint8), of each dataset."""
 DATASETS = tuple(SPLITS)
+EVAL_BATCH = 500
+"""Test images per forward of the evaluation pass (:func:`accuracy`)."""
 MEAN, STD = 0.2860, 0.3530
 """Fashion-MNIST's training-set pixel mean and std (pixels scaled to [0, 1])."""
 _DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -159,20 +162,19 @@ class ImageLoader:
             out.append(self._micro(self.data.test_x[lo:lo + per_rank], self.data.test_y[lo:lo + per_rank]))
         return out
 
-    def test_share(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's contiguous share of the whole test split in batches of at most ``batch``;
-        every rank gets the same number of batches (a rank with fewer images gets empty ones), so
-        sharded engines run the same collectives on every rank."""
+    def test_share(self, batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's contiguous share of the whole test split in batches of at most ``batch``,
+        each made as it is asked for (one batch in memory at a time); every rank gets the same
+        number of batches (a rank with fewer images gets empty ones), so sharded engines run the
+        same collectives on every rank."""
         n = len(self.data.test_y)
         bounds = [n * r // self.dp_size for r in range(self.dp_size + 1)]
         lo, hi = bounds[self.dp_rank], bounds[self.dp_rank + 1]
         n_batches = math.ceil(max(b - a for a, b in zip(bounds, bounds[1:])) / batch)
-        out = []
         for k in range(n_batches):
             a, b = min(lo + k * batch, hi), min(lo + (k + 1) * batch, hi)
             x = normalise(self.data.test_x[a:b]).to(self.device, self.dtype)
-            out.append((x, self.data.test_y[a:b].to(self.device)))
-        return out
+            yield x, self.data.test_y[a:b].to(self.device)
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor, "seed": self.seed, "n_train": self.n}
@@ -187,7 +189,7 @@ class ImageLoader:
 
 
 @torch.no_grad()
-def accuracy(engine, loader: ImageLoader, batch: int = 500, autocast=None) -> float:
+def accuracy(engine, loader: ImageLoader, batch: int = EVAL_BATCH, autocast=None) -> float:
     """Top-1 accuracy over the whole test split: each data-parallel rank classifies its share
     (argmax of the logits of ``engine.model(images)``; under FSDP the root's forward hooks gather
     the parameters), then the (correct, total) counts are all-reduced over the data-parallel ranks."""

@@ -99,7 +99,7 @@ def test_image_loader_disjoint_shards_epochs_and_resume(tmp_path):
     other = images.ImageLoader(data, 8, 2, 1, 2, seed=3)
     other.load_state_dict(state)
     assert all(torch.equal(a, b) for p, q in zip(nxt, other.next_batch()) for a, b in zip(p, q))
-    shares = [images.ImageLoader(data, 9, 1, r, 3, seed=3).test_share(3) for r in range(3)]
+    shares = [list(images.ImageLoader(data, 9, 1, r, 3, seed=3).test_share(3)) for r in range(3)]
     assert len({len(s) for s in shares}) == 1  # same batch count on every rank
     assert sum(y.numel() for s in shares for _, y in s) == 13
 

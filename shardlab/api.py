@@ -30,7 +30,7 @@ from .errors import ConfigError
 from .distributed.mesh import Mesh
 from .distributed.regions import Piece
 from .distributed.topology import Topology
-from .checkpoint import save as ckpt
+from .checkpoint import save as ckpt, tags
 from .train.groups import regroup, user_groups
 from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
 
@@ -323,11 +323,14 @@ class ModelEngine:
             out.append(Piece(f"buffer.{k}", tuple(b.shape), (0,) * b.dim(), b))
         return out
 
-    def save_checkpoint(self, directory, keep: int | None = None, client_state: dict | None = None) -> Path | None:
+    def save_checkpoint(self, directory, tag=None, client_state: dict | None = None, *,
+                        keep: int | None = None) -> Path | None:
         """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (checkpoint/save.py): every rank
         writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective.
+        ``tag`` (DeepSpeed's): save under ``<directory>/<tag>/`` and name it in ``<directory>/latest``.
         ``client_state``: your own JSON values (epoch, data position, ...), as DeepSpeed's; rank
         0's is saved, and ``engine.client_state`` holds it after :meth:`load_checkpoint`."""
+        root = tags.save_root(directory, tag)
         if client_state is not None and not isinstance(client_state, dict):
             raise ConfigError("client_state", f"must be a dict, got {type(client_state).__name__}")
         try:
@@ -346,24 +349,28 @@ class ModelEngine:
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
         from .checkpoint.async_save import saver
-        return saver(self.cfg.checkpoint.async_save)(
-            directory, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
+        path = saver(self.cfg.checkpoint.async_save)(
+            root, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
             self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep)
+        if self.mesh.rank == 0:
+            tags.mark_latest(directory, tag)
+        return path
 
     def wait_checkpoint(self) -> None:
         """With ``checkpoint.async_save``: wait for the save in flight and raise (on every rank)
         if it failed. Collective; call it before the end of the program."""
         ckpt.finish_saves(self.mesh)
 
-    def load_checkpoint(self, directory) -> Path | None:
+    def load_checkpoint(self, directory, tag=None) -> Path | None:
         """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one
-        inside it): parameters, optimizer state, buffers, loss scale, step count, scheduler and,
-        with the same world size, this rank's RNG. Returns the path, None when there is none."""
-        d, damaged = Path(directory), []
+        inside it; with ``tag``, or a ``latest`` file naming one, inside ``directory/<tag>``):
+        parameters, optimizer state, buffers, loss scale, step count, scheduler and, with the same
+        world size, this rank's RNG. Returns the path, None when there is none."""
+        d, damaged = tags.load_root(directory, tag), []
         path = d if (d / ckpt.INDEX).exists() else ckpt.latest_valid(d, warn=damaged.append)
         if self.mesh.rank == 0:  # as DeepSpeed, which warns and starts fresh; rank 0 says it once
             if path is None:
-                why = ("the directory does not exist" if not d.exists() else
+                why = ("the directory does not exist" + ("" if d == Path(directory) else f": {d}") if not d.exists() else
                        "it holds no complete checkpoint (a step_NNNNNNNN directory with its index)")
                 damaged.append(f"load_checkpoint({str(directory)!r}): nothing loaded, {why}; the engine keeps "
                                "its current weights (a fresh start)")

@@ -264,3 +264,44 @@ def test_client_state_is_saved_and_restored(tmp_path):
     assert fresh.client_state == {}
     fresh.load_checkpoint(tmp_path / "ckpt")
     assert fresh.client_state == mine and fresh.global_steps == 1
+
+
+def test_deepspeed_checkpoint_tags(tmp_path):
+    """DeepSpeed's ``save_checkpoint(dir, tag)`` / ``load_checkpoint(dir, tag=None)``: a tag saves
+    under ``dir/<tag>`` and is named in ``dir/latest``, which an untagged load follows; a tag passed
+    where ``keep`` used to be (second, positional) is a tag, as in DeepSpeed."""
+    def run(steps):
+        torch.manual_seed(0)
+        engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 8}})
+        for _ in range(steps):
+            engine.backward(engine(torch.randn(3, 4)).sum())
+            engine.step()
+        return engine
+
+    ck = tmp_path / "ck"
+    first = run(1)
+    first.save_checkpoint(ck, "global_step1", client_state={"epoch": 1})
+    assert (ck / "latest").read_text().strip() == "global_step1" and (ck / "global_step1").is_dir()
+    second = run(2)
+    second.save_checkpoint(ck, 2)  # an integer tag, DeepSpeed's positional place
+    assert (ck / "latest").read_text().strip() == "2"
+    fresh = run(0)
+    assert fresh.load_checkpoint(ck).parent == ck / "2" and fresh.global_steps == 2
+    assert torch.equal(fresh.module.weight, second.module.weight)
+    assert fresh.load_checkpoint(ck, tag="global_step1").parent == ck / "global_step1"
+    assert fresh.global_steps == 1 and fresh.client_state == {"epoch": 1}
+    assert torch.equal(fresh.module.weight, first.module.weight)
+    third = run(3)
+    third.save_checkpoint(ck)  # untagged: step_NNNNNNNN, and latest no longer names an older tag
+    assert not (ck / "latest").exists()
+    assert fresh.load_checkpoint(ck).name == "step_00000003" and fresh.global_steps == 3
+    for bad in ("../x", "", ".hidden", "latest", 1.5):
+        with pytest.raises(ConfigError) as e:
+            third.save_checkpoint(ck, bad)
+        assert e.value.field == "tag", bad
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "global_step1", "step_00000003"]  # nothing written
+    with pytest.warns(UserWarning, match="nothing loaded, the directory does not exist: .*nosuch"):
+        assert fresh.load_checkpoint(ck, tag="nosuch") is None
+    (ck / "latest").write_text("../../etc\n")
+    with pytest.raises(ConfigError, match="latest names '../../etc'"):
+        fresh.load_checkpoint(ck)

@@ -77,8 +77,9 @@ def step_activations(cfg, device: str = "cpu") -> tuple[float, float]:
             p.grad = torch.zeros_like(p)
     x = _batch(cfg, model, micro_batch(cfg))
     given = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.requires_grad), *x]
-    with LiveBytes(given) as live, cast:
-        loss = model(*x)
+    with LiveBytes(given) as live:
+        with cast:  # the backward runs outside autocast, as in the engines
+            loss = model(*x)
         saved = live.settle()  # the forward's locals are gone: what autograd saved, and the loss
         loss.backward()
     return float(saved), float(max(0, live.peak - saved))

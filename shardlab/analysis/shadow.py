@@ -373,6 +373,10 @@ class AutocastTrace(torch.overrides.TorchFunctionMode):
             self.cache[(id(t), dtype)] = (t, t.to(dtype))  # t kept: its id stays unique
         return self.cache[(id(t), dtype)][1]
 
+    def __exit__(self, *exc):
+        self.cache.clear()  # as autocast's own cache of weight casts, emptied when its region ends
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         low = func in self.LOW

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -361,37 +360,34 @@ class ModelEngine:
         if it failed. Collective; call it before the end of the program."""
         ckpt.finish_saves(self.mesh)
 
-    def load_checkpoint(self, directory, tag=None) -> Path | None:
+    def load_checkpoint(self, directory, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Path | None:
         """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one
         inside it; with ``tag``, or a ``latest`` file naming one, inside ``directory/<tag>``):
         parameters, optimizer state, buffers, loss scale, step count, scheduler and, with the same
-        world size, this rank's RNG. Returns the path, None when there is none."""
-        d, damaged = tags.load_root(directory, tag), []
-        path = d if (d / ckpt.INDEX).exists() else ckpt.latest_valid(d, warn=damaged.append)
-        if self.mesh.rank == 0:  # as DeepSpeed, which warns and starts fresh; rank 0 says it once
-            if path is None:
-                why = ("the directory does not exist" + ("" if d == Path(directory) else f": {d}") if not d.exists() else
-                       "it holds no complete checkpoint (a step_NNNNNNNN directory with its index)")
-                damaged.append(f"load_checkpoint({str(directory)!r}): nothing loaded, {why}; the engine keeps "
-                               "its current weights (a fresh start)")
-            for msg in damaged:
-                warnings.warn(msg, stacklevel=2)
+        world size, this rank's RNG. Returns the path, None when there is none. As DeepSpeed's:
+        ``load_module_only`` reads the weights and buffers alone (a warm start: the step count,
+        optimizer, scheduler and RNG stay this engine's); ``load_optimizer_states`` /
+        ``load_lr_scheduler_states`` = False leave those two as they are."""
+        path = tags.find(directory, tag, warn=self.mesh.rank == 0)
         if path is None:
             return None
         with ckpt.Reader(path) as reader:
-            self.engine.load_pieces(reader, self.optimizer)
+            optimizer = self.optimizer if load_optimizer_states and not load_module_only else None
+            self.engine.load_pieces(reader, optimizer)
             with torch.no_grad():
                 for k in self._buffers:
                     if reader.has(f"buffer.{k}"):
                         b = self.module.get_buffer(k)
                         b.copy_(reader.read(f"buffer.{k}").to(b.device, b.dtype))
             meta = reader.meta.get("api", {})
-            self.global_steps = int(meta.get("global_steps", reader.step))
             self.client_state = meta.get("client_state") or {}
-            if "scaler" in meta:
-                self.scaler.load_state_dict(meta["scaler"])
-            if self.lr_scheduler is not None and meta.get("lr_scheduler"):
-                self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-            ckpt.restore_rank_rng(reader, self.mesh.rank, self.mesh.world_size, self.device)
+            if not load_module_only:
+                self.global_steps = int(meta.get("global_steps", reader.step))
+                if "scaler" in meta:
+                    self.scaler.load_state_dict(meta["scaler"])
+                if load_lr_scheduler_states and self.lr_scheduler is not None and meta.get("lr_scheduler"):
+                    self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+                ckpt.restore_rank_rng(reader, self.mesh.rank, self.mesh.world_size, self.device)
         self.micro_steps = 0
         return path

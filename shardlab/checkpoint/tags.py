@@ -5,6 +5,7 @@ resume): ``save_checkpoint(dir, tag)`` saves under ``dir/<tag>/`` and names the 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -57,3 +58,22 @@ def load_root(directory, tag) -> Path:
         return d / tag_name(text)
     except ConfigError:
         raise ConfigError("tag", f"{latest} names {text!r}, not a tag; pass tag= or delete the file") from None
+
+
+def find(directory, tag, warn: bool) -> Path | None:
+    """The checkpoint a load reads: ``directory`` itself when it is one (a ``step_*`` with its
+    index), else the newest valid one under :func:`load_root`; None when there is none, and then
+    (``warn``: rank 0) a warning naming why, each damaged checkpoint skipped included, as
+    DeepSpeed warns and starts fresh."""
+    from .save import INDEX, latest_valid
+    d, damaged = load_root(directory, tag), []
+    path = d if (d / INDEX).exists() else latest_valid(d, warn=damaged.append)
+    if warn:
+        if path is None:
+            why = ("the directory does not exist" + ("" if d == Path(directory) else f": {d}") if not d.exists()
+                   else "it holds no complete checkpoint (a step_NNNNNNNN directory with its index)")
+            damaged.append(f"load_checkpoint({str(directory)!r}): nothing loaded, {why}; the engine keeps its "
+                           "current weights (a fresh start)")
+        for msg in damaged:
+            warnings.warn(msg, stacklevel=3)
+    return path

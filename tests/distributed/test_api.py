@@ -305,3 +305,37 @@ def test_deepspeed_checkpoint_tags(tmp_path):
     (ck / "latest").write_text("../../etc\n")
     with pytest.raises(ConfigError, match="latest names '../../etc'"):
         fresh.load_checkpoint(ck)
+
+
+def test_load_checkpoint_partial_as_deepspeed(tmp_path):
+    """DeepSpeed's ``load_module_only`` (weights and buffers alone: a warm start keeps this engine's
+    step count, optimizer, scheduler), ``load_optimizer_states=False`` and
+    ``load_lr_scheduler_states=False`` (those two left as they are)."""
+    def run(seed, steps):
+        torch.manual_seed(seed)
+        engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 8}}, optimizer=torch.optim.AdamW,
+                                     lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+        for _ in range(steps):
+            engine.backward(engine(torch.randn(3, 4)).sum())
+            engine.step()
+        return engine
+
+    def moments(engine):
+        return [s["exp_avg"].clone() for s in engine.optimizer.state.values()]
+
+    saved = run(0, 3)
+    saved.save_checkpoint(tmp_path / "ck")
+    for kwargs in ({"load_module_only": True}, {"load_optimizer_states": False},
+                   {"load_lr_scheduler_states": False}, {}):
+        mine = run(1, 1)
+        before_m, before_s = moments(mine), mine.lr_scheduler.state_dict()
+        assert mine.load_checkpoint(tmp_path / "ck", **kwargs) is not None
+        assert torch.equal(mine.module.weight, saved.module.weight), kwargs  # the weights, always
+        only = kwargs.get("load_module_only", False)
+        assert mine.global_steps == (1 if only else 3), kwargs
+        keep_m = only or not kwargs.get("load_optimizer_states", True)
+        got_m = moments(mine)
+        want_m = before_m if keep_m else moments(saved)
+        assert all(torch.equal(a, b) for a, b in zip(got_m, want_m)), kwargs
+        keep_s = only or not kwargs.get("load_lr_scheduler_states", True)
+        assert mine.lr_scheduler.state_dict() == (before_s if keep_s else saved.lr_scheduler.state_dict()), kwargs

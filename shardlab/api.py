@@ -248,6 +248,20 @@ class ModelEngine:
         """Samples per micro-batch per rank: train.global_batch / (accumulation * ranks)."""
         return self.cfg.train.global_batch // (self.accumulation * self.world_size)
 
+    def gradient_accumulation_steps(self) -> int:
+        return self.accumulation
+
+    def train_batch_size(self) -> int:
+        return self.cfg.train.global_batch
+
+    def was_step_applied(self) -> bool:
+        """False when the last step was skipped (fp16 overflow, or a non-finite gradient)."""
+        return not (self.last_overflow or self.last_nonfinite)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm over all ranks at the last step, before clipping (None before one)."""
+        return getattr(self, "grad_norm", None)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward completes the step's accumulation."""
         return self.micro_steps == self.accumulation - 1
@@ -287,11 +301,10 @@ class ModelEngine:
             self._set_lr()
         out = optimizer_step(self.engine, self.optimizer, self.scaler, self.cfg.train.grad_clip,
                              self.mesh.comm("world"), self.device)
-        self.grad_norm, overflow = float(out["grad_norm"]), out["overflow"]
+        self.grad_norm, self.last_overflow = float(out["grad_norm"]), out["overflow"]
         self.last_nonfinite = bool(out["nonfinite"])  # the step was not applied (the train loop's rule)
-        if not overflow and not self.last_nonfinite and self.lr_scheduler is not None:
+        if self.was_step_applied() and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.last_overflow = overflow
         self.global_steps += 1
         self.micro_steps = 0
 

@@ -339,3 +339,26 @@ def test_load_checkpoint_partial_as_deepspeed(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(got_m, want_m)), kwargs
         keep_s = only or not kwargs.get("load_lr_scheduler_states", True)
         assert mine.lr_scheduler.state_dict() == (before_s if keep_s else saved.lr_scheduler.state_dict()), kwargs
+
+
+def test_deepspeed_engine_accessors():
+    """gradient_accumulation_steps, train_batch_size, was_step_applied, get_global_grad_norm, as
+    DeepSpeed's engine answers them; the norm against the gradients computed by hand."""
+    torch.manual_seed(0)
+    engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3, "global_batch": 6, "grad_clip": 0.0},
+                                                  "parallel": {"microbatches": 2}})
+    assert (engine.gradient_accumulation_steps(), engine.train_batch_size()) == (2, 6)
+    assert engine.get_global_grad_norm() is None
+    ref = nn.Linear(4, 2)
+    ref.load_state_dict(engine.module.state_dict())
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    for x in xs:
+        engine.backward(engine(x).pow(2).sum())
+        (ref(x).pow(2).sum() / 2).backward()  # the mean over the step's two micro-batches
+    engine.step()
+    want = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
+    assert engine.was_step_applied() and abs(engine.get_global_grad_norm() - want) <= 1e-5 * want
+    engine.backward(engine(torch.full((3, 4), float("nan"))).sum())
+    engine.backward(engine(xs[0]).sum())
+    engine.step()
+    assert not engine.was_step_applied()  # a non-finite gradient: the step was skipped

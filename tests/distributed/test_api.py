@@ -307,13 +307,15 @@ def test_deepspeed_checkpoint_tags(tmp_path):
         fresh.load_checkpoint(ck)
 
 
-def test_load_checkpoint_partial_as_deepspeed(tmp_path):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_load_checkpoint_partial_as_deepspeed(tmp_path, zero):
     """DeepSpeed's ``load_module_only`` (weights and buffers alone: a warm start keeps this engine's
     step count, optimizer, scheduler), ``load_optimizer_states=False`` and
-    ``load_lr_scheduler_states=False`` (those two left as they are)."""
+    ``load_lr_scheduler_states=False`` (those two left as they are); DDP and ZeRO-2's flat shards."""
     def run(seed, steps):
         torch.manual_seed(seed)
-        engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 8}}, optimizer=torch.optim.AdamW,
+        engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 8}, "parallel": {"zero_stage": zero}},
+                                     optimizer=torch.optim.AdamW,
                                      lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
         for _ in range(steps):
             engine.backward(engine(torch.randn(3, 4)).sum())

@@ -66,7 +66,8 @@ def _write(path, hf, divisors=None, scaling=None):
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     if scaling:
         w.add_string("llama.rope.scaling.type", scaling[0])
-        w.add_float32("llama.rope.scaling.factor", scaling[1])
+        if scaling[1] is not None:
+            w.add_float32("llama.rope.scaling.factor", scaling[1])
     sd = {k: v.float() for k, v in hf.state_dict().items()}
     names = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
              "output.weight": sd["lm_head.weight"]}
@@ -129,15 +130,24 @@ def test_linear_scaling_type_read(tmp_path):
     assert _logits_gap(ours, hf) < 1e-4
 
 
-@pytest.mark.parametrize("case", ["yarn", "not-llama3"])
+def test_all_ones_divisors_mean_no_scaling(tmp_path):
+    hf = _hf(None)
+    ours, cfg = _load(_write(tmp_path / "ones.gguf", hf, [1.0] * (HIDDEN // HEADS // 2)))
+    assert cfg.rope_scaling == "none"
+    assert _logits_gap(ours, hf) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["yarn", "not-llama3", "linear-no-factor"])
 def test_unreadable_scaling_refused_by_name(tmp_path, case, capsys):
     from shardlab.cli import main
     hf = _hf(None)
     if case == "yarn":
         path = _write(tmp_path / "y.gguf", hf, scaling=("yarn", 4.0))
+    elif case == "linear-no-factor":
+        path = _write(tmp_path / "l.gguf", hf, scaling=("linear", None))
     else:  # a divisor per frequency, but not of the llama3 form: nothing to read it into
         path = _write(tmp_path / "odd.gguf", hf, [1.0 + 0.1 * (i % 3) for i in range(HIDDEN // HEADS // 2)])
-    with pytest.raises(ConfigError, match="yarn" if case == "yarn" else "rope_freqs"):
+    with pytest.raises(ConfigError, match={"yarn": "yarn", "not-llama3": "rope_freqs"}.get(case, "factor")):
         open_source(str(path))
     assert main(["generate", str(path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()

@@ -68,7 +68,11 @@ def _rope_scaling(r, names: set, theta: float, head_dim: int) -> dict:
     if kind is None and FREQS not in names:
         return {}
     if kind == "linear" and FREQS not in names:
-        return {"rope_scaling": "linear", "rope_factor": float(field(r, "llama.rope.scaling.factor"))}
+        factor = field(r, "llama.rope.scaling.factor")
+        if factor is None or float(factor) <= 0:
+            raise ConfigError("source", f"RoPE scaling linear without a positive llama.rope.scaling.factor "
+                                        f"({factor!r}); import the model's Hugging Face directory")
+        return {"rope_scaling": "linear", "rope_factor": float(factor)}
     if kind is not None:
         raise ConfigError("source", f"RoPE scaling {kind!r}{' with ' + FREQS if FREQS in names else ''} in a GGUF "
                                     "is not supported (linear, and llama3 as llama.cpp's rope_freqs, are); import "
@@ -95,6 +99,8 @@ def llama3_from_divisors(divisors, theta: float, head_dim: int, original_len: in
     d = divisors.double()
     plain = inv_frequencies(Rope(theta), head_dim)
     factor = float(d.max())
+    if d.numel() == plain.numel() and bool((d == 1).all()):
+        return {}  # every frequency kept: no scaling
     if d.numel() != plain.numel() or factor <= 1.0:
         raise ConfigError("source", f"{FREQS} holds {d.numel()} divisors (largest {factor:g}) for "
                                     f"{plain.numel()} rotary frequencies: not a llama3 RoPE scaling shardlab reads")

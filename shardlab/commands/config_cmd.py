@@ -20,8 +20,10 @@ def main(args) -> int:
     from ..errors import at_least
     if args.nproc is not None:
         at_least(args.nproc, 1, "--nproc")
-    cfg = C.spread_over(C.load(args.config, args.overrides, args.nproc), args.nproc)  # as train --nproc runs it
-    cfg.validate(args.nproc)
+    from ..train.finetune import resolve_base
+    cfg = C.load(args.config, args.overrides, args.nproc)
+    resolve_base(cfg)  # a fine-tuning config's model section is the base's, as train runs it
+    C.spread_over(cfg, args.nproc).validate(args.nproc)  # as train --nproc runs it
     print(describe(cfg))
     return 0
 

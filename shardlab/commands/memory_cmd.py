@@ -31,8 +31,11 @@ def resolve(config_path, overrides, nproc: int):
     from ..config import load, spread_over
     from ..errors import at_least
     from ..train import checks  # noqa: F401  (registers every config check validate runs)
+    from ..train.finetune import resolve_base
     at_least(nproc, 1, "--nproc")
-    return spread_over(load(config_path, overrides, nproc), nproc).validate(world_size=nproc)  # as train runs it
+    cfg = load(config_path, overrides, nproc)
+    resolve_base(cfg)  # a fine-tuning config's model section comes from checkpoint.base, as train runs it
+    return spread_over(cfg, nproc).validate(world_size=nproc)
 
 
 def main(args) -> int:

@@ -99,6 +99,23 @@ def test_model_fields_come_from_the_base_and_conflicts_are_refused(base, tmp_pat
     assert "\n" not in err and "model.d_model" in err and "checkpoint.base" in err
 
 
+def test_config_show_and_memory_use_the_base_model(base, capsys):
+    """`shardlab config show` and `shardlab memory` resolve the model section from checkpoint.base as
+    `train` does (they used to describe and price the default tiny model instead of the base)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base)
+    n = sum(p.numel() for p in hf.parameters())
+    assert cli_main(["config", "show", "configs/tiny.toml", f"--checkpoint.base={base}", "--train.seq_len=32"]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size = 300 " in out and "d_model = 32 " in out, out
+    assert cli_main(["memory", "configs/tiny.toml", "--nproc", "2", "--no-run", f"--checkpoint.base={base}", "--train.seq_len=32",
+                     "--train.lora_rank=4"]) == 0
+    out = capsys.readouterr().out
+    # rank-4 adapters on every linear of the 2 layers: r x (in + out) for wq 32->32, wk and wv 32->16
+    # (2 kv heads), wo 32->32, w1 and w3 32->56, w2 56->32
+    adapters = 2 * 4 * (64 + 48 + 48 + 64 + 88 + 88 + 88)
+    assert out.splitlines()[0].startswith(f"model: {n + adapters:,} parameters ({adapters:,} trainable"), out
+
+
 def test_base_tokenizer_in_the_data_pipeline(tmp_path):
     """The corpus tokenised with the base's BPE: ids decode back to the text; vocabulary recorded."""
     from shardlab.models.pretrained import open_source

@@ -84,7 +84,10 @@ def load_model(arg: str):
             cfg.model = model_config_from_hf(data)
             cfg.train.precision = "bf16"
             return cfg
-    return load(path)
+    from ..train.finetune import resolve_base
+    cfg = load(path)
+    resolve_base(cfg)  # a fine-tuning config's model is its checkpoint.base's
+    return cfg
 
 
 def _status_line(t0: float):

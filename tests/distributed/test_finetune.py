@@ -99,8 +99,8 @@ def test_model_fields_come_from_the_base_and_conflicts_are_refused(base, tmp_pat
     assert "\n" not in err and "model.d_model" in err and "checkpoint.base" in err
 
 
-def test_config_show_and_memory_use_the_base_model(base, capsys):
-    """`shardlab config show` and `shardlab memory` resolve the model section from checkpoint.base as
+def test_config_show_memory_and_plan_use_the_base_model(base, tmp_path, capsys):
+    """`shardlab config show`, `memory` and `plan` resolve the model section from checkpoint.base as
     `train` does (they used to describe and price the default tiny model instead of the base)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(base)
     n = sum(p.numel() for p in hf.parameters())
@@ -114,6 +114,10 @@ def test_config_show_and_memory_use_the_base_model(base, capsys):
     # (2 kv heads), wo 32->32, w1 and w3 32->56, w2 56->32
     adapters = 2 * 4 * (64 + 48 + 48 + 64 + 88 + 88 + 88)
     assert out.splitlines()[0].startswith(f"model: {n + adapters:,} parameters ({adapters:,} trainable"), out
+    toml = tmp_path / "ft.toml"
+    toml.write_text(f'[checkpoint]\nbase = "{base}"\n[train]\nseq_len = 32\nglobal_batch = 4\n')
+    assert cli_main(["plan", str(toml), "--gpus", "2"]) == 0
+    assert capsys.readouterr().out.startswith("llama 2 layers d=32 on 2 x ")
 
 
 def test_base_tokenizer_in_the_data_pipeline(tmp_path):

@@ -94,10 +94,10 @@ def main(args) -> int:
           "exclude the context)" + ("; data = the dataset each rank holds in memory (both splits)" if data else ""))
     if any(r.evaluation for r in pred):
         r = max(pred, key=lambda r: r.run_peak)
-        print(f"evaluation (every {cfg.train.eval_every} steps and after the last; {EVAL_BATCH}-image batches, no "
-              f"gradients): {r.evaluation / mib:,.1f} MiB alive at once beside the model state and buffers, so a "
-              f"run peaks at {r.run_peak / mib:,.1f} MiB per rank (the measured run below makes steps only)"
-              .replace("every 0 steps and ", ""))
+        when = f"every {cfg.train.eval_every} steps and after the last" if cfg.train.eval_every else "after the last step"
+        print(f"evaluation ({when}; {EVAL_BATCH}-image batches, no gradients): {r.evaluation / mib:,.1f} MiB alive at "
+              f"once beside the model state and buffers, so a run peaks at {r.run_peak / mib:,.1f} MiB per rank"
+              + ("" if args.no_run else " (the measured run below makes steps only)"))
     if args.no_run:
         return 0
     check_measurable(cfg, pred)

@@ -32,6 +32,8 @@ def _resolve(path: str) -> Path:
         raise ConfigError("DIR", f"{p} does not exist; pass a step_XXXXXXXX directory or a checkpoint directory")
     if (p / "index.json").exists() or p.name.startswith(ckpt.PREFIX):
         return p
+    from ..checkpoint.tags import load_root
+    p = load_root(p, None)  # saved with a tag (the engine's save_checkpoint): the one `latest` names
     skipped: list[str] = []
     found = ckpt.latest_valid(p, warn=skipped.append)
     if found is None:

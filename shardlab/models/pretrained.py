@@ -192,7 +192,8 @@ def open_source(source: str) -> Pretrained:
     if (path / "config.json").exists():
         from .hf import model_config_from_hf, read_hf_config
         return Pretrained(source, "hf", path, model_config_from_hf(read_hf_config(path)))
-    from ..checkpoint import save as ckpt
+    from ..checkpoint import save as ckpt, tags
+    path = tags.load_root(path, None)  # a DeepSpeed-style directory: the tag its latest file names
     step = path if (path / "index.json").exists() else ckpt.latest_valid(path, warn=lambda *_: None)
     if step is None:
         raise ConfigError("source", f"{source!r} holds no config.json (Hugging Face) and no valid shardlab "

@@ -266,7 +266,7 @@ def test_client_state_is_saved_and_restored(tmp_path):
     assert fresh.client_state == mine and fresh.global_steps == 1
 
 
-def test_deepspeed_checkpoint_tags(tmp_path):
+def test_deepspeed_checkpoint_tags(tmp_path, capsys):
     """DeepSpeed's ``save_checkpoint(dir, tag)`` / ``load_checkpoint(dir, tag=None)``: a tag saves
     under ``dir/<tag>`` and is named in ``dir/latest``, which an untagged load follows; a tag passed
     where ``keep`` used to be (second, positional) is a tag, as in DeepSpeed."""
@@ -285,6 +285,9 @@ def test_deepspeed_checkpoint_tags(tmp_path):
     second = run(2)
     second.save_checkpoint(ck, 2)  # an integer tag, DeepSpeed's positional place
     assert (ck / "latest").read_text().strip() == "2"
+    from shardlab.cli import main as cli_main
+    assert cli_main(["checkpoint", "inspect", str(ck)]) == 0  # the CLI follows latest too
+    assert capsys.readouterr().out.startswith(f"checkpoint {ck / '2' / 'step_00000002'}")
     fresh = run(0)
     assert fresh.load_checkpoint(ck).parent == ck / "2" and fresh.global_steps == 2
     assert torch.equal(fresh.module.weight, second.module.weight)

@@ -27,9 +27,8 @@ from . import config as C
 from .config.deepspeed import is_deepspeed, resolve_batch, translate, uniform_peak
 from .errors import ConfigError
 from .distributed.mesh import Mesh
-from .distributed.regions import Piece
 from .distributed.topology import Topology
-from .checkpoint import save as ckpt, tags
+from .api_checkpoint import EngineCheckpoints
 from .train.groups import regroup, user_groups
 from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
 
@@ -172,7 +171,7 @@ def _tag_groups(model: nn.Module, groups, weight_decay: float, tag: str = "_shar
             delattr(p, tag)
 
 
-class ModelEngine:
+class ModelEngine(EngineCheckpoints):
     """What ``initialize`` returns: forward, backward, step, checkpoints of a user model.
 
     ``module`` is the user's model (under ZeRO-3 its sharded parameters are attached only
@@ -217,6 +216,7 @@ class ModelEngine:
         self.micro_steps = 0    # backward passes since the last optimizer step
         self.client_state: dict = {}  # what save_checkpoint(client_state=...) stored, after load_checkpoint
         self.last_overflow = self.last_nonfinite = False
+        self.grad_norm: float | None = None  # the last step's, before clipping
         if self._schedule:
             self._set_lr()
 
@@ -260,7 +260,7 @@ class ModelEngine:
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm over all ranks at the last step, before clipping (None before one)."""
-        return getattr(self, "grad_norm", None)
+        return self.grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward completes the step's accumulation."""
@@ -325,82 +325,3 @@ class ModelEngine:
             elif f"model.{canon}" in got:
                 out[key] = got[f"model.{canon}"]
         return out
-
-    def _buffer_pieces(self) -> list[Piece]:
-        if self.mesh.rank != 0:
-            return []
-        out = []
-        for k in self._buffers:
-            b = self.module.get_buffer(k).detach()
-            out.append(Piece(f"buffer.{k}", tuple(b.shape), (0,) * b.dim(), b))
-        return out
-
-    def save_checkpoint(self, directory, tag=None, client_state: dict | None = None, *,
-                        keep: int | None = None) -> Path | None:
-        """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (checkpoint/save.py): every rank
-        writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective.
-        ``tag`` (DeepSpeed's): save under ``<directory>/<tag>/`` and name it in ``<directory>/latest``.
-        ``client_state``: your own JSON values (epoch, data position, ...), as DeepSpeed's; rank
-        0's is saved, and ``engine.client_state`` holds it after :meth:`load_checkpoint`."""
-        root = tags.save_root(directory, tag)
-        if client_state is not None and not isinstance(client_state, dict):
-            raise ConfigError("client_state", f"must be a dict, got {type(client_state).__name__}")
-        try:
-            client = json.loads(json.dumps(client_state or {}))
-        except (TypeError, ValueError) as e:
-            raise ConfigError("client_state", f"must be JSON values (numbers, strings, lists, dicts): {e}; "
-                                              "save tensors as a model buffer or your own file") from None
-        if self.micro_steps:
-            raise RuntimeError(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
-                               f"{self.accumulation} micro-batches): save after engine.step()")
-
-        def meta():
-            return {"api": {"global_steps": self.global_steps, "scaler": self.scaler.state_dict(),
-                            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                            "client_state": client},
-                    "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
-                    "config": self.cfg.to_dict(), "engine": self.engine.name}
-        from .checkpoint.async_save import saver
-        path = saver(self.cfg.checkpoint.async_save)(
-            root, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
-            self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep)
-        if self.mesh.rank == 0:
-            tags.mark_latest(directory, tag)
-        return path
-
-    def wait_checkpoint(self) -> None:
-        """With ``checkpoint.async_save``: wait for the save in flight and raise (on every rank)
-        if it failed. Collective; call it before the end of the program."""
-        ckpt.finish_saves(self.mesh)
-
-    def load_checkpoint(self, directory, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Path | None:
-        """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one
-        inside it; with ``tag``, or a ``latest`` file naming one, inside ``directory/<tag>``):
-        parameters, optimizer state, buffers, loss scale, step count, scheduler and, with the same
-        world size, this rank's RNG. Returns the path, None when there is none. As DeepSpeed's:
-        ``load_module_only`` reads the weights and buffers alone (a warm start: the step count,
-        optimizer, scheduler and RNG stay this engine's); ``load_optimizer_states`` /
-        ``load_lr_scheduler_states`` = False leave those two as they are."""
-        path = tags.find(directory, tag, warn=self.mesh.rank == 0)
-        if path is None:
-            return None
-        with ckpt.Reader(path) as reader:
-            optimizer = self.optimizer if load_optimizer_states and not load_module_only else None
-            self.engine.load_pieces(reader, optimizer)
-            with torch.no_grad():
-                for k in self._buffers:
-                    if reader.has(f"buffer.{k}"):
-                        b = self.module.get_buffer(k)
-                        b.copy_(reader.read(f"buffer.{k}").to(b.device, b.dtype))
-            meta = reader.meta.get("api", {})
-            self.client_state = meta.get("client_state") or {}
-            if not load_module_only:
-                self.global_steps = int(meta.get("global_steps", reader.step))
-                if "scaler" in meta:
-                    self.scaler.load_state_dict(meta["scaler"])
-                if load_lr_scheduler_states and self.lr_scheduler is not None and meta.get("lr_scheduler"):
-                    self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-                ckpt.restore_rank_rng(reader, self.mesh.rank, self.mesh.world_size, self.device)
-        self.micro_steps = 0
-        return path

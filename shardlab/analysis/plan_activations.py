@@ -23,6 +23,12 @@ def trace_mode(cfg, device: str = "cpu") -> str:
     return f"autocast-{'cpu' if device == 'cpu' else 'cuda'}-{'bfloat16' if low else 'float32'}"
 
 
+def mode_parts(mode: str) -> tuple[str | None, torch.dtype]:
+    """A :func:`trace_mode` as (autocast's device or None, the parameters' dtype)."""
+    autocast, dtype = mode.split("-")[1:] if mode.startswith("autocast-") else (None, mode)
+    return autocast, getattr(torch, dtype)
+
+
 @functools.lru_cache(maxsize=4096)  # one per distinct stage shape of a search (a few hundred bytes each)
 def _trace(key: str, cfg_json: str, micro_batch: int, seq: int, mode: str, pp_rank: int):
     from ..config import from_dict
@@ -30,8 +36,8 @@ def _trace(key: str, cfg_json: str, micro_batch: int, seq: int, mode: str, pp_ra
     from .shadow import trace_saved
     cfg = from_dict(json.loads(cfg_json))
     rank = Topology.from_config(cfg.parallel).rank(pp=pp_rank)
-    autocast, dtype = mode.split("-")[1:] if mode.startswith("autocast-") else (None, mode)
-    return trace_saved(cfg, micro_batch, seq, getattr(torch, dtype), rank, autocast)
+    autocast, dtype = mode_parts(mode)
+    return trace_saved(cfg, micro_batch, seq, dtype, rank, autocast)
 
 
 def micro_batch(cfg) -> int:

@@ -48,11 +48,10 @@ class LiveBytes(TorchDispatchMode):
 
 def _model_and_cast(cfg, device: str):
     """The rank's meta model in the parameters' dtype, and autocast's rules for ``device``."""
-    from .plan_activations import trace_mode
+    from .plan_activations import mode_parts, trace_mode
     from .shadow import AutocastTrace, local_model
-    mode = trace_mode(cfg, device)
-    autocast, dtype = mode.split("-")[1:] if mode.startswith("autocast-") else (None, mode)
-    model = local_model(cfg, 0, getattr(torch, dtype))
+    autocast, dtype = mode_parts(trace_mode(cfg, device))
+    model = local_model(cfg, 0, dtype)
     cast = AutocastTrace(torch.bfloat16, autocast) if autocast else contextlib.nullcontext()
     return model, cast
 

@@ -193,8 +193,7 @@ def open_source(source: str) -> Pretrained:
         from .hf import model_config_from_hf, read_hf_config
         return Pretrained(source, "hf", path, model_config_from_hf(read_hf_config(path)))
     from ..checkpoint import save as ckpt, tags
-    path = tags.load_root(path, None)  # a DeepSpeed-style directory: the tag its latest file names
-    step = path if (path / "index.json").exists() else ckpt.latest_valid(path, warn=lambda *_: None)
+    step = tags.find(path, None, warn=False)  # a step, the newest inside, or in the tag `latest` names
     if step is None:
         raise ConfigError("source", f"{source!r} holds no config.json (Hugging Face) and no valid shardlab "
                                     "checkpoint; pass smollm2, a .gguf file, an HF directory or a checkpoint")

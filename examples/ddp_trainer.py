@@ -47,7 +47,7 @@ class Trainer:
         self._load_snapshot()
 
     def _load_snapshot(self):
-        path = self.engine.load_checkpoint(self.snapshot_dir)
+        path, _ = self.engine.load_checkpoint(self.snapshot_dir)  # (path, client_state), as DeepSpeed's
         if path is not None:
             self.epochs_run = self.engine.global_steps // len(self.train_data)
             if self.engine.global_rank == 0:

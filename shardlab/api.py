@@ -107,9 +107,12 @@ def _optimizer_builder(optimizer, cfg: C.Config, device):
                       f"taking param groups, got {type(optimizer).__name__}")
 
 
-def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
-               model_parameters=None) -> "ModelEngine":
+def initialize(model: nn.Module = None, config=None, optimizer=None, lr_scheduler=None, model_parameters=None, *,
+               args=None, training_data=None, collate_fn=None, config_params=None, dist_init_required=None,
+               distributed_port=None, mpu=None, mesh_param=None) -> "ModelEngine":
     """Wrap ``model`` for data-parallel training on every rank of this job (collective).
+    Returns the engine, which also unpacks as ``deepspeed.initialize``'s four values:
+    ``engine, optimizer, training_dataloader, lr_scheduler = shardlab.initialize(...)``.
 
     ``config``: a shardlab dict / TOML or JSON path / ``Config``, or a DeepSpeed JSON (dict or
     path). ``optimizer``: None (AdamW from the config), a torch optimizer class, a factory
@@ -118,8 +121,20 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
     config, else a constant lr) or a factory ``optimizer -> scheduler``. ``model_parameters``: as
     in ``deepspeed.initialize``, the model's parameters or torch param-group dicts (each group's
     settings, e.g. ``weight_decay``, on its parameters); default: every trainable parameter in
-    the config's groups (``train.weight_decay_params``; docs/api.md, Parameter groups)."""
+    the config's groups (``train.weight_decay_params``; docs/api.md, Parameter groups).
+    DeepSpeed's keywords (api_deepspeed.py): ``args`` (its ``deepspeed_config`` when no config is
+    given; its ``local_rank`` set), ``config_params`` (= config), ``training_data`` + ``collate_fn``
+    (DeepSpeed's loader, ``engine.training_dataloader``); ``dist_init_required`` and
+    ``distributed_port`` are accepted and unused (the job is the launcher's); ``mpu`` /
+    ``mesh_param`` are refused (data-parallel only)."""
     from .launch import init_from_env
+    from . import api_deepspeed as ds
+    ds.refuse_model_parallel(mpu, mesh_param)
+    config = ds.config_from_args(args, config, config_params)
+    if model is None or type(model).__name__ == "Namespace":  # DeepSpeed's order is (args, model, ...)
+        raise ConfigError("model", "missing" if model is None else "got an argparse Namespace: DeepSpeed's first "
+                          "parameter is args, shardlab's is the model; pass DeepSpeed's by keyword, "
+                          "initialize(args=args, model=net, ...)")
     if not isinstance(model, nn.Module):
         raise ConfigError("model", f"expected a torch.nn.Module, got {type(model).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
@@ -132,8 +147,12 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
         raise ConfigError("lr_scheduler", "pass a factory taking the optimizer, e.g. "
                                           "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
     kind, data = _read(config)
+    drop_last = ds.drop_last_of(data) if kind == "deepspeed" else False
+    if kind == "deepspeed":  # its loader's key, used here (shardlab train warns it is ignored)
+        config = {k: v for k, v in data.items() if k != ds.DROP_LAST}
     ctx = init_from_env(data.train.device if kind == "shardlab" else "auto",
                         data.train.timeout_s if kind == "shardlab" else 60.0)
+    ds.set_local_rank(args, ctx.local_rank)
     cfg = resolve_config(config, ctx.world_size)
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm,
                       check_collectives=cfg.parallel.check_collectives, transport=cfg.parallel.comm_transport,
@@ -144,7 +163,13 @@ def initialize(model: nn.Module, config=None, optimizer=None, lr_scheduler=None,
     given = model_parameters if model_parameters is not None else own_groups
     groups = user_groups(model, given) if given is not None else None
     uniform = kind == "deepspeed" and uniform_peak(data)  # else each group warms to its own lr
-    return ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule, groups, uniform)
+    engine = ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule, groups, uniform)
+    engine.local_rank = ctx.local_rank
+    if training_data is not None:
+        engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn, drop_last=drop_last)
+    elif collate_fn is not None:
+        raise ConfigError("collate_fn", "given without training_data; pass the dataset too, or drop it")
+    return engine
 
 
 def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
@@ -217,16 +242,36 @@ class ModelEngine(EngineCheckpoints):
         self.client_state: dict = {}  # what save_checkpoint(client_state=...) stored, after load_checkpoint
         self.last_overflow = self.last_nonfinite = False
         self.grad_norm: float | None = None  # the last step's, before clipping
+        self.training_dataloader = None  # DeepSpeed's loader of initialize(training_data=...)
+        self.local_rank = 0
         if self._schedule:
             self._set_lr()
 
     def _set_lr(self) -> None:
         """The config's schedule for the next step (ds_* schedules count applied steps, as
         DeepSpeed steps its scheduler only after a step that was not skipped)."""
+        for g, lr in zip(self.optimizer.param_groups, self.next_lrs()):
+            g["lr"] = lr
+
+    def next_lrs(self) -> list[float]:
+        """Each param group's lr for the next optimizer step under the config's schedule (what
+        DeepSpeed's scheduler reports after a step: ``get_last_lr``)."""
         t = self.cfg.train
         step = self.global_steps - (self.scaler.skipped if t.lr_schedule != "cosine" else 0)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr_at(step, t, None if self._uniform_peak else g["initial_lr"])
+        return [lr_at(step, t, None if self._uniform_peak else g["initial_lr"]) for g in self.optimizer.param_groups]
+
+    def __iter__(self):
+        """``engine, optimizer, training_dataloader, lr_scheduler = shardlab.initialize(...)``, as
+        ``deepspeed.initialize`` returns them (api_deepspeed.returned)."""
+        from .api_deepspeed import returned
+        return iter(returned(self))
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, collate_fn=None, drop_last: bool = False):
+        """DeepSpeed's loader of ``dataset`` for this rank: a DistributedSampler over the ranks,
+        ``batch_size`` (default: the micro-batch) samples a batch (api_deepspeed.data_loader)."""
+        from .api_deepspeed import data_loader
+        return data_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.global_rank,
+                           self.world_size, collate_fn, drop_last)
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -307,8 +352,12 @@ class ModelEngine(EngineCheckpoints):
             self.lr_scheduler.step()
         self.global_steps += 1
         self.micro_steps = 0
+        if self._schedule:  # the next step's lr, set now as DeepSpeed's scheduler step does (get_lr, param_groups)
+            self._set_lr()
 
     def get_lr(self) -> list[float]:
+        """Each param group's lr for the next optimizer step (under the config's schedule, set
+        after each step as DeepSpeed's scheduler sets it)."""
         return [g["lr"] for g in self.optimizer.param_groups]
 
     # -- state ------------------------------------------------------------------------------

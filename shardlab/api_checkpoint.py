@@ -53,12 +53,10 @@ class EngineCheckpoints:
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
         from .checkpoint.async_save import saver
-        path = saver(self.cfg.checkpoint.async_save)(
+        return saver(self.cfg.checkpoint.async_save)(
             root, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
-            self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep)
-        if self.mesh.rank == 0:
-            tags.mark_latest(directory, tag)
-        return path
+            self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep,
+            on_commit=lambda: tags.mark_latest(directory, tag))  # rank 0, once committed (async: later)
 
     def wait_checkpoint(self) -> None:
         """With ``checkpoint.async_save``: wait for the save in flight and raise (on every rank)
@@ -66,17 +64,20 @@ class EngineCheckpoints:
         ckpt.finish_saves(self.mesh)
 
     def load_checkpoint(self, directory, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Path | None:
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple:
         """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one
         inside it; with ``tag``, or a ``latest`` file naming one, inside ``directory/<tag>``):
         parameters, optimizer state, buffers, loss scale, step count, scheduler and, with the same
-        world size, this rank's RNG. Returns the path, None when there is none. As DeepSpeed's:
+        world size, this rank's RNG. Returns ``(path, client_state)``, ``(None, None)`` when there
+        is none, as DeepSpeed's (before 2026-12-07: the path alone). Waits for an asynchronous save
+        in flight first (collective then). As DeepSpeed's:
         ``load_module_only`` reads the weights and buffers alone (a warm start: the step count,
         optimizer, scheduler and RNG stay this engine's); ``load_optimizer_states`` /
         ``load_lr_scheduler_states`` = False leave those two as they are."""
+        ckpt.finish_saves(self.mesh)  # a save of this process still in flight commits (and names latest) first
         path = tags.find(directory, tag, warn=self.mesh.rank == 0)
         if path is None:
-            return None
+            return None, None
         with ckpt.Reader(path) as reader:
             optimizer = self.optimizer if load_optimizer_states and not load_module_only else None
             self.engine.load_pieces(reader, optimizer)
@@ -95,4 +96,6 @@ class EngineCheckpoints:
                     self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
                 ckpt.restore_rank_rng(reader, self.mesh.rank, self.mesh.world_size, self.device)
         self.micro_steps = 0
-        return path
+        if self._schedule:  # the config's schedule at the loaded step count
+            self._set_lr()
+        return path, self.client_state

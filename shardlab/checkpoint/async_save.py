@@ -81,9 +81,11 @@ class AsyncSaver:
         out = [p if isinstance(p.tensor, ckpt.Deferred) else p._replace(tensor=next(it)) for p in pieces]
         return out, {k: v.detach().to("cpu", copy=True) for k, v in extra.items()}, event
 
-    def save(self, directory, step: int, mesh, pieces, meta, device, keep: int = 3, hook: str = "") -> Path | None:
+    def save(self, directory, step: int, mesh, pieces, meta, device, keep: int = 3, hook: str = "",
+             on_commit=None) -> Path | None:
         """Collective like ``checkpoint.save``, but returns once the snapshot is taken. Returns,
-        on rank 0, the path the checkpoint will have once committed. ``hook``: :data:`HOOK_ENV`."""
+        on rank 0, the path the checkpoint will have once committed; ``on_commit`` runs on rank 0's
+        writer thread after the commit (not if the save fails). ``hook``: :data:`HOOK_ENV`."""
         self.settle(mesh)
         world = mesh.comm("world")
         if mesh.rank == 0:
@@ -95,12 +97,13 @@ class AsyncSaver:
         self.step = step
         self.thread = threading.Thread(  # not a daemon: a process that exits still finishes its save
             target=self._write, name=f"shardlab-ckpt-{step}",
-            args=(Path(directory), staging, int(step), mesh.rank, mesh.world_size, snap, extra, event, meta_v, keep, hook))
+            args=(Path(directory), staging, int(step), mesh.rank, mesh.world_size, snap, extra, event, meta_v, keep, hook,
+                  on_commit))
         self.thread.start()
         return Path(directory) / ckpt._step_name(step) if mesh.rank == 0 else None
 
     # -- the background thread ----------------------------------------------------------------
-    def _write(self, directory, staging, step, rank, world, pieces, extra, event, meta, keep, hook) -> None:
+    def _write(self, directory, staging, step, rank, world, pieces, extra, event, meta, keep, hook, on_commit) -> None:
         try:
             if event is not None:
                 event.synchronize()
@@ -108,6 +111,8 @@ class AsyncSaver:
             if rank == 0:
                 _wait_markers(staging, world, step)
                 ckpt.commit(directory, step, world, meta, keep=keep)
+                if on_commit is not None:
+                    on_commit()
         except BaseException as e:  # reported by settle() on the training thread
             self.error = e
             try:
@@ -163,13 +168,14 @@ def _hooked(pieces: list, rank: int, step: int, spec: str) -> list:
 _SAVER: AsyncSaver | None = None
 
 
-def save(directory, step: int, mesh, pieces, meta, device, keep: int = 3, hook: str = "") -> Path | None:
+def save(directory, step: int, mesh, pieces, meta, device, keep: int = 3, hook: str = "",
+         on_commit=None) -> Path | None:
     """The process's :class:`AsyncSaver` (created on first use) saves."""
     global _SAVER
     if _SAVER is None:
         _SAVER = AsyncSaver()
         ckpt.IN_FLIGHT.append(finish)  # a later synchronous save or the end of the run waits for it
-    return _SAVER.save(directory, step, mesh, pieces, meta, device, keep=keep, hook=hook)
+    return _SAVER.save(directory, step, mesh, pieces, meta, device, keep=keep, hook=hook, on_commit=on_commit)
 
 
 def saver(asynchronous: bool, test_hooks: dict | None = None):

@@ -226,12 +226,12 @@ def commit(directory, step: int, world_size: int, meta: dict, keep: int = 3) -> 
 
 
 def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[[], dict], device,
-         keep: int = 3) -> Path | None:
+         keep: int = 3, on_commit: Callable[[], None] | None = None) -> Path | None:
     """The whole save protocol, collective over ``mesh``'s world: rank 0 prepares the staging
     directory, every rank writes its ``pieces()`` and RNG states, rank 0 writes the index with
-    ``meta()`` and commits atomically. Only barriers synchronise. Returns the path on rank 0.
-    (checkpoint/async_save.save has the same signature and returns once this rank's pieces are in
-    host memory; call :func:`finish_saves` at the end.)"""
+    ``meta()``, commits atomically and then calls ``on_commit``. Only barriers synchronise.
+    Returns the path on rank 0. (checkpoint/async_save.save has the same signature and returns
+    once this rank's pieces are in host memory; call :func:`finish_saves` at the end.)"""
     finish_saves(mesh)  # an asynchronous save still in flight (async_save switched off mid-run)
     world = mesh.comm("world")
     if mesh.rank == 0:
@@ -240,6 +240,8 @@ def save(directory, step: int, mesh, pieces: Callable[[], list], meta: Callable[
     write_rank(staging_dir(directory, step), mesh.rank, pieces(), rng_tensors(device))
     world.barrier()
     path = commit(directory, step, mesh.world_size, meta(), keep=keep) if mesh.rank == 0 else None
+    if path is not None and on_commit is not None:
+        on_commit()
     world.barrier()
     return path
 

@@ -109,7 +109,7 @@ def _worker(ctx, ckpt_root):
         train(a, SAVE_AT, STEPS)
         full = a.full_state_dict()
         b = shardlab.initialize(make_model(7), config(stage, policy, ga))  # other initial values
-        assert b.load_checkpoint(directory) is not None and b.global_steps == SAVE_AT
+        assert b.load_checkpoint(directory)[0] is not None and b.global_steps == SAVE_AT
         train(b, SAVE_AT, STEPS)
         resumed = b.full_state_dict(everywhere=True)
         out[name] = (full, resumed) if ctx.rank == 0 else (full, None)
@@ -226,7 +226,7 @@ def test_load_checkpoint_says_when_nothing_is_loaded(tmp_path):
     torch.manual_seed(0)
     engine = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3}})
     with pytest.warns(UserWarning, match="nothing loaded, the directory does not exist"):
-        assert engine.load_checkpoint(tmp_path / "nope") is None
+        assert engine.load_checkpoint(tmp_path / "nope") == (None, None)  # DeepSpeed's pair
     engine.backward(engine(torch.randn(3, 4)).sum())
     engine.step()
     saved = engine.save_checkpoint(tmp_path / "ckpt")
@@ -235,12 +235,12 @@ def test_load_checkpoint_says_when_nothing_is_loaded(tmp_path):
         engine.module.weight.zero_()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an intact checkpoint loads without a word
-        assert engine.load_checkpoint(tmp_path / "ckpt") == saved
+        assert engine.load_checkpoint(tmp_path / "ckpt") == (saved, {})
     assert torch.equal(engine.module.weight, weights["weight"])
     shard = next(Path(saved).glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-8])  # a truncated shard: the only checkpoint is damaged
     with pytest.warns(UserWarning) as record:
-        assert engine.load_checkpoint(tmp_path / "ckpt") is None
+        assert engine.load_checkpoint(tmp_path / "ckpt") == (None, None)
     text = " | ".join(str(w.message) for w in record)
     assert "skipping damaged checkpoint" in text and "holds no complete checkpoint" in text, text
 
@@ -262,8 +262,8 @@ def test_client_state_is_saved_and_restored(tmp_path):
     engine.save_checkpoint(tmp_path / "ckpt", client_state=mine)
     fresh = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3}})
     assert fresh.client_state == {}
-    fresh.load_checkpoint(tmp_path / "ckpt")
-    assert fresh.client_state == mine and fresh.global_steps == 1
+    path, client = fresh.load_checkpoint(tmp_path / "ckpt")  # DeepSpeed's (path, client_state)
+    assert client == fresh.client_state == mine and fresh.global_steps == 1 and path.parent == tmp_path / "ckpt"
 
 
 def test_deepspeed_checkpoint_tags(tmp_path, capsys):
@@ -289,22 +289,25 @@ def test_deepspeed_checkpoint_tags(tmp_path, capsys):
     assert cli_main(["checkpoint", "inspect", str(ck)]) == 0  # the CLI follows latest too
     assert capsys.readouterr().out.startswith(f"checkpoint {ck / '2' / 'step_00000002'}")
     fresh = run(0)
-    assert fresh.load_checkpoint(ck).parent == ck / "2" and fresh.global_steps == 2
+    assert fresh.load_checkpoint(ck)[0].parent == ck / "2" and fresh.global_steps == 2
     assert torch.equal(fresh.module.weight, second.module.weight)
-    assert fresh.load_checkpoint(ck, tag="global_step1").parent == ck / "global_step1"
+    assert fresh.load_checkpoint(ck, tag="global_step1")[0].parent == ck / "global_step1"
     assert fresh.global_steps == 1 and fresh.client_state == {"epoch": 1}
     assert torch.equal(fresh.module.weight, first.module.weight)
     third = run(3)
     third.save_checkpoint(ck)  # untagged: step_NNNNNNNN, and latest no longer names an older tag
     assert not (ck / "latest").exists()
-    assert fresh.load_checkpoint(ck).name == "step_00000003" and fresh.global_steps == 3
+    assert fresh.load_checkpoint(ck)[0].name == "step_00000003" and fresh.global_steps == 3
     for bad in ("../x", "", ".hidden", "latest", 1.5):
         with pytest.raises(ConfigError) as e:
             third.save_checkpoint(ck, bad)
         assert e.value.field == "tag", bad
     assert sorted(p.name for p in ck.iterdir()) == ["2", "global_step1", "step_00000003"]  # nothing written
     with pytest.warns(UserWarning, match="nothing loaded, the directory does not exist: .*nosuch"):
-        assert fresh.load_checkpoint(ck, tag="nosuch") is None
+        assert fresh.load_checkpoint(ck, tag="nosuch") == (None, None)
+    second.cfg.checkpoint.async_save = True  # latest is written once the save commits; a load waits for it
+    second.save_checkpoint(ck, "async")
+    assert fresh.load_checkpoint(ck)[0].parent == ck / "async" and (ck / "latest").read_text() == "async\n"
     (ck / "latest").write_text("../../etc\n")
     with pytest.raises(ConfigError, match="latest names '../../etc'"):
         fresh.load_checkpoint(ck)
@@ -334,7 +337,7 @@ def test_load_checkpoint_partial_as_deepspeed(tmp_path, zero):
                    {"load_lr_scheduler_states": False}, {}):
         mine = run(1, 1)
         before_m, before_s = moments(mine), mine.lr_scheduler.state_dict()
-        assert mine.load_checkpoint(tmp_path / "ck", **kwargs) is not None
+        assert mine.load_checkpoint(tmp_path / "ck", **kwargs)[0] is not None
         assert torch.equal(mine.module.weight, saved.module.weight), kwargs  # the weights, always
         only = kwargs.get("load_module_only", False)
         assert mine.global_steps == (1 if only else 3), kwargs

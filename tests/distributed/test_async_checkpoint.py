@@ -156,6 +156,24 @@ def test_error_is_raised_at_the_next_save_and_nothing_is_published(tmp_path):
     assert not ckpt.staging_dir(tmp_path, 2).exists()  # removed by the next commit
 
 
+def test_on_commit_runs_after_the_commit_and_not_after_a_failure(tmp_path):
+    """What names a checkpoint (DeepSpeed's ``latest``, written by ``engine.save_checkpoint``'s
+    ``on_commit``) must not name one that is not committed: before 2026-12-07 the engine wrote
+    ``latest`` when an asynchronous save was issued."""
+    saver, mesh, w, calls = async_save.AsyncSaver(), _Mesh(), torch.zeros(2, 2), []
+
+    def named():
+        calls.append([p.name for p in ckpt.list_checkpoints(tmp_path)])
+    saver.save(tmp_path, 1, mesh, _pieces(w), dict, "cpu", hook="sleep:0:1", on_commit=named)  # a 2 s write
+    assert calls == []  # issued, not committed
+    saver.settle(mesh)
+    assert calls == [["step_00000001"]]  # called once, with the checkpoint in place
+    saver.save(tmp_path, 2, mesh, _pieces(w), dict, "cpu", hook="raise:0:2", on_commit=named)
+    with pytest.raises(ckpt.CheckpointError, match="step 2 failed"):
+        saver.settle(mesh)
+    assert calls == [["step_00000001"]]  # a failed save names nothing
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_snapshot_is_pinned_and_taken_at_the_step(tmp_path):

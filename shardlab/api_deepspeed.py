@@ -1,0 +1,108 @@
+"""What ``deepspeed.initialize``'s callers pass and get back, for ``shardlab.initialize``
+(docs/api.md, A DeepSpeed script unchanged): the ``args`` namespace (``--deepspeed_config``,
+``local_rank``), ``config_params``, ``training_data`` / ``collate_fn`` and DeepSpeed's data loader,
+and the four values ``engine, optimizer, training_dataloader, lr_scheduler``."""
+from __future__ import annotations
+
+from .errors import ConfigError
+
+DROP_LAST = "dataloader_drop_last"
+"""The DeepSpeed key that shapes ``training_data``'s loader (DeepSpeed's default: false)."""
+
+
+def config_from_args(args, config, config_params):
+    """The config DeepSpeed would read: ``config``, else ``config_params`` (its older name), and
+    ``args.deepspeed_config`` (or the deprecated ``args.deepscale_config``) when neither is given;
+    both a file in ``args`` and one in the call is refused, as DeepSpeed refuses it."""
+    if config is None:
+        config = config_params
+    given = None
+    for name in ("deepspeed_config", "deepscale_config"):
+        value = getattr(args, name, None)
+        if value is not None:
+            if given is not None:
+                raise ConfigError(f"args.{name}", f"both args.{given[0]} and args.{name} are set; keep one")
+            given = (name, value)
+    if given is not None:
+        if config is not None:
+            raise ConfigError(f"args.{given[0]}", "a config is given both in args and as config=; pass one "
+                                                  "(DeepSpeed refuses the pair too)")
+        config = given[1]
+    return config
+
+
+def refuse_model_parallel(mpu, mesh_param) -> None:
+    """DeepSpeed's model-parallel hooks: a user model has no tensor / sequence plan here."""
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if value is not None:
+            raise ConfigError(name, "shardlab.initialize trains a user model data-parallel only; leave it None "
+                                    "(shardlab's own models take tensor / sequence parallel from parallel.tp / cp)")
+
+
+def set_local_rank(args, local_rank: int) -> None:
+    """As DeepSpeed does: ``args.local_rank``, where the namespace has one, is this rank's."""
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = local_rank
+
+
+def data_loader(dataset, batch_size: int, rank: int, world: int, collate_fn=None, drop_last: bool = False):
+    """DeepSpeed's training loader (``DeepSpeedDataLoader`` on a launched rank): a
+    ``DistributedSampler`` over the data-parallel ranks with its defaults (shuffled, seed 0, the
+    same order every epoch unless you call ``loader.data_sampler.set_epoch``), ``batch_size``
+    samples per rank, ``dataloader_drop_last`` for the last short batch. Loaded in this process
+    (DeepSpeed starts 2 workers per rank; the batches are the same)."""
+    from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset) or not hasattr(dataset, "__len__"):
+        raise ConfigError("training_data", f"expected a map-style torch Dataset (with __len__), got "
+                          f"{type(dataset).__name__}; an IterableDataset cannot be split by DistributedSampler: "
+                          "shard it yourself and iterate it")
+    if collate_fn is not None and not callable(collate_fn):
+        raise ConfigError("collate_fn", f"expected a callable, got {type(collate_fn).__name__}")
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+    loader.data_sampler = sampler  # DeepSpeedDataLoader's name for it
+    return loader
+
+
+def drop_last_of(ds: dict | None) -> bool:
+    """``dataloader_drop_last`` of a DeepSpeed JSON (False when absent or not DeepSpeed's)."""
+    value = (ds or {}).get(DROP_LAST, False)
+    if not isinstance(value, bool):
+        raise ConfigError(DROP_LAST, f"got {value!r}; must be true or false")
+    return value
+
+
+class ConfigSchedule:
+    """What DeepSpeed returns as ``lr_scheduler`` when the config holds the schedule: the engine
+    sets each step's lr (``engine.step`` advances it), this reads it."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def get_last_lr(self) -> list[float]:
+        """Each param group's lr for the next optimizer step, as DeepSpeed's scheduler reports it
+        (stepped after each applied optimizer step)."""
+        return self._engine.get_lr()
+
+    get_lr = get_last_lr
+
+    def step(self, *_, **__) -> None:
+        raise ConfigError("lr_scheduler", "this schedule comes from the config and engine.step() advances it; "
+                                          "remove this call (in DeepSpeed it would advance the schedule twice a step)")
+
+    def state_dict(self) -> dict:
+        return {}  # the schedule is a function of engine.global_steps, saved with every checkpoint
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def returned(engine) -> tuple:
+    """``engine, optimizer, training_dataloader, lr_scheduler`` as ``deepspeed.initialize``
+    returns them (the scheduler: yours, a view of the config's schedule, or None for a constant lr)."""
+    sched, t = engine.lr_scheduler, engine.cfg.train
+    constant = t.lr_schedule == "cosine" and t.warmup_steps == 0 and t.min_lr_ratio == 1.0  # a JSON without one
+    if sched is None and engine._schedule and not constant:
+        sched = ConfigSchedule(engine)
+    return engine, engine.optimizer, engine.training_dataloader, sched
+

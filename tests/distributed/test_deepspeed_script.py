@@ -1,0 +1,149 @@
+"""A DeepSpeed training script as DeepSpeed's tutorials write it (``args`` from argparse with
+``--deepspeed_config``, ``model_parameters``, ``training_data``, the four returned values,
+``_, client_sd = engine.load_checkpoint(...)``), run once with ``deepspeed.initialize`` and once
+with ``shardlab.initialize``, nothing else changed: the same batches on every rank, the same lr
+read from the returned scheduler, the same parameters after training (fp32, 2e-6) and after a
+load, the same client state (docs/api.md, A DeepSpeed script unchanged)."""
+import argparse
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+import shardlab
+from shardlab import launch
+from shardlab.errors import ConfigError
+from tests.distributed.test_deepspeed_parity import D_IN, _import_deepspeed, make
+
+N_SAMPLES = 38  # 19 a rank: four micro-batches of 4 and a short one of 3 (dropped with dataloader_drop_last)
+JSONS = {
+    "zero2, WarmupLR, drop_last": {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "dataloader_drop_last": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-2, "weight_decay": 0.05, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": 2}, "steps_per_print": 10**9},
+    "zero0, constant lr": {
+        "train_batch_size": 8, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 0}, "steps_per_print": 10**9},
+}
+
+
+class Samples(Dataset):
+    """Rows with their index, so the test sees which samples each rank was given."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(N_SAMPLES, D_IN, generator=g)
+        self.y = (4 * self.x.sum(1, keepdim=True).cos())
+
+    def __len__(self):
+        return N_SAMPLES
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+def full_params(engine, deepspeed):
+    """The engine's parameters, unsharded, on every rank."""
+    if deepspeed is None:
+        return engine.full_state_dict(everywhere=True)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                           enabled=engine.zero_optimization_stage() == 3):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def script(initialize, json_path, ckpt, deepspeed=None):
+    """The user's script: only ``initialize`` differs between the two runs."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--deepspeed_config", type=str)
+    args = parser.parse_args(["--deepspeed_config", str(json_path)])
+    net = make(torch.float32)
+    engine, optimizer, loader, sched = initialize(args=args, model=net, model_parameters=net.parameters(),
+                                                  training_data=Samples())
+    seen, lrs = [], []
+    for epoch in range(2):
+        loader.data_sampler.set_epoch(epoch)
+        for x, y, index in loader:
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            seen.append(index.tolist())
+            lrs.append(None if sched is None else list(sched.get_last_lr()))
+    trained = full_params(engine, deepspeed)
+    engine.save_checkpoint(ckpt, tag=f"global_step{engine.global_steps}", client_state={"epoch": 2})
+    if hasattr(engine, "wait_checkpoint"):
+        engine.wait_checkpoint()
+    args.local_rank = -1
+    net = make(torch.float32)
+    again, *_ = initialize(args=args, model=net, model_parameters=net.parameters())
+    path, client = again.load_checkpoint(ckpt)
+    return {"seen": seen, "lrs": lrs, "local_rank": args.local_rank, "batches": len(loader),
+            "optimizer_lr": [g["lr"] for g in optimizer.param_groups], "scheduler": sched is not None,
+            "trained": trained, "loaded": full_params(again, deepspeed), "client": client,
+            "path": path is not None, "steps": engine.global_steps}
+
+
+def _worker(ctx, tmp):
+    deepspeed = _import_deepspeed(ctx.rank)
+    out = {}
+    for name, ds in JSONS.items():
+        path = tmp / f"{name.split(',')[0]}.json"
+        if ctx.rank == 0:
+            path.write_text(json.dumps(ds))
+        torch.distributed.barrier()
+        theirs = script(deepspeed.initialize, path, tmp / f"ds-{path.stem}", deepspeed)
+        mine = script(shardlab.initialize, path, tmp / f"sl-{path.stem}")
+        out[name] = theirs, mine
+    return out
+
+
+def test_a_deepspeed_script_runs_unchanged(tmp_path):
+    pytest.importorskip("deepspeed")
+    got = launch.run(_worker, 2, tmp_path, timeout_s=300)
+    for rank, results in enumerate(got):
+        for name, (theirs, mine) in results.items():
+            for key in ("seen", "local_rank", "batches", "scheduler", "path", "steps"):
+                assert mine[key] == theirs[key], (rank, name, key, mine[key], theirs[key])
+            assert mine["local_rank"] == rank and mine["path"]
+            # DeepSpeed's client_sd also holds its own extra keys (ds_config, ds_version, ...): yours, equal
+            assert mine["client"] == {"epoch": 2} and theirs["client"]["epoch"] == 2, sorted(theirs["client"])
+            drop = JSONS[name].get("dataloader_drop_last", False)
+            assert mine["batches"] == (4 if drop else 5) and len(mine["seen"]) == 2 * mine["batches"]
+            assert sorted(i for b in mine["seen"] for i in b) != list(range(N_SAMPLES))  # a rank's share
+            for a, b in zip(mine["lrs"] + [mine["optimizer_lr"]], theirs["lrs"] + [theirs["optimizer_lr"]]):
+                assert a == b or max(abs(u - v) for u, v in zip(a, b)) <= 1e-12, (name, mine["lrs"], theirs["lrs"])
+            for k, v in theirs["trained"].items():
+                assert (mine["trained"][k] - v).abs().max() <= 2e-6, (name, k)
+                assert torch.equal(mine["loaded"][k], mine["trained"][k]), (name, k)
+                assert torch.equal(theirs["loaded"][k], v), (name, k)
+    both = [i for r in got for b in r["zero0, constant lr"][1]["seen"][:5] for i in b]
+    assert sorted(both) == list(range(N_SAMPLES))  # one epoch: every sample once over the two ranks
+
+
+def test_deepspeed_arguments_refused_by_name(tmp_path):
+    net = nn.Linear(D_IN, 1)
+    ds = {"train_batch_size": 2}
+    for kwargs, field in [({"model": argparse.Namespace()}, "model"), ({"model": None}, "model"),
+                          ({"model": net, "mpu": object()}, "mpu"),
+                          ({"model": net, "config": ds, "args": argparse.Namespace(deepspeed_config="x.json")},
+                           "args.deepspeed_config"),
+                          ({"model": net, "config": ds, "training_data": [1, 2]}, "training_data"),
+                          ({"model": net, "config": ds, "collate_fn": list}, "collate_fn"),
+                          ({"model": net, "config": dict(ds, dataloader_drop_last="yes")}, "dataloader_drop_last")]:
+        with pytest.raises(ConfigError) as e:
+            shardlab.initialize(**kwargs)
+        assert e.value.field == field, (kwargs, e.value)
+    engine, optimizer, loader, sched = shardlab.initialize(config_params=ds, model=net)  # DeepSpeed's older name
+    assert loader is None and sched is None and optimizer is engine.optimizer and engine.train_batch_size() == 2
+    engine, _, _, sched = shardlab.initialize(net, {"train": {"warmup_steps": 2, "steps": 4, "lr": 1e-2}})
+    assert sched.get_last_lr() == engine.get_lr() == [5e-3] * 2  # shardlab's cosine, warming up (two decay groups)
+    engine.backward(engine(torch.randn(2, D_IN)).sum())
+    engine.step()
+    assert engine.get_lr() == sched.get_last_lr() == [1e-2] * 2  # the next step's, as DeepSpeed's
+    with pytest.raises(ConfigError, match="engine.step\\(\\) advances it"):
+        sched.step()

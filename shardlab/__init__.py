@@ -4,10 +4,13 @@
 training, like ``deepspeed.initialize``; imported on first use so that ``import shardlab`` stays light.
 """
 
-__all__ = ["initialize", "ModelEngine"]
+__all__ = ["initialize", "ModelEngine", "add_config_arguments", "init_distributed"]
 
 
 def __getattr__(name):
+    if name in ("add_config_arguments", "init_distributed"):  # DeepSpeed's module functions (api_deepspeed.py)
+        from . import api_deepspeed
+        return getattr(api_deepspeed, name)
     if name in __all__:
         from . import api
         return getattr(api, name)

@@ -29,6 +29,7 @@ from .errors import ConfigError
 from .distributed.mesh import Mesh
 from .distributed.topology import Topology
 from .api_checkpoint import EngineCheckpoints
+from .api_deepspeed import DeepSpeedAccessors
 from .train.groups import regroup, user_groups
 from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
 
@@ -196,7 +197,7 @@ def _tag_groups(model: nn.Module, groups, weight_decay: float, tag: str = "_shar
             delattr(p, tag)
 
 
-class ModelEngine(EngineCheckpoints):
+class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
     """What ``initialize`` returns: forward, backward, step, checkpoints of a user model.
 
     ``module`` is the user's model (under ZeRO-3 its sharded parameters are attached only
@@ -260,19 +261,6 @@ class ModelEngine(EngineCheckpoints):
         step = self.global_steps - (self.scaler.skipped if t.lr_schedule != "cosine" else 0)
         return [lr_at(step, t, None if self._uniform_peak else g["initial_lr"]) for g in self.optimizer.param_groups]
 
-    def __iter__(self):
-        """``engine, optimizer, training_dataloader, lr_scheduler = shardlab.initialize(...)``, as
-        ``deepspeed.initialize`` returns them (api_deepspeed.returned)."""
-        from .api_deepspeed import returned
-        return iter(returned(self))
-
-    def deepspeed_io(self, dataset, batch_size: int | None = None, collate_fn=None, drop_last: bool = False):
-        """DeepSpeed's loader of ``dataset`` for this rank: a DistributedSampler over the ranks,
-        ``batch_size`` (default: the micro-batch) samples a batch (api_deepspeed.data_loader)."""
-        from .api_deepspeed import data_loader
-        return data_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.global_rank,
-                           self.world_size, collate_fn, drop_last)
-
     # -- identity ---------------------------------------------------------------------------
     @property
     def global_rank(self) -> int:
@@ -288,24 +276,6 @@ class ModelEngine(EngineCheckpoints):
 
     def eval(self) -> "ModelEngine":
         return self.train(False)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per micro-batch per rank: train.global_batch / (accumulation * ranks)."""
-        return self.cfg.train.global_batch // (self.accumulation * self.world_size)
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.accumulation
-
-    def train_batch_size(self) -> int:
-        return self.cfg.train.global_batch
-
-    def was_step_applied(self) -> bool:
-        """False when the last step was skipped (fp16 overflow, or a non-finite gradient)."""
-        return not (self.last_overflow or self.last_nonfinite)
-
-    def get_global_grad_norm(self) -> float | None:
-        """The gradient norm over all ranks at the last step, before clipping (None before one)."""
-        return self.grad_norm
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward completes the step's accumulation."""

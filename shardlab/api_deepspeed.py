@@ -1,7 +1,8 @@
 """What ``deepspeed.initialize``'s callers pass and get back, for ``shardlab.initialize``
 (docs/api.md, A DeepSpeed script unchanged): the ``args`` namespace (``--deepspeed_config``,
 ``local_rank``), ``config_params``, ``training_data`` / ``collate_fn`` and DeepSpeed's data loader,
-and the four values ``engine, optimizer, training_dataloader, lr_scheduler``."""
+the four values ``engine, optimizer, training_dataloader, lr_scheduler``, DeepSpeed's engine
+accessors (:class:`DeepSpeedAccessors`), ``add_config_arguments`` and ``init_distributed``."""
 from __future__ import annotations
 
 from .errors import ConfigError
@@ -106,3 +107,75 @@ def returned(engine) -> tuple:
         sched = ConfigSchedule(engine)
     return engine, engine.optimizer, engine.training_dataloader, sched
 
+
+
+class DeepSpeedAccessors:
+    """Mixed into api.ModelEngine: DeepSpeed's engine methods that read the configuration and the
+    last step (uses ``cfg``, ``accumulation``, ``world_size``, ``global_rank``, ``last_overflow``,
+    ``last_nonfinite``, ``grad_norm``, ``optimizer``, ``lr_scheduler``, ``training_dataloader``)."""
+
+    def __iter__(self):
+        """``engine, optimizer, training_dataloader, lr_scheduler = shardlab.initialize(...)``, as
+        ``deepspeed.initialize`` returns them (:func:`returned`)."""
+        return iter(returned(self))
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, collate_fn=None, drop_last: bool = False):
+        """DeepSpeed's loader of ``dataset`` for this rank (:func:`data_loader`); ``batch_size``
+        defaults to the micro-batch."""
+        return data_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.global_rank,
+                           self.world_size, collate_fn, drop_last)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch per rank: train.global_batch / (accumulation * ranks)."""
+        return self.cfg.train.global_batch // (self.accumulation * self.world_size)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.accumulation
+
+    def train_batch_size(self) -> int:
+        return self.cfg.train.global_batch
+
+    def zero_optimization_stage(self) -> int:
+        return self.cfg.parallel.zero_stage
+
+    def bfloat16_enabled(self) -> bool:
+        """bf16 autocast (DeepSpeed's ``bf16.enabled``); the weights stay fp32 here, so inputs cast
+        to bf16 (as DeepSpeed's examples do when this is true) meet autocast, not bf16 weights."""
+        return self.cfg.train.precision == "bf16"
+
+    def fp16_enabled(self) -> bool:
+        return self.cfg.train.precision == "fp16"
+
+    def was_step_applied(self) -> bool:
+        """False when the last step was skipped (fp16 overflow, or a non-finite gradient)."""
+        return not (self.last_overflow or self.last_nonfinite)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm over all ranks at the last step, before clipping (None before one)."""
+        return self.grad_norm
+
+
+def add_config_arguments(parser):
+    """``deepspeed.add_config_arguments``: DeepSpeed's argument group (``--deepspeed``,
+    ``--deepspeed_config``, and the deprecated ``--deepscale`` / ``--deepscale_config``) on
+    ``parser``, which is returned; ``initialize(args=...)`` reads ``deepspeed_config``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by shardlab.initialize)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="a flag for your own code (no effect on the engine)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON configuration file")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated name of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated name of --deepspeed_config")
+    return parser
+
+
+def init_distributed(dist_backend: str | None = None, timeout=None, **_) -> None:
+    """``deepspeed.init_distributed``: join the job the launcher started (torchrun / ``shardlab
+    launch`` / already initialised / a world of one), as ``initialize`` does; a later
+    ``initialize`` uses it. ``dist_backend``: ``nccl`` (one GPU a rank) or ``gloo`` (the CPU);
+    DeepSpeed's other arguments (MPI discovery, port, ...) are accepted and unused."""
+    from .launch import init_from_env
+    if dist_backend not in (None, "nccl", "gloo"):
+        raise ConfigError("dist_backend", f"got {dist_backend!r}; use nccl (GPUs), gloo (CPU) or None")
+    device = {"nccl": "cuda", "gloo": "cpu"}.get(dist_backend, "auto")
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (timeout or 600.0)
+    init_from_env(device, float(seconds))

@@ -56,15 +56,17 @@ def full_params(engine, deepspeed):
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
-def script(initialize, json_path, ckpt, deepspeed=None):
-    """The user's script: only ``initialize`` differs between the two runs."""
+def script(lib, json_path, ckpt, deepspeed=None):
+    """The user's script: ``lib`` is ``deepspeed`` or ``shardlab`` (``import shardlab as deepspeed``)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
-    parser.add_argument("--deepspeed_config", type=str)
+    lib.add_config_arguments(parser)
     args = parser.parse_args(["--deepspeed_config", str(json_path)])
     net = make(torch.float32)
-    engine, optimizer, loader, sched = initialize(args=args, model=net, model_parameters=net.parameters(),
-                                                  training_data=Samples())
+    engine, optimizer, loader, sched = lib.initialize(args=args, model=net, model_parameters=net.parameters(),
+                                                      training_data=Samples())
+    flags = [engine.zero_optimization_stage(), engine.bfloat16_enabled(), engine.fp16_enabled(),
+             engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), engine.train_batch_size()]
     seen, lrs = [], []
     for epoch in range(2):
         loader.data_sampler.set_epoch(epoch)
@@ -80,12 +82,12 @@ def script(initialize, json_path, ckpt, deepspeed=None):
         engine.wait_checkpoint()
     args.local_rank = -1
     net = make(torch.float32)
-    again, *_ = initialize(args=args, model=net, model_parameters=net.parameters())
+    again, *_ = lib.initialize(args=args, model=net, model_parameters=net.parameters())
     path, client = again.load_checkpoint(ckpt)
     return {"seen": seen, "lrs": lrs, "local_rank": args.local_rank, "batches": len(loader),
             "optimizer_lr": [g["lr"] for g in optimizer.param_groups], "scheduler": sched is not None,
             "trained": trained, "loaded": full_params(again, deepspeed), "client": client,
-            "path": path is not None, "steps": engine.global_steps}
+            "path": path is not None, "steps": engine.global_steps, "flags": flags}
 
 
 def _worker(ctx, tmp):
@@ -96,8 +98,8 @@ def _worker(ctx, tmp):
         if ctx.rank == 0:
             path.write_text(json.dumps(ds))
         torch.distributed.barrier()
-        theirs = script(deepspeed.initialize, path, tmp / f"ds-{path.stem}", deepspeed)
-        mine = script(shardlab.initialize, path, tmp / f"sl-{path.stem}")
+        theirs = script(deepspeed, path, tmp / f"ds-{path.stem}", deepspeed)
+        mine = script(shardlab, path, tmp / f"sl-{path.stem}")
         out[name] = theirs, mine
     return out
 
@@ -107,7 +109,7 @@ def test_a_deepspeed_script_runs_unchanged(tmp_path):
     got = launch.run(_worker, 2, tmp_path, timeout_s=300)
     for rank, results in enumerate(got):
         for name, (theirs, mine) in results.items():
-            for key in ("seen", "local_rank", "batches", "scheduler", "path", "steps"):
+            for key in ("seen", "local_rank", "batches", "scheduler", "path", "steps", "flags"):
                 assert mine[key] == theirs[key], (rank, name, key, mine[key], theirs[key])
             assert mine["local_rank"] == rank and mine["path"]
             # DeepSpeed's client_sd also holds its own extra keys (ds_config, ds_version, ...): yours, equal
@@ -138,7 +140,11 @@ def test_deepspeed_arguments_refused_by_name(tmp_path):
         with pytest.raises(ConfigError) as e:
             shardlab.initialize(**kwargs)
         assert e.value.field == field, (kwargs, e.value)
-    engine, optimizer, loader, sched = shardlab.initialize(config_params=ds, model=net)  # DeepSpeed's older name
+    args = shardlab.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepspeed"])
+    assert args.deepspeed and args.deepspeed_config is None and args.deepscale_config is None
+    with pytest.raises(ConfigError, match="dist_backend"):
+        shardlab.init_distributed("mpi")
+    engine, optimizer, loader, sched = shardlab.initialize(args=args, config_params=ds, model=net)  # older name
     assert loader is None and sched is None and optimizer is engine.optimizer and engine.train_batch_size() == 2
     engine, _, _, sched = shardlab.initialize(net, {"train": {"warmup_steps": 2, "steps": 4, "lr": 1e-2}})
     assert sched.get_last_lr() == engine.get_lr() == [5e-3] * 2  # shardlab's cosine, warming up (two decay groups)

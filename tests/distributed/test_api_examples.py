@@ -30,3 +30,18 @@ def test_deepspeed_cnn_synthetic():
                 "--test-limit", "64")
     assert r.returncode == 0, r.stderr
     assert "step 2/2 loss" in r.stdout and "test accuracy" in r.stdout
+
+
+def test_deepspeed_script_unchanged_resumes_from_latest(tmp_path):
+    """examples/deepspeed_unchanged.py (``import shardlab as deepspeed``): DeepSpeed's four values,
+    its loader, tagged saves named in ``latest``, ``_, client_sd = load_checkpoint(...)``."""
+    common = ["examples/deepspeed_unchanged.py", "--deepspeed_config", "examples/ds_config.json", "--synthetic",
+              "--limit", "256", "--log-interval", "2", "--ckpt", str(tmp_path / "ck")]
+    r = _launch(*common, "--epochs", "1")
+    assert r.returncode == 0, r.stderr
+    assert "[1,     2] loss" in r.stdout and "done: 2 optimizer steps on 2 ranks" in r.stdout, r.stdout
+    assert (tmp_path / "ck" / "latest").read_text() == "epoch0\n"
+    r = _launch(*common, "--epochs", "2")
+    assert r.returncode == 0, r.stderr
+    assert "at epoch 1" in r.stdout and "[1," not in r.stdout and "[2,     2] loss" in r.stdout, r.stdout
+    assert "done: 4 optimizer steps" in r.stdout and (tmp_path / "ck" / "latest").read_text() == "epoch1\n"

@@ -90,16 +90,22 @@ def _optimizer_builder(optimizer, cfg: C.Config, device):
     if optimizer is None:
         return build_adamw(t, device), True, None
     if isinstance(optimizer, torch.optim.Optimizer):
-        # A ready optimizer holds the unsharded parameters: rebuilt from its class and defaults on
-        # the engine's (possibly sharded) parameters, each of its groups' settings (weight decay
-        # included) on exactly the parameters of that group, as torch applies them.
+        # A ready optimizer holds the unsharded parameters. As DeepSpeed does, the same object is
+        # kept and its groups refilled with the engine's (possibly sharded) tensors, each group's
+        # settings (weight decay, lr, a scheduler's initial_lr) on exactly its parameters: your
+        # scheduler built on it, and lr you set in its param_groups, act on the engine's step.
         if optimizer.state:
             raise ConfigError("optimizer", f"this {type(optimizer).__name__} has already stepped (it has state); "
                               "pass a fresh one, its class or a factory taking param groups")
-        defaults = dict(optimizer.defaults)
-        t.weight_decay = float(defaults.get("weight_decay", 0.0))
-        cls = type(optimizer)
-        return (lambda groups: cls(groups, **defaults)), False, optimizer.param_groups
+        t.weight_decay = float(optimizer.defaults.get("weight_decay", 0.0))
+        given = [dict(g) for g in optimizer.param_groups]
+
+        def refill(groups):
+            optimizer.param_groups.clear()
+            for g in groups:
+                optimizer.add_param_group(g)
+            return optimizer
+        return refill, False, given
     if inspect.isclass(optimizer) and issubclass(optimizer, torch.optim.Optimizer):
         return (lambda groups: optimizer(groups, lr=t.lr)), False, None
     if callable(optimizer):
@@ -117,9 +123,10 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
 
     ``config``: a shardlab dict / TOML or JSON path / ``Config``, or a DeepSpeed JSON (dict or
     path). ``optimizer``: None (AdamW from the config), a torch optimizer class, a factory
-    ``param_groups -> optimizer``, or a fresh optimizer object (rebuilt from its class and
-    defaults). ``lr_scheduler``: None (the config's schedule when the optimizer comes from the
-    config, else a constant lr) or a factory ``optimizer -> scheduler``. ``model_parameters``: as
+    ``param_groups -> optimizer``, or a fresh optimizer object (kept, its groups refilled with
+    the engine's tensors, as DeepSpeed does). ``lr_scheduler``: None (the config's schedule when
+    the optimizer comes from the config, else a constant lr), a scheduler built on that optimizer
+    object, or a factory ``optimizer -> scheduler``. ``model_parameters``: as
     in ``deepspeed.initialize``, the model's parameters or torch param-group dicts (each group's
     settings, e.g. ``weight_decay``, on its parameters); default: every trainable parameter in
     the config's groups (``train.weight_decay_params``; docs/api.md, Parameter groups).
@@ -144,9 +151,14 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("model", "has parameters on the meta device; materialise it (e.g. model.to_empty + "
                                    "init) before shardlab.initialize")
-    if lr_scheduler is not None and (not callable(lr_scheduler) or hasattr(lr_scheduler, "optimizer")):
-        raise ConfigError("lr_scheduler", "pass a factory taking the optimizer, e.g. "
-                                          "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
+    ready = hasattr(lr_scheduler, "optimizer") and hasattr(lr_scheduler, "step")  # a scheduler object
+    if ready and lr_scheduler.optimizer is not optimizer:
+        raise ConfigError("lr_scheduler", "is built on another optimizer than the one passed as optimizer=; pass "
+                                          "that optimizer too (as DeepSpeed's callers do), or a factory taking the "
+                                          "optimizer, e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)")
+    if lr_scheduler is not None and not ready and not callable(lr_scheduler):
+        raise ConfigError("lr_scheduler", f"expected a scheduler built on optimizer= or a factory taking the "
+                                          f"optimizer, got {type(lr_scheduler).__name__}")
     kind, data = _read(config)
     drop_last = ds.drop_last_of(data) if kind == "deepspeed" else False
     if kind == "deepspeed":  # its loader's key, used here (shardlab train warns it is ignored)
@@ -231,7 +243,8 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         self.optimizer = self.engine.make_optimizer(build_groups)
         for g in self.optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])  # a group's own peak (ds_* schedules without warmup_max_lr)
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        ready = hasattr(lr_scheduler, "optimizer") and hasattr(lr_scheduler, "step")  # built on your optimizer
+        self.lr_scheduler = lr_scheduler if ready or lr_scheduler is None else lr_scheduler(self.optimizer)
         self._schedule = schedule and self.lr_scheduler is None
         self._uniform_peak = uniform_peak
         t = cfg.train

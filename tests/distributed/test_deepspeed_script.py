@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 import shardlab
 from shardlab import launch
 from shardlab.errors import ConfigError
-from tests.distributed.test_deepspeed_parity import D_IN, _import_deepspeed, make
+from tests.distributed.test_deepspeed_parity import D_IN, _import_deepspeed, batch, make
 
 N_SAMPLES = 38  # 19 a rank: four micro-batches of 4 and a short one of 3 (dropped with dataloader_drop_last)
 JSONS = {
@@ -125,6 +125,64 @@ def test_a_deepspeed_script_runs_unchanged(tmp_path):
                 assert torch.equal(theirs["loaded"][k], v), (name, k)
     both = [i for r in got for b in r["zero0, constant lr"][1]["seen"][:5] for i in b]
     assert sorted(both) == list(range(N_SAMPLES))  # one epoch: every sample once over the two ranks
+
+
+def objects_script(lib, stage, rank, deepspeed=None):
+    """The other common DeepSpeed call: your optimizer object (two groups) and a scheduler built on
+    it (``lr_scheduler=``, stepped by the engine), then lr set by hand in your optimizer's groups."""
+    ds = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    rows = slice(4 * rank, 4 * rank + 4)
+    net = make(torch.float32)
+    decay = [p for p in net.parameters() if p.ndim >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0.0}], lr=2e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    engine, _, _, returned_sched = lib.initialize(model=net, optimizer=opt, lr_scheduler=sched, config=ds)
+    lrs = []
+    for step in range(5):
+        x, y = batch(step, torch.float32)
+        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    net = make(torch.float32)
+    opt2 = torch.optim.AdamW(net.parameters(), lr=2e-2)
+    by_hand, *_ = lib.initialize(model=net, optimizer=opt2, config=ds)
+    for step in range(4):
+        if step == 2:
+            for g in opt2.param_groups:
+                g["lr"] = 1e-3
+        x, y = batch(step, torch.float32)
+        by_hand.backward(F.mse_loss(by_hand(x[rows]), y[rows]))
+        by_hand.step()
+    return {"lrs": lrs, "same_scheduler": returned_sched is sched, "params": full_params(engine, deepspeed),
+            "by_hand": full_params(by_hand, deepspeed)}
+
+
+def _objects_worker(ctx):
+    deepspeed = _import_deepspeed(ctx.rank)
+    return {stage: (objects_script(deepspeed, stage, ctx.rank, deepspeed), objects_script(shardlab, stage, ctx.rank))
+            for stage in (0, 2, 3)}
+
+
+def test_your_optimizer_and_scheduler_objects_as_in_deepspeed():
+    """DeepSpeed keeps your optimizer object (its groups refilled with what it trains) and steps
+    your scheduler after each step: the same lr sequence, parameters equal to 2e-6 (fp32), and an
+    lr set by hand in your optimizer's groups takes effect (before 2026-12-07 shardlab rebuilt the
+    optimizer from its class, so such an edit was silently lost, and refused a scheduler object)."""
+    pytest.importorskip("deepspeed")
+    for results in launch.run(_objects_worker, 2, timeout_s=300):
+        for stage, (theirs, mine) in results.items():
+            assert mine["lrs"] == theirs["lrs"] and mine["same_scheduler"] and theirs["same_scheduler"], stage
+            assert mine["lrs"][0] != mine["lrs"][-1]  # the schedule moved
+            for key in ("params", "by_hand"):
+                for k, v in theirs[key].items():
+                    assert (mine[key][k] - v).abs().max() <= 2e-6, (stage, key, k)
+    net = make(torch.float32)
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-2)
+    with pytest.raises(ConfigError, match="built on another optimizer"):
+        shardlab.initialize(net, {"train": {"steps": 2}}, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    engine, optimizer, *_ = shardlab.initialize(net, {"train": {"steps": 2}}, optimizer=opt)
+    assert optimizer is opt and engine.optimizer is opt  # the same object, now holding the engine's tensors
 
 
 def test_deepspeed_arguments_refused_by_name(tmp_path):

@@ -58,6 +58,30 @@ class EngineCheckpoints:
             self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep,
             on_commit=lambda: tags.mark_latest(directory, tag))  # rank 0, once committed (async: later)
 
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: the whole model's ``state_dict`` (your names, buffers included) written by
+        rank 0 with ``torch.save`` to ``save_dir/save_filename``, its floating-point tensors in
+        the training's 16-bit dtype under bf16 / fp16 (the dtype DeepSpeed's module holds then)
+        and fp32 otherwise; ``exclude_frozen_parameters`` leaves out parameters that do not
+        require grad. Collective. Returns True. Under ZeRO-3 it is gathered whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says (DeepSpeed saves nothing and returns
+        False when that is false)."""
+        state = self.full_state_dict()
+        if self.mesh.rank == 0:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision)
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            out = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+                   for k, v in state.items() if not (exclude_frozen_parameters and k in frozen)}
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            torch.save(out, tmp)
+            tmp.replace(path)  # a reader never sees half a file
+        return True
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
+
     def wait_checkpoint(self) -> None:
         """With ``checkpoint.async_save``: wait for the save in flight and raise (on every rank)
         if it failed. Collective; call it before the end of the program."""

@@ -77,6 +77,8 @@ def script(lib, json_path, ckpt, deepspeed=None):
             seen.append(index.tolist())
             lrs.append(None if sched is None else list(sched.get_last_lr()))
     trained = full_params(engine, deepspeed)
+    engine.save_16bit_model(ckpt / "export")  # every rank calls it, as in DeepSpeed
+    exported = torch.load(ckpt / "export" / "pytorch_model.bin") if engine.global_rank == 0 else None
     engine.save_checkpoint(ckpt, tag=f"global_step{engine.global_steps}", client_state={"epoch": 2})
     if hasattr(engine, "wait_checkpoint"):
         engine.wait_checkpoint()
@@ -87,7 +89,7 @@ def script(lib, json_path, ckpt, deepspeed=None):
     return {"seen": seen, "lrs": lrs, "local_rank": args.local_rank, "batches": len(loader),
             "optimizer_lr": [g["lr"] for g in optimizer.param_groups], "scheduler": sched is not None,
             "trained": trained, "loaded": full_params(again, deepspeed), "client": client,
-            "path": path is not None, "steps": engine.global_steps, "flags": flags}
+            "path": path is not None, "steps": engine.global_steps, "flags": flags, "exported": exported}
 
 
 def _worker(ctx, tmp):
@@ -123,6 +125,10 @@ def test_a_deepspeed_script_runs_unchanged(tmp_path):
                 assert (mine["trained"][k] - v).abs().max() <= 2e-6, (name, k)
                 assert torch.equal(mine["loaded"][k], mine["trained"][k]), (name, k)
                 assert torch.equal(theirs["loaded"][k], v), (name, k)
+            if rank == 0:  # save_16bit_model: the same keys, dtypes and values (fp32 runs save fp32, as DeepSpeed)
+                assert mine["exported"].keys() == theirs["exported"].keys() == theirs["trained"].keys()
+                for k, v in theirs["exported"].items():
+                    assert mine["exported"][k].dtype == v.dtype and (mine["exported"][k] - v).abs().max() <= 2e-6
     both = [i for r in got for b in r["zero0, constant lr"][1]["seen"][:5] for i in b]
     assert sorted(both) == list(range(N_SAMPLES))  # one epoch: every sample once over the two ranks
 
@@ -211,3 +217,18 @@ def test_deepspeed_arguments_refused_by_name(tmp_path):
     assert engine.get_lr() == sched.get_last_lr() == [1e-2] * 2  # the next step's, as DeepSpeed's
     with pytest.raises(ConfigError, match="engine.step\\(\\) advances it"):
         sched.step()
+
+
+def test_save_16bit_model_casts_under_bf16_and_can_leave_frozen_out(tmp_path):
+    net = make(torch.float32)
+    net.norm.weight.requires_grad_(False)
+    ds = {"train_batch_size": 8, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = shardlab.initialize(model=net, config=ds)
+    x, y = batch(0, torch.float32)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    assert engine.save_16bit_model(tmp_path, "m.bin", exclude_frozen_parameters=True) is True
+    got, full = torch.load(tmp_path / "m.bin"), engine.full_state_dict()
+    assert sorted(got) == sorted(k for k in full if k != "norm.weight") and not list(tmp_path.glob(".*"))
+    for k, v in got.items():  # the fp32 master weights rounded to bf16, the 16-bit dtype DeepSpeed's module holds
+        assert v.dtype == torch.bfloat16 and torch.equal(v, full[k].to(torch.bfloat16)), k

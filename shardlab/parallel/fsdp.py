@@ -54,16 +54,35 @@ def mixed_precision_dtypes(train, autocast_default: bool = True) -> tuple:
 
 def wrap_policy(model: nn.Module, policy: str, spec=None) -> list[str]:
     """Unit names from ``parallel.wrap_policy``: ``blocks`` (the architecture's blocks, from its
-    ModelSpec; for a model without a spec, no units but the root), ``size:<N>`` or
-    ``class:<Name>[,<Name>]``."""
+    ModelSpec; for a model without a spec, its repeated blocks: :func:`repeated_blocks`),
+    ``size:<N>`` or ``class:<Name>[,<Name>]``."""
     kind, _, arg = policy.partition(":")
     if kind == "blocks":
-        return list(spec.blocks(model)) if spec is not None else []
+        return list(spec.blocks(model)) if spec is not None else repeated_blocks(model)
     if kind == "size":
         return size_policy(model, int(arg))
     if kind == "class":
         return class_policy(model, tuple(a.strip() for a in arg.split(",") if a.strip()))
     raise ValueError(f"parallel.wrap_policy: unknown policy {policy!r}; use blocks, size:<N> or class:<Name>")
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """A user model's blocks, as FSDP users wrap them by hand: the children of every outermost
+    ModuleList / Sequential that holds two or more modules of one class with trainable parameters
+    (a transformer's layers, a ResNet stage's blocks). None (the root unit only) where a block
+    shares a parameter with anything outside it (a unit must own its parameters)."""
+    out: list[str] = []
+    for name, mod in model.named_modules():
+        kids = list(mod.named_children())
+        if (not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(kids) < 2
+                or len({type(k) for _, k in kids}) > 1 or any(name.startswith(u + ".") for u in out)
+                or not all(any(p.requires_grad for p in k.parameters()) for _, k in kids)):
+            continue
+        out += [f"{name}.{k}" if name else k for k, _ in kids]
+    where: dict[int, set[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        where.setdefault(id(p), set()).add(next((u for u in out if pname.startswith(u + ".")), ""))
+    return [] if any(len(owners) > 1 for owners in where.values()) else out
 
 
 def class_policy(model: nn.Module, class_names: tuple[str, ...]) -> list[str]:

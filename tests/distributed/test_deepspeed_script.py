@@ -232,3 +232,39 @@ def test_save_16bit_model_casts_under_bf16_and_can_leave_frozen_out(tmp_path):
     assert sorted(got) == sorted(k for k in full if k != "norm.weight") and not list(tmp_path.glob(".*"))
     for k, v in got.items():  # the fp32 master weights rounded to bf16, the 16-bit dtype DeepSpeed's module holds
         assert v.dtype == torch.bfloat16 and torch.equal(v, full[k].to(torch.bfloat16)), k
+
+
+def _generate_worker(ctx):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        engine, *_ = shardlab.initialize(model=LlamaForCausalLM(cfg), config={
+            "train_batch_size": 4, "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        fresh = LlamaForCausalLM(cfg)
+        fresh.load_state_dict(engine.full_state_dict(everywhere=True))
+        engine.eval()
+        with torch.no_grad():
+            logits = engine(input_ids=ids).logits
+            tokens = engine.module.generate(ids, max_new_tokens=4, do_sample=False) if stage < 3 else None
+            out[stage] = (len(list(engine.module.parameters())), torch.equal(logits, fresh(input_ids=ids).logits),
+                          tokens is None or torch.equal(tokens, fresh.generate(ids, max_new_tokens=4, do_sample=False)))
+    return out
+
+
+def test_generate_on_the_engines_module():
+    """docs/api.md, engine.module: at ZeRO-2 a transformers model's ``generate`` runs on the engine's
+    module (tokens and logits equal to a fresh model loaded from full_state_dict); at ZeRO-3 the
+    module has no registered parameters (what makes transformers' ``generate`` fail there), and
+    the engine's own no-grad forward still equals the fresh model's."""
+    pytest.importorskip("transformers")
+    for result in launch.run(_generate_worker, 2, timeout_s=120):
+        assert result[2][0] > 0 and result[2][1] and result[2][2]
+        assert result[3][0] == 0 and result[3][1]

@@ -171,6 +171,8 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
                       check_collectives=cfg.parallel.check_collectives, transport=cfg.parallel.comm_transport,
                       comm_thread=cfg.parallel.comm_thread)
     build, schedule, own_groups = _optimizer_builder(optimizer, cfg, ctx.device)
+    if kind == "deepspeed" and data.get("scheduler") and lr_scheduler is None:
+        schedule = True  # as DeepSpeed builds the JSON's scheduler on your optimizer too (_scheduler_from_config)
     if model_parameters is not None and own_groups is not None:
         raise ConfigError("model_parameters", "pass either model_parameters or an optimizer object holding them, not both")
     given = model_parameters if model_parameters is not None else own_groups

@@ -160,8 +160,19 @@ def objects_script(lib, stage, rank, deepspeed=None):
         x, y = batch(step, torch.float32)
         by_hand.backward(F.mse_loss(by_hand(x[rows]), y[rows]))
         by_hand.step()
-    return {"lrs": lrs, "same_scheduler": returned_sched is sched, "params": full_params(engine, deepspeed),
-            "by_hand": full_params(by_hand, deepspeed)}
+    net = make(torch.float32)  # your optimizer object with the JSON's scheduler block: DeepSpeed builds it on yours
+    opt3 = torch.optim.AdamW([{"params": [p for p in net.parameters() if p.ndim >= 2], "lr": 2e-2},
+                              {"params": [p for p in net.parameters() if p.ndim < 2], "lr": 5e-3}])
+    json_sched, *_ = lib.initialize(model=net, optimizer=opt3, config=dict(ds, scheduler={
+        "type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}}))
+    json_lrs = []
+    for step in range(4):
+        x, y = batch(step, torch.float32)
+        json_sched.backward(F.mse_loss(json_sched(x[rows]), y[rows]))
+        json_sched.step()
+        json_lrs.append([g["lr"] for g in opt3.param_groups])
+    return {"lrs": lrs + json_lrs, "same_scheduler": returned_sched is sched, "params": full_params(engine, deepspeed),
+            "by_hand": full_params(by_hand, deepspeed), "json_sched": full_params(json_sched, deepspeed)}
 
 
 def _objects_worker(ctx):
@@ -180,7 +191,7 @@ def test_your_optimizer_and_scheduler_objects_as_in_deepspeed():
         for stage, (theirs, mine) in results.items():
             assert mine["lrs"] == theirs["lrs"] and mine["same_scheduler"] and theirs["same_scheduler"], stage
             assert mine["lrs"][0] != mine["lrs"][-1]  # the schedule moved
-            for key in ("params", "by_hand"):
+            for key in ("params", "by_hand", "json_sched"):
                 for k, v in theirs[key].items():
                     assert (mine[key][k] - v).abs().max() <= 2e-6, (stage, key, k)
     net = make(torch.float32)

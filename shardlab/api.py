@@ -312,11 +312,13 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         with ac:
             return self.engine.forward(*inputs, sync=self.is_gradient_accumulation_boundary(), **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps`` (the step's gradient is
-        the mean over micro-batches and ranks), then the engine's per-micro-batch hook."""
+        the mean over micro-batches and ranks), then the engine's per-micro-batch hook. As
+        DeepSpeed's: ``scale_wrt_gas=False`` leaves out the division by the accumulation steps
+        (the micro-batches' gradients are summed), ``retain_graph`` is autograd's."""
         sync = self.is_gradient_accumulation_boundary()
-        (loss * (self.scaler.scale / self.accumulation)).backward()
+        (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward(retain_graph=retain_graph)
         self.engine.after_backward(sync)
         self.micro_steps += 1
         return loss

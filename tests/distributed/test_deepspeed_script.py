@@ -279,3 +279,26 @@ def test_generate_on_the_engines_module():
     for result in launch.run(_generate_worker, 2, timeout_s=120):
         assert result[2][0] > 0 and result[2][1] and result[2][2]
         assert result[3][0] == 0 and result[3][1]
+
+
+def test_backward_takes_deepspeeds_arguments():
+    """``engine.backward(loss, retain_graph=..., scale_wrt_gas=...)`` as DeepSpeed's: without the
+    division by the accumulation steps an SGD step moves the weights twice as far at 2 steps; a
+    kept graph can be differentiated again."""
+    moved = {}
+    for scale in (True, False):
+        net = make(torch.float64)
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        engine, *_ = shardlab.initialize(net, {"parallel": {"microbatches": 2}, "train": {
+            "precision": "fp64", "grad_clip": 0.0, "global_batch": 8, "lr": 1e-2, "warmup_steps": 0,
+            "min_lr_ratio": 1.0, "weight_decay": 0.0}}, optimizer=torch.optim.SGD)
+        x, y = batch(0, torch.float64)
+        x.requires_grad_(True)
+        for i in range(2):
+            loss = F.mse_loss(engine(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4])
+            engine.backward(loss, retain_graph=True, scale_wrt_gas=scale)
+            assert torch.autograd.grad(loss, x)[0].abs().sum() > 0  # the graph was kept
+        engine.step()
+        moved[scale] = {k: v - before[k] for k, v in engine.full_state_dict().items()}
+    for k, v in moved[True].items():
+        assert v.abs().max() > 1e-6 and torch.allclose(moved[False][k], 2 * v, rtol=1e-9, atol=1e-12), k

@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .distributed.mesh import Mesh
 from .distributed.topology import Topology
 from .api_checkpoint import EngineCheckpoints
-from .api_deepspeed import DeepSpeedAccessors
+from .api_deepspeed import DeepSpeedAccessors, is_scheduler
 from .train.groups import regroup, user_groups
 from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
 
@@ -151,7 +151,7 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("model", "has parameters on the meta device; materialise it (e.g. model.to_empty + "
                                    "init) before shardlab.initialize")
-    ready = hasattr(lr_scheduler, "optimizer") and hasattr(lr_scheduler, "step")  # a scheduler object
+    ready = ds.is_scheduler(lr_scheduler)
     if ready and lr_scheduler.optimizer is not optimizer:
         raise ConfigError("lr_scheduler", "is built on another optimizer than the one passed as optimizer=; pass "
                                           "that optimizer too (as DeepSpeed's callers do), or a factory taking the "
@@ -245,8 +245,8 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         self.optimizer = self.engine.make_optimizer(build_groups)
         for g in self.optimizer.param_groups:
             g.setdefault("initial_lr", g["lr"])  # a group's own peak (ds_* schedules without warmup_max_lr)
-        ready = hasattr(lr_scheduler, "optimizer") and hasattr(lr_scheduler, "step")  # built on your optimizer
-        self.lr_scheduler = lr_scheduler if ready or lr_scheduler is None else lr_scheduler(self.optimizer)
+        ready = is_scheduler(lr_scheduler) or lr_scheduler is None  # an object built on your optimizer, or none
+        self.lr_scheduler = lr_scheduler if ready else lr_scheduler(self.optimizer)
         self._schedule = schedule and self.lr_scheduler is None
         self._uniform_peak = uniform_peak
         t = cfg.train

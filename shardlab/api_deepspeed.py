@@ -40,6 +40,11 @@ def refuse_model_parallel(mpu, mesh_param) -> None:
                                     "(shardlab's own models take tensor / sequence parallel from parallel.tp / cp)")
 
 
+def is_scheduler(x) -> bool:
+    """A scheduler object (built on an optimizer), as opposed to a factory taking one."""
+    return hasattr(x, "optimizer") and hasattr(x, "step")
+
+
 def set_local_rank(args, local_rank: int) -> None:
     """As DeepSpeed does: ``args.local_rank``, where the namespace has one, is this rank's."""
     if args is not None and hasattr(args, "local_rank"):

@@ -144,33 +144,30 @@ def objects_script(lib, stage, rank, deepspeed=None):
                              {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0.0}], lr=2e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     engine, _, _, returned_sched = lib.initialize(model=net, optimizer=opt, lr_scheduler=sched, config=ds)
-    lrs = []
-    for step in range(5):
-        x, y = batch(step, torch.float32)
-        engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
-        engine.step()
-        lrs.append([g["lr"] for g in opt.param_groups])
+
+    def train(engine, opt, steps, hand_lr_at=None):
+        """``steps`` steps on this rank's rows; the lr of ``opt``'s groups after each."""
+        lrs = []
+        for step in range(steps):
+            if step == hand_lr_at:
+                for g in opt.param_groups:
+                    g["lr"] = 1e-3
+            x, y = batch(step, torch.float32)
+            engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+            engine.step()
+            lrs.append([g["lr"] for g in opt.param_groups])
+        return lrs
+    lrs = train(engine, opt, 5)
     net = make(torch.float32)
     opt2 = torch.optim.AdamW(net.parameters(), lr=2e-2)
     by_hand, *_ = lib.initialize(model=net, optimizer=opt2, config=ds)
-    for step in range(4):
-        if step == 2:
-            for g in opt2.param_groups:
-                g["lr"] = 1e-3
-        x, y = batch(step, torch.float32)
-        by_hand.backward(F.mse_loss(by_hand(x[rows]), y[rows]))
-        by_hand.step()
+    train(by_hand, opt2, 4, hand_lr_at=2)
     net = make(torch.float32)  # your optimizer object with the JSON's scheduler block: DeepSpeed builds it on yours
     opt3 = torch.optim.AdamW([{"params": [p for p in net.parameters() if p.ndim >= 2], "lr": 2e-2},
                               {"params": [p for p in net.parameters() if p.ndim < 2], "lr": 5e-3}])
     json_sched, *_ = lib.initialize(model=net, optimizer=opt3, config=dict(ds, scheduler={
         "type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}}))
-    json_lrs = []
-    for step in range(4):
-        x, y = batch(step, torch.float32)
-        json_sched.backward(F.mse_loss(json_sched(x[rows]), y[rows]))
-        json_sched.step()
-        json_lrs.append([g["lr"] for g in opt3.param_groups])
+    json_lrs = train(json_sched, opt3, 4)
     return {"lrs": lrs + json_lrs, "same_scheduler": returned_sched is sched, "params": full_params(engine, deepspeed),
             "by_hand": full_params(by_hand, deepspeed), "json_sched": full_params(json_sched, deepspeed)}
 

@@ -14,6 +14,18 @@ _TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
              "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "gradient_clipping",
              "activation_checkpointing", "steps_per_print", "autotp_size", "model"}
 AUTO = "auto"
+_NO_EFFECT_ZERO = {"contiguous_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
+                   "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                   "allgather_bucket_size", "allgather_partitions", "reduce_scatter", "round_robin_gradients",
+                   "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                   "elastic_checkpoint", "memory_efficient_linear"}
+_NO_EFFECT_TOP = {"wall_clock_breakdown", "memory_breakdown", "flops_profiler", "comms_logger", "tensorboard",
+                  "csv_monitor", "wandb", "dump_state", "prescale_gradients"}
+"""Keys that tune how DeepSpeed runs (buffer sizes, prefetching, gathering for ``save_16bit_model``,
+which shardlab always does) or what it logs, not what a step computes: named in a warning of their
+own, apart from the keys that would change the results and are not supported."""
+_FP16_AS_SHARDLAB = {"hysteresis": 2, "min_loss_scale": 1, "consecutive_hysteresis": False}
+"""fp16 keys at the values shardlab's ``loss_scaler = deepspeed`` implements (DeepSpeed's defaults)."""
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -217,8 +229,9 @@ def _precision(ds: dict, out: dict, unsupported: list):
             t["loss_scale_init"] = float(2 ** power)
         if fp16.get("loss_scale_window", AUTO) != AUTO:
             t["loss_scale_window"] = fp16["loss_scale_window"]
-    unsupported += [f"fp16.{k}" for k in fp16
-                    if k not in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window")]
+    unsupported += [f"fp16.{k}" for k in fp16 if k not in ("enabled", "loss_scale", "initial_scale_power",
+                                                           "loss_scale_window")
+                    and not (k in _FP16_AS_SHARDLAB and fp16[k] in (_FP16_AS_SHARDLAB[k], AUTO))]
 
 
 def _zero(ds: dict, out: dict, unsupported: list):
@@ -240,7 +253,8 @@ def _zero(ds: dict, out: dict, unsupported: list):
         p["offload"] = True
     elif offload:
         unsupported += [f"zero_optimization.{k} with stage {stage} (shardlab offloads at stage 3)" for k in offload]
-    unsupported += [f"zero_optimization.{k}" for k in z if k not in _ZERO_KEYS]
+    unsupported += [f"zero_optimization.{k}" for k in z if k not in _ZERO_KEYS | _NO_EFFECT_ZERO]
+    out["_no_effect"] = [f"zero_optimization.{k}" for k in z if k in _NO_EFFECT_ZERO]
 
 
 def resolve_batch(ds: dict, world_size: int) -> dict:
@@ -313,8 +327,12 @@ def translate(ds: dict) -> dict:
         unsupported += [f"activation_checkpointing.{k}" for k in ac if ac[k] not in (False, None)]
     if "steps_per_print" in ds:
         out["logging"]["log_every"] = _positive_int(ds, "steps_per_print") or 10
-    unsupported += [k for k in ds if k not in _TOP_KEYS]
+    unsupported += [k for k in ds if k not in _TOP_KEYS | _NO_EFFECT_TOP]
+    no_effect = out.pop("_no_effect", []) + [k for k in ds if k in _NO_EFFECT_TOP]
     if unsupported:
         warnings.warn("DeepSpeed config: not supported by shardlab, ignored: " + ", ".join(unsupported),
                       stacklevel=2)
+    if no_effect:
+        warnings.warn("DeepSpeed config: tuning / logging keys that do not change what a step computes, left to "
+                      "shardlab's own settings: " + ", ".join(no_effect), stacklevel=2)
     return {k: v for k, v in out.items() if v}

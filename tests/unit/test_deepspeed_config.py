@@ -32,10 +32,23 @@ def test_translate_maps_every_supported_key(recwarn):
 
 
 def test_unsupported_keys_are_named_in_a_warning():
-    ds = dict(DS, wall_clock_breakdown=True, zero_optimization={"stage": 2, "contiguous_gradients": True})
-    with pytest.warns(UserWarning, match="wall_clock_breakdown.*zero_optimization.contiguous_gradients|"
-                                         "zero_optimization.contiguous_gradients.*wall_clock_breakdown"):
+    """Keys that would change the results name themselves as not supported; tuning and logging keys
+    (which do not change what a step computes, in DeepSpeed either) in a warning of their own; fp16
+    keys at the values shardlab's DeepSpeed loss scaler implements are not named at all."""
+    ds = dict(DS, wall_clock_breakdown=True, data_efficiency={"enabled": True},
+              fp16={"enabled": True, "hysteresis": 2, "min_loss_scale": 1},
+              zero_optimization={"stage": 2, "contiguous_gradients": True, "stage3_max_live_parameters": 1e9,
+                                 "zero_hpz_partition_size": 2})
+    with pytest.warns(UserWarning) as record:
         translate(ds)
+    got = sorted(str(w.message) for w in record)
+    assert got == ["DeepSpeed config: not supported by shardlab, ignored: zero_optimization.zero_hpz_partition_size, "
+                   "data_efficiency",
+                   "DeepSpeed config: tuning / logging keys that do not change what a step computes, left to "
+                   "shardlab's own settings: zero_optimization.contiguous_gradients, "
+                   "zero_optimization.stage3_max_live_parameters, wall_clock_breakdown"], got
+    with pytest.warns(UserWarning, match="ignored: fp16.hysteresis$"):
+        translate(dict(DS, fp16={"enabled": True, "hysteresis": 4, "min_loss_scale": 1}))
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -20,9 +20,10 @@ _NO_EFFECT_ZERO = {"contiguous_gradients", "sub_group_size", "stage3_prefetch_bu
                    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
                    "elastic_checkpoint", "memory_efficient_linear"}
 _NO_EFFECT_TOP = {"wall_clock_breakdown", "memory_breakdown", "flops_profiler", "comms_logger", "tensorboard",
-                  "csv_monitor", "wandb", "dump_state", "prescale_gradients"}
+                  "csv_monitor", "wandb", "dump_state", "prescale_gradients", "zero_allow_untested_optimizer"}
 """Keys that tune how DeepSpeed runs (buffer sizes, prefetching, gathering for ``save_16bit_model``,
-which shardlab always does) or what it logs, not what a step computes: named in a warning of their
+which shardlab always does), what it logs or what it allows (``zero_allow_untested_optimizer``:
+shardlab's ZeRO takes any torch optimizer), not what a step computes: named in a warning of their
 own, apart from the keys that would change the results and are not supported."""
 _FP16_AS_SHARDLAB = {"hysteresis": 2, "min_loss_scale": 1, "consecutive_hysteresis": False}
 """fp16 keys at the values shardlab's ``loss_scaler = deepspeed`` implements (DeepSpeed's defaults)."""

@@ -4,6 +4,7 @@ partial loads (docs/api.md, Checkpoint and resume)."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,9 +43,10 @@ class EngineCheckpoints:
         except (TypeError, ValueError) as e:
             raise ConfigError("client_state", f"must be JSON values (numbers, strings, lists, dicts): {e}; "
                                               "save tensors as a model buffer or your own file") from None
-        if self.micro_steps:
-            raise RuntimeError(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
-                               f"{self.accumulation} micro-batches): save after engine.step()")
+        if self.micro_steps and self.mesh.rank == 0:  # DeepSpeed saves here too (an epoch of an odd number of batches)
+            warnings.warn(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
+                          f"{self.accumulation} micro-batches): it holds the state after step {self.global_steps}; "
+                          "the gradients of those micro-batches are not in it (as in DeepSpeed)", stacklevel=2)
 
         def meta():
             return {"api": {"global_steps": self.global_steps, "scaler": self.scaler.state_dict(),

@@ -6,6 +6,7 @@ read from the returned scheduler, the same parameters after training (fp32, 2e-6
 load, the same client state (docs/api.md, A DeepSpeed script unchanged)."""
 import argparse
 import json
+import warnings
 
 import pytest
 import torch
@@ -299,3 +300,44 @@ def test_backward_takes_deepspeeds_arguments():
         moved[scale] = {k: v - before[k] for k, v in engine.full_state_dict().items()}
     for k, v in moved[True].items():
         assert v.abs().max() > 1e-6 and torch.allclose(moved[False][k], 2 * v, rtol=1e-9, atol=1e-12), k
+
+
+def _mid_accumulation_worker(ctx, tmp):
+    out = {}
+    for stage in (0, 2, 3):
+        runs = {}
+        for save in (False, True):
+            net = make(torch.float64)
+            engine, *_ = shardlab.initialize(net, {"parallel": {"microbatches": 2, "zero_stage": stage}, "train": {
+                "precision": "fp64", "global_batch": 8, "lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0}})
+            for micro in range(4):  # steps after micro-batches 2 and 4; a save after the 3rd
+                x, y = batch(micro, torch.float64)
+                rows = slice(2 * ctx.rank, 2 * ctx.rank + 2)
+                engine.backward(F.mse_loss(engine(x[rows]), y[rows]))
+                engine.step()
+                if micro == 1:
+                    after_first = engine.full_state_dict(everywhere=True)
+                if micro == 2 and save:
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        engine.save_checkpoint(tmp / f"ck{stage}")
+                    out[stage, "warned"] = [str(w.message) for w in caught]
+            runs[save] = engine.full_state_dict(everywhere=True)
+        fresh, *_ = shardlab.initialize(make(torch.float64), {"parallel": {"microbatches": 2, "zero_stage": stage},
+                                                             "train": {"precision": "fp64", "global_batch": 8}})
+        fresh.load_checkpoint(tmp / f"ck{stage}")
+        out[stage] = runs[False], runs[True], after_first, fresh.full_state_dict(everywhere=True), fresh.global_steps
+    return out
+
+
+def test_a_save_in_the_middle_of_accumulation_as_in_deepspeed(tmp_path):
+    """DeepSpeed saves where a script asks (an epoch of an odd number of micro-batches ends inside an
+    accumulation); shardlab refused with a RuntimeError until 2026-12-07. Now it warns (rank 0) and
+    saves the state after the last optimizer step, and the run it interrupts is unchanged."""
+    for rank, out in enumerate(launch.run(_mid_accumulation_worker, 2, tmp_path, timeout_s=120)):
+        for stage in (0, 2, 3):
+            plain, saved, after_first, loaded, steps = out[stage]
+            assert steps == 1 and (len(out[stage, "warned"]) == 1) == (rank == 0), (stage, out[stage, "warned"])
+            for k, v in plain.items():
+                assert torch.equal(saved[k], v), (stage, k)  # the save did not disturb the accumulation
+                assert torch.equal(loaded[k], after_first[k]), (stage, k)  # it holds the state after step 1

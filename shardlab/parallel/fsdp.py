@@ -69,13 +69,15 @@ def wrap_policy(model: nn.Module, policy: str, spec=None) -> list[str]:
 def repeated_blocks(model: nn.Module) -> list[str]:
     """A user model's blocks, as FSDP users wrap them by hand: the children of every outermost
     ModuleList / Sequential that holds two or more modules of one class with trainable parameters
-    (a transformer's layers, a ResNet stage's blocks). None (the root unit only) where a block
+    (a transformer's layers, a ResNet stage's blocks; ModuleLists are never called, so a list of
+    them is looked into, as :func:`size_policy` does). None (the root unit only) where a block
     shares a parameter with anything outside it (a unit must own its parameters)."""
     out: list[str] = []
     for name, mod in model.named_modules():
         kids = list(mod.named_children())
         if (not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(kids) < 2
                 or len({type(k) for _, k in kids}) > 1 or any(name.startswith(u + ".") for u in out)
+                or isinstance(kids[0][1], (nn.ModuleList, nn.ModuleDict))  # never called: look inside them
                 or not all(any(p.requires_grad for p in k.parameters()) for _, k in kids)):
             continue
         out += [f"{name}.{k}" if name else k for k, _ in kids]

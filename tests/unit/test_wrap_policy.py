@@ -34,6 +34,8 @@ def test_repeated_blocks_of_a_user_model():
     assert repeated_blocks(Net(share="embed")) == repeated_blocks(Net())  # tied outside the blocks: the root's
     assert repeated_blocks(Net(share="block")) == []  # a block's weight used outside it: one unit could not own it
     assert repeated_blocks(nn.Linear(3, 3)) == []
+    nested = nn.ModuleList([nn.ModuleList([Block(), Block()]), nn.ModuleList([Block(), Block()])])
+    assert repeated_blocks(nested) == ["0.0", "0.1", "1.0", "1.1"]  # ModuleLists are never called: their blocks
 
 
 def test_repeated_blocks_of_transformers_models():

@@ -63,6 +63,7 @@ def script(lib, json_path, ckpt, deepspeed=None):
     parser.add_argument("--local_rank", type=int, default=-1)
     lib.add_config_arguments(parser)
     args = parser.parse_args(["--deepspeed_config", str(json_path)])
+    lib.init_distributed()  # joins the job the launcher started (here: already joined)
     net = make(torch.float32)
     engine, optimizer, loader, sched = lib.initialize(args=args, model=net, model_parameters=net.parameters(),
                                                       training_data=Samples())

@@ -16,14 +16,11 @@ def configure(parser):
 
 
 def main(args) -> int:
-    from ..train import checks  # noqa: F401  (registers every config check validate runs)
     from ..errors import at_least
+    from ..train.finetune import load_resolved
     if args.nproc is not None:
         at_least(args.nproc, 1, "--nproc")
-    from ..train.finetune import resolve_base
-    cfg = C.load(args.config, args.overrides, args.nproc)
-    resolve_base(cfg)  # a fine-tuning config's model section is the base's, as train runs it
-    C.spread_over(cfg, args.nproc).validate(args.nproc)  # as train --nproc runs it
+    cfg = load_resolved(args.config, args.overrides, args.nproc)  # as train --nproc runs it
     print(describe(cfg))
     return 0
 

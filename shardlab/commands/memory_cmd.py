@@ -28,14 +28,10 @@ def configure(p: argparse.ArgumentParser):
 
 
 def resolve(config_path, overrides, nproc: int):
-    from ..config import load, spread_over
     from ..errors import at_least
-    from ..train import checks  # noqa: F401  (registers every config check validate runs)
-    from ..train.finetune import resolve_base
+    from ..train.finetune import load_resolved
     at_least(nproc, 1, "--nproc")
-    cfg = load(config_path, overrides, nproc)
-    resolve_base(cfg)  # a fine-tuning config's model section comes from checkpoint.base, as train runs it
-    return spread_over(cfg, nproc).validate(world_size=nproc)
+    return load_resolved(config_path, overrides, nproc)  # as train runs it
 
 
 def main(args) -> int:

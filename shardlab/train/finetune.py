@@ -13,6 +13,17 @@ from ..config import Config, ConfigError, ModelConfig
 from ..models.lora import is_adapter
 
 
+def load_resolved(path, overrides, nproc: int | None) -> Config:
+    """A config as ``shardlab train --nproc nproc`` runs it, for the commands that describe a run
+    (``config show``, ``memory``): loaded with its overrides, the model section from
+    ``checkpoint.base`` (:func:`resolve_base`), degrees not given spread over the ranks, validated."""
+    from .. import config as C
+    from . import checks  # noqa: F401  (registers every config check validate runs)
+    cfg = C.load(path, overrides, nproc)
+    resolve_base(cfg)
+    return C.spread_over(cfg, nproc).validate(world_size=nproc)
+
+
 def resolve_base(cfg: Config):
     """Apply ``checkpoint.base`` to ``cfg.model``; return the opened source (or None)."""
     if not cfg.checkpoint.base:

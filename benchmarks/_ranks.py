@@ -55,12 +55,8 @@ def ru_maxrss_mib() -> float:
 
 def reset_peak() -> bool:
     """Reset VmHWM to the current RSS; False if the kernel refuses (then peaks are cumulative)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+    from shardlab.analysis.memtrace import reset_peak_rss
+    return reset_peak_rss()
 
 
 def build_engine(cfg, device, path: str):

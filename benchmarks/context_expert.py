@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from shardlab.analysis.memtrace import reset_peak_rss
 from shardlab.config import Config, ModelConfig
 from shardlab.distributed.mesh import Mesh
 from shardlab.distributed.topology import Topology
@@ -83,14 +84,6 @@ def _rss_mib(field: str) -> float | None:
         return None
 
 
-def _reset_peak_rss():
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
-
-
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -108,7 +101,7 @@ def memory(mesh, seq, dev):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    _reset_peak_rss()
+    reset_peak_rss()
     rss0 = _rss_mib("VmRSS")
     nbytes, loss = activation_bytes(model, lambda: model(x, y))
     loss.backward()

@@ -82,18 +82,27 @@ def _phases(engine, opt, batches, autocast, rec, step: int):
 
 
 def _warm_up(cfg, device):
-    """One step of a tiny local model (0.1M parameters, no communication) before the baseline is
-    taken: the libraries and kernels a step loads, and autograd's and the optimizer's own state,
-    count as the empty rank's, not as the model's."""
-    from ..config import ModelConfig
+    """One step of a one-block copy of the model (the run's widths, vocabulary 64, no
+    communication) on the run's micro-batch of tokens, before the baseline is taken: the
+    libraries and kernels a step loads, and autograd's and the optimizer's own state, count as the
+    empty rank's, not as the model's. The CPU's matmul library picks its kernels, and their memory
+    outside torch's allocator, by each matmul's shape. With the warm-up of 2 x 16 tokens at d_model
+    32 used before 2026-12-07 that memory counted as the model's: the first pipeline stage of
+    tests/distributed/test_memory_peaks.py's bf16 loss model measured 86-88 MiB on an AVX-512 bf16
+    CPU (EPYC) and 81 with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA), the same torch allocations
+    (profiled: 59.5 MiB) in both, against 77 predicted; with this one it measures 77 in both."""
+    from dataclasses import replace
     from ..models.spec import get_spec
     from ..train.optim import autocast_factory, build_adamw
     if get_spec(cfg.model).task != "lm":
         return
-    tiny = ModelConfig(arch=cfg.model.arch, d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16)
+    p = cfg.parallel
+    seq = max(16, cfg.train.seq_len // p.cp)
+    batch = max(1, cfg.train.global_batch // (p.dp_replicate * p.dp_shard) // p.microbatches)
+    tiny = replace(cfg.model, n_layers=1, vocab_size=64, max_seq_len=seq)
     model = get_spec(tiny).build(tiny).to(device)
     opt = build_adamw(cfg.train, device)(model.parameters())
-    x = torch.randint(0, 64, (2, 16), device=device)
+    x = torch.randint(0, 64, (batch, seq), device=device)
     autocast = autocast_factory(cfg.train.precision, device)
     from contextlib import nullcontext
     with autocast() if autocast else nullcontext():
@@ -101,6 +110,8 @@ def _warm_up(cfg, device):
     loss.backward()
     opt.step()
     del model, opt, loss
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the run's reserved bytes are its own
 
 
 def _measure_worker(ctx, cfg, steps: int = 2, cuda_snapshot: str = "", categories: bool = False):
@@ -109,11 +120,12 @@ def _measure_worker(ctx, cfg, steps: int = 2, cuda_snapshot: str = "", categorie
     from ..models.spec import add_adapters, meta_model, sample_batch
     from ..parallelize import parallelize
     from ..train.optim import autocast_factory, build_adamw
-    from .memtrace import Recorder, categories_at_peak, cuda_history, dump_cuda_history, profiled
+    from .memtrace import Recorder, categories_at_peak, cuda_history, dump_cuda_history, profiled, reset_peak_rss
 
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport,
                       comm_thread=cfg.parallel.comm_thread)
     _warm_up(cfg, mesh.device)
+    reset_peak_rss()  # the peak read at the end is the run's, not the warm-up's
     rec = Recorder(mesh.device, mesh.rank)  # the empty rank: its baseline is the fixed overhead
     cuda_history(bool(cuda_snapshot))
     with rec:

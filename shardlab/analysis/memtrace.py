@@ -29,6 +29,18 @@ def proc_status() -> dict[str, int]:
     return out
 
 
+def reset_peak_rss() -> bool:
+    """Start the kernel's peak-RSS counter (VmHWM, and with it ``ru_maxrss``) afresh at the
+    current RSS (Linux >= 4.0, ``/proc/self/clear_refs`` "5"), so a peak read later is what ran
+    since, not a warm-up's before it; False where the kernel refuses (peaks are then cumulative)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def current_bytes(device: torch.device) -> int:
     """What the rank holds now: RSS on CPU, allocated bytes on CUDA."""
     if device.type == "cuda":

@@ -70,7 +70,9 @@ def test_bf16_loss_peak_is_predicted(layout, monkeypatch):
     2026-11-28, 73 MiB before against 79-88). glibc keeps such freed 8 MiB blocks in its heap under
     shardlab's default 16 MiB mmap threshold, so that peak moved by one block from run to run (79-88
     MiB); with the threshold at 1 MiB (docs/data-parallel.md) it measured 79.6-80.1 in four runs,
-    so the ranks run with it here: this checks the planner's terms, not the heap's luck."""
+    so the ranks run with it here: this checks the planner's terms, not the heap's luck. On an
+    AVX-512 bf16 CPU (2026-12-07) it measured 86-88 MiB, oneDNN's per-shape kernel memory beside
+    the same torch allocations, until measure_run's warm-up ran the run's widths (77 MiB)."""
     monkeypatch.setenv("SHARDLAB_MMAP_THRESHOLD", str(1 << 20))  # the ranks take the launcher's environment
     model = ["--model.vocab_size=32768", "--model.d_model=64", "--model.n_layers=2", "--model.n_heads=4",
              "--model.max_seq_len=256", "--train.seq_len=256", "--train.global_batch=4", "--train.threads=1",

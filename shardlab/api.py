@@ -188,11 +188,11 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
 
 
 def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
-    from .parallel import ddp, fsdp, zero
+    from .parallel import ddp, fsdp, units, zero
     from .parallel.engine import Engine
     p = cfg.parallel
     if p.zero_stage == 3:
-        return fsdp.apply(model, mesh, cfg, fsdp.wrap_policy(model, p.wrap_policy, None))
+        return fsdp.apply(model, mesh, cfg, units.wrap_policy(model, p.wrap_policy, None))
     if p.zero_stage in (1, 2):
         return zero.apply(model, mesh, cfg)
     return ddp.apply(model, mesh, cfg) if mesh.world_size > 1 else Engine(model, mesh, cfg)

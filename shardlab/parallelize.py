@@ -65,10 +65,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, init: bool = True) -> Engine:
         else:
             engine = pipeline(model, mesh, cfg, spec, materialize=own)
     else:  # last: how data-parallel ranks share model state (parallel/ddp.py, zero.py, fsdp.py)
-        from .parallel import ddp, fsdp, zero
+        from .parallel import ddp, fsdp, units, zero
         if p.zero_stage == 3:
             materialize(model, init_fn, mesh.device, init, frozen_only=True)  # frozen (LoRA base): replicated
-            engine = fsdp.apply(model, mesh, cfg, fsdp.wrap_policy(model, p.wrap_policy, spec),
+            engine = fsdp.apply(model, mesh, cfg, units.wrap_policy(model, p.wrap_policy, spec),
                                init_fn=init_fn if init else None)
         else:
             own(model)

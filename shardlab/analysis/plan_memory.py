@@ -1,6 +1,6 @@
 """Per-rank model state of a layout, before launch, in the categories of ``analysis.measured_memory.measure``
 (a measured run compares to the byte): the rank's parameters from :func:`shadow.local_model`, then
-the engines' own flat-buffer rules (``zero.flat_groups`` / ``zero.shard_size``, ``fsdp.unit_params``,
+the engines' own flat-buffer rules (``zero.flat_groups`` / ``zero.shard_size``, ``units.unit_params``,
 ``pipeline.sharded.shard_group``), communication buffers and transients. docs/planner.md, Memory
 model (the per-engine table); activations: plan_activations.py."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import torch
 
 from ..distributed.topology import Topology
-from ..parallel.fsdp import FSDPEngine, unit_params, wrap_policy
+from ..parallel.fsdp import FSDPEngine
+from ..parallel.units import unit_params, wrap_policy
 from ..parallel.pipeline.sharded import shard_group
 from ..parallel.pipeline.stage import holds_ends
 from ..parallel.zero import ZeroEngine, flat_groups, shard_size

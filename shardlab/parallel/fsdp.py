@@ -2,8 +2,8 @@
 
 The model is cut into *units* (``parallel.wrap_policy``: the architecture's blocks by default,
 or by size or module class; the rest of the model is the root unit). A unit's parameters are
-packed into flat buffers (one per weight-decay group) padded to a multiple of N; a rank keeps only its slice, the optimizer's parameter (fp32
-master). Around each unit:
+packed into flat buffers (one per weight-decay group) padded to a multiple of N; a rank keeps
+only its slice, the optimizer's parameter (fp32 master). Around each unit:
 
   pre-forward    all-gather the unit's flat buffer (into a storage that is otherwise empty)
                  and point the modules' weights at views of it; launch the next unit's
@@ -14,29 +14,22 @@ master). Around each unit:
   post-backward  (hook when the gathered buffer's gradient is complete) reduce-scatter it
                  (in fp32) into the rank's gradient shard and free the gathered storage
 
-Mixed precision (``train.precision = bf16``): shards stay fp32 masters, the all-gather sends
-bf16 compute copies, gradients are cast to fp32 before the reduce-scatter. ``train.param_dtype``
-chooses the all-gather/compute dtype (default: the autocast dtype), ``train.reduce_dtype`` the
-reduce-scatter's (default: the shards' dtype; bf16 halves its bytes, the sum is then rounded to
-bf16 before it is added to the fp32 gradient shard). CPU offload keeps
-shards, gradients and optimizer states on the CPU (a no-op copy when the device is the CPU).
-Hybrid sharding: shard over ``dp_shard`` (x ``cp``), all-reduce gradient shards over ``dp_replicate``.
-Expert parallel: a unit's expert weights get flat buffers of their own, sharded over ``edp``
-(the ranks holding the same experts, dp_replicate included) and never all-reduced over
-dp_replicate; gradients are divided by dp_cp like the others (zero.py, docs/expert-parallel.md).
+Mixed precision, offload, hybrid sharding and expert weights' own flat buffers (sharded over
+``edp``): docs/data-parallel.md. Outside its forward a unit's modules hold the model's own
+parameter objects with empty data (``_placeholder``), so ``model.parameters()`` lists them.
 
-Communication per micro-batch: all-gather Psi (forward) + all-gather Psi (backward, only if
-resharded) + reduce-scatter Psi: 3 Psi (N-1)/N elements per rank, 1.5x DDP.
-Memory per rank: 16 Psi / N (mixed-precision Adam) plus the gathered units in flight.
+Per micro-batch: all-gather Psi (forward) + all-gather Psi (backward, if resharded) +
+reduce-scatter Psi: 3 Psi (N-1)/N elements per rank, 1.5x DDP. Memory per rank: 16 Psi / N
+(mixed-precision Adam) plus the gathered units in flight.
 """
 from __future__ import annotations
-
 
 import torch
 from torch import nn
 
 from .engine import Engine
 from .materialize import init_flat_range
+from .units import class_policy, repeated_blocks, size_policy, unit_params, wrap_policy  # noqa: F401 (re-exported)
 from .zero import DTYPES, FlatParam, ShardedEngine, flat_groups
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,74 +45,10 @@ def mixed_precision_dtypes(train, autocast_default: bool = True) -> tuple:
     return compute, DTYPES.get(train.reduce_dtype)
 
 
-def wrap_policy(model: nn.Module, policy: str, spec=None) -> list[str]:
-    """Unit names from ``parallel.wrap_policy``: ``blocks`` (the architecture's blocks, from its
-    ModelSpec; for a model without a spec, its repeated blocks: :func:`repeated_blocks`),
-    ``size:<N>`` or ``class:<Name>[,<Name>]``."""
-    kind, _, arg = policy.partition(":")
-    if kind == "blocks":
-        return list(spec.blocks(model)) if spec is not None else repeated_blocks(model)
-    if kind == "size":
-        return size_policy(model, int(arg))
-    if kind == "class":
-        return class_policy(model, tuple(a.strip() for a in arg.split(",") if a.strip()))
-    raise ValueError(f"parallel.wrap_policy: unknown policy {policy!r}; use blocks, size:<N> or class:<Name>")
-
-
-def repeated_blocks(model: nn.Module) -> list[str]:
-    """A user model's blocks, as FSDP users wrap them by hand: the children of every outermost
-    ModuleList / Sequential that holds two or more modules of one class with trainable parameters
-    (a transformer's layers, a ResNet stage's blocks; ModuleLists are never called, so a list of
-    them is looked into, as :func:`size_policy` does). None (the root unit only) where a block
-    shares a parameter with anything outside it (a unit must own its parameters)."""
-    out: list[str] = []
-    for name, mod in model.named_modules():
-        kids = list(mod.named_children())
-        if (not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(kids) < 2
-                or len({type(k) for _, k in kids}) > 1 or any(name.startswith(u + ".") for u in out)
-                or isinstance(kids[0][1], (nn.ModuleList, nn.ModuleDict))  # never called: look inside them
-                or not all(any(p.requires_grad for p in k.parameters()) for _, k in kids)):
-            continue
-        out += [f"{name}.{k}" if name else k for k, _ in kids]
-    where: dict[int, set[str]] = {}
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        where.setdefault(id(p), set()).add(next((u for u in out if pname.startswith(u + ".")), ""))
-    return [] if any(len(owners) > 1 for owners in where.values()) else out
-
-
-def class_policy(model: nn.Module, class_names: tuple[str, ...]) -> list[str]:
-    """Wrap policy by module class: the outermost modules whose class name is in ``class_names``."""
-    out = []
-    for name, mod in model.named_modules():
-        if name and type(mod).__name__ in class_names and not any(name.startswith(u + ".") for u in out):
-            out.append(name)
-    return out
-
-
-def size_policy(model: nn.Module, min_params: int) -> list[str]:
-    """Wrap policy by size: the outermost modules with at least ``min_params`` parameters (the
-    root excluded), in registration order. Containers without a forward (ModuleList, ModuleDict)
-    are never called, so their forward hooks would never gather: the policy looks inside them."""
-    out = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
-            continue
-        if name and not any(name.startswith(u + ".") for u in out):
-            if sum(p.numel() for p in mod.parameters()) >= min_params:
-                out.append(name)
-    return out
-
-
-def unit_params(module: nn.Module, prefix: str, units: list[str]) -> list[tuple[str, nn.Parameter]]:
-    """What unit ``prefix`` (``module``; "" the root) packs: its trainable parameters not inside
-    another of ``units``, each once (the engine's and the planner's rule)."""
-    seen, named = set(), []
-    for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
-        owner = next((u for u in units if u != prefix and name.startswith(u + ".")), None)
-        if owner is None and id(p) not in seen and p.requires_grad:
-            seen.add(id(p))
-            named.append((name, p))
-    return named
+# The hooks gather, free and point the modules at views: run eagerly, outside a compiled block
+# (``parallel.compile`` compiles each block's call, hooks included; dynamo cannot trace the
+# transports' host code, and failed on it before 2026-12-07).
+_eager = torch.compiler.disable
 
 
 class Unit:
@@ -140,13 +69,11 @@ class FSDPEngine(ShardedEngine):
         self.replicate_group = "dp_replicate" if mesh.size("dp_replicate") > 1 else None
         self.comm = mesh.comm(self.shard_group)
         self.reshard, self.prefetch = p.reshard_after_forward, p.prefetch
-        # Whether all-gathers run in the background (learnt at the first one). On the shared-memory
-        # transport they complete when issued, so a prefetch would overlap nothing and only hold
-        # the next unit sooner: there it is skipped (docs/data-parallel.md, Where the memory goes).
+        # Whether all-gathers run in the background (learnt at the first); on the shared-memory
+        # transport they complete when issued: no prefetch (docs/data-parallel.md, Where the memory goes)
         self.background = False
         self.home = torch.device("cpu") if p.offload else mesh.device  # where shards live
-        # offload to a GPU run: shards in pinned host memory, copied to the device without blocking
-        # (the copy is queued on the current stream, which the collective that reads it follows)
+        # offload on a GPU: pinned host shards, copied without blocking on the stream the collective follows
         self.pin = self.home.type == "cpu" and mesh.device.type == "cuda"
         # gathered (compute) and reduce-scatter dtypes; None: the shards' dtype
         self.compute_dtype, self.reduce_dtype = mixed_precision_dtypes(cfg.train)
@@ -160,10 +87,12 @@ class FSDPEngine(ShardedEngine):
         self.flats = [f for u in self.units for f in u.flats]
         self._order = self.units[1:]  # forward order of the non-root units
         for i, u in enumerate(self._order):
-            u.module.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
-            u.module.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
-        model.register_forward_pre_hook(lambda m, a: self._gather(self.units[0], wait=True, prefetch_next=0))
-        model.register_forward_hook(lambda m, a, out: None if torch.is_grad_enabled() else self._free_all())
+            u.module.register_forward_pre_hook(_eager(lambda m, a, i=i: self._pre_forward(i)))
+            u.module.register_forward_hook(_eager(lambda m, a, out, i=i: self._post_forward(i, out)))
+        model.register_forward_pre_hook(_eager(lambda m, a: self._gather(self.units[0], wait=True, prefetch_next=0)))
+        model.register_forward_hook(_eager(lambda m, a, out: None if torch.is_grad_enabled() else self._free_all()))
+        for f in self.flats:
+            _attach(f, None)
 
     # -- building ---------------------------------------------------------------------------
     def _make_unit(self, prefix: str, module: nn.Module, all_units: list[str]) -> Unit:
@@ -191,8 +120,9 @@ class FSDPEngine(ShardedEngine):
             f.grad_flat, f.token = None, torch.empty(0, dtype=dtype, device=self.mesh.device, requires_grad=True)
             f.token.register_post_accumulate_grad_hook(lambda t, f=f: self._post_backward(f))
             f.sites = [_sites(self.model, p) for _, p in group]
+            f.placeholders = [_placeholder(p, self.mesh.device) for _, p in group]
             f.unit_index = len(flats)
-            for sites in f.sites:
+            for sites in f.sites:  # out until every unit is built (a later unit must not pack them)
                 for mod, attr in sites:
                     del mod._parameters[attr]
             flats.append(f)
@@ -202,9 +132,8 @@ class FSDPEngine(ShardedEngine):
         return u
 
     def _init_shard(self, f: FlatParam, group) -> torch.Tensor:
-        """This rank's slice of a flat buffer of meta parameters, each element drawn from its
-        parameter's global initial value (or left empty for a checkpoint to fill): the rank
-        never holds more of the unit than its shard."""
+        """This rank's slice of a flat buffer of meta parameters, drawn from their global initial
+        values (or left for a checkpoint to fill): never more of the unit than the shard."""
         shard = torch.zeros(f.shard_size, dtype=group[0][1].dtype, device=self.home)
         for (name, p), (lo, hi), off in zip(group, f.own_ranges(), f.offsets):
             if hi > lo:
@@ -237,11 +166,8 @@ class FSDPEngine(ShardedEngine):
             u.pending, u.gathered = [], True
         if wait:
             for f in u.flats:  # fresh views each forward: part of this step's autograd graph
-                views = [_Piece.apply(f.full, f.token, f, i) for i in range(len(f.shapes))] \
-                    if torch.is_grad_enabled() else f.views(f.full)
-                for view, sites in zip(views, f.sites):
-                    for mod, attr in sites:
-                        setattr(mod, attr, view)
+                _attach(f, [_Piece.apply(f.full, f.token, f, i) for i in range(len(f.shapes))]
+                        if torch.is_grad_enabled() else f.views(f.full))
 
     def _free(self, u: Unit):
         if u.pending:  # a prefetch nobody used (eval that stopped early): finish it first
@@ -251,6 +177,7 @@ class FSDPEngine(ShardedEngine):
         for f in u.flats:
             self.gathered_bytes -= f.full.untyped_storage().nbytes()
             f.full.untyped_storage().resize_(0)
+            _attach(f, None)
         u.gathered = False
 
     def _free_all(self):
@@ -353,12 +280,10 @@ class FSDPEngine(ShardedEngine):
 
 
 class _Piece(torch.autograd.Function):
-    """Parameter ``i`` of a gathered flat buffer ``f.full``: forward, a view of it; backward, its
-    gradient added into the unit's flat gradient ``f.grad_flat`` (made at the first one) and an
-    empty gradient for ``token``. Autograd's own split of the flat buffer would keep all the
-    unit's gradients until the last one, then concatenate them: the unit's gradient twice. The
-    token's gradient is complete when every piece's is (the graph decides, the same on every
-    rank), and its hook starts the unit's reduce-scatter."""
+    """Parameter ``i`` of a gathered ``f.full``: forward, a view; backward, its gradient added
+    into the unit's flat gradient ``f.grad_flat`` and an empty one for ``token`` (autograd's own
+    split would keep the unit's gradients until the last, then concatenate: twice the unit). The
+    token's gradient is complete when every piece's is; its hook starts the reduce-scatter."""
 
     @staticmethod
     def forward(ctx, full, token, f, i):
@@ -372,6 +297,32 @@ class _Piece(torch.autograd.Function):
             f.grad_flat = torch.zeros(f.padded, dtype=grad.dtype, device=grad.device)
         f.grad_flat.narrow(0, f.offsets[i], f.numels[i]).view(f.shapes[i]).add_(grad)
         return None, grad.new_empty(0), None, None
+
+
+def _placeholder(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """What a module holds for ``p`` outside its unit's forward, as DeepSpeed's ZeRO-3 does: ``p``
+    itself (a meta one: a new one with its attributes) with empty data on the compute device, so
+    ``model.parameters()``, transformers' ``model.device`` and ``generate`` work."""
+    empty = torch.empty(0, dtype=p.dtype, device=device)
+    if not p.is_meta:
+        p.data = empty  # the values live in the flat shards now
+        return p
+    ph = nn.Parameter(empty, requires_grad=p.requires_grad)
+    ph.__dict__.update(p.__dict__)  # placements (TP / EP slices) and the like
+    return ph
+
+
+def _attach(f, views: list[torch.Tensor] | None) -> None:
+    """Put ``views`` (plain tensors, part of the step's graph) at every site of ``f``'s
+    parameters; None: the registered placeholders back."""
+    for i, sites in enumerate(f.sites):
+        for mod, attr in sites:
+            if views is None:
+                mod.__dict__.pop(attr, None)
+                mod._parameters[attr] = f.placeholders[i]
+            else:
+                mod._parameters.pop(attr, None)
+                setattr(mod, attr, views[i])
 
 
 def _sites(model: nn.Module, p: torch.Tensor) -> list[tuple[nn.Module, str]]:

@@ -97,7 +97,7 @@ def train(engine, first, last):
 
 LAYOUTS = [("ddp", 0, "blocks", 2), ("zero1", 1, "blocks", 1), ("zero2", 2, "blocks", 2),
            ("zero3-class", 3, "class:Block", 2), ("zero3-size", 3, "size:100", 1),
-           ("zero3-blocks", 3, "blocks", 1)]  # a user model's repeated blocks: blocks.0, blocks.1 (fsdp.repeated_blocks)
+           ("zero3-blocks", 3, "blocks", 1)]  # a user model's repeated blocks: blocks.0, blocks.1 (units.repeated_blocks)
 
 
 def _worker(ctx, ckpt_root):

@@ -71,3 +71,44 @@ def test_vocab_parallel_loss_stays_eager():
     assert getattr(model.criterion, "_compiled_call_impl", None) is None
     _compile_loss(model, SimpleNamespace(tp=1))
     assert model.criterion._compiled_call_impl is not None
+
+
+def _zero3_worker(ctx, cfg, batches):
+    from shardlab.train.optim import build_adamw
+    mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
+    engine = parallelize(build_model(cfg.model, cfg.train.seed, dtype=torch.float64), mesh, cfg)
+    opt = engine.make_optimizer(build_adamw(cfg.train, mesh.device))
+    losses, per = [], cfg.train.global_batch // mesh.size("dp")
+    for x, y in batches:
+        r = mesh.local_rank("dp")
+        local = engine.forward_backward([(x[r * per:(r + 1) * per], y[r * per:(r + 1) * per])])
+        engine.clip_grads(cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(engine.global_loss(local))
+    compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in get_spec(cfg.model).blocks(engine.model).values()]
+    return losses, engine.full_state(opt, everywhere=True), compiled
+
+
+def test_zero3_with_compiled_blocks_equals_one_process():
+    """ZeRO-3 with ``parallel.compile`` (each block's call compiled, the engine's gather / free
+    hooks inside it) at N = 2 against plain torch on one process (float64, 3 AdamW steps). Before
+    2026-12-07 dynamo traced the hooks: a unit's all-gather that grew the shared-memory arena
+    (blocks of d_model 128, as configs/tiny.toml's) failed in dynamo, and each block's hook
+    recompiled per block index."""
+    from shardlab.analysis.verify import plain_run
+    from shardlab.config import Config
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads, cfg.model.max_seq_len = 256, 128, 2, 4, 16
+    cfg.train.global_batch, cfg.train.seq_len, cfg.train.lr, cfg.train.grad_clip = 4, 16, 1e-2, 0.5
+    cfg.train.precision = "fp64"
+    cfg.parallel.dp_shard, cfg.parallel.zero_stage, cfg.parallel.compile = 2, 3, True
+    g = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, 256, (4, 17), generator=g) for _ in range(3)]
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    ref_losses, _, ref_state = plain_run(cfg, batches)
+    for losses, state, compiled in launch.run(_zero3_worker, 2, cfg, batches, timeout_s=600, threads=1):
+        assert compiled == [True, True]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-10, (losses, ref_losses)
+        for k, v in ref_state.items():
+            assert (state[k].to(v.dtype) - v).abs().max().item() <= 1e-10, k

@@ -1,5 +1,5 @@
 """The planner's per-rank model state is the engines' own: it asks them for their ownership rules
-(``zero.flat_groups`` and ``zero.shard_size``, ``fsdp.unit_params``, ``pipeline.sharded.shard_group``)
+(``zero.flat_groups`` and ``zero.shard_size``, ``units.unit_params``, ``pipeline.sharded.shard_group``)
 instead of restating them, and its parameter, gradient and optimizer bytes equal what the engines
 hold after a real step, on sizes that no shard group divides (every flat buffer padded)."""
 import pytest

@@ -1,10 +1,10 @@
 """``parallel.wrap_policy = blocks`` on a model shardlab has no ModelSpec for (shardlab.initialize):
 the children of its outermost containers of repeated blocks, as FSDP users wrap them by hand
-(parallel/fsdp.repeated_blocks); the root unit alone where a block shares a parameter."""
+(parallel/units.repeated_blocks); the root unit alone where a block shares a parameter."""
 import pytest
 from torch import nn
 
-from shardlab.parallel.fsdp import repeated_blocks, wrap_policy
+from shardlab.parallel.units import repeated_blocks, wrap_policy
 
 
 class Block(nn.Module):

@@ -48,6 +48,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg, init: bool = True) -> Engine:
     # Activation checkpointing and compile wrap whole blocks in place (names unchanged).
     from .parallel import recompute
     recompute.apply(model, p.activation_checkpointing, spec)
+    if p.compile:  # communication inside a compiled block runs eagerly from now on (distributed/eager.py)
+        from .distributed.eager import prepare
+        prepare()
     if p.compile and whole_graph(cfg):
         model.compile()  # one graph: embedding, blocks, head and loss (a plain torch.compile(model) loop's)
     elif p.compile:

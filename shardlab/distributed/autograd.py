@@ -29,11 +29,15 @@ Every communication goes through ``comm`` and is therefore counted in the ledger
 algorithm (backend or shardlab's own) is the Comm's choice. With a group of one rank every
 function is the identity. Tests: tests/distributed/test_autograd.py compares every gradient
 with a single-process computation of the same global function.
+
+Each function is :func:`~shardlab.distributed.eager.eager`: inside a compiled block
+(``parallel.compile``) it runs eagerly instead of being traced into the transports' host code.
 """
 from __future__ import annotations
 
 import torch
 
+from .eager import eager
 from .lanes import exchange
 
 
@@ -85,6 +89,7 @@ class _AllToAll(torch.autograd.Function):
         return exchange(ctx.comm, g.contiguous(), ctx.out_splits, ctx.in_splits), None, None, None
 
 
+@eager
 def copy_to_region(x: torch.Tensor, comm) -> torch.Tensor:
     """Megatron's f. Forward: y_r = x (x replicated). Backward: dL/dx = sum_r dL/dy_r.
 
@@ -93,6 +98,7 @@ def copy_to_region(x: torch.Tensor, comm) -> torch.Tensor:
     return x if comm.size == 1 else _Paired.apply(x, comm, 0, _same, _sum)
 
 
+@eager
 def reduce_from_region(x: torch.Tensor, comm) -> torch.Tensor:
     """Megatron's g. Forward: y = sum_r x_r (y replicated). Backward: dL/dx_r = dL/dy.
 
@@ -101,12 +107,14 @@ def reduce_from_region(x: torch.Tensor, comm) -> torch.Tensor:
     return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _same)
 
 
+@eager
 def sum_over_ranks(x: torch.Tensor, comm) -> torch.Tensor:
     """Forward: y = sum_r x_r on every rank. Backward: dL/dx_r = sum_s dL/dy_s (every rank's loss
     depends on the sum: MoE statistics summed over the batch's ranks)."""
     return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _sum)
 
 
+@eager
 def scatter_to_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
     """Forward: y_r = chunk_r(x) along ``dim`` (x replicated; equal chunks).
     Backward: dL/dx = cat_r(dL/dy_r) along ``dim`` (an all-gather): chunk r of x only
@@ -114,6 +122,7 @@ def scatter_to_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
     return x if comm.size == 1 else _Paired.apply(x, comm, dim, _chunk, _cat)
 
 
+@eager
 def gather_from_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
     """Forward: y = cat_r(x_r) along ``dim`` (y replicated). Backward: dL/dx_r = chunk_r(dL/dy).
 
@@ -122,6 +131,7 @@ def gather_from_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
     return x if comm.size == 1 else _Paired.apply(x, comm, dim, _cat, _chunk)
 
 
+@eager
 def all_gather(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     """Sequence parallel's gather. Forward: y_r = cat_s(x_s) along ``dim`` on every rank, but
     each rank's y_r feeds a different (rank-specific) computation.
@@ -129,6 +139,7 @@ def all_gather(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     return x if comm.size == 1 else _Paired.apply(x, comm, dim, _cat, _sum_chunk)
 
 
+@eager
 def reduce_scatter(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     """Sequence parallel's scatter. Forward: y_r = chunk_r(sum_s x_s) along ``dim``.
     Backward: dL/dx_s = cat_r(dL/dy_r) along ``dim`` for every s: an all-gather (each
@@ -136,6 +147,7 @@ def reduce_scatter(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     return x if comm.size == 1 else _Paired.apply(x, comm, dim, _sum_chunk, _cat)
 
 
+@eager
 def all_to_all(x: torch.Tensor, comm, in_splits: list[int] | None = None,
                out_splits: list[int] | None = None) -> torch.Tensor:
     """Expert parallel's dispatch/combine. Forward: rows ``in_splits[s]`` of x_r (in order)

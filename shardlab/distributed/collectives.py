@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import algorithms as algos
 from . import flight as fl
+from .eager import eager
 from .ledger import Ledger, ring_bytes
 from .p2p import ProcessGroupP2P, _nbytes
 
@@ -54,7 +55,7 @@ def _recorded(op: str, args, queued: bool = False):
             else:
                 entry[-1] = True
             return out
-        return wrapper
+        return eager(wrapper)  # inside a compiled block: a graph break, the call eager (eager.py)
     return deco
 
 
@@ -94,6 +95,7 @@ class Pending:
     def __init__(self, work, result: torch.Tensor, finish=None):
         self.work, self.result, self.finish = work, result, finish
 
+    @eager
     def wait(self) -> torch.Tensor:
         if self.entry is not None:
             self.entry[-1] = True

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import register_check
+from ..distributed.eager import eager
 from . import lse_kernel
 
 
@@ -241,6 +242,7 @@ def _wait(reqs, stats):
     return t0, t1
 
 
+@eager  # its ring's transfers run eagerly inside a compiled block (distributed/eager.py)
 def ring_attention(q, k, v, comm, causal: bool = True, stats: dict | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole (load-balanced, sharded) sequence."""
     return _RingAttention.apply(q, k, v, causal, comm, {} if stats is None else stats)

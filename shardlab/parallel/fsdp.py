@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed.eager import eager
 from .engine import Engine
 from .materialize import init_flat_range
 from .units import class_policy, repeated_blocks, size_policy, unit_params, wrap_policy  # noqa: F401 (re-exported)
@@ -43,12 +44,6 @@ def mixed_precision_dtypes(train, autocast_default: bool = True) -> tuple:
     compute = DTYPES[train.param_dtype] if train.param_dtype else (
         _DTYPES.get(train.precision) if autocast_default else None)
     return compute, DTYPES.get(train.reduce_dtype)
-
-
-# The hooks gather, free and point the modules at views: run eagerly, outside a compiled block
-# (``parallel.compile`` compiles each block's call, hooks included; dynamo cannot trace the
-# transports' host code, and failed on it before 2026-12-07).
-_eager = torch.compiler.disable
 
 
 class Unit:
@@ -87,10 +82,10 @@ class FSDPEngine(ShardedEngine):
         self.flats = [f for u in self.units for f in u.flats]
         self._order = self.units[1:]  # forward order of the non-root units
         for i, u in enumerate(self._order):
-            u.module.register_forward_pre_hook(_eager(lambda m, a, i=i: self._pre_forward(i)))
-            u.module.register_forward_hook(_eager(lambda m, a, out, i=i: self._post_forward(i, out)))
-        model.register_forward_pre_hook(_eager(lambda m, a: self._gather(self.units[0], wait=True, prefetch_next=0)))
-        model.register_forward_hook(_eager(lambda m, a, out: None if torch.is_grad_enabled() else self._free_all()))
+            u.module.register_forward_pre_hook(eager(lambda m, a, i=i: self._pre_forward(i)))
+            u.module.register_forward_hook(eager(lambda m, a, out, i=i: self._post_forward(i, out)))
+        model.register_forward_pre_hook(eager(lambda m, a: self._gather(self.units[0], wait=True, prefetch_next=0)))
+        model.register_forward_hook(eager(lambda m, a, out: None if torch.is_grad_enabled() else self._free_all()))
         for f in self.flats:
             _attach(f, None)
 
@@ -121,6 +116,7 @@ class FSDPEngine(ShardedEngine):
             f.token.register_post_accumulate_grad_hook(lambda t, f=f: self._post_backward(f))
             f.sites = [_sites(self.model, p) for _, p in group]
             f.placeholders = [_placeholder(p, self.mesh.device) for _, p in group]
+            f.forward_views = f.placeholders  # the last forward's views (set by each gather)
             f.unit_index = len(flats)
             for sites in f.sites:  # out until every unit is built (a later unit must not pack them)
                 for mod, attr in sites:
@@ -166,8 +162,9 @@ class FSDPEngine(ShardedEngine):
             u.pending, u.gathered = [], True
         if wait:
             for f in u.flats:  # fresh views each forward: part of this step's autograd graph
-                _attach(f, [_Piece.apply(f.full, f.token, f, i) for i in range(len(f.shapes))]
-                        if torch.is_grad_enabled() else f.views(f.full))
+                f.forward_views = [_Piece.apply(f.full, f.token, f, i) for i in range(len(f.shapes))] \
+                    if torch.is_grad_enabled() else f.views(f.full)
+                _attach(f, f.forward_views)
 
     def _free(self, u: Unit):
         if u.pending:  # a prefetch nobody used (eval that stopped early): finish it first
@@ -213,6 +210,8 @@ class FSDPEngine(ShardedEngine):
         for w in u.pending:
             w.wait()
         u.pending, u.gathered = [], True
+        for f in u.flats:  # a checkpointed block recomputes its forward without the hooks: the
+            _attach(f, f.forward_views)  # forward's views, of the storage just gathered again
 
     @torch.no_grad()
     def _post_backward(self, f: FlatParam):

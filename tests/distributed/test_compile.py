@@ -73,7 +73,7 @@ def test_vocab_parallel_loss_stays_eager():
     assert model.criterion._compiled_call_impl is not None
 
 
-def _zero3_worker(ctx, cfg, batches):
+def _collectives_worker(ctx, cfg, batches):
     from shardlab.train.optim import build_adamw
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device)
     engine = parallelize(build_model(cfg.model, cfg.train.seed, dtype=torch.float64), mesh, cfg)
@@ -90,24 +90,33 @@ def _zero3_worker(ctx, cfg, batches):
     return losses, engine.full_state(opt, everywhere=True), compiled
 
 
-def test_zero3_with_compiled_blocks_equals_one_process():
-    """ZeRO-3 with ``parallel.compile`` (each block's call compiled, the engine's gather / free
-    hooks inside it) at N = 2 against plain torch on one process (float64, 3 AdamW steps). Before
-    2026-12-07 dynamo traced the hooks: a unit's all-gather that grew the shared-memory arena
-    (blocks of d_model 128, as configs/tiny.toml's) failed in dynamo, and each block's hook
-    recompiled per block index."""
+MOE = dict(n_experts=4, moe_top_k=2, moe_capacity_factor=0.0, ffn_hidden=96)  # dropless: one process's routing
+
+
+@pytest.mark.parametrize("parallel,model", [(dict(dp_shard=2, zero_stage=3), {}), (dict(cp=2, cp_impl="ulysses"), {}),
+                                            (dict(dp_shard=2, ep=2), MOE)], ids=["zero3", "ulysses", "ep2"])
+def test_compiled_blocks_with_collectives_inside_equal_one_process(parallel, model):
+    """``parallel.compile`` (each block's call compiled) where communication runs inside the block's
+    call: ZeRO-3's gather / free hooks, Ulysses' and expert parallel's all-to-alls (dropless MoE).
+    N = 2 against plain torch on one process (float64, 3 AdamW steps). Before 2026-12-07 dynamo
+    traced into the shared-memory transport and failed where a message grew its arena (messages
+    over 64 KiB, as configs/tiny.toml's), and ZeRO-3's hooks recompiled per block index."""
     from shardlab.analysis.verify import plain_run
     from shardlab.config import Config
     cfg = Config()
-    cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads, cfg.model.max_seq_len = 256, 128, 2, 4, 16
-    cfg.train.global_batch, cfg.train.seq_len, cfg.train.lr, cfg.train.grad_clip = 4, 16, 1e-2, 0.5
+    cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads, cfg.model.max_seq_len = 256, 128, 2, 4, 64
+    cfg.train.global_batch, cfg.train.seq_len, cfg.train.lr, cfg.train.grad_clip = 4, 64, 1e-2, 0.5
     cfg.train.precision = "fp64"
-    cfg.parallel.dp_shard, cfg.parallel.zero_stage, cfg.parallel.compile = 2, 3, True
+    cfg.parallel.compile = True
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
     g = torch.Generator().manual_seed(3)
-    tokens = [torch.randint(0, 256, (4, 17), generator=g) for _ in range(3)]
+    tokens = [torch.randint(0, 256, (4, 65), generator=g) for _ in range(3)]
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     ref_losses, _, ref_state = plain_run(cfg, batches)
-    for losses, state, compiled in launch.run(_zero3_worker, 2, cfg, batches, timeout_s=600, threads=1):
+    for losses, state, compiled in launch.run(_collectives_worker, 2, cfg, batches, timeout_s=600, threads=1):
         assert compiled == [True, True]
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-10, (losses, ref_losses)
         for k, v in ref_state.items():

@@ -189,8 +189,9 @@ def test_parity_all_stages(n):
     if n == 4:  # 12 sequences = 4 ranks x 3 micro-batches; plus hybrid sharding 2 x 2
         variants = [dict(v, microbatches=3) for v in VARIANTS]
         variants.append(dict(zero_stage=3, dp_replicate=2, dp_shard=2, microbatches=3))
-    if n == 2:
-        variants = VARIANTS + GLOO
+    if n == 2:  # and ZeRO-3 under full recomputation: a checkpointed block recomputes its forward
+        # without the engine's hooks, from the views its forward left (tests the re-attach in backward)
+        variants = VARIANTS + GLOO + [dict(zero_stage=3, activation_checkpointing="full")]
     errs = _run(n, variants)
     for rank_errs in errs:
         for v, e in zip(variants, rank_errs):

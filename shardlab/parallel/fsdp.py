@@ -14,13 +14,24 @@ only its slice, the optimizer's parameter (fp32 master). Around each unit:
   post-backward  (hook when the gathered buffer's gradient is complete) reduce-scatter it
                  (in fp32) into the rank's gradient shard and free the gathered storage
 
-Mixed precision, offload, hybrid sharding and expert weights' own flat buffers (sharded over
-``edp``): docs/data-parallel.md. Outside its forward a unit's modules hold the model's own
-parameter objects with empty data (``_placeholder``), so ``model.parameters()`` lists them.
+Outside its forward a unit's modules hold the model's own parameter objects with empty data
+(``_placeholder``), registered, so ``model.parameters()`` lists them (DeepSpeed's ZeRO-3 does the
+same); the hooks run eagerly inside a compiled block (distributed/eager.py).
 
-Per micro-batch: all-gather Psi (forward) + all-gather Psi (backward, if resharded) +
-reduce-scatter Psi: 3 Psi (N-1)/N elements per rank, 1.5x DDP. Memory per rank: 16 Psi / N
-(mixed-precision Adam) plus the gathered units in flight.
+Mixed precision (``train.precision = bf16``): shards stay fp32 masters, the all-gather sends
+bf16 compute copies, gradients are cast to fp32 before the reduce-scatter. ``train.param_dtype``
+chooses the all-gather/compute dtype (default: the autocast dtype), ``train.reduce_dtype`` the
+reduce-scatter's (default: the shards' dtype; bf16 halves its bytes, the sum is then rounded to
+bf16 before it is added to the fp32 gradient shard). CPU offload keeps
+shards, gradients and optimizer states on the CPU (a no-op copy when the device is the CPU).
+Hybrid sharding: shard over ``dp_shard`` (x ``cp``), all-reduce gradient shards over ``dp_replicate``.
+Expert parallel: a unit's expert weights get flat buffers of their own, sharded over ``edp``
+(the ranks holding the same experts, dp_replicate included) and never all-reduced over
+dp_replicate; gradients are divided by dp_cp like the others (zero.py, docs/expert-parallel.md).
+
+Communication per micro-batch: all-gather Psi (forward) + all-gather Psi (backward, only if
+resharded) + reduce-scatter Psi: 3 Psi (N-1)/N elements per rank, 1.5x DDP.
+Memory per rank: 16 Psi / N (mixed-precision Adam) plus the gathered units in flight.
 """
 from __future__ import annotations
 
@@ -64,11 +75,13 @@ class FSDPEngine(ShardedEngine):
         self.replicate_group = "dp_replicate" if mesh.size("dp_replicate") > 1 else None
         self.comm = mesh.comm(self.shard_group)
         self.reshard, self.prefetch = p.reshard_after_forward, p.prefetch
-        # Whether all-gathers run in the background (learnt at the first); on the shared-memory
-        # transport they complete when issued: no prefetch (docs/data-parallel.md, Where the memory goes)
+        # Whether all-gathers run in the background (learnt at the first one). On the shared-memory
+        # transport they complete when issued, so a prefetch would overlap nothing and only hold
+        # the next unit sooner: there it is skipped (docs/data-parallel.md, Where the memory goes).
         self.background = False
         self.home = torch.device("cpu") if p.offload else mesh.device  # where shards live
-        # offload on a GPU: pinned host shards, copied without blocking on the stream the collective follows
+        # offload to a GPU run: shards in pinned host memory, copied to the device without blocking
+        # (the copy is queued on the current stream, which the collective that reads it follows)
         self.pin = self.home.type == "cpu" and mesh.device.type == "cuda"
         # gathered (compute) and reduce-scatter dtypes; None: the shards' dtype
         self.compute_dtype, self.reduce_dtype = mixed_precision_dtypes(cfg.train)
@@ -128,8 +141,9 @@ class FSDPEngine(ShardedEngine):
         return u
 
     def _init_shard(self, f: FlatParam, group) -> torch.Tensor:
-        """This rank's slice of a flat buffer of meta parameters, drawn from their global initial
-        values (or left for a checkpoint to fill): never more of the unit than the shard."""
+        """This rank's slice of a flat buffer of meta parameters, each element drawn from its
+        parameter's global initial value (or left empty for a checkpoint to fill): the rank
+        never holds more of the unit than its shard."""
         shard = torch.zeros(f.shard_size, dtype=group[0][1].dtype, device=self.home)
         for (name, p), (lo, hi), off in zip(group, f.own_ranges(), f.offsets):
             if hi > lo:
@@ -279,10 +293,12 @@ class FSDPEngine(ShardedEngine):
 
 
 class _Piece(torch.autograd.Function):
-    """Parameter ``i`` of a gathered ``f.full``: forward, a view; backward, its gradient added
-    into the unit's flat gradient ``f.grad_flat`` and an empty one for ``token`` (autograd's own
-    split would keep the unit's gradients until the last, then concatenate: twice the unit). The
-    token's gradient is complete when every piece's is; its hook starts the reduce-scatter."""
+    """Parameter ``i`` of a gathered flat buffer ``f.full``: forward, a view of it; backward, its
+    gradient added into the unit's flat gradient ``f.grad_flat`` (made at the first one) and an
+    empty gradient for ``token``. Autograd's own split of the flat buffer would keep all the
+    unit's gradients until the last one, then concatenate them: the unit's gradient twice. The
+    token's gradient is complete when every piece's is (the graph decides, the same on every
+    rank), and its hook starts the unit's reduce-scatter."""
 
     @staticmethod
     def forward(ctx, full, token, f, i):

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from shardlab.analysis.memtrace import reset_peak_rss as reset_peak  # noqa: F401 (True if VmHWM was reset)
+
 MiB = 2**20
 
 
@@ -51,12 +53,6 @@ def rss_mib() -> float:
 def ru_maxrss_mib() -> float:
     """``ru_maxrss`` (KiB on Linux), MiB: includes the spawning parent's peak (module doc)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current RSS; False if the kernel refuses (then peaks are cumulative)."""
-    from shardlab.analysis.memtrace import reset_peak_rss
-    return reset_peak_rss()
 
 
 def build_engine(cfg, device, path: str):

@@ -94,15 +94,14 @@ def _warm_up(cfg, device):
     from dataclasses import replace
     from ..models.spec import get_spec
     from ..train.optim import autocast_factory, build_adamw
+    from .plan_activations import micro_batch
     if get_spec(cfg.model).task != "lm":
         return
-    p = cfg.parallel
-    seq = max(16, cfg.train.seq_len // p.cp)
-    batch = max(1, cfg.train.global_batch // (p.dp_replicate * p.dp_shard) // p.microbatches)
+    seq = max(16, cfg.train.seq_len // cfg.parallel.cp)
     tiny = replace(cfg.model, n_layers=1, vocab_size=64, max_seq_len=seq)
     model = get_spec(tiny).build(tiny).to(device)
     opt = build_adamw(cfg.train, device)(model.parameters())
-    x = torch.randint(0, 64, (batch, seq), device=device)
+    x = torch.randint(0, 64, (micro_batch(cfg), seq), device=device)
     autocast = autocast_factory(cfg.train.precision, device)
     from contextlib import nullcontext
     with autocast() if autocast else nullcontext():
@@ -121,6 +120,7 @@ def _measure_worker(ctx, cfg, steps: int = 2, cuda_snapshot: str = "", categorie
     from ..parallelize import parallelize
     from ..train.optim import autocast_factory, build_adamw
     from .memtrace import Recorder, categories_at_peak, cuda_history, dump_cuda_history, profiled, reset_peak_rss
+    from .plan_activations import micro_batch
 
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, transport=cfg.parallel.comm_transport,
                       comm_thread=cfg.parallel.comm_thread)
@@ -135,7 +135,7 @@ def _measure_worker(ctx, cfg, steps: int = 2, cuda_snapshot: str = "", categorie
         engine = parallelize(model, mesh, cfg)  # each rank draws its boxes of the initial values
         autocast = autocast_factory(cfg.train.precision, mesh.device)
         opt = engine.make_optimizer(build_adamw(cfg.train, mesh.device))
-        b = max(1, cfg.train.global_batch // mesh.size("dp") // cfg.parallel.microbatches)
+        b = micro_batch(cfg)
         g = torch.Generator().manual_seed(cfg.train.seed + mesh.rank)
         for step in range(steps):  # the second step holds the optimizer states the first created
             batches = [tuple(t.to(mesh.device) for t in sample_batch(cfg, b, g))

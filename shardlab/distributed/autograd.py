@@ -30,8 +30,9 @@ algorithm (backend or shardlab's own) is the Comm's choice. With a group of one 
 function is the identity. Tests: tests/distributed/test_autograd.py compares every gradient
 with a single-process computation of the same global function.
 
-Each function is :func:`~shardlab.distributed.eager.eager`: inside a compiled block
-(``parallel.compile``) it runs eagerly instead of being traced into the transports' host code.
+Where a function communicates it goes through :func:`~shardlab.distributed.eager.eager`: inside a
+compiled block (``parallel.compile``) that call runs eagerly instead of being traced into the
+transports' host code.
 """
 from __future__ import annotations
 
@@ -89,65 +90,62 @@ class _AllToAll(torch.autograd.Function):
         return exchange(ctx.comm, g.contiguous(), ctx.out_splits, ctx.in_splits), None, None, None
 
 
-@eager
+# Where the functions below communicate: eager inside a compiled block (a graph break there only,
+# not on a one-rank group's identity)
+_paired, _all_to_all = eager(_Paired.apply), eager(_AllToAll.apply)
+
+
 def copy_to_region(x: torch.Tensor, comm) -> torch.Tensor:
     """Megatron's f. Forward: y_r = x (x replicated). Backward: dL/dx = sum_r dL/dy_r.
 
     Use where a replicated activation enters rank-specific computation (the input of a
     column-parallel linear): each rank's branch contributes part of the gradient of x."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _same, _sum)
+    return x if comm.size == 1 else _paired(x, comm, 0, _same, _sum)
 
 
-@eager
 def reduce_from_region(x: torch.Tensor, comm) -> torch.Tensor:
     """Megatron's g. Forward: y = sum_r x_r (y replicated). Backward: dL/dx_r = dL/dy.
 
     Use where partial sums leave rank-specific computation (the output of a row-parallel
     linear): y is replicated, so every rank already holds the full gradient of y."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _same)
+    return x if comm.size == 1 else _paired(x, comm, 0, _sum, _same)
 
 
-@eager
 def sum_over_ranks(x: torch.Tensor, comm) -> torch.Tensor:
     """Forward: y = sum_r x_r on every rank. Backward: dL/dx_r = sum_s dL/dy_s (every rank's loss
     depends on the sum: MoE statistics summed over the batch's ranks)."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, 0, _sum, _sum)
+    return x if comm.size == 1 else _paired(x, comm, 0, _sum, _sum)
 
 
-@eager
 def scatter_to_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
     """Forward: y_r = chunk_r(x) along ``dim`` (x replicated; equal chunks).
     Backward: dL/dx = cat_r(dL/dy_r) along ``dim`` (an all-gather): chunk r of x only
     influences y_r."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _chunk, _cat)
+    return x if comm.size == 1 else _paired(x, comm, dim, _chunk, _cat)
 
 
-@eager
 def gather_from_region(x: torch.Tensor, comm, dim: int = -1) -> torch.Tensor:
     """Forward: y = cat_r(x_r) along ``dim`` (y replicated). Backward: dL/dx_r = chunk_r(dL/dy).
 
     The gradient of the replicated y is the same on every rank, so no communication is
     needed: each rank keeps the slice its x_r produced."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _cat, _chunk)
+    return x if comm.size == 1 else _paired(x, comm, dim, _cat, _chunk)
 
 
-@eager
 def all_gather(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     """Sequence parallel's gather. Forward: y_r = cat_s(x_s) along ``dim`` on every rank, but
     each rank's y_r feeds a different (rank-specific) computation.
     Backward: dL/dx_r = chunk_r(sum_s dL/dy_s): a reduce-scatter along ``dim``."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _cat, _sum_chunk)
+    return x if comm.size == 1 else _paired(x, comm, dim, _cat, _sum_chunk)
 
 
-@eager
 def reduce_scatter(x: torch.Tensor, comm, dim: int = 0) -> torch.Tensor:
     """Sequence parallel's scatter. Forward: y_r = chunk_r(sum_s x_s) along ``dim``.
     Backward: dL/dx_s = cat_r(dL/dy_r) along ``dim`` for every s: an all-gather (each
     summand x_s influences every chunk with coefficient one)."""
-    return x if comm.size == 1 else _Paired.apply(x, comm, dim, _sum_chunk, _cat)
+    return x if comm.size == 1 else _paired(x, comm, dim, _sum_chunk, _cat)
 
 
-@eager
 def all_to_all(x: torch.Tensor, comm, in_splits: list[int] | None = None,
                out_splits: list[int] | None = None) -> torch.Tensor:
     """Expert parallel's dispatch/combine. Forward: rows ``in_splits[s]`` of x_r (in order)
@@ -161,7 +159,7 @@ def all_to_all(x: torch.Tensor, comm, in_splits: list[int] | None = None,
         in_splits = [x.shape[0] // comm.size] * comm.size
     if out_splits is None:
         out_splits = list(in_splits)
-    return _AllToAll.apply(x, comm, list(in_splits), list(out_splits))
+    return _all_to_all(x, comm, list(in_splits), list(out_splits))
 
 
 # Megatron-LM's names for the sequence-parallel pair, for readers coming from there.

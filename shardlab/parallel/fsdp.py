@@ -41,7 +41,7 @@ from torch import nn
 from ..distributed.eager import eager
 from .engine import Engine
 from .materialize import init_flat_range
-from .units import class_policy, repeated_blocks, size_policy, unit_params, wrap_policy  # noqa: F401 (re-exported)
+from .units import unit_params
 from .zero import DTYPES, FlatParam, ShardedEngine, flat_groups
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -351,4 +351,4 @@ def apply(model: nn.Module, mesh, cfg, unit_names: list[str] | None = None, init
     return FSDPEngine(model, mesh, cfg, unit_names, init_fn)
 
 
-__all__ = ["FSDPEngine", "apply", "mixed_precision_dtypes", "wrap_policy", "class_policy", "size_policy", "unit_params", "Engine"]
+__all__ = ["FSDPEngine", "apply", "mixed_precision_dtypes", "Engine"]

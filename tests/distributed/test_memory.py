@@ -1,6 +1,7 @@
 """Measured per-rank model-state bytes (every allocated storage counted once, after one real
 AdamW step) equal the ZeRO formula within 2% for DDP and ZeRO stages 1, 2 and 3, with and without
 LoRA adapters (optimizer state and gradients for the trainable adapters only)."""
+import re
 
 import pytest
 
@@ -57,6 +58,8 @@ def test_memory_command_measures_a_non_transformer(capsys):
         assert main(["memory", "configs/cnn-fashion-mnist.toml", "--nproc", "2",
                      f"--parallel.zero_stage={stage}"]) == 0
         out = capsys.readouterr().out
-        assert "evaluation (every 500 steps and after the last" in out and out.count("ratio 1.000") == 2, out
+        assert "evaluation (every 500 steps and after the last" in out, out
+        # the two state rows (params + grads + optim) equal the formula; the peak rows' ratio varies by host
+        assert len(re.findall(r"rank \d: params .*, ratio 1\.000\)", out)) == 2, out
         row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["0", "0"])
         assert float(row[5]) > 20, row  # activ. MiB: 64 images' saved tensors (23.4 MiB, test_plan_images.py)

@@ -66,6 +66,9 @@ def resolve_config(config, world_size: int) -> C.Config:
     if kind == "deepspeed":
         ds = resolve_batch(data, world_size)
         cfg = C.from_dict(translate(ds))
+        # DeepSpeed's activation_checkpointing section configures the deepspeed.checkpointing calls in
+        # the model's own code: it recomputes nothing by itself (shardlab train maps it to full)
+        cfg.parallel.activation_checkpointing = "none"
     else:
         cfg = data
     C.check_ranges(cfg)  # every field within its declared range (config/schema.py), as validate() does
@@ -187,6 +190,24 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
     return engine
 
 
+def _recompute(model: nn.Module, mode: str) -> None:
+    """``parallel.activation_checkpointing`` on a user model: ``full`` / ``op`` recompute each of
+    its repeated blocks (units.repeated_blocks, the blocks ``wrap_policy = blocks`` shards)."""
+    if mode == "none":
+        return
+    from .parallel import recompute, units
+    field = "parallel.activation_checkpointing"
+    if mode == "selective":
+        raise ConfigError(field, "= selective recomputes the attention cores of shardlab's own architectures, which "
+                                 "a user model does not name; use full or op (each repeated block)")
+    names = units.repeated_blocks(model)
+    if not names:
+        raise ConfigError(field, f"= {mode}: {type(model).__name__} has no repeated blocks (a ModuleList / Sequential "
+                                 "of 2+ modules of one class) to recompute; set it to none and checkpoint inside your "
+                                 "forward (torch.utils.checkpoint, transformers' gradient_checkpointing_enable())")
+    recompute.checkpoint_modules([model.get_submodule(n) for n in names], mode)
+
+
 def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
     from .parallel import ddp, fsdp, units, zero
     from .parallel.engine import Engine
@@ -235,6 +256,7 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         _tag_groups(model, groups, cfg.train.weight_decay)
         if groups is not None:  # each group's own weight decay (default: the optimizer's), not decay_rule's
             cfg.train.weight_decay_params = "matrices"
+        _recompute(model, cfg.parallel.activation_checkpointing)
         self.engine = _engine(model, mesh, cfg)
 
         def build_groups(engine_groups):
@@ -262,6 +284,9 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         self.local_rank = 0
         if self._schedule:
             self._set_lr()
+        self.is_compiled = False
+        if cfg.parallel.compile:
+            self.compile()
 
     def _set_lr(self) -> None:
         """The config's schedule for the next step (ds_* schedules count applied steps, as

@@ -124,6 +124,25 @@ class DeepSpeedAccessors:
         ``deepspeed.initialize`` returns them (:func:`returned`)."""
         return iter(returned(self))
 
+    def compile(self, backend="inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile``: ``torch.compile`` the whole module in place
+        (``module.compile(backend=..., **compile_kwargs)``; ``parallel.compile = true`` calls it
+        from initialize). shardlab's communication inside it (ZeRO-3's gather / free hooks)
+        runs eagerly between the compiled graphs (distributed/eager.py). Once per engine."""
+        if schedule is not None:
+            raise ConfigError("schedule", "is DeepSpeed's DeepCompile pass schedule; shardlab compiles the module "
+                                          "with plain torch.compile; leave it None")
+        if compiled_autograd_enabled:
+            raise ConfigError("compiled_autograd_enabled", "compiled autograd is not supported by shardlab's "
+                                                           "gradient hooks; leave it False")
+        if self.is_compiled:
+            return
+        from .distributed.eager import prepare
+        prepare()
+        self.module.compile(**{**(compile_kwargs or {}), "backend": backend})
+        self.is_compiled = True
+
     def deepspeed_io(self, dataset, batch_size: int | None = None, collate_fn=None, drop_last: bool = False):
         """DeepSpeed's loader of ``dataset`` for this rank (:func:`data_loader`); ``batch_size``
         defaults to the micro-batch."""

@@ -100,6 +100,13 @@ def apply(model: nn.Module, mode: str, spec) -> nn.Module:
         targets = list(spec.blocks(model).values())
     else:
         targets = [getattr(owner, attr) for owner, attr in spec.attention(model)]
-    for module in targets:
-        _wrap(module, per_op=mode == "op")
+    checkpoint_modules(targets, mode)
     return model
+
+
+def checkpoint_modules(modules, mode: str) -> None:
+    """Recompute each of ``modules`` in backward: ``full`` keeps only its input, ``op`` also
+    the outputs :func:`op_keeps` names (shardlab.initialize applies it to a user model's
+    repeated blocks, units.repeated_blocks)."""
+    for module in modules:
+        _wrap(module, per_op=mode == "op")

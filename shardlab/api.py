@@ -30,6 +30,7 @@ from .distributed.mesh import Mesh
 from .distributed.topology import Topology
 from .api_checkpoint import EngineCheckpoints
 from .api_deepspeed import DeepSpeedAccessors, is_scheduler
+from .api_model import check_user_config, compile_blocks, recompute_blocks
 from .train.groups import regroup, user_groups
 from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
 
@@ -73,10 +74,7 @@ def resolve_config(config, world_size: int) -> C.Config:
         cfg = data
     C.check_ranges(cfg)  # every field within its declared range (config/schema.py), as validate() does
     p = cfg.parallel
-    for name in ("tp", "pp", "cp", "ep"):
-        if getattr(p, name) > 1:
-            raise ConfigError(f"parallel.{name}", f"= {getattr(p, name)}: shardlab.initialize trains a user model "
-                              "data-parallel only (it has no tensor/pipeline/context/expert plan); set it to 1")
+    check_user_config(cfg)
     if p.dp not in (1, world_size):
         raise ConfigError("parallel.dp_shard", f"dp_replicate * dp_shard = {p.dp} but the job has {world_size} "
                           "ranks; leave both at 1 (all ranks are data-parallel)")
@@ -190,24 +188,6 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
     return engine
 
 
-def _recompute(model: nn.Module, mode: str) -> None:
-    """``parallel.activation_checkpointing`` on a user model: ``full`` / ``op`` recompute each of
-    its repeated blocks (units.repeated_blocks, the blocks ``wrap_policy = blocks`` shards)."""
-    if mode == "none":
-        return
-    from .parallel import recompute, units
-    field = "parallel.activation_checkpointing"
-    if mode == "selective":
-        raise ConfigError(field, "= selective recomputes the attention cores of shardlab's own architectures, which "
-                                 "a user model does not name; use full or op (each repeated block)")
-    names = units.repeated_blocks(model)
-    if not names:
-        raise ConfigError(field, f"= {mode}: {type(model).__name__} has no repeated blocks (a ModuleList / Sequential "
-                                 "of 2+ modules of one class) to recompute; set it to none and checkpoint inside your "
-                                 "forward (torch.utils.checkpoint, transformers' gradient_checkpointing_enable())")
-    recompute.checkpoint_modules([model.get_submodule(n) for n in names], mode)
-
-
 def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
     from .parallel import ddp, fsdp, units, zero
     from .parallel.engine import Engine
@@ -256,7 +236,7 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         _tag_groups(model, groups, cfg.train.weight_decay)
         if groups is not None:  # each group's own weight decay (default: the optimizer's), not decay_rule's
             cfg.train.weight_decay_params = "matrices"
-        _recompute(model, cfg.parallel.activation_checkpointing)
+        recompute_blocks(model, cfg.parallel.activation_checkpointing)
         self.engine = _engine(model, mesh, cfg)
 
         def build_groups(engine_groups):
@@ -285,7 +265,10 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         if self._schedule:
             self._set_lr()
         self.is_compiled = False
-        if cfg.parallel.compile:
+        if cfg.parallel.compile and cfg.parallel.compile_scope == "blocks":
+            compile_blocks(model)  # each repeated block, the rest eager
+            self.is_compiled = True
+        elif cfg.parallel.compile:
             self.compile()
 
     def _set_lr(self) -> None:

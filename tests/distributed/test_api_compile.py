@@ -16,6 +16,7 @@ CASES = [  # name, ZeRO stage, parallel fields, engine.compile backend
     ("ddp, ac full", 0, {"activation_checkpointing": "full"}, None),
     ("zero3, ac op", 3, {"activation_checkpointing": "op"}, None),
     ("zero3, ac full, compile", 3, {"activation_checkpointing": "full", "compile": True}, None),
+    ("zero3, compile each block", 3, {"compile": True, "compile_scope": "blocks"}, None),
     ("zero2, engine.compile", 2, {}, "aot_eager"),
     ("zero3, engine.compile", 3, {}, "aot_eager"),
 ]
@@ -34,7 +35,7 @@ def _worker(ctx):
         if backend:
             engine.compile(backend=backend)
         train(engine, 0, STEPS)
-        compiled = engine.is_compiled and model._compiled_call_impl is not None
+        compiled = engine.is_compiled and any(m._compiled_call_impl is not None for m in (model, *model.blocks))
         out[name] = (engine.full_state_dict(everywhere=True), calls[0] / (STEPS * len(model.blocks)), compiled)
     return out
 
@@ -87,3 +88,24 @@ def test_a_deepspeed_activation_checkpointing_section_recomputes_nothing():
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine = shardlab.initialize(Flat(), ds)  # no repeated blocks: full would be refused
     assert engine.cfg.parallel.activation_checkpointing == "none"
+
+
+@pytest.mark.parametrize("section, field, value, words", [
+    ("train", "lora_rank", 8, "add them to yours"),
+    ("train", "fault_tolerance", "replica", "live recovery"),
+    ("train", "detect_anomaly", "first_module", "set_detect_anomaly"),
+])
+def test_loop_only_fields_are_refused_by_name(section, field, value, words):
+    with pytest.raises(ConfigError) as e:
+        shardlab.initialize(make_model(0), {section: {field: value}})
+    assert e.value.field == f"{section}.{field}" and words in str(e.value), str(e.value)
+
+
+def test_compile_scope_blocks_compiles_each_block():
+    model = make_model(0)
+    engine = shardlab.initialize(model, {"parallel": {"compile": True, "compile_scope": "blocks"}})
+    assert engine.is_compiled and model._compiled_call_impl is None
+    assert all(b._compiled_call_impl is not None for b in model.blocks)
+    with pytest.raises(ConfigError) as e:
+        shardlab.initialize(Flat(), {"parallel": {"compile": True, "compile_scope": "blocks"}})
+    assert e.value.field == "parallel.compile_scope" and "use model" in str(e.value)

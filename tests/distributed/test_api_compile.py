@@ -12,13 +12,15 @@ from shardlab import launch
 from shardlab.errors import ConfigError
 from tests.distributed.test_api import PARITY_ATOL, STEPS, config, make_model, reference, train
 
-CASES = [  # name, ZeRO stage, parallel fields, engine.compile backend
+CASES = [  # name, ZeRO stage, parallel fields, who compiles (engine.compile or the model's own) with which backend
     ("ddp, ac full", 0, {"activation_checkpointing": "full"}, None),
     ("zero3, ac op", 3, {"activation_checkpointing": "op"}, None),
     ("zero3, ac full, compile", 3, {"activation_checkpointing": "full", "compile": True}, None),
     ("zero3, compile each block", 3, {"compile": True, "compile_scope": "blocks"}, None),
-    ("zero2, engine.compile", 2, {}, "aot_eager"),
-    ("zero3, engine.compile", 3, {}, "aot_eager"),
+    ("zero2, engine.compile", 2, {}, "engine:aot_eager"),
+    ("zero3, engine.compile", 3, {}, "engine:aot_eager"),
+    # your own model.compile() after initialize: before 2026-12-07 dynamo traced ZeRO-3's hooks and failed
+    ("zero3, your model.compile()", 3, {}, "own:aot_eager"),
 ]
 
 
@@ -32,10 +34,14 @@ def _worker(ctx):
         for block in model.blocks:
             block.fc.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         engine = shardlab.initialize(model, cfg)
-        if backend:
-            engine.compile(backend=backend)
+        who, _, name_of_backend = (backend or "").partition(":")
+        if who == "engine":
+            engine.compile(backend=name_of_backend)
+        elif who == "own":
+            model.compile(backend=name_of_backend)
         train(engine, 0, STEPS)
-        compiled = engine.is_compiled and any(m._compiled_call_impl is not None for m in (model, *model.blocks))
+        compiled = (engine.is_compiled or who == "own") and any(
+            m._compiled_call_impl is not None for m in (model, *model.blocks))
         out[name] = (engine.full_state_dict(everywhere=True), calls[0] / (STEPS * len(model.blocks)), compiled)
     return out
 

@@ -5,8 +5,10 @@ ZeRO-3 on your model).
     PYTHONPATH=. python benchmarks/api_zero3_memory.py                 # 2 ranks, ~60M parameters
     PYTHONPATH=. python benchmarks/api_zero3_memory.py --n 4 --layers 16 --out results.md
 
-Rows, each in fresh rank processes: shardlab with the JSON (units: the model's repeated blocks,
-``parallel.wrap_policy = blocks``); shardlab with the one root unit that a user model got before
+Rows, each in fresh rank processes: shardlab with the JSON (units: the model's repeated blocks and
+the modules outside them as large as one, ``parallel.wrap_policy = blocks``); shardlab with the
+decoder layers alone as units (what ``blocks`` gave before 2026-12-07: embedding and head in the
+root unit); shardlab with the one root unit that a user model got before
 2026-12-07 (the whole model gathered through each micro-batch); DeepSpeed 0.19's ZeRO-3 (CPU
 accelerator, torch's AdamW); shardlab's DDP for scale. The peak is VmHWM (the rank's peak RSS),
 the largest over ranks; "before the model" is the RSS after imports and joining the job.
@@ -57,9 +59,11 @@ def _worker(ctx, row: str, args):
     before = rss_mib()
     net = model(args)
     params = sum(p.numel() for p in net.parameters())
-    if row == "shardlab root unit":
-        config = {"parallel": {"zero_stage": 3, "wrap_policy": f"size:{10**15}"},
-                  "train": {"global_batch": args.micro * ctx.world_size, "lr": 1e-4, "warmup_steps": 0, "device": "cpu"}}
+    policies = {"shardlab root unit": f"size:{10**15}", "shardlab layers only": "class:LlamaDecoderLayer"}
+    if row in policies:
+        config = {"parallel": {"zero_stage": 3, "wrap_policy": policies[row]},
+                  "train": {"global_batch": args.micro * ctx.world_size, "lr": 1e-4, "warmup_steps": 0, "device": "cpu",
+                            "weight_decay_params": "all", "grad_clip": 1.0}}
     else:
         config = ds_json(args, 0 if row == "shardlab ddp" else 3)
     engine, *_ = lib.initialize(model=net, config=config, model_parameters=net.parameters())
@@ -91,7 +95,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the table to this .md file")
     args = ap.parse_args()
     from shardlab import launch
-    rows = ["shardlab (JSON, repeated blocks)", "shardlab root unit", "shardlab ddp"]
+    rows = ["shardlab (JSON, repeated blocks)", "shardlab layers only", "shardlab root unit", "shardlab ddp"]
     try:
         import deepspeed  # noqa: F401
         rows.insert(1, "deepspeed")

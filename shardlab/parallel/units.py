@@ -12,7 +12,7 @@ def wrap_policy(model: nn.Module, policy: str, spec=None) -> list[str]:
     ``size:<N>`` or ``class:<Name>[,<Name>]``."""
     kind, _, arg = policy.partition(":")
     if kind == "blocks":
-        return list(spec.blocks(model)) if spec is not None else repeated_blocks(model)
+        return list(spec.blocks(model)) if spec is not None else block_units(model)
     if kind == "size":
         return size_policy(model, int(arg))
     if kind == "class":
@@ -39,6 +39,35 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     for pname, p in model.named_parameters(remove_duplicate=False):
         where.setdefault(id(p), set()).add(next((u for u in out if pname.startswith(u + ".")), ""))
     return [] if any(len(owners) > 1 for owners in where.values()) else out
+
+
+def _trainable(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def block_units(model: nn.Module) -> list[str]:
+    """``wrap_policy = blocks`` on a user model: its repeated blocks (:func:`repeated_blocks`) and,
+    outside them, each outermost module with at least as many trainable parameters as the smallest
+    block (an LLM's embedding and output head; DeepSpeed gathers module by module), in registration
+    order. Such a module that shares a parameter with anything outside it (tied embeddings) stays
+    in the root unit; containers holding blocks and ModuleLists / ModuleDicts (never called) are
+    looked into."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        return []
+    modules = dict(model.named_modules())
+    floor = min(_trainable(modules[b]) for b in blocks)
+    inside = lambda name, units: any(name == u or name.startswith(u + ".") for u in units)  # noqa: E731
+    extra = [name for name, mod in modules.items()
+             if name and not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and not inside(name, blocks)
+             and not any(b.startswith(name + ".") for b in blocks) and _trainable(mod) >= floor]
+    extra = [e for e in extra if not any(inside(e, [o]) for o in extra if o != e)]  # the outermost
+    owners: dict[int, set[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), set()).add(next((u for u in blocks + extra if pname.startswith(u + ".")), ""))
+    shared = {u for names in owners.values() if len(names) > 1 for u in names}
+    order = {name: i for i, name in enumerate(modules)}
+    return sorted(blocks + [e for e in extra if e not in shared], key=order.__getitem__)
 
 
 def class_policy(model: nn.Module, class_names: tuple[str, ...]) -> list[str]:

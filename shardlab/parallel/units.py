@@ -35,10 +35,15 @@ def repeated_blocks(model: nn.Module) -> list[str]:
                 or not all(any(p.requires_grad for p in k.parameters()) for _, k in kids)):
             continue
         out += [f"{name}.{k}" if name else k for k, _ in kids]
+    return [] if any(len(owners) > 1 for owners in _owners(model, out)) else out
+
+
+def _owners(model: nn.Module, units: list[str]) -> list[set[str]]:
+    """For each parameter (tied ones once): the units among ``units`` that hold it ("" the root)."""
     where: dict[int, set[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
-        where.setdefault(id(p), set()).add(next((u for u in out if pname.startswith(u + ".")), ""))
-    return [] if any(len(owners) > 1 for owners in where.values()) else out
+        where.setdefault(id(p), set()).add(next((u for u in units if pname.startswith(u + ".")), ""))
+    return list(where.values())
 
 
 def _trainable(module: nn.Module) -> int:
@@ -57,15 +62,13 @@ def block_units(model: nn.Module) -> list[str]:
         return []
     modules = dict(model.named_modules())
     floor = min(_trainable(modules[b]) for b in blocks)
-    inside = lambda name, units: any(name == u or name.startswith(u + ".") for u in units)  # noqa: E731
-    extra = [name for name, mod in modules.items()
-             if name and not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and not inside(name, blocks)
-             and not any(b.startswith(name + ".") for b in blocks) and _trainable(mod) >= floor]
-    extra = [e for e in extra if not any(inside(e, [o]) for o in extra if o != e)]  # the outermost
-    owners: dict[int, set[str]] = {}
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), set()).add(next((u for u in blocks + extra if pname.startswith(u + ".")), ""))
-    shared = {u for names in owners.values() if len(names) > 1 for u in names}
+    extra: list[str] = []
+    for name, mod in modules.items():  # registration order: a module before those inside it
+        if (name and not isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+                and not any(name == u or name.startswith(u + ".") for u in blocks + extra)
+                and not any(b.startswith(name + ".") for b in blocks) and _trainable(mod) >= floor):
+            extra.append(name)
+    shared = {u for owners in _owners(model, blocks + extra) if len(owners) > 1 for u in owners}
     order = {name: i for i, name in enumerate(modules)}
     return sorted(blocks + [e for e in extra if e not in shared], key=order.__getitem__)
 

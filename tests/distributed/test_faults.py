@@ -139,8 +139,7 @@ def test_nonfinite_loss_stops_in_one_line(tmp_path, capsys):
     save_file(weights, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     assert cli_main(["checkpoint", "import", str(tmp_path / "hf"), "--to", str(tmp_path / "nan" / "checkpoints")]) == 0
     capsys.readouterr()
-    code = cli_main(["train", "--nproc", "1", *TINY, f"--data.cache_dir={tmp_path}/cache",
-                     f"--logging.run_dir={tmp_path}/nan", "--resume", "--train.steps=3", "--checkpoint.save=false"])
+    code = _train(tmp_path, f"--logging.run_dir={tmp_path}/nan", "--resume", "--train.steps=3", "--checkpoint.save=false")
     cap = capsys.readouterr()
     err = [x for x in cap.err.strip().splitlines() if not x.startswith("shardlab: training ")]
     assert code == 1 and len(err) == 1 and "stopped at step 1:" in err[0] and "not finite" in err[0], cap.err

@@ -29,9 +29,11 @@ class EngineCheckpoints:
         return out
 
     def save_checkpoint(self, directory, tag=None, client_state: dict | None = None, *,
-                        keep: int | None = None) -> Path | None:
+                        keep: int | None = None) -> Path:
         """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (checkpoint/save.py): every rank
-        writes its pieces, rank 0 commits atomically. Returns the path on rank 0. Collective.
+        writes its pieces, rank 0 commits atomically. Collective. Returns the checkpoint's path on
+        every rank (truthy, as DeepSpeed's ``True`` on every rank; with ``async_save`` the path it
+        will have once committed: :meth:`wait_checkpoint`).
         ``tag`` (DeepSpeed's): save under ``<directory>/<tag>/`` and name it in ``<directory>/latest``.
         ``client_state``: your own JSON values (epoch, data position, ...), as DeepSpeed's; rank
         0's is saved, and ``engine.client_state`` holds it after :meth:`load_checkpoint`."""
@@ -55,10 +57,11 @@ class EngineCheckpoints:
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
         from .checkpoint.async_save import saver
-        return saver(self.cfg.checkpoint.async_save)(
+        path = saver(self.cfg.checkpoint.async_save)(
             root, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
             self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep,
             on_commit=lambda: tags.mark_latest(directory, tag))  # rank 0, once committed (async: later)
+        return Path(path) if path is not None else Path(root) / ckpt._step_name(self.global_steps)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

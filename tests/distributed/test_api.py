@@ -106,7 +106,8 @@ def _worker(ctx, ckpt_root):
         directory = Path(ckpt_root) / name
         a = shardlab.initialize(make_model(0), config(stage, policy, ga))
         train(a, 0, SAVE_AT)
-        a.save_checkpoint(directory)
+        saved = a.save_checkpoint(directory)  # the path on every rank (DeepSpeed: True on every rank)
+        assert saved == Path(directory) / f"step_{SAVE_AT:08d}", (ctx.rank, saved)
         train(a, SAVE_AT, STEPS)
         full = a.full_state_dict()
         b = shardlab.initialize(make_model(7), config(stage, policy, ga))  # other initial values

@@ -8,6 +8,9 @@ __all__ = ["initialize", "ModelEngine", "add_config_arguments", "init_distribute
 
 
 def __getattr__(name):
+    if name == "zero":  # DeepSpeed's deepspeed.zero.GatheredParameters (api_zero.py)
+        from . import api_zero
+        return api_zero
     if name in ("add_config_arguments", "init_distributed"):  # DeepSpeed's module functions (api_deepspeed.py)
         from . import api_deepspeed
         return getattr(api_deepspeed, name)

@@ -99,8 +99,13 @@ class FSDPEngine(ShardedEngine):
             u.module.register_forward_hook(eager(lambda m, a, out, i=i: self._post_forward(i, out)))
         model.register_forward_pre_hook(eager(lambda m, a: self._gather(self.units[0], wait=True, prefetch_next=0)))
         model.register_forward_hook(eager(lambda m, a, out: None if torch.is_grad_enabled() else self._free_all()))
-        for f in self.flats:
+        for k, f in enumerate(self.flats):
             _attach(f, None)
+            f.seq, f.copies = k, mesh.comm("dp_cp" if f.group == self.shard_group else f.group)
+            for ph in f.placeholders:  # shardlab.zero.GatheredParameters finds the values here
+                ph._shardlab_flat = f
+        for mod in {id(m): m for f in self.flats for sites in f.sites for m, _ in sites}.values():
+            mod.register_state_dict_post_hook(_refuse_placeholders)
 
     # -- building ---------------------------------------------------------------------------
     def _make_unit(self, prefix: str, module: nn.Module, all_units: list[str]) -> Unit:
@@ -338,6 +343,19 @@ def _attach(f, views: list[torch.Tensor] | None) -> None:
             else:
                 mod._parameters.pop(attr, None)
                 setattr(mod, attr, views[i])
+
+
+def _refuse_placeholders(mod: nn.Module, state_dict: dict, prefix: str, _meta) -> None:
+    """A ``state_dict`` of a ZeRO-3 module holding placeholders would save tensors of size 0
+    (transformers' ``save_pretrained`` wrote such a model without a word): refused in one line."""
+    for attr, p in mod._parameters.items():
+        if p is not None and p.numel() == 0 and getattr(p, "_shardlab_flat", None) is not None \
+                and prefix + attr in state_dict:
+            raise RuntimeError(
+                f"{prefix + attr}: under ZeRO-3 the module holds an empty placeholder, its values are in the "
+                "ranks' shards; on every rank use `with shardlab.zero.GatheredParameters(engine.module.parameters()):` "
+                "(DeepSpeed's) around state_dict / save_pretrained, or pass `state_dict=engine.full_state_dict()` "
+                "(docs/api.md, ZeRO-3 on your model)")
 
 
 def _sites(model: nn.Module, p: torch.Tensor) -> list[tuple[nn.Module, str]]:

@@ -45,6 +45,23 @@ def output_file(path, field_name: str, suffix: str = ".png") -> None:
         raise ConfigError(field_name, f"{path}: give a {suffix} file")
 
 
+def writable_dir(path, field_name: str, write: bool = True) -> None:
+    """A directory a command creates (or, with ``write``, writes into), checked before its work
+    starts: a file there, a file on its way, or a folder it cannot create in used to end a run in
+    a rank's traceback, after its training, the half-made run directory then blocking the retry."""
+    import os
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(field_name, f"{path} is a file; give a directory")
+    up = path
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise ConfigError(field_name, f"{path}: {up} is a file; give a directory path")
+    if (write or up != path) and not os.access(up, os.W_OK | os.X_OK):
+        raise ConfigError(field_name, f"{path}: cannot write in {up}; give a directory you can write to")
+
+
 def did_you_mean(name: str, options) -> str:
     import difflib
     close = difflib.get_close_matches(name, list(options), n=1)

@@ -109,11 +109,24 @@ def model_mismatch(reader, cfg) -> str | None:
         return f"it holds LoRA adapters ({saved_lora[0]}, ...), this run none" + (f"; it was saved with {differ}"
                                                                                    if differ else "")
     # (adapters added to a checkpoint without them is a documented start: docs/lora.md, base checkpoint)
+    saved_with = f"; it was saved with {differ}" if differ else ""
     for name, p in params.items():
         key = f"model.{name}"
         if reader.has(key) and tuple(reader.global_shape(key)) != tuple(p.shape):
-            return (f"{key} is {tuple(reader.global_shape(key))} there, {tuple(p.shape)} in this model"
-                    + (f"; it was saved with {differ}" if differ else ""))
+            return f"{key} is {tuple(reader.global_shape(key))} there, {tuple(p.shape)} in this model" + saved_with
+    # Fewer layers, an untied head, ... would load what both have and drop the rest, silently (and
+    # the next saves prune the checkpoints that held it); more would fail inside a rank.
+    mine = {f"model.{n}" for n in params if not n.endswith(adapter)}
+    theirs = {k for k in reader.keys() if k.startswith("model.") and not k.endswith(adapter)}
+    for what, keys, other in (("this model has", sorted(mine - theirs), "the checkpoint"),
+                              ("it holds", sorted(theirs - mine), "this model")):
+        if keys:
+            extra = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+            return f"{what} {keys[0]}{extra}, {other} not" + saved_with
+    m = saved.get("model") or {}
+    if "n_heads" in m and (m["n_heads"], m.get("n_kv_heads") or m["n_heads"]) != \
+            (cfg.model.n_heads, cfg.model.n_kv_heads or cfg.model.n_heads):  # the same shapes, other heads
+        return f"the same shapes cut into other heads ({differ})"
     return None
 
 

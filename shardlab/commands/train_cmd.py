@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import config as C
 from .. import launch, launch_ray
-from ..errors import at_least
+from ..errors import at_least, writable_dir
 from ..models.spec import get_spec
 from ..train import checks, data, finetune, images  # noqa: F401  (checks: registers every config check)
 from .. import launch_restart as restart
@@ -189,8 +189,9 @@ def earlier_run(plan: RunPlan) -> tuple[str, Path, str] | None:
     if found:
         field = "checkpoint.dir" if plan.config.checkpoint.dir else "logging.run_dir"
         return field, plan.checkpoint_dir, f"checkpoints up to {found[-1].name}"
-    if (plan.run_dir / "metrics.jsonl").exists():
-        return "logging.run_dir", plan.run_dir, "metrics.jsonl, no checkpoint"
+    written = [n for n in ("metrics.jsonl", "summary.json", "loss.png") if (plan.run_dir / n).exists()]
+    if written:  # files this run would overwrite
+        return "logging.run_dir", plan.run_dir, f"{written[0]}, no checkpoint"
     return None
 
 
@@ -210,10 +211,13 @@ def check_fresh_start(plan: RunPlan, overwrite: bool) -> None:
 
 def start_over(plan: RunPlan) -> None:
     """--overwrite (rank 0, before training): remove the earlier run's outputs (RUN_OUTPUTS,
-    ``replica_*``) and checkpoints, with one line saying so; other files stay."""
+    ``replica_*``) and checkpoints, with one line saying so; other files stay. Where no earlier
+    run is found (earlier_run) nothing is removed."""
     import shutil
     from ..checkpoint.save import list_checkpoints
     found = earlier_run(plan)
+    if found is None:  # nothing of an earlier run: folders named like its outputs may be yours
+        return
     gone = [p for p in (*(plan.run_dir / n for n in RUN_OUTPUTS), *plan.run_dir.glob("replica_*"),
                         *list_checkpoints(plan.checkpoint_dir)) if p.exists()]
     for p in gone:
@@ -254,6 +258,9 @@ def main(args) -> int:
     # the one lookup of the newest valid checkpoint of this start (under torchrun, on every rank)
     plan = make_plan(cfg, test_hooks=launch.test_env(), warn=print if main_rank and not args.dry_run else lambda *_: None)
     if main_rank or args.dry_run:
+        for field, path, write in (("logging.run_dir", plan.run_dir, True), ("data.cache_dir", cfg.data.cache_dir, False),
+                                   ("checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir", plan.checkpoint_dir, True)):
+            writable_dir(path, field, write)  # a cache made before may be read-only
         check_resume(plan)
         check_fresh_start(plan, args.overwrite)
     launch.check_device(cfg.train.device)  # before a dry run's plan too

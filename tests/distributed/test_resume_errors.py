@@ -115,7 +115,8 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_other_files(saved, tmp_pat
 
 
 @pytest.mark.parametrize("change", ["--model.d_model=64", "--model.arch=gpt2", "--train.lora_rank=4",
-                                    "--train.lora_rank=0"])
+                                    "--train.lora_rank=0", "--model.n_layers=1", "--model.n_layers=3",
+                                    "--model.tie_embeddings=true", "--model.n_heads=8 --model.n_kv_heads=4"])
 def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_path, change, capsys):
     """--resume with a model section the checkpoint was not saved with: one line naming the first
     parameter whose shape differs (or the architectures) and the saved fields, exit 2; a rank used
@@ -128,7 +129,7 @@ def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_
     else:
         run = _copy_run(saved, tmp_path)
     before = _digest(run)
-    extra = [change] + (["--model.n_kv_heads=0"] if "gpt2" in change else [])
+    extra = change.split() + (["--model.n_kv_heads=0"] if "gpt2" in change else [])
     code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
                      "--train.steps=4", "--resume", *extra])
     err = capsys.readouterr().err.strip().splitlines()
@@ -141,7 +142,16 @@ def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_
                                    "was saved with train.lora_rank=8",
             # a LoRA run resumed as a full one trained the whole model, its adapters silently dropped
             "--train.lora_rank=0": "it holds LoRA adapters (model.layers.0.attention.wk.lora_A, ...), this run none; "
-                                   "it was saved with train.lora_rank=8"}[change]
+                                   "it was saved with train.lora_rank=8",
+            # fewer layers or a tied head loaded what both have, silently, and the next saves pruned
+            # the checkpoints that held the rest; more layers failed inside a rank
+            "--model.n_layers=1": "it holds model.layers.1.attention.wk.weight (and 8 more), this model not; it was "
+                                  "saved with n_layers=2",
+            "--model.n_layers=3": "this model has model.layers.2.attention.wk.weight (and 8 more), the checkpoint not; "
+                                  "it was saved with n_layers=2",
+            "--model.tie_embeddings=true": "it holds model.output.weight, this model not; it was saved with "
+                                           "tie_embeddings=False",
+            "--model.n_heads=8 --model.n_kv_heads=4": "the same shapes cut into other heads (n_heads=4, n_kv_heads=2)"}[change]
     assert err[0] == head + want + "; resume with the settings it was saved with, or start a new run with " \
                                    "--run-dir DIR", err
     assert _digest(run) == before
@@ -168,3 +178,52 @@ def test_adapters_on_a_checkpoint_without_them_still_resume(saved, tmp_path, cap
     assert cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
                      "--train.steps=4", "--resume", "--train.lora_rank=4", "--dry-run"]) == 0
     assert "resuming from" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("field", ["run_dir", "checkpoint", "cache", "under_file"])
+def test_run_paths_that_are_files_are_refused_before_any_rank_starts(saved, tmp_path, field, capsys):
+    """A run directory, checkpoint directory or data cache that is a file (or lies under one) used
+    to end the run in a rank's traceback, the checkpoint case after all its training; now one line
+    naming the field, exit 2, also under --dry-run, and nothing is created."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    run, extra = tmp_path / "run", []
+    if field == "run_dir":
+        run = afile
+    elif field == "under_file":
+        run = afile / "sub"
+    elif field == "checkpoint":
+        extra = [f"--checkpoint.dir={afile}"]
+    cache = afile if field == "cache" else saved / "cache"
+    name = {"run_dir": "logging.run_dir", "under_file": "logging.run_dir", "checkpoint": "checkpoint.dir",
+            "cache": "data.cache_dir"}[field]
+    for dry in ([], ["--dry-run"]):
+        code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={cache}", f"--logging.run_dir={run}",
+                         "--train.steps=1", *extra, *dry])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"config error: {name}: "), err
+        assert "is a file; give a directory" in err[0], err
+    assert afile.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_overwrite_without_an_earlier_run_removes_nothing(saved, tmp_path, capsys):
+    """--overwrite removed every folder named like a run output (profile/, ray/, ...) even where no
+    earlier run was found, without a word; and a plain run wrote over a summary.json / loss.png it
+    did not make. Now: nothing removed without an earlier run; those files count as one."""
+    run = tmp_path / "proj"
+    (run / "profile").mkdir(parents=True)
+    (run / "profile" / "important.txt").write_text("mine")
+    args = ["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={run}",
+            "--train.steps=1"]
+    assert cli_main([*args, "--overwrite"]) == 0
+    assert (run / "profile" / "important.txt").read_text() == "mine"
+    assert "removed" not in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "summary.json").write_text("{\"mine\": 1}")
+    code = cli_main(["train", "--nproc", "2", *TINY, f"--data.cache_dir={saved}/cache", f"--logging.run_dir={other}",
+                     "--train.steps=1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"config error: logging.run_dir: {other} holds an earlier run (summary.json, no "
+                                 "checkpoint); pass --overwrite to replace it, or --run-dir DIR for a new run"), err
+    assert (other / "summary.json").read_text() == "{\"mine\": 1}"

@@ -9,7 +9,9 @@ config.json) instead; ``--merge-lora`` folds LoRA adapters into their weights (a
 checkpoint reads its base for the rest). ``import SOURCE --to CKPT_DIR`` writes a one-rank
 checkpoint ``CKPT_DIR/step_00000000`` of the model.* tensors of any pretrained source (an HF
 directory, a .gguf file, ``smollm2``; no optimizer state, streamed one tensor at a time) that
-``shardlab train --resume`` loads under any layout (models/pretrained.py, docs/pretrained.md).
+``shardlab train --resume`` loads under any layout (models/pretrained.py, docs/pretrained.md); from
+an HF directory it also keeps that directory's config, generation config and tokenizer files in
+``step_00000000/hf``, which ``export --format hf`` writes back (docs/checkpoints.md).
 A damaged checkpoint is refused with the file named (exit 2). Docs: docs/checkpoints.md.
 """
 from __future__ import annotations
@@ -131,21 +133,52 @@ def _import(source: str, out: Path) -> tuple[Path, object]:
             "config": {"model": model_config_dict(src.cfg)}}
     if src.kind == "gguf" or (src.path / "tokenizer.json").exists():
         meta["tokenizer_source"] = src.ref()
+    if src.kind == "hf":  # its config, generation config and tokenizer files, kept for generate and export
+        from ..models.hf import copy_hf_files
+        from ..models.pretrained import HF_COPY
+        copy_hf_files(src.path, staging / HF_COPY)
     meta["special_tokens"] = src.special_tokens()  # bos/eos/pad and stop ids, kept for export
     path = ckpt.commit(out, 0, 1, meta)
     reader.close()
     return path, src.cfg
 
 
-def _export_tokenizer(src, out: Path) -> bool:
-    """tokenizer.json + tokenizer_config.json of the checkpoint's tokenizer (``src``, the opened
-    checkpoint: its base's or the one its data was tokenised with; bytes as a BPE without merges
-    over the 256 byte characters), so ``AutoTokenizer`` loads the exported directory; False if none."""
+def _hf_source(src, warn: list) -> tuple[dict, Path | None]:
+    """The source model's ``{"config", "generation"}`` (its config.json and generation_config.json)
+    and the directory of its tokenizer files, followed from the checkpoint ``src`` (models/pretrained.py
+    ``hf_origin``); an origin that is gone adds a line to ``warn`` and counts as none."""
+    from ..models.hf import read_json
+    found = []
+    for tokenizer in (False, True):
+        try:
+            found.append(src.hf_origin(tokenizer))
+        except ConfigError as e:
+            line = f"its source is gone ({e.detail.split('; ')[0]})"
+            if line not in warn:
+                warn.append(line)
+            found.append(None)
+    config_dir, tok_dir = found
+    source = {"config": read_json(config_dir / "config.json"),
+              "generation": read_json(config_dir / "generation_config.json")} if config_dir else {}
+    return source, tok_dir
+
+
+def _export_tokenizer(src, out: Path, tok_dir: Path | None) -> bool:
+    """The checkpoint's tokenizer files in ``out``, so ``AutoTokenizer`` loads the exported directory:
+    those of the HF directory it came from, byte for byte (``tok_dir``: chat_template.jinja, pad /
+    unk tokens, padding side, model_max_length and extra special tokens included), else
+    tokenizer.json + tokenizer_config.json of ``src``'s tokenizer (a GGUF's, with llama.cpp's add_bos
+    as the post-processor; bytes as a BPE without merges over the 256 byte characters); False if none."""
+    from ..models.hf import TOKENIZER_FILES, copy_hf_files
     from ..models.tokenizer import ByteTokenizer, byte_level_tokenizer
-    tok = src.tokenizer()
+    if tok_dir is not None:
+        return bool(copy_hf_files(tok_dir, out, TOKENIZER_FILES))
+    tok = src.tokenizer(missing_ok=True)
     backend = byte_level_tokenizer() if isinstance(tok, ByteTokenizer) else getattr(tok, "tokenizer", None)
     if backend is None:
         return False
+    if getattr(tok, "add_bos", False) or getattr(tok, "add_eos", False):
+        backend = _with_adds(backend, tok)
     backend.save(str(out / "tokenizer.json"))
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
@@ -155,6 +188,23 @@ def _export_tokenizer(src, out: Path) -> bool:
         conf["chat_template"] = tok.chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
     return True
+
+
+def _with_adds(backend, tok):
+    """A copy of ``backend`` whose post-processor adds the GGUF's bos / eos, as transformers 5 reads
+    them (from tokenizer.json, not tokenizer_config.json's add_bos_token)."""
+    from tokenizers import Tokenizer, processors
+    parts, ends = ["$A:0"], []
+    for on, i, at in ((tok.add_bos, tok.bos_id, 0), (tok.add_eos, tok.eos_id, 1)):
+        if on and i is not None:
+            parts.insert(at * len(parts), f"{backend.id_to_token(i)}:0")
+            ends.append((backend.id_to_token(i), i))
+    copy = Tokenizer.from_str(backend.to_str())
+    try:
+        copy.post_processor = processors.TemplateProcessing(single=" ".join(parts), special_tokens=ends)
+    except ValueError:  # a token text the template syntax cannot hold (a ':' or a space in it)
+        return backend
+    return copy
 
 
 def _open(args):
@@ -206,10 +256,15 @@ def main(args) -> int:
             raise ConfigError("--merge-lora", f"{reader.path} holds LoRA adapters, which a Hugging Face "
                                               "model cannot hold; pass --merge-lora to fold them into the weights")
         from ..models.pretrained import open_source
-        src = open_source(str(reader.path))  # opened once: its tokenizer is built once, for both below
+        src = open_source(str(reader.path))  # opened once: its tokenizer is built once, for all below
         special = src.special_tokens()  # its meta's, its base's or its tokenizer's
-        n, numel = export_hf(reader, checkpoint_model_config(reader), out, special=special)
-        tok = _export_tokenizer(src, out)
+        warn: list[str] = []
+        source, tok_dir = _hf_source(src, warn)
+        n, numel = export_hf(reader, checkpoint_model_config(reader), out, special=special, source=source)
+        tok = _export_tokenizer(src, out, tok_dir)
+        if warn:
+            print(f"warning: {reader.path}: {'; '.join(warn)}: wrote the weights and config.json without the "
+                  f"source's other config fields{'' if tok else ' and tokenizer files'}", file=sys.stderr)
         print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out} (Hugging Face format"
               f"{', with its tokenizer' if tok else ''})")
         return 0

@@ -93,7 +93,10 @@ def main(args) -> int:
     if tok is None:
         raise ConfigError("source", f"{args.source} has no tokenizer (no tokenizer.json / GGUF vocabulary)")
     text = tok.chat(args.prompt) if args.chat else args.prompt
-    ids = tok.encode(text)
+    # a plain prompt gets what the source's tokenizer adds (an HF tokenizer.json's post-processor:
+    # transformers' tokenizer(prompt); a GGUF's add_bos); chat text carries its own (transformers'
+    # apply_chat_template encodes it without): docs/pretrained.md
+    ids = tok.encode(text, add_special_tokens=not args.chat)
     if not ids:
         raise ConfigError("--prompt", "the prompt encodes to no tokens")
     if args.tp == 1:

@@ -176,19 +176,74 @@ class HFReader:
         self.close()
 
 
-def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: dict | None = None) -> tuple[int, int]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt")
+"""The tokenizer files transformers reads from a model directory (and ``additional_chat_templates/``)."""
+SOURCE_FILES = ("config.json", "generation_config.json") + TOKENIZER_FILES
+"""What ``checkpoint import`` copies from an HF directory into the checkpoint (docs/checkpoints.md)."""
+
+
+def copy_hf_files(src_dir, out_dir, names=SOURCE_FILES) -> list[str]:
+    """Copy the files of ``names`` (and ``additional_chat_templates/*.jinja``) that ``src_dir``
+    holds into ``out_dir``, byte for byte; the names copied."""
+    import shutil
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+            done.append(name)
+    extra = src / "additional_chat_templates"
+    if "chat_template.jinja" in names and extra.is_dir():
+        (out / extra.name).mkdir(exist_ok=True)
+        for f in sorted(extra.glob("*.jinja")):
+            shutil.copyfile(f, out / extra.name / f.name)
+            done.append(f"{extra.name}/{f.name}")
+    return done
+
+
+def read_json(path) -> dict:
+    """A JSON object file as a dict; {} when missing or not a JSON object."""
+    try:
+        out = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def merged_config(mod, cfg, source: dict | None) -> dict:
+    """config.json of ``cfg``: the source's config.json (same ``model_type``) with every field
+    shardlab derives replaced by ``mod.config_to_hf(cfg)``, except ``mod.SOURCE_WINS`` (dropout),
+    kept from the source; the fields shardlab does not model (initializer_range, use_cache,
+    task_specific_params, ...) are written back unchanged."""
+    hf_cfg = mod.config_to_hf(cfg)  # refuses what HF cannot express before writing anything
+    if not source or source.get("model_type") not in mod.MODEL_TYPES:
+        return hf_cfg
+    drop = set(getattr(mod, "DERIVED", ())) | {"dtype", "torch_dtype", "_name_or_path"}
+    out = {**{k: v for k, v in source.items() if k not in drop}, **hf_cfg}
+    out.update({k: source[k] for k in getattr(mod, "SOURCE_WINS", ()) if k in source})
+    return out
+
+
+def export_hf(reader, cfg, out_dir, dtype: torch.dtype | None = None, special: dict | None = None,
+              source: dict | None = None) -> tuple[int, int]:
     """Write ``out_dir/model.safetensors``, ``config.json`` and ``generation_config.json`` from
     ``reader`` (tensors ``model.<name>``), one HF tensor in memory at a time. ``special``: the
     source's ids (``Pretrained.special_tokens``; generation's eos = every stop id, docs/pretrained.md).
-    Returns (tensors, parameters)."""
+    ``source``: ``{"config": ..., "generation": ...}``, the source model's config.json and
+    generation_config.json (:func:`merged_config`; generation fields such as do_sample,
+    temperature, top_p are kept, the ids replaced). Returns (tensors, parameters)."""
     from ..checkpoint.format import SafetensorsWriter, volume
     mod = arch_module(cfg.arch)
-    hf_cfg = mod.config_to_hf(cfg)  # refuses what HF cannot express before writing anything
+    source = source or {}
+    hf_cfg = merged_config(mod, cfg, source.get("config"))
     special = special or {}
     ids = {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     hf_cfg.update(ids)
     stops = list(special.get("stop_ids") or [])
-    gen = {k: v for k, v in ids.items() if v is not None}
+    gen = {**(source.get("generation") or {}), **{k: v for k, v in ids.items() if v is not None}}
     if stops:
         gen["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     groups: dict[str, list[tuple[str, Source]]] = {}

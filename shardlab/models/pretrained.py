@@ -104,11 +104,17 @@ class Pretrained:
             self._gguf = reader(self.path)
         return self._gguf
 
-    def tokenizer(self):
-        """The source's tokenizer, or None (a checkpoint: its base's or the one it was trained with);
-        built once (a GGUF's 49k-token vocabulary takes about a second)."""
+    def tokenizer(self, missing_ok: bool = False):
+        """The source's tokenizer, or None (a checkpoint: the copy ``checkpoint import`` keeps, else
+        its base's or the one it was trained with); built once (a GGUF's 49k-token vocabulary takes
+        about a second). ``missing_ok``: None instead of the ConfigError of a recorded origin gone."""
         if self._tok is None:
-            self._tok = (self._make_tokenizer(),)
+            try:
+                self._tok = (self._make_tokenizer(),)
+            except ConfigError:
+                if not missing_ok:
+                    raise
+                return None
         return self._tok[0]
 
     def _make_tokenizer(self):
@@ -118,6 +124,8 @@ class Pretrained:
             return T.from_gguf_reader(self._gguf_reader())
         if self.kind == "hf":
             return T.from_hf_dir(self.path) if (self.path / "tokenizer.json").exists() else None
+        if (self.path / HF_COPY / "tokenizer.json").exists():
+            return T.from_hf_dir(self.path / HF_COPY)
         from ..checkpoint.save import Reader
         meta = Reader(self.path).meta
         origin = meta.get("base") or meta.get("tokenizer_source")
@@ -150,7 +158,7 @@ class Pretrained:
             meta = Reader(self.path).meta
             origin = meta.get("base_source") or meta.get("base") or meta.get("tokenizer_source")
             out.update(meta.get("special_tokens") or (open_source(origin["source"]).special_tokens() if origin else {}))
-        tok = self.tokenizer()
+        tok = self.tokenizer(missing_ok=True)  # an origin gone: the ids recorded are kept
         if tok is not None:
             out["bos_token_id"] = out["bos_token_id"] if out["bos_token_id"] is not None else tok.bos_id
             out["eos_token_id"] = out["eos_token_id"] if out["eos_token_id"] is not None else tok.eos_id
@@ -160,6 +168,25 @@ class Pretrained:
         out["stop_ids"] = sorted(int(i) for i in stops)
         return out
 
+    def hf_origin(self, tokenizer: bool = False) -> Path | None:
+        """The directory of the Hugging Face files (config.json, generation_config.json, tokenizer
+        files) this source's weights -- or, ``tokenizer``, its tokenizer -- came from: an HF
+        directory itself, the copy ``checkpoint import`` keeps in the checkpoint (:data:`HF_COPY`),
+        or its base's / tokenizer source's, followed; None for a GGUF or a run without one.
+        ConfigError when a recorded origin is gone (moved or deleted)."""
+        if self.kind == "hf":
+            return self.path
+        if self.kind != "shardlab":
+            return None
+        copy = self.path / HF_COPY
+        if copy.is_dir():  # imported from an HF directory (with or without its tokenizer)
+            return copy if not tokenizer or (copy / "tokenizer.json").exists() else None
+        from ..checkpoint.save import Reader
+        meta = Reader(self.path).meta
+        keys = ("base", "tokenizer_source") if tokenizer else ("base_source", "base", "source")
+        origin = next((meta[k] for k in keys if isinstance(meta.get(k), dict)), None)
+        return open_source(origin["source"]).hf_origin(tokenizer) if origin else None
+
     def ref(self) -> dict:
         """What a checkpoint records to find this source again."""
         return {"source": str(self.path.resolve()) if self.kind != "gguf" or self.source not in PACKAGED
@@ -167,6 +194,10 @@ class Pretrained:
 
 
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")  # Hugging Face config.json's names
+HF_COPY = "hf"
+"""Folder of a checkpoint ``checkpoint import`` made from an HF directory: that directory's config,
+generation config and tokenizer files, byte for byte (models/hf.py ``SOURCE_FILES``), so generate and
+export do not need the directory to stay where it was."""
 
 
 def open_source(source: str) -> Pretrained:

@@ -8,6 +8,11 @@ from ..hf import Source
 from ..spec import ffn_dim
 
 MODEL_TYPES = ("gpt2",)
+DERIVED = ()
+"""config.json keys export writes from the model config alone (none beyond config_to_hf's)."""
+SOURCE_WINS = ("attn_pdrop", "resid_pdrop", "embd_pdrop")
+"""config.json keys export copies from the source's config.json when it has one: import keeps
+``model.dropout`` 0 (docs/pretrained.md), so the source's probabilities are written back unchanged."""
 
 
 def config_from_hf(hf: dict) -> dict:

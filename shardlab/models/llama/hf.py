@@ -41,6 +41,41 @@ def _refuse(key: str, why: str):
     raise ConfigError(f"config.json: {key}", why)
 
 
+def rope_parameters(hf: dict) -> dict:
+    """The RoPE parameters transformers 5 computes with, from a Llama config.json, as its
+    ``PreTrainedConfig.convert_rope_params_to_dict`` and ``standardize_rope_params``
+    (modeling_rope_utils.py) derive them: a non-empty ``rope_scaling`` (4.x name) replaces
+    ``rope_parameters`` whole; ``rope_theta`` inside wins over the top-level one (default 10000);
+    ``rope_type`` defaults to ``type``, then ``default``; for llama3 (and yarn, longrope) a top-level
+    ``original_max_position_embeddings`` overrides the nested one, and without either it is
+    ``max_position_embeddings`` (its second standardisation, run when the model builds its rotary
+    embedding, is the one that sees the top-level key)."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        _refuse("rope_scaling" if hf.get("rope_scaling") else "rope_parameters",
+                f"{params!r} is not a JSON object; re-save the model")
+    params = dict(params)
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if hf.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        if "original_max_position_embeddings" in hf:
+            params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+    return params
+
+
+DERIVED = ("rope_scaling", "rope_parameters", "rope_theta", "original_max_position_embeddings",
+           "partial_rotary_factor")
+"""config.json keys export writes from the model config alone (a source's are not carried over:
+a stale top-level ``original_max_position_embeddings`` would override the exported RoPE)."""
+SOURCE_WINS = ("attention_dropout",)
+"""config.json keys export copies from the source's config.json when it has one (shardlab's Llama
+has no dropout; docs/pretrained.md)."""
+
+
 def config_from_hf(hf: dict) -> dict:
     """ModelConfig fields of an HF Llama config.json; refuses what shardlab's Llama does not compute."""
     d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
@@ -52,23 +87,26 @@ def config_from_hf(hf: dict) -> dict:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             _refuse(flag, "biased projections are not supported by shardlab's Llama; use a bias-free model")
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}  # transformers 4.x / 5.x names
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    rope = rope_parameters(hf)  # transformers' reading; attention_factor is unused by these three kinds
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    kind = rope["rope_type"]
     if kind not in ROPE_KEYS:
-        _refuse("rope_parameters.rope_type", f"{kind!r} RoPE scaling is not supported; shardlab's Llama computes "
-                                             f"{', '.join(ROPE_KEYS)}")
-    if rope.get("attention_factor") not in (None, 1.0):
-        _refuse("rope_parameters.attention_factor", f"{rope['attention_factor']} is not supported; only 1.0")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        _refuse(f"{where}.rope_type", f"{kind!r} RoPE scaling is not supported; shardlab's Llama computes "
+                                      f"{', '.join(ROPE_KEYS)}")
+    if rope.get("partial_rotary_factor") not in (None, 1, 1.0):
+        _refuse(f"{where}.partial_rotary_factor", f"{rope['partial_rotary_factor']} is not supported; "
+                                                  "shardlab's Llama rotates the whole head (1.0)")
+    if rope["rope_theta"] is None:
+        _refuse("rope_theta", "is null; give the RoPE base (e.g. 10000.0)")
     scaling = {"rope_scaling": "none" if kind == "default" else kind}
     for field_name, key in ROPE_KEYS[kind].items():
-        if key not in rope:
-            _refuse(f"rope_parameters.{key}", f"{kind} RoPE needs it")
+        if rope.get(key) is None:
+            _refuse(f"{where}.{key}", f"{kind} RoPE needs it")
         scaling[field_name] = rope[key]
     return {**scaling, "vocab_size": int(hf["vocab_size"]), "d_model": d, "n_layers": int(hf["num_hidden_layers"]),
             "n_heads": heads, "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
             "ffn_hidden": int(hf["intermediate_size"]), "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
-            "rope_theta": float(theta), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(rope["rope_theta"]), "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "dropout": 0.0}
 
 

@@ -62,13 +62,32 @@ def check_unknown_options(command: str, extra: list[str], options) -> None:
             raise ConfigError(name, f"unknown option of shardlab {command}{hint}{tail}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, ``kill``) turned into the Ctrl-C path: the launcher's
+    ``finally`` stops the ranks instead of leaving them to notice their parent's death."""
+
+
+def _on_sigterm(signum, frame):
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the cleanup must not be interrupted again
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status. Output piped into a reader that stops early (``| head``)
-    ends the command quietly (status 141, as if killed by SIGPIPE), without a traceback."""
+    ends the command quietly (status 141, as if killed by SIGPIPE), without a traceback. SIGTERM
+    stops the ranks and ends with one line, status 143."""
+    import signal
+    import threading
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         code = _main(argv)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
         return code
+    except Terminated:
+        print("shardlab: terminated (SIGTERM); the ranks were stopped", file=sys.stderr)
+        return 143
     except BrokenPipeError:
         import os
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -78,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError):
                 pass
         return 141
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -114,7 +136,9 @@ def _main(argv: list[str] | None) -> int:
             return 2
         print(f"shardlab: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, Terminated):
+            raise
         print("shardlab: interrupted", file=sys.stderr)
         return 130
 

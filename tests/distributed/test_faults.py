@@ -79,6 +79,36 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, cache):
     assert not [p for p in ranks if _alive(p)], "rank processes outlived the killed launcher"
 
 
+def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path, cache):
+    """SIGTERM to the launcher alone (a scheduler's preemption) used to end it with status -15 and
+    no word while its ranks trained on until they noticed its death; now it stops them through the
+    Ctrl-C path: one line, status 143, no rank left, every checkpoint written complete."""
+    run = tmp_path / "run"
+    proc = _shardlab(["train", "configs/tiny.toml", "--nproc", "2", *TINY, "--train.steps=100000",
+                      "--checkpoint.every=1", "--logging.log_every=1", f"--logging.run_dir={run}",
+                      f"--data.cache_dir={cache}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                     start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not list((run / "checkpoints").glob("step_*")):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        ranks = _descendants(proc.pid)
+        assert len(ranks) >= 2, ranks
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read().decode().strip().splitlines()
+    assert code == 143 and err[-1] == "shardlab: terminated (SIGTERM); the ranks were stopped", err[-5:]
+    deadline = time.time() + 20  # the forkserver and resource tracker follow their parent (a liveness bound)
+    while any(_alive(p) for p in ranks) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in ranks if _alive(p)], "processes outlived the launcher"
+    assert not any("Traceback" in line for line in err), err
+
+
 def _die_worker(ctx):
     return launch.die_with_parent(os.getppid())
 

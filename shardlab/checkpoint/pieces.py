@@ -118,7 +118,8 @@ def model_mismatch(reader, cfg) -> str | None:
     # the next saves prune the checkpoints that held it); more would fail inside a rank.
     mine = {f"model.{n}" for n in params if not n.endswith(adapter)}
     theirs = {k for k in reader.keys() if k.startswith("model.") and not k.endswith(adapter)}
-    for what, keys, other in (("this model has", sorted(mine - theirs), "the checkpoint"),
+    missing = [] if reader.meta.get("base") else sorted(mine - theirs)  # adapter-only: the rest is its base's
+    for what, keys, other in (("this model has", missing, "the checkpoint"),
                               ("it holds", sorted(theirs - mine), "this model")):
         if keys:
             extra = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""

@@ -124,6 +124,8 @@ def _import(source: str, out: Path) -> tuple[Path, object]:
     reader = src.reader()
     pieces = []
     for key in reader.keys():
+        if key.startswith("optim."):  # a shardlab checkpoint's optimizer state: an import holds weights only
+            continue
         shape = reader.global_shape(key)
         pieces.append(ckpt.Piece(key, shape, (0,) * len(shape),
                                  ckpt.Deferred(shape, reader.dtype(key), lambda k=key: reader.read(k))))
@@ -228,6 +230,13 @@ def _refuse_unused(args) -> None:
             raise ConfigError(flag, f"applies to {' and '.join(actions)}, not to {args.action}; drop it")
 
 
+def _not_inside(out: Path, source: Path) -> None:
+    """An export written into the checkpoint it reads (``--to CKPT/rank_00000.safetensors --force``)
+    destroyed that checkpoint's own shard."""
+    if out.resolve().is_relative_to(Path(source).resolve()):
+        raise ConfigError("--to", f"{out} is inside the checkpoint {source} being exported; write it elsewhere")
+
+
 def main(args) -> int:
     _refuse_unused(args)
     out = Path(args.to) if args.to else None
@@ -237,6 +246,8 @@ def main(args) -> int:
         if ckpt.list_checkpoints(out) and not args.force:  # resume would pick the newest, not the import
             raise ConfigError("--to", f"{out} already holds checkpoints; import into an empty directory, or "
                                       "pass --force to add step_00000000 anyway")
+        from ..errors import writable_dir
+        writable_dir(out, "--to")  # a file there used to end the import in a traceback
         path, _ = _import(args.dir, out)
         print(f"wrote {path} ({len(ckpt.Reader(path).keys())} tensors); fine-tune it with "
               f"--checkpoint.base={out} (the model section comes from it; docs/finetune.md)")
@@ -252,6 +263,7 @@ def main(args) -> int:
         from ..models.hf import export_hf
         from ..models.pretrained import checkpoint_model_config
         reader = _open(args)
+        _not_inside(out, reader.path)
         if any(k.endswith(".lora_A") for k in reader.keys()):
             raise ConfigError("--merge-lora", f"{reader.path} holds LoRA adapters, which a Hugging Face "
                                               "model cannot hold; pass --merge-lora to fold them into the weights")
@@ -286,6 +298,7 @@ def main(args) -> int:
             print(f"ok: {reader.path}: {n} tensors in {len(reader.rank_files())} files, all crc32 match, "
                   f"every key fully covered")
         else:
+            _not_inside(out, reader.path)
             out.parent.mkdir(parents=True, exist_ok=True)
             n, numel = _export(reader, out, int(args.chunk_mib * 2**20))
             print(f"wrote {n} tensors ({numel:,} parameters) from {reader.path} to {out}")

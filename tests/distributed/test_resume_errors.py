@@ -227,3 +227,25 @@ def test_overwrite_without_an_earlier_run_removes_nothing(saved, tmp_path, capsy
     assert code == 2 and err == (f"config error: logging.run_dir: {other} holds an earlier run (summary.json, no "
                                  "checkpoint); pass --overwrite to replace it, or --run-dir DIR for a new run"), err
     assert (other / "summary.json").read_text() == "{\"mine\": 1}"
+
+
+def test_checkpoint_commands_keep_their_source_and_refuse_files(saved, tmp_path, capsys):
+    """`checkpoint export --to CKPT/rank_00000.safetensors --force` wrote over the checkpoint's own
+    shard; `checkpoint import --to FILE` ended in a traceback; an import of a shardlab checkpoint
+    copied its optimizer state, which an import says it leaves out."""
+    from shardlab.checkpoint import save as ckpt
+    run = _copy_run(saved, tmp_path)
+    step = run / "checkpoints" / "step_00000002"
+    before = _digest(run)
+    for args, part in ((["export", str(step), "--to", str(step / "rank_00000.safetensors"), "--force"],
+                        "is inside the checkpoint"),
+                       (["export", str(step), "--format", "hf", "--to", str(step / "hf_out")], "is inside the checkpoint"),
+                       (["import", str(step), "--to", str(step / "rank_00000.safetensors")], "is a file; give a directory")):
+        assert cli_main(["checkpoint", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("config error: --to: ") and part in err[0], err
+    assert _digest(run) == before
+    assert cli_main(["checkpoint", "import", str(step), "--to", str(tmp_path / "imported")]) == 0
+    keys = ckpt.Reader(tmp_path / "imported" / "step_00000000").keys()
+    assert any(k.startswith("model.") for k in keys) and not any(k.startswith("optim.") for k in keys)
+    assert any(k.startswith("optim.") for k in ckpt.Reader(step).keys())  # what was left out

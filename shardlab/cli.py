@@ -36,10 +36,17 @@ TAKES_OVERRIDES = {"train", "config", "verify", "memory", "launch"}
 """Commands that read ``--section.key=value`` config overrides (launch passes them to the script)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (the usage block it printed is in --help), exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardlab", description="Every parallelism of large-model "
-                                     "training, from torch.distributed primitives.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="shardlab", description="Every parallelism of large-model "
+                     "training, from torch.distributed primitives.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module, _options=p._option_string_actions)

@@ -39,7 +39,7 @@ def configure(p):
     p.add_argument("--pp-split", default=None, choices=("balanced", "ends"),
                    help="the pipeline layouts' split (parallel.pp_split): balanced (the search's default) or ends "
                         "(Llama 3's: the embedding and the head in stages of their own)")
-    p.add_argument("--layout", default="", help="evaluate one pinned layout instead of searching, written as the "
+    p.add_argument("--layout", default=None, help="evaluate one pinned layout instead of searching, written as the "
                    "table prints it: \"fsdp8 tp8sp pp8 interleaved:2 mb4x8 ac-full\" (analysis/plan_layout.py)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (fused elementwise work)")
     p.add_argument("--float8", action="store_true", help="Float8 linears (torchao, tensorwise): the blocks' GEMMs at the "
@@ -135,6 +135,8 @@ def main(args) -> int:
         fixed["pp_split"] = args.pp_split
     base.parallel.compile = base.parallel.compile or getattr(args, "compile", False)
     eta = FITTED_EFFICIENCY if getattr(args, "efficiency", "stated") == "fitted" else 1.0
+    if getattr(args, "layout", None) is not None and not args.layout.strip():  # ran the whole search, silently
+        raise ConfigError("--layout", "is empty; give a layout, e.g. --layout \"fsdp8 tp8 mb1x8\", or drop it to search")
     if getattr(args, "layout", ""):
         if fixed:
             raise ConfigError("--layout", f"give {', '.join('--' + k.replace('_', '-') for k in fixed)} inside --layout, not beside it")

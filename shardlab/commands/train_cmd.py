@@ -57,7 +57,9 @@ def resolve(args) -> tuple[C.Config, int, object]:
         cfg.logging.profile_steps = args.profile
     if args.device:
         cfg.train.device = args.device
-    if args.run_dir:
+    if args.run_dir is not None:
+        if not args.run_dir.strip():  # was ignored: the run went to the config's run_dir
+            raise C.ConfigError("--run-dir", "is empty; give a directory, or drop it for logging.run_dir")
         cfg.logging.run_dir = args.run_dir
     nproc = launch.torchrun_world_size() or args.nproc or cfg.parallel.world_size
     C.spread_over(cfg, nproc).validate(world_size=nproc)  # degrees not given: data parallel over the ranks
@@ -256,7 +258,7 @@ def main(args) -> int:
     if main_rank and not args.dry_run:  # first: it may restore the only copy of a step
         clean_interrupted(checkpoint_dir(cfg))
     # the one lookup of the newest valid checkpoint of this start (under torchrun, on every rank)
-    plan = make_plan(cfg, test_hooks=launch.test_env(), warn=print if main_rank and not args.dry_run else lambda *_: None)
+    plan = make_plan(cfg, test_hooks=launch.test_env(), warn=(lambda m: print(m, file=sys.stderr)) if main_rank and not args.dry_run else lambda *_: None)
     if main_rank or args.dry_run:
         for field, path, write in (("logging.run_dir", plan.run_dir, True), ("data.cache_dir", cfg.data.cache_dir, False),
                                    ("checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir", plan.checkpoint_dir, True)):

@@ -1,6 +1,7 @@
 """DeepSpeed JSON -> shardlab config (``translate``, called by ``load`` for a DeepSpeed file):
-DeepSpeed's defaults and batch rule, ``"auto"`` as the Hugging Face integration, unsupported keys
-named in one warning (docs/api.md, DeepSpeed JSON semantics; docs/configuration.md)."""
+DeepSpeed's defaults and batch rule, ``"auto"`` as the Hugging Face integration, keys that would
+change the results and are not implemented refused by name, other unsupported keys named in one
+warning (docs/api.md, DeepSpeed JSON semantics; docs/configuration.md)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ _NO_EFFECT_ZERO = {"contiguous_gradients", "sub_group_size", "stage3_prefetch_bu
                    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
                    "elastic_checkpoint", "memory_efficient_linear"}
 _NO_EFFECT_TOP = {"wall_clock_breakdown", "memory_breakdown", "flops_profiler", "comms_logger", "tensorboard",
-                  "csv_monitor", "wandb", "dump_state", "prescale_gradients", "zero_allow_untested_optimizer"}
+                  "csv_monitor", "wandb", "dump_state", "prescale_gradients", "zero_allow_untested_optimizer",
+                  "checkpoint"}
 """Keys that tune how DeepSpeed runs (buffer sizes, prefetching, gathering for ``save_16bit_model``,
 which shardlab always does), what it logs or what it allows (``zero_allow_untested_optimizer``:
 shardlab's ZeRO takes any torch optimizer), not what a step computes: named in a warning of their
@@ -28,14 +30,21 @@ own, apart from the keys that would change the results and are not supported."""
 _FP16_AS_SHARDLAB = {"hysteresis": 2, "min_loss_scale": 1, "consecutive_hysteresis": False}
 """fp16 keys at the values shardlab's ``loss_scaler = deepspeed`` implements (DeepSpeed's defaults)."""
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_DS_CHECKPOINT = {"tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"}
+"""DeepSpeed's own ``checkpoint`` section (where and how it writes files, not what a step computes)."""
+_CHECKED_TOP = {"torch_autocast", "amp", "data_types", "communication_data_type"}
+"""Top-level keys :func:`_refusals` reads: refused where they would change the results."""
 
 
 def is_deepspeed(data: dict, sections) -> bool:
     """Whether a JSON object is a DeepSpeed config: some DeepSpeed key (``bf16``, ``optimizer``,
     ``zero_optimization``, a batch key, ...; ``model`` alone is both) and no shardlab section other
-    than ``model`` among ``sections``. One rule for ``shardlab train`` / ``config`` / ``memory`` and
-    ``shardlab.initialize``."""
+    than ``model`` among ``sections`` (a ``checkpoint`` section of DeepSpeed's keys only,
+    ``tag_validation`` ..., is DeepSpeed's). One rule for ``shardlab train`` / ``config`` /
+    ``memory`` and ``shardlab.initialize``."""
     keys = set(data)
+    if isinstance(data.get("checkpoint"), dict) and set(data["checkpoint"]) <= _DS_CHECKPOINT:
+        keys.discard("checkpoint")
     return bool(keys & (_TOP_KEYS - {"model"})) and not keys & (set(sections) - {"model"})
 
 
@@ -145,11 +154,25 @@ def _optimizer(ds: dict, out: dict, unsupported: list):
             raise ConfigError("optimizer.params.betas", f"must be a list of two numbers, e.g. [0.9, 0.999], "
                                                         f"got {json.dumps(betas)[:40]}")
         t["beta1"], t["beta2"] = (_num(b, "optimizer.params.betas", False) for b in betas)
+    for key, same, fix in (("amsgrad", False, "shardlab's AdamW has no AMSGrad; drop it, or pass optimizer=lambda ps: "
+                                              "torch.optim.AdamW(ps, amsgrad=True) to shardlab.initialize"),
+                           ("bias_correction", True, "shardlab's AdamW always corrects the moments' bias (torch's "
+                                                     "AdamW); drop it")):
+        if params.get(key, same) not in (same, AUTO):
+            raise ConfigError(f"optimizer.params.{key}", f"= {json.dumps(params[key])[:40]} is not implemented: {fix}")
+        params.pop(key, None)
+    if "max_grad_norm" in params:
+        raise ConfigError("optimizer.params.max_grad_norm", "DeepSpeed refuses it too; clip with the top-level "
+                                                            "\"gradient_clipping\" instead")
     unsupported += [f"optimizer.params.{k}" for k in params]
 
 
 # DeepSpeed's scheduler -> train.lr_schedule; its defaults (warm-up: 1000 steps, log) where the JSON is silent
 _SCHEDULERS = {"WarmupLR": "ds_warmup", "WarmupDecayLR": "ds_warmup_decay", "WarmupCosineLR": "ds_warmup_cosine"}
+_WARMUP = {"warmup_num_steps", "warmup_type", "last_batch_iteration"}
+_SCHEDULER_PARAMS = {"WarmupLR": _WARMUP | {"warmup_min_lr", "warmup_max_lr"},
+                     "WarmupDecayLR": _WARMUP | {"warmup_min_lr", "warmup_max_lr", "total_num_steps"},
+                     "WarmupCosineLR": _WARMUP | {"warmup_min_ratio", "cos_min_ratio", "total_num_steps"}}
 
 
 def _scheduler(ds: dict, out: dict, unsupported: list):
@@ -163,7 +186,14 @@ def _scheduler(ds: dict, out: dict, unsupported: list):
         raise ConfigError("scheduler.type", f"{kind!r} is not supported; use one of {', '.join(_SCHEDULERS)} "
                                             "or drop the scheduler block (constant learning rate)")
     raw = _dict(sch, "params", '{"warmup_num_steps": 10}')
-    params = {k: v for k, v in raw.items() if v != AUTO}  # "auto": shardlab's own value
+    for k in raw:  # DeepSpeed's class raises a TypeError for any other keyword
+        if k not in _SCHEDULER_PARAMS[kind]:
+            raise ConfigError(f"scheduler.params.{k}", f"is not a parameter of DeepSpeed's {kind} (DeepSpeed raises a "
+                              f"TypeError); its parameters: {', '.join(sorted(_SCHEDULER_PARAMS[kind]))}")
+    if raw.get("last_batch_iteration", -1) not in (-1, AUTO):
+        raise ConfigError("scheduler.params.last_batch_iteration", "a schedule that starts part-way is not "
+                          "implemented; drop it (a resumed run takes its step from the checkpoint)")
+    params = {k: v for k, v in raw.items() if v != AUTO and k != "last_batch_iteration"}  # "auto": shardlab's own
     for k, v in params.items():
         if k != "warmup_type":
             _num(v, f"scheduler.params.{k}")
@@ -222,7 +252,12 @@ def _precision(ds: dict, out: dict, unsupported: list):
     if fp16_on:
         t["precision"], t["loss_scaler"] = "fp16", "deepspeed"  # DeepSpeed's hysteresis and window count
         if fp16.get("loss_scale", 0) not in (0, AUTO):
-            unsupported.append("fp16.loss_scale (static loss scale; shardlab scales dynamically)")
+            raise ConfigError("fp16.loss_scale", f"= {fp16['loss_scale']}: a static loss scale is implemented by "
+                              "shardlab.initialize only; shardlab train scales dynamically: set it to 0")
+        for k, v in _FP16_AS_SHARDLAB.items():
+            if fp16.get(k, v) not in (v, AUTO):
+                raise ConfigError(f"fp16.{k}", f"= {json.dumps(fp16[k])[:40]} is not implemented: shardlab's DeepSpeed "
+                                  f"loss scaler has {k} {json.dumps(v)} (DeepSpeed's default); drop it")
         if fp16.get("initial_scale_power", AUTO) != AUTO:
             power = fp16["initial_scale_power"]
             if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power <= 64:
@@ -231,8 +266,7 @@ def _precision(ds: dict, out: dict, unsupported: list):
         if fp16.get("loss_scale_window", AUTO) != AUTO:
             t["loss_scale_window"] = fp16["loss_scale_window"]
     unsupported += [f"fp16.{k}" for k in fp16 if k not in ("enabled", "loss_scale", "initial_scale_power",
-                                                           "loss_scale_window")
-                    and not (k in _FP16_AS_SHARDLAB and fp16[k] in (_FP16_AS_SHARDLAB[k], AUTO))]
+                                                           "loss_scale_window") and k not in _FP16_AS_SHARDLAB]
 
 
 def _zero(ds: dict, out: dict, unsupported: list):
@@ -254,8 +288,26 @@ def _zero(ds: dict, out: dict, unsupported: list):
         p["offload"] = True
     elif offload:
         unsupported += [f"zero_optimization.{k} with stage {stage} (shardlab offloads at stage 3)" for k in offload]
-    unsupported += [f"zero_optimization.{k}" for k in z if k not in _ZERO_KEYS | _NO_EFFECT_ZERO]
+    for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if _flag(z, k, f"zero_optimization.{k}"):
+            raise ConfigError(f"zero_optimization.{k}", "is not implemented (shardlab communicates full-precision "
+                                                        "weights and gradients); set it to false")
+    unsupported += [f"zero_optimization.{k}" for k in z if k not in _ZERO_KEYS | _NO_EFFECT_ZERO and
+                    not (k.startswith("zero_quantized") and z[k] is False)]
     out["_no_effect"] = [f"zero_optimization.{k}" for k in z if k in _NO_EFFECT_ZERO]
+
+
+def _refusals(ds: dict) -> None:
+    """Top-level keys that would change what a step computes and are not implemented."""
+    for key, fix in (("torch_autocast", "use \"bf16\" or \"fp16\": {\"enabled\": true} (shardlab's autocast over "
+                                        "fp32 master weights)"), ("amp", "use \"fp16\" or \"bf16\" instead")):
+        if _flag(_dict(ds, key, '{"enabled": false}'), "enabled", f"{key}.enabled"):
+            raise ConfigError(f"{key}.enabled", f"DeepSpeed's {key} mode is not implemented; {fix}, or set it false")
+    for name, value in (("data_types.grad_accum_dtype", _dict(ds, "data_types", "{}").get("grad_accum_dtype")),
+                        ("communication_data_type", ds.get("communication_data_type"))):
+        if value not in (None, "fp32", AUTO):
+            raise ConfigError(name, f"= {json.dumps(value)[:40]} is not implemented: shardlab accumulates and reduces "
+                                    "gradients in fp32; set it to \"fp32\" or drop it")
 
 
 def resolve_batch(ds: dict, world_size: int) -> dict:
@@ -316,6 +368,7 @@ def translate(ds: dict) -> dict:
     _scheduler(ds, out, unsupported)
     _precision(ds, out, unsupported)
     _zero(ds, out, unsupported)
+    _refusals(ds)
     if ds.get("gradient_clipping", 1.0) != AUTO:  # DeepSpeed's default is 1.0 (runtime/constants.py); 0 = off
         clip = _num(ds.get("gradient_clipping", 1.0), "gradient_clipping")
         if clip < 0:
@@ -328,7 +381,8 @@ def translate(ds: dict) -> dict:
         unsupported += [f"activation_checkpointing.{k}" for k in ac if ac[k] not in (False, None)]
     if "steps_per_print" in ds:
         out["logging"]["log_every"] = _positive_int(ds, "steps_per_print") or 10
-    unsupported += [k for k in ds if k not in _TOP_KEYS | _NO_EFFECT_TOP]
+    unsupported += [k for k in ds if k not in _TOP_KEYS | _NO_EFFECT_TOP | _CHECKED_TOP]
+    unsupported += [f"data_types.{k}" for k in _dict(ds, "data_types", "{}") if k != "grad_accum_dtype"]
     no_effect = out.pop("_no_effect", []) + [k for k in ds if k in _NO_EFFECT_TOP]
     if unsupported:
         warnings.warn("DeepSpeed config: not supported by shardlab, ignored: " + ", ".join(unsupported),

@@ -47,8 +47,9 @@ def test_unsupported_keys_are_named_in_a_warning():
                    "DeepSpeed config: tuning / logging keys that do not change what a step computes, left to "
                    "shardlab's own settings: zero_optimization.contiguous_gradients, "
                    "zero_optimization.stage3_max_live_parameters, wall_clock_breakdown"], got
-    with pytest.warns(UserWarning, match="ignored: fp16.hysteresis$"):
+    with pytest.raises(ConfigError) as e:  # another hysteresis changes the results: refused since 2026-12-08
         translate(dict(DS, fp16={"enabled": True, "hysteresis": 4, "min_loss_scale": 1}))
+    assert e.value.field == "fp16.hysteresis"
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -15,7 +15,6 @@ a world of one). The Mesh lives in the engine; nothing is global. Docs: docs/api
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 from contextlib import nullcontext
 from pathlib import Path
@@ -29,10 +28,10 @@ from .errors import ConfigError
 from .distributed.mesh import Mesh
 from .distributed.topology import Topology
 from .api_checkpoint import EngineCheckpoints
-from .api_deepspeed import DeepSpeedAccessors, is_scheduler
-from .api_model import check_user_config, compile_blocks, recompute_blocks
+from .api_deepspeed import DeepSpeedAccessors, is_scheduler, json_settings
+from .api_model import check_user_config, compile_blocks, recompute_blocks, tag_groups
 from .train.groups import regroup, user_groups
-from .train.optim import LossScaler, autocast_factory, build_adamw, decay_rule, lr_at, optimizer_step
+from .train.optim import LossScaler, autocast_factory, decay_rule, lr_at, optimizer_step
 
 __all__ = ["initialize", "ModelEngine", "resolve_config"]
 
@@ -84,37 +83,6 @@ def resolve_config(config, world_size: int) -> C.Config:
     return cfg
 
 
-def _optimizer_builder(optimizer, cfg: C.Config, device):
-    """-> (build(param_groups) -> torch optimizer, whether the config's lr schedule applies,
-    the optimizer's own param groups or None)."""
-    t = cfg.train
-    if optimizer is None:
-        return build_adamw(t, device), True, None
-    if isinstance(optimizer, torch.optim.Optimizer):
-        # A ready optimizer holds the unsharded parameters. As DeepSpeed does, the same object is
-        # kept and its groups refilled with the engine's (possibly sharded) tensors, each group's
-        # settings (weight decay, lr, a scheduler's initial_lr) on exactly its parameters: your
-        # scheduler built on it, and lr you set in its param_groups, act on the engine's step.
-        if optimizer.state:
-            raise ConfigError("optimizer", f"this {type(optimizer).__name__} has already stepped (it has state); "
-                              "pass a fresh one, its class or a factory taking param groups")
-        t.weight_decay = float(optimizer.defaults.get("weight_decay", 0.0))
-        given = [dict(g) for g in optimizer.param_groups]
-
-        def refill(groups):
-            optimizer.param_groups.clear()
-            for g in groups:
-                optimizer.add_param_group(g)
-            return optimizer
-        return refill, False, given
-    if inspect.isclass(optimizer) and issubclass(optimizer, torch.optim.Optimizer):
-        return (lambda groups: optimizer(groups, lr=t.lr)), False, None
-    if callable(optimizer):
-        return optimizer, False, None
-    raise ConfigError("optimizer", f"expected None, a torch optimizer (object or class) or a factory "
-                      f"taking param groups, got {type(optimizer).__name__}")
-
-
 def initialize(model: nn.Module = None, config=None, optimizer=None, lr_scheduler=None, model_parameters=None, *,
                args=None, training_data=None, collate_fn=None, config_params=None, dist_init_required=None,
                distributed_port=None, mpu=None, mesh_param=None) -> "ModelEngine":
@@ -123,14 +91,16 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
     ``engine, optimizer, training_dataloader, lr_scheduler = shardlab.initialize(...)``.
 
     ``config``: a shardlab dict / TOML or JSON path / ``Config``, or a DeepSpeed JSON (dict or
-    path). ``optimizer``: None (AdamW from the config), a torch optimizer class, a factory
-    ``param_groups -> optimizer``, or a fresh optimizer object (kept, its groups refilled with
-    the engine's tensors, as DeepSpeed does). ``lr_scheduler``: None (the config's schedule when
-    the optimizer comes from the config, else a constant lr), a scheduler built on that optimizer
-    object, or a factory ``optimizer -> scheduler``. ``model_parameters``: as
-    in ``deepspeed.initialize``, the model's parameters or torch param-group dicts (each group's
-    settings, e.g. ``weight_decay``, on its parameters); default: every trainable parameter in
-    the config's groups (``train.weight_decay_params``; docs/api.md, Parameter groups).
+    path). ``optimizer``: None (AdamW from the config), or as DeepSpeed takes it: a torch
+    optimizer class or factory, called as ``optimizer(model_parameters)``, or a fresh optimizer
+    object (kept, its groups refilled with the engine's tensors; ``model_parameters`` ignored).
+    ``lr_scheduler``: None (the config's schedule when the optimizer comes from the config or a
+    DeepSpeed JSON has a ``scheduler`` block, else none: the lr is the optimizer's, never written
+    by the engine), a scheduler built on that optimizer object, or a factory ``optimizer ->
+    scheduler``. ``model_parameters``: as in ``deepspeed.initialize``, the model's parameters or
+    torch param-group dicts (each group's settings, e.g. ``weight_decay``, on its parameters);
+    default: every trainable parameter, in the config's groups (``train.weight_decay_params``;
+    docs/api.md, Parameter groups), in one group under a DeepSpeed JSON (DeepSpeed's default).
     DeepSpeed's keywords (api_deepspeed.py): ``args`` (its ``deepspeed_config`` when no config is
     given; its ``local_rank`` set), ``config_params`` (= config), ``training_data`` + ``collate_fn``
     (DeepSpeed's loader, ``engine.training_dataloader``); ``dist_init_required`` and
@@ -161,9 +131,9 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
         raise ConfigError("lr_scheduler", f"expected a scheduler built on optimizer= or a factory taking the "
                                           f"optimizer, got {type(lr_scheduler).__name__}")
     kind, data = _read(config)
-    drop_last = ds.drop_last_of(data) if kind == "deepspeed" else False
-    if kind == "deepspeed":  # its loader's key, used here (shardlab train warns it is ignored)
-        config = {k: v for k, v in data.items() if k != ds.DROP_LAST}
+    config, settings = ds.json_settings(data if kind == "deepspeed" else None, optimizer)
+    if kind == "shardlab":
+        config = data
     ctx = init_from_env(data.train.device if kind == "shardlab" else "auto",
                         data.train.timeout_s if kind == "shardlab" else 60.0)
     ds.set_local_rank(args, ctx.local_rank)
@@ -171,18 +141,20 @@ def initialize(model: nn.Module = None, config=None, optimizer=None, lr_schedule
     mesh = Mesh.build(Topology.from_config(cfg.parallel), ctx.device, cfg.parallel.comm_algorithm,
                       check_collectives=cfg.parallel.check_collectives, transport=cfg.parallel.comm_transport,
                       comm_thread=cfg.parallel.comm_thread)
-    build, schedule, own_groups = _optimizer_builder(optimizer, cfg, ctx.device)
-    if kind == "deepspeed" and data.get("scheduler") and lr_scheduler is None:
-        schedule = True  # as DeepSpeed builds the JSON's scheduler on your optimizer too (_scheduler_from_config)
-    if model_parameters is not None and own_groups is not None:
-        raise ConfigError("model_parameters", "pass either model_parameters or an optimizer object holding them, not both")
-    given = model_parameters if model_parameters is not None else own_groups
+    build, schedule, own_groups = ds.client_optimizer(optimizer, model, model_parameters, cfg, ctx.device)
+    if kind == "deepspeed":  # DeepSpeed builds the JSON's scheduler, on your optimizer too, and only that one
+        schedule = settings["scheduler"] and lr_scheduler is None  # (_scheduler_from_config; None without a block)
+    given = own_groups if own_groups is not None else model_parameters  # DeepSpeed ignores model_parameters then
+    if given is None and kind == "deepspeed":  # DeepSpeed's default: module.parameters(), one group
+        given = [p for p in model.parameters() if p.requires_grad]
     groups = user_groups(model, given) if given is not None else None
     uniform = kind == "deepspeed" and uniform_peak(data)  # else each group warms to its own lr
-    engine = ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule, groups, uniform)
-    engine.local_rank = ctx.local_rank
-    if training_data is not None:
-        engine.training_dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn, drop_last=drop_last)
+    engine = ModelEngine(model, mesh, cfg, build, lr_scheduler, schedule, groups, uniform, settings)
+    engine.local_rank, engine.collate_fn = ctx.local_rank, collate_fn
+    if training_data is not None:  # DeepSpeed's deepspeed_io(training_data)
+        engine.training_dataloader = ds.data_loader(
+            training_data, engine.train_micro_batch_size_per_gpu(), engine.global_rank, engine.world_size,
+            collate_fn, engine.dataloader_drop_last(), pin_memory=engine.device.type == "cuda")
     elif collate_fn is not None:
         raise ConfigError("collate_fn", "given without training_data; pass the dataset too, or drop it")
     return engine
@@ -199,19 +171,6 @@ def _engine(model: nn.Module, mesh: Mesh, cfg: C.Config):
     return ddp.apply(model, mesh, cfg) if mesh.world_size > 1 else Engine(model, mesh, cfg)
 
 
-def _tag_groups(model: nn.Module, groups, weight_decay: float, tag: str = "_shardlab_user_group") -> None:
-    """Mark each parameter with (its user group's index, that group's weight decay): ZeRO then
-    packs each group's parameters into flats of their own (parallel/zero.py ``decay_groups``), so
-    any grouping works at every stage, as in DeepSpeed. Without groups: earlier marks removed."""
-    where = {pid: (k, float(s.get("weight_decay", weight_decay))) for k, (ids, s) in enumerate(groups or ())
-             for pid in ids}
-    for p in model.parameters():
-        if id(p) in where:
-            setattr(p, tag, where[id(p)])
-        elif hasattr(p, tag):
-            delattr(p, tag)
-
-
 class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
     """What ``initialize`` returns: forward, backward, step, checkpoints of a user model.
 
@@ -219,8 +178,9 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
     during forward/backward: read weights with :meth:`full_state_dict`)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: C.Config, build, lr_scheduler=None,
-                 schedule: bool = False, groups=None, uniform_peak: bool = True):
+                 schedule: bool = False, groups=None, uniform_peak: bool = True, settings: dict | None = None):
         self.mesh, self.cfg, self.device = mesh, cfg, mesh.device
+        self.settings = settings or json_settings(None, None)[1]  # DeepSpeed's accessors' answers
         model.to(mesh.device)
         sd = model.state_dict(keep_vars=True)
         first: dict[int, str] = {}
@@ -233,7 +193,7 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
                 world.broadcast(sd[k].data, 0)
         self.module = model
         ids = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}  # before the engine
-        _tag_groups(model, groups, cfg.train.weight_decay)
+        tag_groups(model, groups, cfg.train.weight_decay)
         if groups is not None:  # each group's own weight decay (default: the optimizer's), not decay_rule's
             cfg.train.weight_decay_params = "matrices"
         recompute_blocks(model, cfg.parallel.activation_checkpointing)
@@ -249,18 +209,29 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
             g.setdefault("initial_lr", g["lr"])  # a group's own peak (ds_* schedules without warmup_max_lr)
         ready = is_scheduler(lr_scheduler) or lr_scheduler is None  # an object built on your optimizer, or none
         self.lr_scheduler = lr_scheduler if ready else lr_scheduler(self.optimizer)
-        self._schedule = schedule and self.lr_scheduler is None
+        self._schedule = schedule and self.lr_scheduler is None  # else the engine never writes an lr
         self._uniform_peak = uniform_peak
         t = cfg.train
         self.scaler = LossScaler.from_config(t)
+        if self.settings["static_scale"] and self.scaler.enabled:  # a DeepSpeed JSON's static fp16.loss_scale:
+            s = self.scaler  # overflowed steps are skipped, the scale never moves (DeepSpeed's static scaler)
+            s.scale = s.min_scale = self.settings["static_scale"]
+            s.growth = s.backoff = 1.0
         self.autocast = autocast_factory(t.precision, mesh.device)
         self.accumulation = cfg.parallel.microbatches
-        self.global_steps = 0   # optimizer steps (skipped fp16 steps included, as DeepSpeed counts)
-        self.micro_steps = 0    # backward passes since the last optimizer step
+        self.global_steps = 0    # optimizer steps (skipped ones included, as DeepSpeed counts)
+        self.global_samples = 0  # train_batch_size() per optimizer step, as DeepSpeed counts
+        self.skipped_steps = 0   # optimizer steps not applied (fp16 overflow, non-finite gradient)
+        self.micro_steps = 0     # step() calls, DeepSpeed's count (the boundary is its (n + 1) % accumulation)
+        self._sched_steps = 0    # the config schedule's own steps (DeepSpeed's scheduler's last_batch_iteration + 1)
+        self._backwards = 0      # backward passes since the last optimizer step
+        self._fresh = True       # no training forward since the last optimizer step
+        self._step_applied = self._no_sync = False
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's, else the micro-step rule
+        self._last_loss = None
         self.client_state: dict = {}  # what save_checkpoint(client_state=...) stored, after load_checkpoint
-        self.last_overflow = self.last_nonfinite = False
         self.grad_norm: float | None = None  # the last step's, before clipping
-        self.training_dataloader = None  # DeepSpeed's loader of initialize(training_data=...)
+        self.training_dataloader = self.collate_fn = None  # DeepSpeed's of initialize(training_data=, collate_fn=)
         self.local_rank = 0
         if self._schedule:
             self._set_lr()
@@ -272,17 +243,19 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
             self.compile()
 
     def _set_lr(self) -> None:
-        """The config's schedule for the next step (ds_* schedules count applied steps, as
-        DeepSpeed steps its scheduler only after a step that was not skipped)."""
+        """The config's schedule for the next step, written after each optimizer step as
+        DeepSpeed's scheduler writes it (never without a schedule: then the lr is yours)."""
         for g, lr in zip(self.optimizer.param_groups, self.next_lrs()):
             g["lr"] = lr
 
     def next_lrs(self) -> list[float]:
         """Each param group's lr for the next optimizer step under the config's schedule (what
-        DeepSpeed's scheduler reports after a step: ``get_last_lr``)."""
+        DeepSpeed's scheduler reports after a step: ``get_last_lr``): ds_* schedules count the
+        applied steps (DeepSpeed steps its scheduler only after a step that was not skipped),
+        shardlab's cosine every step; a load without scheduler states keeps this engine's count."""
         t = self.cfg.train
-        step = self.global_steps - (self.scaler.skipped if t.lr_schedule != "cosine" else 0)
-        return [lr_at(step, t, None if self._uniform_peak else g["initial_lr"]) for g in self.optimizer.param_groups]
+        return [lr_at(self._sched_steps, t, None if self._uniform_peak else g["initial_lr"])
+                for g in self.optimizer.param_groups]
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -301,8 +274,16 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
         return self.train(False)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next backward completes the step's accumulation."""
-        return self.micro_steps == self.accumulation - 1
+        """DeepSpeed's: ``(micro_steps + 1) % gradient_accumulation_steps == 0``, micro-steps counted
+        by ``step()``: True from the forward of the micro-batch that ends an accumulation until its
+        ``step()`` (always with accumulation 1), or what ``set_gradient_accumulation_boundary`` set."""
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self.accumulation == 0
+
+    def _syncs(self) -> bool:
+        """Whether this micro-batch's backward reduces gradients over the ranks."""
+        return self.is_gradient_accumulation_boundary() and not self._no_sync
 
     # -- forward / backward / step ----------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
@@ -310,45 +291,61 @@ class ModelEngine(EngineCheckpoints, DeepSpeedAccessors):
 
     def forward(self, *inputs, **kwargs):
         """The model's forward under the configured autocast. With gradients enabled it is one
-        micro-batch of the step (the last one of ``gradient_accumulation_steps`` synchronises)."""
+        micro-batch of the step (the boundary's synchronises)."""
         ac = self.autocast() if self.autocast else nullcontext()
         if not torch.is_grad_enabled():
             with ac:
                 return self.module(*inputs, **kwargs)
-        if self.micro_steps == 0:
+        if self._fresh:
             self.engine.start_step()
+            self._fresh = False
         with ac:
-            return self.engine.forward(*inputs, sync=self.is_gradient_accumulation_boundary(), **kwargs)
+            return self.engine.forward(*inputs, sync=self._syncs(), **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps`` (the step's gradient is
         the mean over micro-batches and ranks), then the engine's per-micro-batch hook. As
         DeepSpeed's: ``scale_wrt_gas=False`` leaves out the division by the accumulation steps
-        (the micro-batches' gradients are summed), ``retain_graph`` is autograd's."""
-        sync = self.is_gradient_accumulation_boundary()
-        (loss * (self.scaler.scale / (self.accumulation if scale_wrt_gas else 1))).backward(retain_graph=retain_graph)
+        (the micro-batches' gradients are summed), ``retain_graph`` is autograd's, and it returns
+        the loss divided as the gradient was (``loss / gradient_accumulation_steps``)."""
+        sync, div = self._syncs(), self.accumulation if scale_wrt_gas else 1
+        (loss * (self.scaler.scale / div)).backward(retain_graph=retain_graph)
         self.engine.after_backward(sync)
-        self.micro_steps += 1
-        return loss
+        self._backwards += 1
+        self._last_loss = loss.detach()
+        return loss / div if div != 1 else loss
 
     def step(self) -> None:
-        """On the accumulation boundary: average gradients, fp16 unscale + overflow check, clip
-        (``train.grad_clip``), optimizer and scheduler step, zero gradients. Otherwise nothing."""
-        if self.micro_steps < self.accumulation:
-            return
+        """DeepSpeed's: on the accumulation boundary, average gradients, fp16 unscale + overflow
+        check, clip (``train.grad_clip``), optimizer and scheduler step, zero gradients; in any
+        case count the micro-step. Refused inside ``no_sync()``, as in DeepSpeed."""
+        if self._no_sync:
+            raise ConfigError("step", "called inside engine.no_sync() (DeepSpeed refuses it too); step after the "
+                                      "block, following a backward outside it")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary() and self._backwards:
+            self._optimizer_step()
+        self.micro_steps += 1
+
+    def _optimizer_step(self) -> None:
         self.engine.sync_grads()
-        if self._schedule:
-            self._set_lr()
         out = optimizer_step(self.engine, self.optimizer, self.scaler, self.cfg.train.grad_clip,
                              self.mesh.comm("world"), self.device)
-        self.grad_norm, self.last_overflow = float(out["grad_norm"]), out["overflow"]
-        self.last_nonfinite = bool(out["nonfinite"])  # the step was not applied (the train loop's rule)
-        if self.was_step_applied() and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        self.grad_norm = float(out["grad_norm"])
+        self._step_applied = not (out["overflow"] or out["nonfinite"])  # the train loop's rule for non-finite
+        if self._step_applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        if self._step_applied or self.cfg.train.lr_schedule == "cosine":
+            self._sched_steps += 1
         self.global_steps += 1
-        self.micro_steps = 0
+        self.global_samples += self.train_batch_size()
+        self._backwards, self._fresh = 0, True
         if self._schedule:  # the next step's lr, set now as DeepSpeed's scheduler step does (get_lr, param_groups)
             self._set_lr()
+        self.report_progress()
 
     def get_lr(self) -> list[float]:
         """Each param group's lr for the next optimizer step (under the config's schedule, set

@@ -1,6 +1,7 @@
 """The checkpoint half of ``shardlab.initialize``'s engine (api.ModelEngine): sharded saves and
-loads through checkpoint/save.py, DeepSpeed's tags (checkpoint/tags.py), ``client_state`` and
-partial loads (docs/api.md, Checkpoint and resume)."""
+loads through checkpoint/save.py with DeepSpeed's signatures and tags (checkpoint/tags.py; an
+untagged save is ``global_step{N}``), ``client_state``, partial and non-strict loads (docs/api.md,
+Checkpoint and resume)."""
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ from .errors import ConfigError
 
 class EngineCheckpoints:
     """Mixed into api.ModelEngine: uses its ``engine``, ``mesh``, ``module``, ``optimizer``,
-    ``lr_scheduler``, ``scaler``, ``cfg``, ``device``, ``global_steps``, ``micro_steps`` and the
-    persistent buffers' names ``_buffers``."""
+    ``lr_scheduler``, ``scaler``, ``cfg``, ``device``, its counts (``global_steps``,
+    ``global_samples``, ``skipped_steps``, the schedule's ``_sched_steps``, ``_backwards``), the
+    parameters' canonical names ``_names`` and the persistent buffers' names ``_buffers``."""
 
     def _buffer_pieces(self) -> list[Piece]:
         if self.mesh.rank != 0:
@@ -28,16 +30,21 @@ class EngineCheckpoints:
             out.append(Piece(f"buffer.{k}", tuple(b.shape), (0,) * b.dim(), b))
         return out
 
-    def save_checkpoint(self, directory, tag=None, client_state: dict | None = None, *,
-                        keep: int | None = None) -> Path:
-        """Sharded checkpoint ``<directory>/step_NNNNNNNN`` (checkpoint/save.py): every rank
+    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False, *, keep: int | None = None) -> Path:
+        """Sharded checkpoint ``<save_dir>/<tag>/step_NNNNNNNN`` (checkpoint/save.py): every rank
         writes its pieces, rank 0 commits atomically. Collective. Returns the checkpoint's path on
         every rank (truthy, as DeepSpeed's ``True`` on every rank; with ``async_save`` the path it
-        will have once committed: :meth:`wait_checkpoint`).
-        ``tag`` (DeepSpeed's): save under ``<directory>/<tag>/`` and name it in ``<directory>/latest``.
-        ``client_state``: your own JSON values (epoch, data position, ...), as DeepSpeed's; rank
-        0's is saved, and ``engine.client_state`` holds it after :meth:`load_checkpoint`."""
-        root = tags.save_root(directory, tag)
+        will have once committed: :meth:`wait_checkpoint`). As DeepSpeed's: ``tag`` defaults to
+        ``global_step{global_steps}``; ``save_latest`` names it in ``<save_dir>/latest``; older
+        saves are never deleted; ``exclude_frozen_parameters`` leaves out the parameters that do
+        not require grad (a load keeps its own for them: ``load_module_strict=False``);
+        ``client_state``: your own JSON values (epoch, data position, ...); rank 0's is saved,
+        and ``engine.client_state`` holds it after :meth:`load_checkpoint`. ``keep`` (shardlab's,
+        untagged only): ``<save_dir>/step_NNNNNNNN`` instead, the newest ``keep`` kept."""
+        if tag is None and keep is None:  # with keep=, shardlab's own layout (step_NNNNNNNN in save_dir, pruned)
+            tag = f"global_step{self.global_steps}"
+        root = tags.save_root(save_dir, tag)
         if client_state is not None and not isinstance(client_state, dict):
             raise ConfigError("client_state", f"must be a dict, got {type(client_state).__name__}")
         try:
@@ -45,22 +52,27 @@ class EngineCheckpoints:
         except (TypeError, ValueError) as e:
             raise ConfigError("client_state", f"must be JSON values (numbers, strings, lists, dicts): {e}; "
                                               "save tensors as a model buffer or your own file") from None
-        if self.micro_steps and self.mesh.rank == 0:  # DeepSpeed saves here too (an epoch of an odd number of batches)
-            warnings.warn(f"save_checkpoint in the middle of gradient accumulation ({self.micro_steps} of "
+        if self._backwards and self.mesh.rank == 0:  # DeepSpeed saves here too (an epoch of an odd number of batches)
+            warnings.warn(f"save_checkpoint in the middle of gradient accumulation ({self._backwards} of "
                           f"{self.accumulation} micro-batches): it holds the state after step {self.global_steps}; "
                           "the gradients of those micro-batches are not in it (as in DeepSpeed)", stacklevel=2)
+        frozen = {f"model.{self._names[n]}" for n, p in self.module.named_parameters()
+                  if exclude_frozen_parameters and not p.requires_grad}
 
         def meta():
             return {"api": {"global_steps": self.global_steps, "scaler": self.scaler.state_dict(),
                             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                            "client_state": client},
+                            "client_state": client, "global_samples": self.global_samples,
+                            "skipped_steps": self.skipped_steps, "schedule_steps": self._sched_steps,
+                            "param_groups": _group_settings(self.optimizer)},
                     "layout": self.mesh.topology.describe(), "world_size": self.mesh.world_size,
                     "config": self.cfg.to_dict(), "engine": self.engine.name}
         from .checkpoint.async_save import saver
         path = saver(self.cfg.checkpoint.async_save)(
-            root, self.global_steps, self.mesh, lambda: self.engine.state_pieces(self.optimizer) +
-            self._buffer_pieces(), meta, self.device, keep=keep or self.cfg.checkpoint.keep,
-            on_commit=lambda: tags.mark_latest(directory, tag))  # rank 0, once committed (async: later)
+            root, self.global_steps, self.mesh, lambda: [p for p in self.engine.state_pieces(self.optimizer)
+                                                          if p.key not in frozen] + self._buffer_pieces(),
+            meta, self.device, keep=keep or self.cfg.checkpoint.keep,  # untagged: the newest keep; a tag: itself
+            on_commit=lambda: save_latest and tags.mark_latest(save_dir, tag))  # rank 0, once committed
         return Path(path) if path is not None else Path(root) / ckpt._step_name(self.global_steps)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
@@ -92,24 +104,38 @@ class EngineCheckpoints:
         if it failed. Collective; call it before the end of the program."""
         ckpt.finish_saves(self.mesh)
 
-    def load_checkpoint(self, directory, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple:
-        """Resume from ``directory`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one
-        inside it; with ``tag``, or a ``latest`` file naming one, inside ``directory/<tag>``):
-        parameters, optimizer state, buffers, loss scale, step count, scheduler and, with the same
-        world size, this rank's RNG. Returns ``(path, client_state)``, ``(None, None)`` when there
-        is none, as DeepSpeed's (before 2026-12-07: the path alone). Waits for an asynchronous save
-        in flight first (collective then). As DeepSpeed's:
-        ``load_module_only`` reads the weights and buffers alone (a warm start: the step count,
-        optimizer, scheduler and RNG stay this engine's); ``load_optimizer_states`` /
-        ``load_lr_scheduler_states`` = False leave those two as they are."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn=None) -> tuple:
+        """Resume from ``load_dir`` (a ``step_NNNNNNNN`` checkpoint, or the newest valid one
+        inside it; with ``tag``, or a ``latest`` file naming one, inside ``load_dir/<tag>``):
+        parameters, optimizer state (with its groups' lr and other settings, as torch's
+        ``load_state_dict``), buffers, loss scale, step and sample counts, scheduler and, with the
+        same world size, this rank's RNG. Returns ``(path, client_state)``, ``(None, None)`` when
+        there is none, as DeepSpeed's. Waits for an asynchronous save in flight first (collective
+        then). As DeepSpeed's: ``load_module_only`` reads the weights and buffers alone (a warm
+        start); ``load_optimizer_states`` / ``load_lr_scheduler_states`` = False leave those as
+        they are (the schedule's own step count too: a fresh engine warms up again);
+        ``load_module_strict=False`` keeps this engine's values of parameters the checkpoint lacks
+        (saved with ``exclude_frozen_parameters``), True refuses them; ``custom_load_fn`` is refused
+        (these checkpoints are sharded pieces, not a state_dict for your function)."""
+        if custom_load_fn is not None:
+            raise ConfigError("custom_load_fn", "shardlab checkpoints are sharded pieces, not a module state_dict to "
+                                                "hand to your function; leave it None and adjust engine.module after")
         ckpt.finish_saves(self.mesh)  # a save of this process still in flight commits (and names latest) first
-        path = tags.find(directory, tag, warn=self.mesh.rank == 0)
+        path = tags.find(load_dir, tag, warn=self.mesh.rank == 0)
         if path is None:
             return None, None
         with ckpt.Reader(path) as reader:
+            missing = [k for k in dict.fromkeys(f"model.{self._names[n]}" for n, _ in self.module.named_parameters())
+                       if not reader.has(k)]
+            if missing and load_module_strict:
+                raise ConfigError("load_module_strict", f"{path} has no {', '.join(m[6:] for m in missing[:3])}"
+                                  f"{' ...' if len(missing) > 3 else ''} (saved with exclude_frozen_parameters?); pass "
+                                  "load_module_strict=False to keep this engine's values of them")
+            source = _WithCurrent(reader, self.engine.full_state(None, everywhere=True)) if missing else reader
             optimizer = self.optimizer if load_optimizer_states and not load_module_only else None
-            self.engine.load_pieces(reader, optimizer)
+            self.engine.load_pieces(source, optimizer)
             with torch.no_grad():
                 for k in self._buffers:
                     if reader.has(f"buffer.{k}"):
@@ -118,13 +144,64 @@ class EngineCheckpoints:
             meta = reader.meta.get("api", {})
             self.client_state = meta.get("client_state") or {}
             if not load_module_only:
-                self.global_steps = int(meta.get("global_steps", reader.step))
-                if "scaler" in meta:
-                    self.scaler.load_state_dict(meta["scaler"])
-                if load_lr_scheduler_states and self.lr_scheduler is not None and meta.get("lr_scheduler"):
-                    self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+                self._load_counts(meta, reader.step, optimizer is not None, load_lr_scheduler_states)
                 ckpt.restore_rank_rng(reader, self.mesh.rank, self.mesh.world_size, self.device)
-        self.micro_steps = 0
-        if self._schedule:  # the config's schedule at the loaded step count
-            self._set_lr()
+        self.zero_grad()  # micro-batches before the load are not part of any step
+        self._backwards, self._fresh = 0, True
         return path, self.client_state
+
+    def _load_counts(self, meta: dict, step: int, optimizer: bool, scheduler: bool) -> None:
+        self.global_steps = int(meta.get("global_steps", step))
+        self.global_samples = int(meta.get("global_samples", self.global_steps * self.train_batch_size()))
+        if "scaler" in meta:
+            self.scaler.load_state_dict(meta["scaler"])
+        self.skipped_steps = int(meta.get("skipped_steps", self.scaler.skipped))
+        groups = meta.get("param_groups")
+        if optimizer and groups and len(groups) == len(self.optimizer.param_groups):
+            for g, saved in zip(self.optimizer.param_groups, groups):
+                g.update({k: tuple(v) if isinstance(g[k], tuple) else v for k, v in saved.items() if k in g})
+        if scheduler:
+            if self.lr_scheduler is not None and meta.get("lr_scheduler"):
+                self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+            cosine = self.cfg.train.lr_schedule == "cosine"
+            self._sched_steps = int(meta.get("schedule_steps", self.global_steps - (0 if cosine else self.scaler.skipped)))
+            if self._schedule and optimizer and not groups:  # a checkpoint without the groups' lr: the schedule's
+                self._set_lr()
+
+
+def _group_settings(optimizer) -> list[dict]:
+    """Each param group's numbers (lr, initial_lr, betas, weight_decay, ...), which torch's
+    optimizer ``state_dict`` restores; not its flags (foreach, fused: this engine's device's)."""
+    def number(v):
+        return not isinstance(v, bool) and isinstance(v, (int, float))
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()
+             if number(v) or (isinstance(v, (list, tuple)) and v and all(map(number, v)))}
+            for g in optimizer.param_groups]
+
+
+class _WithCurrent:
+    """A reader that supplies this engine's own values (``current``: the engine's full state)
+    for the parameters a checkpoint lacks; the rest reads through to ``reader``."""
+
+    def __init__(self, reader, current: dict):
+        self.reader, self.current = reader, current
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+    def has(self, key: str) -> bool:
+        return self.reader.has(key) or key in self.current
+
+    def keys(self):
+        return list(dict.fromkeys(list(self.reader.keys()) + list(self.current)))
+
+    def global_shape(self, key: str) -> tuple:
+        return self.reader.global_shape(key) if self.reader.has(key) else tuple(self.current[key].shape)
+
+    def read(self, key: str, offsets=None, sizes=None, dtype=None):
+        if self.reader.has(key):
+            return self.reader.read(key, offsets, sizes, dtype)
+        t = self.current[key]
+        if offsets is not None:
+            t = t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+        return t.to(dtype) if dtype is not None else t

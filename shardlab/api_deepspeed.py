@@ -1,9 +1,14 @@
 """What ``deepspeed.initialize``'s callers pass and get back, for ``shardlab.initialize``
 (docs/api.md, A DeepSpeed script unchanged): the ``args`` namespace (``--deepspeed_config``,
-``local_rank``), ``config_params``, ``training_data`` / ``collate_fn`` and DeepSpeed's data loader,
-the four values ``engine, optimizer, training_dataloader, lr_scheduler``, DeepSpeed's engine
-accessors (:class:`DeepSpeedAccessors`), ``add_config_arguments`` and ``init_distributed``."""
+``local_rank``), ``config_params``, ``optimizer=`` as DeepSpeed takes it (:func:`client_optimizer`),
+what the engine reads of the JSON itself (:func:`json_settings`), ``training_data`` /
+``collate_fn`` and DeepSpeed's data loader, the four values ``engine, optimizer,
+training_dataloader, lr_scheduler``, DeepSpeed's engine members (:class:`DeepSpeedAccessors`:
+accessors, ``deepspeed_io``, ``no_sync``, ``zero_grad``, the ``steps_per_print`` line),
+``add_config_arguments`` and ``init_distributed``."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from .errors import ConfigError
 
@@ -51,21 +56,102 @@ def set_local_rank(args, local_rank: int) -> None:
         args.local_rank = local_rank
 
 
-def data_loader(dataset, batch_size: int, rank: int, world: int, collate_fn=None, drop_last: bool = False):
-    """DeepSpeed's training loader (``DeepSpeedDataLoader`` on a launched rank): a
-    ``DistributedSampler`` over the data-parallel ranks with its defaults (shuffled, seed 0, the
-    same order every epoch unless you call ``loader.data_sampler.set_epoch``), ``batch_size``
-    samples per rank, ``dataloader_drop_last`` for the last short batch. Loaded in this process
-    (DeepSpeed starts 2 workers per rank; the batches are the same)."""
+def client_optimizer(optimizer, model, model_parameters, cfg, device):
+    """DeepSpeed's ``_configure_optimizer``: None -> AdamW from the config (``train.optim``); a
+    class or a factory is called as DeepSpeed calls it, ``optimizer(model_parameters)`` (default
+    ``list(model.parameters())``) and nothing else, and what it returns is kept as an object is;
+    an object is kept and ``model_parameters`` ignored, as DeepSpeed ignores them. Returns
+    (build(param_groups) -> optimizer, whether the config's lr schedule applies, the kept
+    optimizer's groups (trainable parameters only) or None)."""
+    import inspect
+    import torch
+    from .train.optim import build_adamw
+    if optimizer is None:
+        return build_adamw(cfg.train, device), True, None
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        made = optimizer(list(model.parameters() if model_parameters is None else model_parameters))
+        if not isinstance(made, torch.optim.Optimizer):
+            what = "class" if inspect.isclass(optimizer) else "factory"
+            raise ConfigError("optimizer", f"the {what} returned {type(made).__name__}, not a torch optimizer; it is "
+                                           "called as DeepSpeed calls it, optimizer(model_parameters)")
+        optimizer = made
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("optimizer", f"expected None, a torch optimizer (object or class) or a factory taking "
+                                       f"model_parameters, got {type(optimizer).__name__}")
+    # A ready optimizer holds the unsharded parameters. As DeepSpeed does, the same object is kept
+    # and its groups refilled with the engine's (possibly sharded) tensors, each group's settings
+    # (weight decay, lr, a scheduler's initial_lr) on exactly its parameters: your scheduler built
+    # on it, and lr you set in its param_groups, act on the engine's step.
+    if optimizer.state:
+        raise ConfigError("optimizer", f"this {type(optimizer).__name__} has already stepped (it has state); "
+                          "pass a fresh one, its class or a factory taking model_parameters")
+    cfg.train.weight_decay = float(optimizer.defaults.get("weight_decay", 0.0))
+    given = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in optimizer.param_groups]
+
+    def refill(groups):
+        optimizer.param_groups.clear()
+        for g in groups:
+            optimizer.add_param_group(g)
+        return optimizer
+    return refill, False, [g for g in given if g["params"]]  # frozen parameters: no gradient, never stepped
+
+
+def json_settings(ds: dict | None, optimizer) -> tuple[dict | None, dict]:
+    """What the engine itself reads of a DeepSpeed JSON (None: a shardlab config): the config
+    left for ``translate`` (without ``dataloader_drop_last`` and a static ``fp16.loss_scale``,
+    which only ``shardlab.initialize`` implements) and ``{drop_last, steps_per_print,
+    loss_scale, static_scale, optimizer_name, scheduler}`` as DeepSpeed's accessors answer them."""
+    name = optimizer.__class__.__name__ if optimizer is not None else "adamw"  # DeepSpeed's optimizer_name()
+    out = {"drop_last": False, "steps_per_print": None, "loss_scale": 0, "static_scale": 0.0,
+           "optimizer_name": name, "scheduler": False}
+    if ds is None:
+        return None, out
+    config = {k: v for k, v in ds.items() if k != DROP_LAST}
+    fp16 = ds.get("fp16") if isinstance(ds.get("fp16"), dict) else {}
+    scale = fp16.get("loss_scale", 0)
+    if scale != "auto":
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale < float("inf"):
+            raise ConfigError("fp16.loss_scale", f"must be 0 (dynamic) or a positive static scale, got {scale!r}")
+        out["loss_scale"] = scale
+        if scale > 0 and fp16.get("enabled") is True:
+            out["static_scale"] = float(scale)
+            config["fp16"] = {k: v for k, v in fp16.items() if k != "loss_scale"}
+    spp = ds.get("steps_per_print")
+    block = ds.get("optimizer") if isinstance(ds.get("optimizer"), dict) else {}
+    out.update(drop_last=drop_last_of(ds), steps_per_print=None if spp == "auto" else spp,
+               scheduler=bool(ds.get("scheduler")))
+    if optimizer is None:  # the JSON block's type, lower-cased as DeepSpeed's config does; None without one
+        out["optimizer_name"] = block["type"].lower() if isinstance(block.get("type"), str) else None
+    return config, out
+
+
+ROUTES = ("train", "eval", "predict", "encode")
+"""``deepspeed_io``'s routes (DeepSpeed's constants): eval and predict read in order."""
+
+
+def data_loader(dataset, batch_size: int, rank: int, world: int, collate_fn=None, drop_last: bool = False, *,
+                sampler=None, shuffle: bool = True, pin_memory: bool = False, workers: int = 0,
+                field: str = "training_data"):
+    """DeepSpeed's loader (``DeepSpeedDataLoader`` on a launched rank): ``sampler``, else a
+    ``DistributedSampler`` over the data-parallel ranks with its defaults (seed 0, the same order
+    every epoch unless you call ``loader.data_sampler.set_epoch``; ``shuffle=False`` for the eval
+    and predict routes), ``batch_size`` samples per rank, ``dataloader_drop_last`` for the last
+    short batch. ``workers`` loader processes (0: loaded in this process; DeepSpeed starts 2 per
+    rank by default, the batches are the same)."""
     from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
     if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset) or not hasattr(dataset, "__len__"):
-        raise ConfigError("training_data", f"expected a map-style torch Dataset (with __len__), got "
+        raise ConfigError(field, f"expected a map-style torch Dataset (with __len__), got "
                           f"{type(dataset).__name__}; an IterableDataset cannot be split by DistributedSampler: "
                           "shard it yourself and iterate it")
     if collate_fn is not None and not callable(collate_fn):
         raise ConfigError("collate_fn", f"expected a callable, got {type(collate_fn).__name__}")
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+    for name, value, low in (("batch_size", batch_size, 1), ("num_local_io_workers", workers, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+    if sampler is None:
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+                        pin_memory=pin_memory, num_workers=workers)
     loader.data_sampler = sampler  # DeepSpeedDataLoader's name for it
     return loader
 
@@ -97,7 +183,7 @@ class ConfigSchedule:
                                           "remove this call (in DeepSpeed it would advance the schedule twice a step)")
 
     def state_dict(self) -> dict:
-        return {}  # the schedule is a function of engine.global_steps, saved with every checkpoint
+        return {}  # the schedule's own step count is in every checkpoint (api_checkpoint.py)
 
     def load_state_dict(self, state: dict) -> None:
         pass
@@ -113,11 +199,12 @@ def returned(engine) -> tuple:
     return engine, engine.optimizer, engine.training_dataloader, sched
 
 
-
 class DeepSpeedAccessors:
     """Mixed into api.ModelEngine: DeepSpeed's engine methods that read the configuration and the
-    last step (uses ``cfg``, ``accumulation``, ``world_size``, ``global_rank``, ``last_overflow``,
-    ``last_nonfinite``, ``grad_norm``, ``optimizer``, ``lr_scheduler``, ``training_dataloader``)."""
+    last step (uses ``cfg``, ``settings`` (:func:`json_settings`), ``accumulation``,
+    ``world_size``, ``global_rank``, ``global_steps``, ``skipped_steps``, ``grad_norm``,
+    ``optimizer``, ``lr_scheduler``, ``module``, ``collate_fn``, and the step's flags
+    ``_step_applied``, ``_no_sync``, ``_boundary``, ``_last_loss``)."""
 
     def __iter__(self):
         """``engine, optimizer, training_dataloader, lr_scheduler = shardlab.initialize(...)``, as
@@ -143,11 +230,24 @@ class DeepSpeedAccessors:
         self.module.compile(**{**(compile_kwargs or {}), "backend": backend})
         self.is_compiled = True
 
-    def deepspeed_io(self, dataset, batch_size: int | None = None, collate_fn=None, drop_last: bool = False):
-        """DeepSpeed's loader of ``dataset`` for this rank (:func:`data_loader`); ``batch_size``
-        defaults to the micro-batch."""
-        return data_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.global_rank,
-                           self.world_size, collate_fn, drop_last)
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):
+        """DeepSpeed's loader of ``dataset`` for this rank (:func:`data_loader`), with its
+        arguments: ``batch_size`` (default the micro-batch), ``route`` (``eval`` / ``predict``:
+        in order), ``data_sampler`` (yours instead of the DistributedSampler), ``collate_fn``
+        (default initialize's), ``num_local_io_workers`` (default 0: in this process),
+        ``pin_memory`` (on CUDA); the JSON's ``dataloader_drop_last``."""
+        if route not in ROUTES:
+            raise ConfigError("route", f"got {route!r}; use one of {', '.join(ROUTES)} (DeepSpeed's routes)")
+        return data_loader(dataset, self.train_micro_batch_size_per_gpu() if batch_size is None else batch_size,
+                           self.global_rank, self.world_size, self.collate_fn if collate_fn is None else collate_fn,
+                           self.dataloader_drop_last(), sampler=data_sampler, shuffle=route not in ("eval", "predict"),
+                           pin_memory=bool(pin_memory) and self.device.type == "cuda",
+                           workers=0 if num_local_io_workers is None else num_local_io_workers, field="dataset")
+
+    def dataloader_drop_last(self) -> bool:
+        """The JSON's ``dataloader_drop_last`` (False without one)."""
+        return self.settings["drop_last"]
 
     def train_micro_batch_size_per_gpu(self) -> int:
         """Samples per micro-batch per rank: train.global_batch / (accumulation * ranks)."""
@@ -158,6 +258,26 @@ class DeepSpeedAccessors:
 
     def train_batch_size(self) -> int:
         return self.cfg.train.global_batch
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch from the same micro-batch, by the accumulation steps."""
+        per = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
+                or train_batch_size % per:
+            raise ConfigError("train_batch_size", f"{train_batch_size!r} is not a multiple of micro batch * ranks = "
+                                                  f"{per} (DeepSpeed raises a ValueError too)")
+        self.accumulation = self.cfg.parallel.microbatches = train_batch_size // per
+        self.cfg.train.global_batch = train_batch_size
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: a new micro-batch, the same accumulation steps (the global batch follows)."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ConfigError("micro_batch_size", f"must be a positive integer, got {micro_batch_size!r}")
+        self.cfg.train.global_batch = micro_batch_size * self.accumulation * self.dp_world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
 
     def zero_optimization_stage(self) -> int:
         return self.cfg.parallel.zero_stage
@@ -170,13 +290,75 @@ class DeepSpeedAccessors:
     def fp16_enabled(self) -> bool:
         return self.cfg.train.precision == "fp16"
 
+    def loss_scale(self):
+        """DeepSpeed's: the JSON's static ``fp16.loss_scale`` (0: dynamic scaling; the current
+        scale is ``engine.scaler.scale``)."""
+        return self.settings["loss_scale"]
+
+    def gradient_clipping(self) -> float:
+        return self.cfg.train.grad_clip
+
+    def steps_per_print(self):
+        """The JSON's ``steps_per_print`` (None without one, DeepSpeed's default)."""
+        return self.settings["steps_per_print"]
+
+    def optimizer_name(self):
+        """DeepSpeed's: the class name of the ``optimizer=`` you passed (``type`` for a class,
+        ``function`` for a factory, as DeepSpeed's ``__class__.__name__``), else the JSON block's
+        type lower-cased (None without a block; ``adamw`` under a shardlab config)."""
+        return self.settings["optimizer_name"]
+
+    def get_mom(self) -> list:
+        """Each param group's ``momentum`` (SGD, RMSprop) or ``betas`` (others), 0.0 where absent."""
+        key = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
+        return [g.get(key, 0.0) for g in self.optimizer.param_groups]
+
     def was_step_applied(self) -> bool:
-        """False when the last step was skipped (fp16 overflow, or a non-finite gradient)."""
-        return not (self.last_overflow or self.last_nonfinite)
+        """Whether the last ``step()`` changed the parameters: False between accumulation
+        boundaries and after a skipped step (fp16 overflow, or a non-finite gradient)."""
+        return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm over all ranks at the last step, before clipping (None before one)."""
         return self.grad_norm
+
+    @contextmanager
+    def no_sync(self):
+        """DeepSpeed's: backward passes inside do not reduce gradients (they accumulate on this
+        rank until a backward outside); ``step()`` inside is refused, and so is the context under
+        ZeRO-2/3, whose gradient partitioning needs the reduction, and its re-entry, as in DeepSpeed."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise ConfigError("no_sync", f"is incompatible with ZeRO stage {stage}'s gradient partitioning (DeepSpeed "
+                                         "refuses it too); accumulate with gradient_accumulation_steps instead")
+        if self._no_sync:
+            raise ConfigError("no_sync", "is already active; re-entry is refused (as in DeepSpeed)")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: from now on the boundary is ``is_boundary`` (not the micro-step count), so a
+        loop may call ``step()`` once after its last backward."""
+        self._boundary = bool(is_boundary)
+
+    def zero_grad(self) -> None:
+        """DeepSpeed's: the module's parameters' ``.grad`` set to None (under DDP what the
+        micro-batches so far accumulated is dropped; ZeRO's gradient shards, like DeepSpeed's
+        partitions, are the engine's and untouched)."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    def report_progress(self) -> None:
+        """Rank 0, every ``steps_per_print`` optimizer steps, DeepSpeed's progress line (its
+        ``step=, skipped=, lr=, mom=``) and the loss of rank 0's last micro-batch."""
+        every = self.steps_per_print()
+        if every and self.global_rank == 0 and self.global_steps % every == 0:
+            loss = "" if self._last_loss is None else f", loss={float(self._last_loss):.6g}"
+            print(f"[shardlab] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+                  f"mom={self.get_mom()}{loss}", flush=True)
 
 
 def add_config_arguments(parser):

@@ -6,6 +6,7 @@ blocks (units.repeated_blocks: the blocks ``wrap_policy = blocks`` shards), ``pa
 with ``compile_scope = blocks`` compiles each of them; ``model`` / ``auto`` compile the whole
 module (api_deepspeed ``compile``, DeepSpeed's ``engine.compile``). What only shardlab's own
 models or its training loop can do is refused by name instead of accepted and ignored.
+``tag_groups`` marks the parameters of each user param group, which ZeRO packs apart.
 """
 from __future__ import annotations
 
@@ -66,3 +67,16 @@ def compile_blocks(model: nn.Module) -> None:
     prepare()
     for block in blocks:
         block.compile()
+
+
+def tag_groups(model: nn.Module, groups, weight_decay: float, tag: str = "_shardlab_user_group") -> None:
+    """Mark each parameter with (its user group's index, that group's weight decay): ZeRO then
+    packs each group's parameters into flats of their own (parallel/zero.py ``decay_groups``), so
+    any grouping works at every stage, as in DeepSpeed. Without groups: earlier marks removed."""
+    where = {pid: (k, float(s.get("weight_decay", weight_decay))) for k, (ids, s) in enumerate(groups or ())
+             for pid in ids}
+    for p in model.parameters():
+        if id(p) in where:
+            setattr(p, tag, where[id(p)])
+        elif hasattr(p, tag):
+            delattr(p, tag)

@@ -1,7 +1,8 @@
 """DeepSpeed's checkpoint tags for ``shardlab.initialize``'s engine (docs/api.md, Checkpoint and
 resume): ``save_checkpoint(dir, tag)`` saves under ``dir/<tag>/`` and names the tag in
-``dir/latest``, as DeepSpeed does; ``load_checkpoint(dir)`` follows ``dir/latest`` when it is there,
-``load_checkpoint(dir, tag)`` reads that tag. Untagged saves keep shardlab's ``dir/step_NNNNNNNN``."""
+``dir/latest``, as DeepSpeed does (an untagged save's tag is DeepSpeed's ``global_step{N}``);
+``load_checkpoint(dir)`` follows ``dir/latest`` when it is there, ``load_checkpoint(dir, tag)``
+reads that tag. Only an untagged save with shardlab's ``keep=`` writes ``dir/step_NNNNNNNN``."""
 from __future__ import annotations
 
 import os
@@ -34,7 +35,8 @@ def save_root(directory, tag) -> Path:
 
 def mark_latest(directory, tag) -> None:
     """Rank 0, after a save: ``directory/latest`` names ``tag`` (written beside, then renamed over);
-    an untagged save removes it, so the newest ``step_*`` is what an untagged load finds."""
+    a save without a tag (shardlab's ``keep=``) removes it, so the newest ``step_*`` is what an
+    untagged load finds."""
     path = Path(directory) / LATEST
     if tag is None:
         path.unlink(missing_ok=True)

@@ -107,7 +107,7 @@ def _worker(ctx, ckpt_root):
         a = shardlab.initialize(make_model(0), config(stage, policy, ga))
         train(a, 0, SAVE_AT)
         saved = a.save_checkpoint(directory)  # the path on every rank (DeepSpeed: True on every rank)
-        assert saved == Path(directory) / f"step_{SAVE_AT:08d}", (ctx.rank, saved)
+        assert saved == Path(directory) / f"global_step{SAVE_AT}" / f"step_{SAVE_AT:08d}", (ctx.rank, saved)
         train(a, SAVE_AT, STEPS)
         full = a.full_state_dict()
         b = shardlab.initialize(make_model(7), config(stage, policy, ga))  # other initial values
@@ -265,7 +265,8 @@ def test_client_state_is_saved_and_restored(tmp_path):
     fresh = shardlab.initialize(nn.Linear(4, 2), {"train": {"steps": 3}})
     assert fresh.client_state == {}
     path, client = fresh.load_checkpoint(tmp_path / "ckpt")  # DeepSpeed's (path, client_state)
-    assert client == fresh.client_state == mine and fresh.global_steps == 1 and path.parent == tmp_path / "ckpt"
+    assert client == fresh.client_state == mine and fresh.global_steps == 1
+    assert path.parent == tmp_path / "ckpt" / "global_step1"  # DeepSpeed's tag of an untagged save
 
 
 def test_deepspeed_checkpoint_tags(tmp_path, capsys):
@@ -297,14 +298,17 @@ def test_deepspeed_checkpoint_tags(tmp_path, capsys):
     assert fresh.global_steps == 1 and fresh.client_state == {"epoch": 1}
     assert torch.equal(fresh.module.weight, first.module.weight)
     third = run(3)
-    third.save_checkpoint(ck)  # untagged: step_NNNNNNNN, and latest no longer names an older tag
-    assert not (ck / "latest").exists()
-    assert fresh.load_checkpoint(ck)[0].name == "step_00000003" and fresh.global_steps == 3
+    third.save_checkpoint(ck)  # untagged: DeepSpeed's tag global_step3, named in latest
+    assert (ck / "latest").read_text() == "global_step3\n"
+    assert fresh.load_checkpoint(ck)[0] == ck / "global_step3" / "step_00000003" and fresh.global_steps == 3
+    third.save_checkpoint(ck, save_latest=False)  # DeepSpeed's save_latest: the same tag, latest left alone
+    third.save_checkpoint(ck, keep=1)  # shardlab's keep=: step_NNNNNNNN in dir, pruned, latest removed
+    assert not (ck / "latest").exists() and fresh.load_checkpoint(ck)[0] == ck / "step_00000003"
     for bad in ("../x", "", ".hidden", "latest", 1.5):
         with pytest.raises(ConfigError) as e:
             third.save_checkpoint(ck, bad)
         assert e.value.field == "tag", bad
-    assert sorted(p.name for p in ck.iterdir()) == ["2", "global_step1", "step_00000003"]  # nothing written
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "global_step1", "global_step3", "step_00000003"]
     with pytest.warns(UserWarning, match="nothing loaded, the directory does not exist: .*nosuch"):
         assert fresh.load_checkpoint(ck, tag="nosuch") == (None, None)
     second.cfg.checkpoint.async_save = True  # latest is written once the save commits; a load waits for it
@@ -362,13 +366,15 @@ def test_deepspeed_engine_accessors():
     ref = nn.Linear(4, 2)
     ref.load_state_dict(engine.module.state_dict())
     xs = [torch.randn(3, 4) for _ in range(2)]
-    for x in xs:
+    applied = []
+    for x in xs:  # DeepSpeed's loop: step() after every backward, an optimizer step at the boundary
         engine.backward(engine(x).pow(2).sum())
         (ref(x).pow(2).sum() / 2).backward()  # the mean over the step's two micro-batches
-    engine.step()
+        engine.step()
+        applied.append(engine.was_step_applied())
     want = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
-    assert engine.was_step_applied() and abs(engine.get_global_grad_norm() - want) <= 1e-5 * want
-    engine.backward(engine(torch.full((3, 4), float("nan"))).sum())
-    engine.backward(engine(xs[0]).sum())
-    engine.step()
-    assert not engine.was_step_applied()  # a non-finite gradient: the step was skipped
+    assert applied == [False, True] and abs(engine.get_global_grad_norm() - want) <= 1e-5 * want
+    for x in (torch.full((3, 4), float("nan")), xs[0]):
+        engine.backward(engine(x).sum())
+        engine.step()
+    assert not engine.was_step_applied() and engine.skipped_steps == 1  # a non-finite gradient: skipped

@@ -304,9 +304,10 @@ def test_backward_takes_deepspeeds_arguments():
         x.requires_grad_(True)
         for i in range(2):
             loss = F.mse_loss(engine(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4])
-            engine.backward(loss, retain_graph=True, scale_wrt_gas=scale)
+            got = engine.backward(loss, retain_graph=True, scale_wrt_gas=scale)
+            assert torch.equal(got, loss / 2 if scale else loss)  # DeepSpeed's return: the loss as scaled
             assert torch.autograd.grad(loss, x)[0].abs().sum() > 0  # the graph was kept
-        engine.step()
+            engine.step()
         moved[scale] = {k: v - before[k] for k, v in engine.full_state_dict().items()}
     for k, v in moved[True].items():
         assert v.abs().max() > 1e-6 and torch.allclose(moved[False][k], 2 * v, rtol=1e-9, atol=1e-12), k

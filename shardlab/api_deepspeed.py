@@ -1,5 +1,5 @@
 """What ``deepspeed.initialize``'s callers pass and get back, for ``shardlab.initialize``
-(docs/api.md, A DeepSpeed script unchanged): the ``args`` namespace (``--deepspeed_config``,
+(docs/deepspeed.md, A DeepSpeed script unchanged): the ``args`` namespace (``--deepspeed_config``,
 ``local_rank``), ``config_params``, ``optimizer=`` as DeepSpeed takes it (:func:`client_optimizer`),
 what the engine reads of the JSON itself (:func:`json_settings`), ``training_data`` /
 ``collate_fn`` and DeepSpeed's data loader, the four values ``engine, optimizer,

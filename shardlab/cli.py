@@ -6,6 +6,7 @@ Add a command by adding one line to COMMANDS.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 
@@ -80,16 +81,29 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+def _one_line_warning(shown, message, category, filename, lineno, file=None, line=None):
+    """A UserWarning of a command (a config key ignored, ...) as one line, not Python's
+    "file:line: UserWarning:" with the source line under it; others as Python shows them."""
+    if issubclass(category, UserWarning) and type(category) is type and category.__module__ == "builtins":
+        print(f"warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        shown(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit status. Output piped into a reader that stops early (``| head``)
     ends the command quietly (status 141, as if killed by SIGPIPE), without a traceback. SIGTERM
     stops the ranks and ends with one line, status 143."""
     import signal
     import threading
+    import warnings
     main_thread = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        code = _main(argv)
+        with warnings.catch_warnings():
+            shown = warnings.showwarning
+            warnings.showwarning = functools.partial(_one_line_warning, shown)
+            code = _main(argv)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
         return code
     except Terminated:

@@ -1,9 +1,10 @@
 """DeepSpeed JSON -> shardlab config (``translate``, called by ``load`` for a DeepSpeed file):
 DeepSpeed's defaults and batch rule, ``"auto"`` as the Hugging Face integration, keys that would
 change the results and are not implemented refused by name, other unsupported keys named in one
-warning (docs/api.md, DeepSpeed JSON semantics; docs/configuration.md)."""
+warning (docs/deepspeed.md, DeepSpeed JSON semantics; docs/configuration.md)."""
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import warnings
@@ -381,6 +382,10 @@ def translate(ds: dict) -> dict:
         unsupported += [f"activation_checkpointing.{k}" for k in ac if ac[k] not in (False, None)]
     if "steps_per_print" in ds:
         out["logging"]["log_every"] = _positive_int(ds, "steps_per_print") or 10
+    for k in ds:  # DeepSpeed ignores unknown keys; a misspelt one ("zero_optimisation") would run DDP
+        if k not in _TOP_KEYS | _NO_EFFECT_TOP | _CHECKED_TOP and (close := difflib.get_close_matches(
+                k, sorted(_TOP_KEYS | _CHECKED_TOP), n=1, cutoff=0.85)):  # strict: DeepSpeed has many keys
+            raise ConfigError(k, f"unknown DeepSpeed key (did you mean '{close[0]}'?); fix its spelling")
     unsupported += [k for k in ds if k not in _TOP_KEYS | _NO_EFFECT_TOP | _CHECKED_TOP]
     unsupported += [f"data_types.{k}" for k in _dict(ds, "data_types", "{}") if k != "grad_accum_dtype"]
     no_effect = out.pop("_no_effect", []) + [k for k in ds if k in _NO_EFFECT_TOP]

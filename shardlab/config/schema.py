@@ -153,7 +153,7 @@ class TrainConfig:
     weight_decay: float = f(0.1, "AdamW decoupled weight decay (on the parameters weight_decay_params names).", ge=0, le=10)
     weight_decay_params: str = f("matrices", "matrices = not norms, biases or other vectors (shardlab's LLM convention); all = every parameter, as DeepSpeed and torch do (a DeepSpeed JSON sets it).", choices=("matrices", "all"))
     lr_schedule: str = f("cosine", "cosine = linear warm-up then cosine to lr * min_lr_ratio; ds_warmup, ds_warmup_decay, ds_warmup_cosine = "
-                                   "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR step for step (docs/api.md).", choices=(
+                                   "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR step for step (docs/deepspeed.md).", choices=(
                                        "cosine", "ds_warmup", "ds_warmup_decay", "ds_warmup_cosine"))
     warmup_type: str = f("linear", "ds_* schedules: linear or log warm-up (DeepSpeed's default is log).", choices=("linear", "log"))
     warmup_start: float = f(0.0, "ds_* schedules: warm-up starts at warmup_min_lr (ds_warmup, ds_warmup_decay) or lr * warmup_min_ratio (ds_warmup_cosine).", ge=0, le=10)

@@ -1,4 +1,4 @@
-"""A DeepSpeed JSON means what it means in DeepSpeed (docs/api.md, DeepSpeed semantics).
+"""A DeepSpeed JSON means what it means in DeepSpeed (docs/deepspeed.md, DeepSpeed JSON semantics).
 
 The same JSON through ``shardlab.initialize`` at N=2, ZeRO 0-3, against
 - an independent plain-torch computation (float64, one process, the whole batch, torch AdamW

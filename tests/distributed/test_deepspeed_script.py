@@ -3,7 +3,7 @@
 ``_, client_sd = engine.load_checkpoint(...)``), run once with ``deepspeed.initialize`` and once
 with ``shardlab.initialize``, nothing else changed: the same batches on every rank, the same lr
 read from the returned scheduler, the same parameters after training (fp32, 2e-6) and after a
-load, the same client state (docs/api.md, A DeepSpeed script unchanged)."""
+load, the same client state (docs/deepspeed.md, A DeepSpeed script unchanged)."""
 import argparse
 import json
 import warnings

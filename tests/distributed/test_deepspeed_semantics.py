@@ -1,5 +1,5 @@
 """What a DeepSpeed script observes, through ``deepspeed.initialize`` (0.19.8, CPU accelerator)
-and ``shardlab.initialize`` side by side on 2 ranks, the same calls (docs/api.md, A DeepSpeed
+and ``shardlab.initialize`` side by side on 2 ranks, the same calls (docs/deepspeed.md, A DeepSpeed
 script unchanged): the lr the optimizer used where the engine must not write it, a class or a
 factory as ``optimizer=``, the accumulation boundary, ``was_step_applied`` and ``backward``'s
 value at every point of the loop, ``no_sync`` / ``zero_grad`` / ``set_gradient_accumulation_boundary``,

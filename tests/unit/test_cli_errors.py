@@ -28,3 +28,14 @@ def test_empty_arguments_are_refused(argv, expected, capsys):
     --layout ran the whole search."""
     assert cli_main(argv) == 2
     assert capsys.readouterr().err.strip() == expected
+
+
+def test_a_command_s_warning_is_one_line(tmp_path, capsys):
+    """A DeepSpeed key shardlab ignores was shown as Python shows warnings ("…/schema.py:367:
+    UserWarning: …" and the source line under it); now one line starting "warning: "."""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}')
+    assert cli_main(["train", str(ds), "--nproc", "2", "--dry-run", "--run-dir", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: DeepSpeed config: not supported by shardlab, ignored: "
+                   "zero_optimization.zero_hpz_partition_size"], err

@@ -219,3 +219,14 @@ def test_three_batch_keys_that_do_not_fit_the_job_are_one_line(tmp_path, capsys)
     assert capsys.readouterr().err.strip() == ("config error: train_batch_size: 64 is not 8 (micro batch) * 2 "
                                                "(accumulation) * 2 data-parallel ranks of this job; use 32 or drop "
                                                "it (DeepSpeed derives it)")
+
+
+@pytest.mark.parametrize("typo, right", [("zero_optimisation", "zero_optimization"),
+                                         ("gradient_cliping", "gradient_clipping"),
+                                         ("schedular", "scheduler")])
+def test_a_misspelt_top_level_key_is_refused(typo, right):
+    """DeepSpeed ignores unknown keys, and so did shardlab with a warning: "zero_optimisation":
+    {"stage": 3} ran plain DDP. A key this close to one shardlab reads is a ConfigError."""
+    with pytest.raises(ConfigError) as e:
+        translate({"train_batch_size": 8, typo: {"stage": 3} if "zero" in typo else 1.0})
+    assert e.value.field == typo and f"did you mean '{right}'" in str(e.value)

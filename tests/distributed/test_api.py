@@ -60,14 +60,17 @@ def data(step):
     return x, x.sum(1, keepdim=True).sin()
 
 
-def reference(steps):
-    """Plain torch: the whole global batch, mean loss, clip, AdamW (no decay on norms and vectors)."""
+def reference(steps, edit=None):
+    """Plain torch: the whole global batch, mean loss, clip, AdamW (no decay on norms and vectors);
+    ``edit(step, model)`` (if given) runs before each step."""
     model = make_model(0)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
     other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": other, "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
     for s in range(steps):
+        if edit is not None:
+            edit(s, model)
         x, y = data(s)
         loss = ((model(x) - y) ** 2).mean()
         opt.zero_grad()

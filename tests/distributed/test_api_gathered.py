@@ -9,8 +9,7 @@ import torch
 
 import shardlab
 from shardlab import launch
-from tests.distributed.test_api import (CLIP, LR, PARITY_ATOL, WD, config, data, make_model, reference,
-                                        train)
+from tests.distributed.test_api import PARITY_ATOL, config, make_model, reference, train
 
 EDIT_AT, TOTAL = 2, 4
 
@@ -18,22 +17,11 @@ EDIT_AT, TOTAL = 2, 4
 def plain_with_edit():
     """The plain loop of test_api.reference, with blocks.0.fc.weight set to 0.25 after EDIT_AT steps
     (the optimizer's moments kept, as the engine keeps them)."""
-    model = make_model(0)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
-    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": other, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    for s in range(TOTAL):
-        if s == EDIT_AT:
+    def edit(step, model):
+        if step == EDIT_AT:
             with torch.no_grad():
                 model.blocks[0].fc.weight.fill_(0.25)
-        x, y = data(s)
-        loss = ((model(x) - y) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference(TOTAL, edit)
 
 
 def _worker(ctx):

@@ -57,7 +57,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ranks_die_with_a_killed_launcher(tmp_path, cache):
+def _training(tmp_path, cache):
+    """A 2-rank run of many steps, once it trains and saves every step: (launcher, its descendants)."""
     run = tmp_path / "run"
     proc = _shardlab(["train", "configs/tiny.toml", "--nproc", "2", *TINY, "--train.steps=100000",
                       "--checkpoint.every=1", "--logging.log_every=1", f"--logging.run_dir={run}",
@@ -70,9 +71,17 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, cache):
             time.sleep(0.1)
         ranks = _descendants(proc.pid)
         assert len(ranks) >= 2, ranks
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        raise
+    return proc, ranks
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path, cache):
+    proc, ranks = _training(tmp_path, cache)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
     deadline = time.time() + 20  # a liveness bound, not a speed target: on a loaded 2-core host the forkserver's
     while any(_alive(p) for p in ranks) and time.time() < deadline:  # exit and the ranks' took > 5 s once (2026-12-07)
         time.sleep(0.05)
@@ -83,18 +92,8 @@ def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path, cache):
     """SIGTERM to the launcher alone (a scheduler's preemption) used to end it with status -15 and
     no word while its ranks trained on until they noticed its death; now it stops them through the
     Ctrl-C path: one line, status 143, no rank left, every checkpoint written complete."""
-    run = tmp_path / "run"
-    proc = _shardlab(["train", "configs/tiny.toml", "--nproc", "2", *TINY, "--train.steps=100000",
-                      "--checkpoint.every=1", "--logging.log_every=1", f"--logging.run_dir={run}",
-                      f"--data.cache_dir={cache}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                     start_new_session=True)
+    proc, ranks = _training(tmp_path, cache)
     try:
-        deadline = time.time() + 60
-        while not list((run / "checkpoints").glob("step_*")):
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
-            time.sleep(0.1)
-        ranks = _descendants(proc.pid)
-        assert len(ranks) >= 2, ranks
         os.kill(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=60)
     finally:

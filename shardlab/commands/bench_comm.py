@@ -67,6 +67,8 @@ def parse_sizes(text: str, factor: int = 2) -> list[int]:
                 lo *= factor
         else:
             out.append(parse_size(part))
+            if out[-1] < 1:  # ran a 1-element tensor labelled 0B
+                raise ValueError(f"--sizes: {part!r} is 0 bytes; give sizes of at least 1 byte, e.g. 4")
     return sorted(set(out))
 
 

@@ -12,6 +12,8 @@ def test_parse_sizes():
     assert bc.parse_size("2MiB") == 2 << 20
     with pytest.raises(ValueError, match="--sizes"):
         bc.parse_size("4X")
+    with pytest.raises(ValueError, match="is 0 bytes"):  # ran a 1-element tensor labelled 0B
+        bc.parse_sizes("0,4K")
     assert [bc.human(s) for s in (4, 1024, 3 << 20, 1536)] == ["4B", "1K", "3M", "1.5K"]
 
 

@@ -148,12 +148,12 @@ class TrainConfig:
     global_batch: int = f(16, "Sequences per optimizer step over all data-parallel ranks and micro-batches.", ge=1, le=2**24)
     seq_len: int = f(128, "Tokens per sequence (<= model.max_seq_len).", ge=1, le=2**22)
     lr: float = f(3e-3, "Peak learning rate.", gt=0, le=10)
-    min_lr_ratio: float = f(0.1, "Cosine schedule ends at lr * min_lr_ratio (ds_warmup_cosine: cos_min_ratio).", ge=0, le=1)
+    min_lr_ratio: float = f(0.1, "Cosine schedule's floor, lr * min_lr_ratio, reached after the last step (step k of n, warm-up w: floor + (lr - floor) * (1 + cos(pi * (k - w) / (n - w))) / 2 from k = w; ds_warmup_cosine: cos_min_ratio).", ge=0, le=1)
     warmup_steps: int = f(20, "Warm-up steps (ds_* schedules: warmup_num_steps; DeepSpeed uses at least 2).", ge=0, le=10**12)
     weight_decay: float = f(0.1, "AdamW decoupled weight decay (on the parameters weight_decay_params names).", ge=0, le=10)
     weight_decay_params: str = f("matrices", "matrices = not norms, biases or other vectors (shardlab's LLM convention); all = every parameter, as DeepSpeed and torch do (a DeepSpeed JSON sets it).", choices=("matrices", "all"))
     lr_schedule: str = f("cosine", "cosine = linear warm-up then cosine to lr * min_lr_ratio; ds_warmup, ds_warmup_decay, ds_warmup_cosine = "
-                                   "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR step for step (docs/deepspeed.md).", choices=(
+                                   "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR step for step, steps skipped for an fp16 overflow not counted, as in DeepSpeed (docs/deepspeed.md).", choices=(
                                        "cosine", "ds_warmup", "ds_warmup_decay", "ds_warmup_cosine"))
     warmup_type: str = f("linear", "ds_* schedules: linear or log warm-up (DeepSpeed's default is log).", choices=("linear", "log"))
     warmup_start: float = f(0.0, "ds_* schedules: warm-up starts at warmup_min_lr (ds_warmup, ds_warmup_decay) or lr * warmup_min_ratio (ds_warmup_cosine).", ge=0, le=10)

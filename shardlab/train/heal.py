@@ -31,7 +31,7 @@ from ..checkpoint import save as ckpt
 from .data import Loader
 from .loop import Trainer, open_data  # at import: a warm spare process has paid for it before a failure
 from .metrics import MetricsWriter
-from .optim import lr_at
+from .optim import lr_at, schedule_steps
 
 
 @dataclass
@@ -243,7 +243,7 @@ class _Replica:
             self._decided(q, "step", False, fp)
             return False
         cursor = tr.loader.state_dict()
-        lr = lr_at(tr.step, t)
+        lr = lr_at(schedule_steps(tr.step, tr.scaler, t), t)
         for g in tr.optimizer.param_groups:
             g["lr"] = lr
         local = tr.engine.forward_backward(tr.loader.next_batch(), 1.0, tr.autocast)

@@ -25,7 +25,8 @@ from . import finetune, images
 from .data import Loader, TokenData
 from .metrics import (MetricsWriter, bounded_mfu, flops_per_token, job_cpu_peak, note_beaten_peak, peak_flops,
                       peak_memory_bytes, recompute_flops_per_token)
-from .optim import LossScaler, autocast_factory, build_adamw, lr_at, optimizer_step, param_dtype
+from .optim import (LossScaler, autocast_factory, build_adamw, lr_at, optimizer_step, param_dtype,
+                    schedule_steps)
 
 
 def open_data(cfg: Config, data_dir: str):
@@ -70,7 +71,7 @@ class Trainer:
     # -- one optimizer step ----------------------------------------------------------------
     def train_step(self) -> dict:
         t = self.cfg.train
-        lr = lr_at(self.step, t)
+        lr = lr_at(schedule_steps(self.step, self.scaler, t), t)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         micro = self.loader.next_batch()

@@ -94,7 +94,8 @@ PROBE_LABEL = "cpu matmul probe (measured, not a datasheet peak)"
 
 def matmul_rate(n: int, seconds: float, dtype=torch.float32) -> float:
     """FLOP/s of repeated n x n matmuls on this process's threads, timed for about ``seconds``."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    g = torch.Generator().manual_seed(0)  # its own: the global RNG (train.seed's dropout) must not move
+    a, b = torch.randn(n, n, generator=g).to(dtype), torch.randn(n, n, generator=g).to(dtype)
     a @ b  # warm-up (allocations, kernel choice)
     reps, t0 = 0, time.perf_counter()
     while reps < 2 or time.perf_counter() - t0 < seconds:

@@ -122,6 +122,13 @@ def build_adamw(cfg: TrainConfig, device: torch.device):
     return build
 
 
+def schedule_steps(step: int, scaler, cfg: TrainConfig) -> int:
+    """The steps a schedule has counted before optimizer step ``step``: all of them for cosine
+    (shardlab's rule), for a ds_* schedule those not skipped for an fp16 overflow, as DeepSpeed's
+    scheduler steps only with an applied step (``scaler.skipped`` is in every checkpoint)."""
+    return step if cfg.lr_schedule == "cosine" else step - scaler.skipped
+
+
 def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
     """The learning rate of optimizer step ``step`` (from 0; ``step`` = steps applied before it).
     cosine: linear warm-up to ``lr`` over ``warmup_steps``, then cosine to ``lr * min_lr_ratio``.

@@ -128,7 +128,19 @@ def model_mismatch(reader, cfg) -> str | None:
     if "n_heads" in m and (m["n_heads"], m.get("n_kv_heads") or m["n_heads"]) != \
             (cfg.model.n_heads, cfg.model.n_kv_heads or cfg.model.n_heads):  # the same shapes, other heads
         return f"the same shapes cut into other heads ({differ})"
+    rope = ("rope_factor", "rope_low_freq", "rope_high_freq", "rope_original_len") \
+        if m.get("rope_scaling", "none") != "none" else ()
+    other = [k for k in (*SAME_FUNCTION, *rope) if k in m and getattr(cfg.model, k, m[k]) != m[k]]
+    if other:  # the same tensors, another function of them
+        return "the same tensors computed another way: " + ", ".join(
+            f"{k}={m[k]!r} there, {getattr(cfg.model, k)!r} here" for k in other)
     return None
+
+
+SAME_FUNCTION = ("rope_theta", "rope_scaling", "norm_eps", "moe_top_k", "moe_node_groups", "moe_max_nodes")
+"""Model fields that leave every tensor's shape alone and change what the model computes: a
+resume must keep them (the shapes compare the rest; dropout, max_seq_len, the attention and
+expert kernels and the MoE loss weights may change; docs/training.md)."""
 
 
 def optim_keys(reader, name: str) -> list[str]:

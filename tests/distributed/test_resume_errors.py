@@ -117,7 +117,8 @@ def test_overwrite_replaces_the_earlier_run_and_keeps_other_files(saved, tmp_pat
 
 @pytest.mark.parametrize("change", ["--model.d_model=64", "--model.arch=gpt2", "--train.lora_rank=4",
                                     "--train.lora_rank=0", "--model.n_layers=1", "--model.n_layers=3",
-                                    "--model.tie_embeddings=true", "--model.n_heads=8 --model.n_kv_heads=4"])
+                                    "--model.tie_embeddings=true", "--model.n_heads=8 --model.n_kv_heads=4",
+                                    "--model.rope_theta=500000 --model.norm_eps=0.1"])
 def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_path, change, capsys):
     """--resume with a model section the checkpoint was not saved with: one line naming the first
     parameter whose shape differs (or the architectures) and the saved fields, exit 2; a rank used
@@ -152,7 +153,10 @@ def test_resume_into_another_model_is_refused_before_any_rank_starts(saved, tmp_
                                   "it was saved with n_layers=2",
             "--model.tie_embeddings=true": "it holds model.output.weight, this model not; it was saved with "
                                            "tie_embeddings=False",
-            "--model.n_heads=8 --model.n_kv_heads=4": "the same shapes cut into other heads (n_heads=4, n_kv_heads=2)"}[change]
+            "--model.n_heads=8 --model.n_kv_heads=4": "the same shapes cut into other heads (n_heads=4, n_kv_heads=2)",
+            # the same tensors, another function of them: resumed silently before 2026-12-08
+            "--model.rope_theta=500000 --model.norm_eps=0.1": "the same tensors computed another way: rope_theta=10000.0 "
+                                                              "there, 500000.0 here, norm_eps=1e-05 there, 0.1 here"}[change]
     assert err[0] == head + want + "; resume with the settings it was saved with, or start a new run with " \
                                    "--run-dir DIR", err
     assert _digest(run) == before

@@ -8,7 +8,8 @@
 
 The model is one shardlab has never seen (no ModelSpec), so only the data-parallel layouts apply:
 DDP (``zero_stage`` 0), ZeRO-1/2 and ZeRO-3/FSDP (units from ``parallel.wrap_policy``: ``size:<N>``
-or ``class:<Name>``; ``blocks`` = the root unit only), over all ranks of the job. The job is joined
+or ``class:<Name>``; ``blocks``, the default: the model's repeated blocks and the modules outside
+them as large as one, parallel/units.py ``block_units``), over all ranks of the job. The job is joined
 through ``launch.init_from_env`` (torchrun / ``shardlab launch`` / an initialised torch.distributed /
 a world of one). The Mesh lives in the engine; nothing is global. Docs: docs/api.md.
 """

@@ -385,5 +385,6 @@ def _report(cfg, s) -> None:
         lines.append(f"  profile:     {run_dir / 'profile'} (Chrome traces; {report(run_dir / 'profile')})")
     if s.get("resumed_from"):
         lines.append(f"  resumed from {s['resumed_from']}")
-    print("\n".join(lines))
+    # written first: a reader that stops early (| head) ends the print, and the run kept no summary
     (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "ledger"}, indent=1))
+    print("\n".join(lines))

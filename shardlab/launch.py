@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .distributed.heap import set_mmap_threshold
 from .launch_procs import die_with_parent, let_forkserver_exit, rank_context, set_pdeathsig  # noqa: F401 (launch's API)
-from .launch_report import report_to
+from .launch_report import close_dump_dir, report_to
 from .train.plan import RunPlan
 
 
@@ -49,6 +49,9 @@ class RankContext:
     on_checkpoint: object = None
     """Called by every rank as ``on_checkpoint(path, step)`` after each checkpoint save (Ray Train's
     checkpoint reporting, shardlab/launch_ray.py), else None."""
+    restart_count: int = 0
+    """Under Ray: how many times Ray Train restarted the worker group before this start."""
+    max_restarts: int = 0
 
     def after_step(self, step: int) -> None:
         """After each step (the training loop): TEST-ONLY fault injection, a no-op unless armed."""
@@ -90,9 +93,23 @@ def _rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def mmap_threshold() -> int:
+    """glibc's mmap threshold of every rank (SHARDLAB_MMAP_THRESHOLD; 0: glibc's; docs/data-parallel.md)."""
+    return int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 16 << 20))
+
+
+MMAP_APPLIED: int | None = None  # the threshold this process's rank set, None before
+
+
+def apply_mmap_threshold(nbytes: int) -> None:
+    """In a rank (local, torchrun or Ray worker): set glibc's mmap threshold, once per rank start."""
+    global MMAP_APPLIED
+    set_mmap_threshold(nbytes)
+    MMAP_APPLIED = nbytes
+
+
 def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads, plan=None) -> RankContext:
-    # glibc's mmap threshold (bytes; 0 keeps glibc's): 1048576 lowers peaks 4-9%, costs 15% of a step
-    set_mmap_threshold(int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 16 << 20)))  # 0: glibc's own (docs/data-parallel.md)
+    apply_mmap_threshold(mmap_threshold())
     backend, kind = choose_backend(device, local_world)
     torch.set_num_threads(threads or default_threads(local_world))
     dev = _rank_device(kind, local_rank)
@@ -177,10 +194,17 @@ def torchrun_rank() -> int | None:
     return int(os.environ["RANK"]) if under_torchrun() else None
 
 
+def elastic_restarts() -> tuple[int, int]:
+    """(TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS) under torchrun, else (0, 0)."""
+    env = os.environ if under_torchrun() else {}
+    return int(env.get("TORCHELASTIC_RESTART_COUNT") or 0), int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+
+
 def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, threads: int = 0,
         plan: RunPlan | None = None):
     """Run ``fn(ctx, *args)`` on ``nproc`` ranks; return results in rank order (see module doc)."""
     if under_torchrun():
+        _arm_test_hooks(torchrun_rank(), plan.test_hooks if plan else {})
         ctx = _torchrun_init(device, timeout_s, threads, plan)
         try:
             return [fn(ctx, *args)]
@@ -203,7 +227,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
              for r in range(nproc)]
     for p in procs:
         p.start()
-    ok = False
+    ok, failure = False, None
     try:
         out = _collect(procs, results, nproc)
         ok = True
@@ -211,6 +235,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
     except WorkerError as err:
         from .distributed.flight import diagnose_failure
         diagnose_failure(err, dump_dir, procs)
+        failure = err
         raise
     finally:
         # After a success, let the ranks exit by themselves: a rank terminated while it shuts down
@@ -230,9 +255,7 @@ def run(fn, nproc: int, *args, device: str = "cpu", timeout_s: float = 60.0, thr
         results.join_thread()
         if os.path.exists(store):
             os.unlink(store)
-        if ok:
-            import shutil
-            shutil.rmtree(dump_dir, ignore_errors=True)
+        close_dump_dir(dump_dir, ok, failure)  # kept (and named) only when it holds dumps
 
 
 _SECONDARY = ("Connection closed by peer", "remote worker", "Connection reset", "Timed out", "timed out")

@@ -23,3 +23,23 @@ def report_to(results, tag: tuple, body) -> None:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def close_dump_dir(dump_dir: str, ok: bool, err=None, say=None) -> None:
+    """At the end of a launch (launch.run, launch_ray.run): remove the flight-recorder dump
+    directory after a success, when it holds nothing, or after bad input found by a rank (one line,
+    no report); else keep it and name it, unless the failure's report (``err``) already does."""
+    import os
+    import shutil
+    import sys
+    from .errors import BAD_INPUT
+    try:
+        held = os.listdir(dump_dir)
+    except OSError:
+        return
+    root = str(err).split("\n")[1] if err is not None and "\n" in str(err) else ""
+    if ok or not held or root.startswith(BAD_INPUT):
+        shutil.rmtree(dump_dir, ignore_errors=True)
+    elif err is None or dump_dir not in str(err):
+        (say or (lambda m: print(m, file=sys.stderr, flush=True)))(
+            f"shardlab: flight-recorder dumps of the ranks kept in {dump_dir}")

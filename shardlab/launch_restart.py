@@ -92,9 +92,7 @@ def run_with_restarts(plan: RunPlan, nproc: int, start, max_restarts: int,
             cfg.checkpoint.resume = True
             remove_interrupted(plan.checkpoint_dir)  # a rank killed while saving leaves a staging dir
             nxt = make_plan(cfg, plan.restarts + 1, plan.test_hooks)  # the one lookup of this restart
-            path, step = nxt.resume_from, nxt.resume_step
-            reached = _last_logged_step(plan.run_dir)
-            lost = max(0, reached - step) if reached is not None else 0
+            step = nxt.resume_step
             if elastic and plan.restarts > 0 and step <= plan.resume_step:  # failed again before saving
                 smaller = _smaller(cfg, n, elastic[0], say)
                 if smaller is None:
@@ -102,11 +100,49 @@ def run_with_restarts(plan: RunPlan, nproc: int, start, max_restarts: int,
                     raise
                 nxt, n = replace(nxt, config=smaller[0]), smaller[1]
             reason = str(err).splitlines()[1] if len(str(err).splitlines()) > 1 else str(err)
-            say(f"shardlab: restart {nxt.restarts}/{max_restarts}: {err.who} failed ({reason.strip()[:160]}); "
-                f"resuming from {path if path else 'the start (no checkpoint yet)'} at step {step} on {n} "
-                f"rank(s), {lost} step(s) to redo")
-            writer = MetricsWriter(plan.run_dir, cfg.logging.tensorboard)
-            writer.write({"kind": "restart", "step": step, "restart": nxt.restarts, "lost_steps": lost,
-                          "failed_rank": err.rank, "world_size": n, "resumed_from": str(path) if path else None})
-            writer.close()
+            record_restart(nxt, max_restarts, err.who, reason, n, err.rank, say)
             plan = nxt
+
+
+def record_restart(plan: RunPlan, max_restarts: int, who: str, reason: str, n: int, failed_rank=None, say=None) -> None:
+    """One line and a ``restart`` metrics record for the start ``plan`` (``plan.restarts`` >= 1,
+    resuming ``plan.resume_from``): shardlab's --max-restarts, Ray Train's restarts (rank 0 of the
+    restarted group), a torchrun restart (rank 0)."""
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    path, step = plan.resume_from, plan.resume_step
+    reached = _last_logged_step(plan.run_dir)
+    lost = max(0, reached - step) if reached is not None else 0
+    say(f"shardlab: restart {plan.restarts}/{max_restarts}: {who} failed ({reason.strip()[:160]}); "
+        f"resuming from {path if path else 'the start (no checkpoint yet)'} at step {step} on {n} "
+        f"rank(s), {lost} step(s) to redo")
+    writer = MetricsWriter(plan.run_dir, plan.config.logging.tensorboard)
+    writer.write({"kind": "restart", "step": step, "restart": plan.restarts, "lost_steps": lost,
+                  "failed_rank": failed_rank, "world_size": n, "resumed_from": str(path) if path else None})
+    writer.close()
+
+
+# -- torchrun's restarts (torchrun --max-restarts K ... shardlab train) ---------------------------
+
+def torchrun_restart(cfg: Config) -> int:
+    """Under a torchrun restart (TORCHELASTIC_RESTART_COUNT >= 1): the run resumes from its newest
+    valid checkpoint (or starts over where none was saved yet), as after shardlab's own
+    --max-restarts, with no --resume; returns the restart count (0: a first start)."""
+    count, _ = launch.elastic_restarts()
+    if count >= 1:
+        cfg.checkpoint.resume = True
+    return count
+
+
+def may_start_fresh() -> bool:
+    """--resume where the checkpoint directory does not exist yet starts fresh (instead of being
+    refused as a mistyped path) only under a torchrun restart policy (TORCHELASTIC_MAX_RESTARTS >= 1):
+    every start of such a job may be passed --resume, the first one included."""
+    count, most = launch.elastic_restarts()
+    return count >= 1 or most >= 1
+
+
+def note_torchrun_restart(plan: RunPlan, nproc: int) -> None:
+    """Rank 0 of a torchrun restart: the line and ``restart`` record of :func:`record_restart`."""
+    count, most = launch.elastic_restarts()
+    if count:
+        record_restart(replace(plan, restarts=count), most, "a rank", "torchrun restarted the job", nproc)

@@ -7,7 +7,8 @@ stopped and its exit code is returned, the rank named (launch.spawn_script): no 
 ``--max-restarts K``: after a failure all ranks are started again, at most K times; each sees
 ``TORCHELASTIC_RESTART_COUNT`` (as under torchrun) and resumes from its own checkpoint.
 ``--launcher ray``: each rank is a Ray Train worker that runs the script with the same environment
-(launch_ray.run_script); ``--max-restarts K`` is then Ray's ``FailureConfig(max_failures=K)``.
+(launch_ray.run_script, TORCHELASTIC_* included); ``--max-restarts K`` is then Ray's
+``FailureConfig(max_failures=K)``; a failing script's exit status is returned as locally.
 """
 from __future__ import annotations
 
@@ -34,10 +35,18 @@ def main(args) -> int:
         raise ConfigError("script", f"{args.script} is not a file; write shardlab launch --nproc N script.py [args]")
     at_least(args.max_restarts, 0, "--max-restarts")
     argv = [args.script, *args.script_args, *args.overrides]
-    opts = launch_ray.options(args, args.max_restarts, None)
+    opts = launch_ray.options(args, args.max_restarts, None, args.nproc)
     if opts:  # Ray Train workers, each running the script; restarts are Ray's FailureConfig
         argv[0] = str(Path(args.script).resolve())  # Ray workers run elsewhere: absolute, and in this directory
-        launch_ray.run(launch_ray.run_script, args.nproc, argv, str(Path.cwd()), opts=opts, timeout_s=1800)
+        try:
+            launch_ray.run(launch_ray.run_script, args.nproc, argv, str(Path.cwd()), opts=opts, timeout_s=1800)
+        except launch.WorkerError as err:
+            code = getattr(err, "exit_code", None)
+            if code is None:
+                raise
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            print(f"shardlab launch: rank {err.rank} failed ({how}); the other ranks were stopped", file=sys.stderr)
+            return code if code > 0 else 1  # the script's own status, as the local launcher returns it
         return 0
     for attempt in range(args.max_restarts + 1):
         code = launch.spawn_script(args.nproc, argv, restart_count=attempt, max_restarts=args.max_restarts)

@@ -151,7 +151,7 @@ def check_resume(plan: RunPlan) -> None:
     directory = plan.checkpoint_dir
     if not plan.config.checkpoint.resume:
         return
-    if not directory.is_dir():
+    if not directory.is_dir() and not restart.may_start_fresh():  # torchrun --max-restarts K: a fresh start
         raise C.ConfigError("--resume", f"checkpoint directory {directory} does not exist (check "
                                         "checkpoint.dir / logging.run_dir); drop --resume for a fresh start")
     found = list_checkpoints(directory)
@@ -252,8 +252,10 @@ def _finished(plan: RunPlan, quiet: bool = False) -> bool:
 def main(args) -> int:
     cfg, nproc, base = resolve(args)
     restarts, elastic = _restart_args(args, cfg, nproc)
+    if restart.torchrun_restart(cfg):  # a torchrun restart resumes (--resume implied, --overwrite not again)
+        args.overwrite = False
     _replica_args(args, cfg)
-    ray_opts = _ray_options(args, cfg, restarts, elastic)
+    ray_opts = _ray_options(args, cfg, restarts, elastic, nproc)
     main_rank = not launch.under_torchrun() or launch.torchrun_rank() == 0
     if main_rank and not args.dry_run:  # first: it may restore the only copy of a step
         clean_interrupted(checkpoint_dir(cfg))
@@ -278,6 +280,8 @@ def main(args) -> int:
         return 0
     if args.overwrite and main_rank:
         start_over(plan)
+    if main_rank:
+        restart.note_torchrun_restart(plan, nproc)  # a line and a restart record, as --max-restarts writes
     absolute_paths(cfg)  # messages above name the paths as written; what starts below gets them absolute
     plan = replace(plan, resume_from=plan.resume_from and plan.resume_from.resolve())
     if get_spec(cfg.model).task == "classify":
@@ -340,7 +344,7 @@ def _replica_args(args, cfg) -> None:
     check(cfg)
 
 
-def _ray_options(args, cfg, restarts, elastic):
+def _ray_options(args, cfg, restarts, elastic, nproc):
     """--launcher ray: its options, checked before anything starts (None for the local launcher)."""
     if args.launcher == "ray":
         if launch.under_torchrun():
@@ -350,7 +354,7 @@ def _ray_options(args, cfg, restarts, elastic):
         if cfg.checkpoint.async_save:
             raise C.ConfigError("checkpoint.async_save", "Ray Train's checkpoint reporting needs finished saves; "
                                                         "set --checkpoint.async_save=false with --launcher ray")
-    return launch_ray.options(args, restarts, str(Path(cfg.logging.run_dir).resolve() / "ray"))
+    return launch_ray.options(args, restarts, str(Path(cfg.logging.run_dir).resolve() / "ray"), nproc)
 
 
 def _layout(cfg) -> str:

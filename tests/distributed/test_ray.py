@@ -94,6 +94,11 @@ def test_ddp_bit_equal_and_killed_worker_restarts(ray_cluster, local_ddp, cache,
     starts = [json.loads(x) for x in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     resumed = [r["resumed_from"] for r in starts if r["kind"] == "start"]
     assert resumed[0] is None and resumed[1].endswith("step_00000002") and "/ray/" in resumed[1], resumed
+    # Ray Train's restart is recorded as --max-restarts' is (rank 0 of the restarted group), before its start
+    kinds = [r["kind"] for r in starts if r["kind"] in ("start", "restart")]
+    restart = next(r for r in starts if r["kind"] == "restart")
+    assert kinds == ["start", "restart", "start"] and restart["restart"] == 1, kinds
+    assert restart["resumed_from"] == resumed[1] and restart["step"] == 2 and restart["lost_steps"] == 1, restart
     local, on_ray = _losses(local_ddp), _losses(tmp_path / "ray")
     assert sorted(local) == sorted(on_ray) == list(range(1, 7))
     assert on_ray == local  # bit-equal floats

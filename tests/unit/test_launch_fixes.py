@@ -15,15 +15,7 @@ import pytest
 from shardlab import launch, launch_ray, launch_restart
 from shardlab.cli import main as cli_main
 from shardlab.launch_report import close_dump_dir
-
-ARGS = ["train", "--nproc", "2", "--model.d_model=32", "--model.n_layers=2", "--model.n_heads=4",
-        "--model.n_kv_heads=2", "--model.max_seq_len=16", "--train.seq_len=16", "--train.global_batch=4"]
-
-
-def _one_line(capsys):
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    return err
+from tests.unit.test_launch_ray import ARGS, _one_line
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import torch
 from .checkpoint import save as ckpt, tags
 from .distributed.regions import Piece
 from .errors import ConfigError
+from .train.optim import schedule_steps
 
 
 class EngineCheckpoints:
@@ -133,7 +134,7 @@ class EngineCheckpoints:
                 raise ConfigError("load_module_strict", f"{path} has no {', '.join(m[6:] for m in missing[:3])}"
                                   f"{' ...' if len(missing) > 3 else ''} (saved with exclude_frozen_parameters?); pass "
                                   "load_module_strict=False to keep this engine's values of them")
-            source = _WithCurrent(reader, self.engine.full_state(None, everywhere=True)) if missing else reader
+            source = _with_current(reader, self.engine.full_state(None, everywhere=True), missing) if missing else reader
             optimizer = self.optimizer if load_optimizer_states and not load_module_only else None
             self.engine.load_pieces(source, optimizer)
             with torch.no_grad():
@@ -163,8 +164,8 @@ class EngineCheckpoints:
         if scheduler:
             if self.lr_scheduler is not None and meta.get("lr_scheduler"):
                 self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-            cosine = self.cfg.train.lr_schedule == "cosine"
-            self._sched_steps = int(meta.get("schedule_steps", self.global_steps - (0 if cosine else self.scaler.skipped)))
+            self._sched_steps = int(meta.get("schedule_steps", schedule_steps(self.global_steps, self.scaler,
+                                                                              self.cfg.train)))
             if self._schedule and optimizer and not groups:  # a checkpoint without the groups' lr: the schedule's
                 self._set_lr()
 
@@ -179,29 +180,11 @@ def _group_settings(optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
-class _WithCurrent:
-    """A reader that supplies this engine's own values (``current``: the engine's full state)
-    for the parameters a checkpoint lacks; the rest reads through to ``reader``."""
+def _with_current(reader, current: dict, missing: list[str]):
+    """``reader`` with this engine's own values (``current``: its full state) for the parameters
+    the checkpoint lacks (``missing``), through checkpoint/pieces.py ``WithInitial``."""
+    from .checkpoint.pieces import WithInitial
 
-    def __init__(self, reader, current: dict):
-        self.reader, self.current = reader, current
-
-    def __getattr__(self, name):
-        return getattr(self.reader, name)
-
-    def has(self, key: str) -> bool:
-        return self.reader.has(key) or key in self.current
-
-    def keys(self):
-        return list(dict.fromkeys(list(self.reader.keys()) + list(self.current)))
-
-    def global_shape(self, key: str) -> tuple:
-        return self.reader.global_shape(key) if self.reader.has(key) else tuple(self.current[key].shape)
-
-    def read(self, key: str, offsets=None, sizes=None, dtype=None):
-        if self.reader.has(key):
-            return self.reader.read(key, offsets, sizes, dtype)
-        t = self.current[key]
-        if offsets is not None:
-            t = t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
-        return t.to(dtype) if dtype is not None else t
+    def box(name, shape, offsets, sizes, dtype, device):
+        return current[f"model.{name}"][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].to(dtype)
+    return WithInitial(reader, box, {k[len("model."):]: tuple(current[k].shape) for k in missing})

@@ -98,18 +98,8 @@ def mmap_threshold() -> int:
     return int(os.environ.get("SHARDLAB_MMAP_THRESHOLD", 16 << 20))
 
 
-MMAP_APPLIED: int | None = None  # the threshold this process's rank set, None before
-
-
-def apply_mmap_threshold(nbytes: int) -> None:
-    """In a rank (local, torchrun or Ray worker): set glibc's mmap threshold, once per rank start."""
-    global MMAP_APPLIED
-    set_mmap_threshold(nbytes)
-    MMAP_APPLIED = nbytes
-
-
 def _init(rank, world, local_rank, local_world, init_method, device, timeout_s, threads, plan=None) -> RankContext:
-    apply_mmap_threshold(mmap_threshold())
+    set_mmap_threshold(mmap_threshold())
     backend, kind = choose_backend(device, local_world)
     torch.set_num_threads(threads or default_threads(local_world))
     dev = _rank_device(kind, local_rank)

@@ -242,7 +242,7 @@ def _worker(config: dict) -> None:
     plan = config["plan"]
     attempt = ray.get(config["mailbox"].start.remote(rank))  # Ray Train's group restarts before this start
     launch._arm_test_hooks(rank, plan.test_hooks if plan else {})
-    launch.apply_mmap_threshold(config["mmap"])  # as launch._init does for a local rank
+    launch.set_mmap_threshold(config["mmap"])  # as launch._init does for a local rank
     torch.set_num_threads(config["threads"])
     if config["use_gpu"]:
         import ray.train.torch

@@ -48,7 +48,13 @@ def set_mmap_threshold(nbytes: int) -> None:
     water (glibc's own threshold rises to 32 MiB after the first large free, so a 24 MiB FSDP unit
     then comes from the heap and leaves a hole there). Every rank sets 16 MiB (launch.py): an FSDP x
     TP rank's peak 16% lower, steps 0-5% slower; at 1 MiB every tensor of a megabyte is faulted in
-    afresh and steps ran 15% slower (docs/data-parallel.md, Where the memory goes). 0: glibc's own."""
+    afresh and steps ran 15% slower (docs/data-parallel.md, Where the memory goes). 0: glibc's own.
+    ``MMAP_SET`` records what this process set (None before: glibc cannot be asked)."""
+    global MMAP_SET
     libc = _libc()
     if nbytes and libc:
         libc.mallopt(-3, int(nbytes))  # M_MMAP_THRESHOLD (also stops its dynamic rise)
+    MMAP_SET = int(nbytes)
+
+
+MMAP_SET: int | None = None

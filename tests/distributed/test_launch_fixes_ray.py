@@ -66,8 +66,8 @@ def test_own_local_ray_beside_a_cluster_and_sigterm(ray_cluster, tmp_path):
 
 
 def _probe(ctx):
-    from shardlab import launch
-    return launch.MMAP_APPLIED, ctx.restart_count
+    from shardlab.distributed import heap
+    return heap.MMAP_SET, ctx.restart_count
 
 
 def test_mmap_threshold_in_ray_workers(ray_cluster, monkeypatch):

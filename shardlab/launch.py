@@ -273,9 +273,7 @@ def _collect(procs, results, nproc, grace_s: float = 1.0):
                     if deadline is None:  # give its own report a moment to arrive
                         deadline = time.time() + grace_s
                     elif time.time() > deadline - grace_s / 2:
-                        code = p.exitcode
-                        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                        failures[r] = f"process died ({how}) without reporting an error"
+                        failures[r] = f"process died ({exit_how(p.exitcode)}) without reporting an error"
         if failures and deadline is None:
             deadline = time.time() + grace_s
     if not failures:
@@ -383,7 +381,16 @@ def spawn_script(nproc: int, argv: list[str], poll_s: float = 0.05, report=None,
                 p.wait()
     if failed is None:
         return 0
-    code = procs[failed].returncode
-    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    report(f"shardlab launch: rank {failed} failed ({how}); the other ranks were stopped")
+    return script_failure(failed, procs[failed].returncode, report)
+
+
+def exit_how(code: int) -> str:
+    """A process's exit status in words (a negative status: the signal that killed it)."""
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def script_failure(rank: int, code: int, report) -> int:
+    """``shardlab launch``'s line for a script rank that failed (local or Ray), and the status the
+    command returns: the script's own, 1 for a signal."""
+    report(f"shardlab launch: rank {rank} failed ({exit_how(code)}); the other ranks were stopped")
     return code if code > 0 else 1

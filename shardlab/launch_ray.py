@@ -338,6 +338,5 @@ def run_script(ctx, argv: list[str], cwd: str | None = None) -> int:
     code = subprocess.call([sys.executable, *argv], env=env, preexec_fn=setup,
                            cwd=cwd if cwd and os.path.isdir(cwd) else None)
     if code != 0:
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        raise ScriptFailed(f"script {argv[0]} failed on rank {ctx.rank} ({how})", code)
+        raise ScriptFailed(f"script {argv[0]} failed on rank {ctx.rank} ({launch.exit_how(code)})", code)
     return 0

@@ -44,9 +44,7 @@ def main(args) -> int:
             code = getattr(err, "exit_code", None)
             if code is None:
                 raise
-            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            print(f"shardlab launch: rank {err.rank} failed ({how}); the other ranks were stopped", file=sys.stderr)
-            return code if code > 0 else 1  # the script's own status, as the local launcher returns it
+            return launch.script_failure(err.rank, code, lambda m: print(m, file=sys.stderr))  # as locally
         return 0
     for attempt in range(args.max_restarts + 1):
         code = launch.spawn_script(args.nproc, argv, restart_count=attempt, max_restarts=args.max_restarts)
